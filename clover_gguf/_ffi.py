@@ -1,0 +1,84 @@
+"""cffi (ABI mode) binding to the native engine: the declarations and the library load.
+
+The declarations are read from ``clover.h`` itself (installed next to the library), with the
+preprocessor lines and the export macro removed, so the C header stays the one source of
+truth. Nothing here imports torch.
+
+Library search order: ``$CLOVER_LIB`` (a path to the shared library, for development), then
+the package directory (where ``pip install .`` puts it), then ``build/`` trees of a source
+checkout.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import cffi
+
+_PKG = pathlib.Path(__file__).resolve().parent
+_ROOT = _PKG.parent
+
+if sys.platform == "darwin":
+    _LIBNAMES = ("libclover.dylib",)
+elif sys.platform == "win32":
+    _LIBNAMES = ("clover.dll", "libclover.dll")
+else:
+    _LIBNAMES = ("libclover.so",)
+
+
+def _header_text() -> str:
+    for cand in (_PKG / "clover.h", _ROOT / "native" / "include" / "clover.h"):
+        if cand.is_file():
+            return cand.read_text()
+    raise ImportError("clover.h not found next to the package or in native/include")
+
+
+def _cdef_from_header(text: str) -> str:
+    """Strip what cffi's cdef cannot parse: preprocessor lines, the export macro and the
+    ``extern "C"`` wrapper."""
+    out = []
+    for line in text.splitlines():
+        s = line.strip()
+        # a lone "}" only closes the extern "C" wrapper (structs close with "} name;")
+        if s.startswith("#") or s.startswith('extern "C"') or s == "}":
+            continue
+        out.append(line.replace("CLOVER_API ", ""))
+    return "\n".join(out)
+
+
+def _find_library() -> str:
+    env = os.environ.get("CLOVER_LIB")
+    if env:
+        return env
+    dirs = [_PKG, _ROOT / "build", _ROOT / "build" / "native"]
+    for d in dirs:
+        for name in _LIBNAMES:
+            if (d / name).is_file():
+                return str(d / name)
+    raise ImportError(
+        "native library libclover not found: install the package with `pip install .` "
+        "or set CLOVER_LIB to the built library"
+    )
+
+
+ffi = cffi.FFI()
+ffi.cdef(_cdef_from_header(_header_text()))
+lib = ffi.dlopen(_find_library())
+
+ERR_SIZE = 512
+
+
+class CloverError(RuntimeError):
+    """An error reported by the native engine; the message names the field and value."""
+
+
+def err_buf():
+    """A fresh error buffer for a native call (char[ERR_SIZE])."""
+    return ffi.new("char[]", ERR_SIZE)
+
+
+def raise_error(buf, what: str = "") -> None:
+    """Raise CloverError with the message the native call wrote into buf."""
+    msg = ffi.string(buf).decode("utf-8", "replace") or "unknown native error"
+    raise CloverError(f"{what}: {msg}" if what else msg)

@@ -1,0 +1,219 @@
+/* clover.h: public C API of the clover-gguf engine.
+ *
+ * The engine runs Clover block-diffusion models and their Qwen3.5/3.6-MoE parents from GGUF
+ * files (design: clover-spec.md). Everything here is plain C11, callable through cffi in
+ * ABI mode (clover_gguf/_ffi.py repeats these declarations; keep both in sync).
+ *
+ * Conventions
+ * - Errors: functions that can fail take `char *err, size_t err_size` and write a one-line,
+ *   NUL-terminated message naming the field and value there. They return NULL or a negative
+ *   CLOVER_E_* code on failure and never abort on bad input.
+ * - Token ids are int32. Logits are float32, row-major [rows, n_vocab].
+ * - Threads: n_threads <= 0 means "number of available cores".
+ */
+#ifndef CLOVER_H
+#define CLOVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define CLOVER_API __declspec(dllexport)
+#else
+#define CLOVER_API __attribute__((visibility("default")))
+#endif
+
+enum {
+    CLOVER_OK = 0,
+    CLOVER_E_IO = -1,        /* open/read/mmap failed */
+    CLOVER_E_FORMAT = -2,    /* malformed GGUF or inconsistent model */
+    CLOVER_E_ARG = -3,       /* bad argument (token id, size, parameter value) */
+    CLOVER_E_NOMEM = -4,     /* allocation failed or size overflow */
+    CLOVER_E_STATE = -5,     /* call not valid in the current state (e.g. context full) */
+};
+
+/* ---------------------------------------------------------------- GGUF reader (gguf.c)
+ * Validating, mmap-based GGUF v2/v3 reader. Every count, string length, type, n_dims,
+ * shape, byte size (overflow-checked), offset and alignment is checked against the file
+ * before use; a file that passes open() can be walked without further checks. */
+typedef struct clover_gguf clover_gguf;
+
+/* GGUF metadata value types (GGUF spec numbering). */
+enum {
+    CLOVER_GGUF_UINT8 = 0, CLOVER_GGUF_INT8 = 1, CLOVER_GGUF_UINT16 = 2, CLOVER_GGUF_INT16 = 3,
+    CLOVER_GGUF_UINT32 = 4, CLOVER_GGUF_INT32 = 5, CLOVER_GGUF_FLOAT32 = 6, CLOVER_GGUF_BOOL = 7,
+    CLOVER_GGUF_STRING = 8, CLOVER_GGUF_ARRAY = 9, CLOVER_GGUF_UINT64 = 10, CLOVER_GGUF_INT64 = 11,
+    CLOVER_GGUF_FLOAT64 = 12,
+};
+
+/* ggml tensor types understood by this engine (ggml numbering). */
+enum {
+    CLOVER_TYPE_F32 = 0, CLOVER_TYPE_F16 = 1, CLOVER_TYPE_Q8_0 = 8, CLOVER_TYPE_BF16 = 30,
+};
+
+/* Open and validate `path`. Returns NULL and a message in err on any problem. */
+CLOVER_API clover_gguf *clover_gguf_open(const char *path, char *err, size_t err_size);
+CLOVER_API void clover_gguf_close(clover_gguf *g);
+CLOVER_API uint32_t clover_gguf_version(const clover_gguf *g);
+CLOVER_API int64_t clover_gguf_n_kv(const clover_gguf *g);
+/* Index of `key`, or -1. */
+CLOVER_API int64_t clover_gguf_find_key(const clover_gguf *g, const char *key);
+/* KV i (0 <= i < n_kv; out of range returns NULL / -1): key, value type, and for arrays the
+ * element type and count. */
+CLOVER_API const char *clover_gguf_key(const clover_gguf *g, int64_t i);
+CLOVER_API int clover_gguf_kv_type(const clover_gguf *g, int64_t i);
+CLOVER_API int clover_gguf_arr_type(const clover_gguf *g, int64_t i);
+CLOVER_API int64_t clover_gguf_arr_n(const clover_gguf *g, int64_t i);
+/* Value of KV i; for arrays, element j (use j = 0 for scalars). Numeric getters convert any
+ * numeric/bool type; a string getter on a non-string returns NULL. Strings returned are
+ * NUL-terminated copies owned by g; *len (if not NULL) receives the byte length. */
+CLOVER_API int64_t clover_gguf_get_i64(const clover_gguf *g, int64_t i, int64_t j);
+CLOVER_API uint64_t clover_gguf_get_u64(const clover_gguf *g, int64_t i, int64_t j);
+CLOVER_API double clover_gguf_get_f64(const clover_gguf *g, int64_t i, int64_t j);
+CLOVER_API const char *clover_gguf_get_str(const clover_gguf *g, int64_t i, int64_t j, size_t *len);
+
+CLOVER_API int64_t clover_gguf_n_tensors(const clover_gguf *g);
+CLOVER_API int64_t clover_gguf_find_tensor(const clover_gguf *g, const char *name);
+CLOVER_API const char *clover_gguf_tensor_name(const clover_gguf *g, int64_t t);
+CLOVER_API int clover_gguf_tensor_type(const clover_gguf *g, int64_t t);
+CLOVER_API int clover_gguf_tensor_n_dims(const clover_gguf *g, int64_t t);
+/* ggml order: ne[0] is the contiguous (row) dimension. d in [0, 4). */
+CLOVER_API int64_t clover_gguf_tensor_ne(const clover_gguf *g, int64_t t, int d);
+/* Absolute file offset of the tensor data and its byte size. */
+CLOVER_API uint64_t clover_gguf_tensor_offset(const clover_gguf *g, int64_t t);
+CLOVER_API uint64_t clover_gguf_tensor_nbytes(const clover_gguf *g, int64_t t);
+/* Pointer to the mapped tensor data (read-only). */
+CLOVER_API const void *clover_gguf_tensor_data(const clover_gguf *g, int64_t t);
+/* Dequantise/convert tensor t into out (float32, ne0*ne1*ne2*ne3 elements, n_out the
+ * capacity in floats). */
+CLOVER_API int clover_gguf_tensor_to_f32(const clover_gguf *g, int64_t t, float *out, int64_t n_out,
+                                         char *err, size_t err_size);
+
+/* ---------------------------------------------------------------- quant formats (quants.c) */
+/* Convert n values of type `type` (F32, F16, BF16, Q8_0; Q8_0 needs n % 32 == 0) at src to
+ * float32. Returns CLOVER_OK or CLOVER_E_ARG. */
+CLOVER_API int clover_to_f32(int type, const void *src, float *dst, int64_t n);
+/* Quantise n float32 values (n % 32 == 0 for Q8_0) into dst; returns bytes written or < 0. */
+CLOVER_API int64_t clover_from_f32(int type, const float *src, void *dst, int64_t n);
+/* Bytes needed for n values of `type`, or -1 if n does not fit the block size. */
+CLOVER_API int64_t clover_type_nbytes(int type, int64_t n);
+
+/* ---------------------------------------------------------------- model (model.c) */
+typedef struct clover_model clover_model;
+
+/* Load a `clover` or `qwen35moe` GGUF: reads hyperparameters, checks every tensor's name,
+ * type and shape against them (the error names the tensor), and maps the weights. */
+CLOVER_API clover_model *clover_model_load(const char *path, char *err, size_t err_size);
+CLOVER_API void clover_model_free(clover_model *m);
+/* The model's GGUF (owned by the model), for metadata lookups. */
+CLOVER_API const clover_gguf *clover_model_gguf(const clover_model *m);
+
+/* Hyperparameters and diffusion defaults read from the GGUF (spec 1, 4.2). */
+typedef struct {
+    int32_t is_clover;          /* 1 for arch `clover` (has block mode), 0 for `qwen35moe` */
+    int32_t n_vocab;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_ctx_train;
+    int32_t n_head, n_head_kv, head_dim, rope_dim;
+    int32_t ssm_d_state, ssm_n_group, ssm_dt_rank, ssm_d_inner, ssm_d_conv;
+    int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
+    int32_t full_attention_interval;
+    float rms_eps, rope_theta;
+    /* diffusion (clover only; defaults from spec 4.2 otherwise) */
+    int32_t mask_token_id;      /* -1 when absent */
+    int32_t block_size;
+    float threshold;
+    float coreset_top_p;
+    int32_t logits_shift;
+    float presence_penalty, repetition_penalty;
+    int32_t think_close_bias_start, eos_bias_start;
+} clover_hparams;
+
+CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out);
+
+/* ---------------------------------------------------------------- context (model.c)
+ * A context holds the per-sequence caches of spec 6: KV cache for attention layers (F32),
+ * GDN state (fp32, per value head dk x dv) and conv history (last 3 qkv inputs) per GDN
+ * layer, and the scratch buffers. */
+typedef struct clover_context clover_context;
+
+CLOVER_API clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads,
+                                              char *err, size_t err_size);
+CLOVER_API void clover_context_free(clover_context *c);
+/* Number of tokens committed to the caches. */
+CLOVER_API int32_t clover_context_n_past(const clover_context *c);
+CLOVER_API int32_t clover_context_n_ctx(const clover_context *c);
+/* Drop all cached tokens. */
+CLOVER_API void clover_context_reset(clover_context *c);
+/* GDN prefill algorithm: 1 = chunked (chunk 64, default), 0 = token-by-token recurrence.
+ * Both compute spec 2.1 step 6; the switch exists for tests. */
+CLOVER_API void clover_context_set_gdn_chunked(clover_context *c, int chunked);
+
+/* Prefix (causal) mode, spec 3.2: append tokens[0..n) at positions n_past.. and write the
+ * caches. If logits != NULL it receives float32 [n, n_vocab] when all_logits, else the last
+ * row only [n_vocab]. Errors: token id out of range, n <= 0, n_past + n > n_ctx. */
+CLOVER_API int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits,
+                              int32_t all_logits, char *err, size_t err_size);
+
+/* Block (denoising) mode, spec 3.2-3.3 and 5.6: run the B rows of tokens (mask ids allowed)
+ * at positions n_past..n_past+B-1 against read-only caches. logits: float32 [B, n_vocab] (row j is
+ * the LM head on row j; the caller applies logits_shift). coreset_top_p in (0, 1]; 1 means
+ * normal routing. n_experts_out (may be NULL) receives, per layer, the number of distinct
+ * experts used by the pass [n_layer]. Requires a clover model. */
+CLOVER_API int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B,
+                                    float coreset_top_p, float *logits, int32_t *n_experts_out,
+                                    char *err, size_t err_size);
+
+/* ---------------------------------------------------------------- decoding (decode.c, sampler.c) */
+enum { CLOVER_MODE_AR = 0, CLOVER_MODE_DIFFUSION = 1 };
+enum { CLOVER_FINISH_NONE = 0, CLOVER_FINISH_STOP = 1, CLOVER_FINISH_LENGTH = 2 };
+
+typedef struct {
+    int32_t mode;            /* CLOVER_MODE_* */
+    int32_t max_tokens;      /* > 0 */
+    float temperature;       /* >= 0; 0 = greedy */
+    int32_t top_k;           /* 0 = off */
+    float top_p;             /* (0, 1]; 1 = off */
+    uint64_t seed;
+    int32_t block_size;      /* diffusion: > 0 */
+    float threshold;         /* diffusion: (0, 1] */
+    float coreset_top_p;     /* diffusion: (0, 1] */
+    const int32_t *end_ids;  /* tokens that end generation (e.g. <|im_end|>, <|endoftext|>) */
+    int32_t n_end_ids;
+} clover_gen_params;
+
+/* Fill p with the model's defaults (spec 4.2 values from the GGUF). */
+CLOVER_API void clover_gen_params_default(const clover_model *m, clover_gen_params *p);
+
+typedef struct {
+    int64_t n_prompt;
+    int64_t n_generated;     /* tokens emitted so far (end token included when it stopped) */
+    int64_t n_forward_prefill, n_forward_denoise, n_forward_commit, n_forward_decode;
+    int64_t n_blocks;
+    int64_t sum_distinct_experts; /* over denoising passes and MoE layers */
+    int32_t finish_reason;   /* CLOVER_FINISH_* */
+} clover_stats;
+
+typedef struct clover_decoder clover_decoder;
+
+/* Reset the context, validate params, prefill the prompt (n_prompt >= 1). */
+CLOVER_API clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p,
+                                              const int32_t *prompt, int32_t n_prompt,
+                                              char *err, size_t err_size);
+/* Advance by one unit (ar: one token; diffusion: one block, denoised and committed) and
+ * write the newly final tokens to out (capacity cap >= block_size). Returns 1 while more
+ * can follow, 0 when finished (finish_reason set), < 0 on error. */
+CLOVER_API int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n_out,
+                                   char *err, size_t err_size);
+CLOVER_API void clover_decoder_stats(const clover_decoder *d, clover_stats *out);
+CLOVER_API void clover_decoder_free(clover_decoder *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CLOVER_H */

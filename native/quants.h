@@ -1,0 +1,39 @@
+/* quants.h: internal weight formats and product kernels of the CPU engine (not public API).
+ *
+ * Weight matrices are stored as in GGUF/ggml: n_out rows of n_in elements, each row
+ * contiguous in its storage type (F32, F16, BF16, Q8_0). Activations are float32.
+ * Q8_0 (ggml block_q8_0): blocks of 32 values, one fp16 scale d then 32 int8 q, value = d*q.
+ * Q8_0 weights are multiplied against activations quantised once per input row to Q8_0
+ * (as llama.cpp pairs them), with int32 block sums.
+ */
+#ifndef CLOVER_QUANTS_H
+#define CLOVER_QUANTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CLOVER_QK8_0 32
+
+typedef struct {
+    uint16_t d; /* fp16 scale */
+    int8_t qs[CLOVER_QK8_0];
+} clover_block_q8_0;
+
+float clover_fp16_to_fp32(uint16_t h);
+uint16_t clover_fp32_to_fp16(float f);
+float clover_bf16_to_fp32(uint16_t h);
+uint16_t clover_fp32_to_bf16(float f); /* round to nearest even, NaN kept quiet */
+
+/* Bytes of one row of n_in elements of `type`; -1 for unsupported types or a Q8_0 row whose
+ * length is not a multiple of 32. */
+int64_t clover_row_nbytes(int type, int64_t n_in);
+
+/* y[t*n_out + r] = sum_i W[r, i] * x[t*n_in + i] for t < T, r < n_out.
+ * W: n_out rows of `type` (row r at (const char*)W + r*row_nbytes). x: float32 [T, n_in].
+ * y: float32 [T, n_out]. Each weight row is read once for all T rows. Work is split over
+ * n_threads (<= 1: current thread only). Returns 0, or -1 on unsupported type / allocation
+ * failure. */
+int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const float *x, int64_t T,
+                  float *y, int n_threads);
+
+#endif
