@@ -1,0 +1,261 @@
+/* decode.c: the decoding loops of clover-spec 5.1-5.2: `ar` (autoregressive, prefix mode) and
+ * `diffusion` (threshold block decoding with a commit pass and end-token stop).
+ *
+ * A decoder advances one unit per clover_decoder_step (ar: one token; diffusion: one block,
+ * denoised and committed) and hands back the tokens that became final, so callers can stream.
+ */
+#include "engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct clover_decoder {
+    clover_context *c;
+    clover_gen_params p;
+    int32_t *end_ids;
+    clover_rng rng;
+    clover_sampler_params sp;
+    float *causal;     /* [n_vocab] causal logits of the last committed row */
+    float *logits;     /* [block_size, n_vocab] */
+    int32_t *block;    /* [block_size] */
+    unsigned char *filled;
+    float *conf;       /* [block_size] */
+    int32_t *cand;     /* [block_size] */
+    int32_t *nexp;     /* [n_layer] distinct experts per layer of the last denoising pass */
+    float *scratch;    /* [n_vocab] */
+    clover_stats st;
+    int done;
+};
+
+void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
+    memset(p, 0, sizeof *p);
+    p->mode = m && m->hp.is_clover ? CLOVER_MODE_DIFFUSION : CLOVER_MODE_AR;
+    p->max_tokens = 256;
+    p->temperature = 0.0f;
+    p->top_k = 0;
+    p->top_p = 1.0f;
+    p->seed = 0;
+    p->block_size = m ? m->hp.block_size : 32;
+    p->threshold = m ? m->hp.threshold : 0.95f;
+    p->coreset_top_p = m ? m->hp.coreset_top_p : 0.9f;
+}
+
+static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
+    const clover_hparams *hp = &m->hp;
+    if (p->mode != CLOVER_MODE_AR && p->mode != CLOVER_MODE_DIFFUSION)
+        return clover_set_err(err, n, CLOVER_E_ARG, "mode: %d is not ar (0) or diffusion (1)", p->mode);
+    if (p->mode == CLOVER_MODE_DIFFUSION && !hp->is_clover)
+        return clover_set_err(err, n, CLOVER_E_ARG, "mode: diffusion needs a clover model (this file is qwen35moe)");
+    if (p->mode == CLOVER_MODE_DIFFUSION && hp->mask_token_id < 0)
+        return clover_set_err(err, n, CLOVER_E_ARG, "mode: diffusion needs clover.diffusion.mask_token_id");
+    if (p->max_tokens <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "max_tokens: %d must be > 0", p->max_tokens);
+    if (!(p->temperature >= 0.0f) || isinf(p->temperature))
+        return clover_set_err(err, n, CLOVER_E_ARG, "temperature: %g must be finite and >= 0", p->temperature);
+    if (p->top_k < 0) return clover_set_err(err, n, CLOVER_E_ARG, "top_k: %d must be >= 0", p->top_k);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return clover_set_err(err, n, CLOVER_E_ARG, "top_p: %g outside (0, 1]", p->top_p);
+    if (p->block_size <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "block_size: %d must be > 0", p->block_size);
+    if (!(p->threshold > 0.0f && p->threshold <= 1.0f))
+        return clover_set_err(err, n, CLOVER_E_ARG, "threshold: %g outside (0, 1]", p->threshold);
+    if (!(p->coreset_top_p > 0.0f && p->coreset_top_p <= 1.0f))
+        return clover_set_err(err, n, CLOVER_E_ARG, "coreset_top_p: %g outside (0, 1]", p->coreset_top_p);
+    if (p->n_end_ids < 0 || (p->n_end_ids > 0 && !p->end_ids))
+        return clover_set_err(err, n, CLOVER_E_ARG, "end_ids: %d ids but no array", p->n_end_ids);
+    for (int32_t i = 0; i < p->n_end_ids; i++)
+        if (p->end_ids[i] < 0 || p->end_ids[i] >= hp->n_vocab)
+            return clover_set_err(err, n, CLOVER_E_ARG, "end_ids[%d]: id %d outside [0, %d)", i, p->end_ids[i],
+                                  hp->n_vocab);
+    return CLOVER_OK;
+}
+
+void clover_decoder_free(clover_decoder *d) {
+    if (!d) return;
+    free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
+    free(d->conf), free(d->cand), free(d->nexp), free(d->scratch);
+    free(d);
+}
+
+clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p, const int32_t *prompt,
+                                   int32_t n_prompt, char *err, size_t err_size) {
+    if (!c || !p || !prompt) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "context, params or prompt is NULL");
+        return NULL;
+    }
+    if (n_prompt <= 0) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "prompt: empty (n_prompt %d)", n_prompt);
+        return NULL;
+    }
+    const clover_model *m = c->m;
+    if (check_params(m, p, err, err_size)) return NULL;
+    if (n_prompt > c->n_ctx) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "prompt: %d tokens exceed n_ctx %d", n_prompt, c->n_ctx);
+        return NULL;
+    }
+    const int64_t V = m->hp.n_vocab, B = p->mode == CLOVER_MODE_DIFFUSION ? p->block_size : 1;
+    clover_decoder *d = calloc(1, sizeof *d);
+    if (!d) goto nomem;
+    d->c = c;
+    d->p = *p;
+    if (p->n_end_ids > 0) {
+        d->end_ids = malloc(sizeof(int32_t) * (size_t)p->n_end_ids);
+        if (!d->end_ids) goto nomem;
+        memcpy(d->end_ids, p->end_ids, sizeof(int32_t) * (size_t)p->n_end_ids);
+    }
+    d->p.end_ids = d->end_ids;
+    if ((uint64_t)B * (uint64_t)V > SIZE_MAX / sizeof(float)) goto nomem;
+    d->causal = malloc(sizeof(float) * (size_t)V);
+    d->logits = malloc(sizeof(float) * (size_t)(B * V));
+    d->block = malloc(sizeof(int32_t) * (size_t)B);
+    d->filled = malloc((size_t)B);
+    d->conf = malloc(sizeof(float) * (size_t)B);
+    d->cand = malloc(sizeof(int32_t) * (size_t)B);
+    d->nexp = calloc((size_t)m->hp.n_layer, sizeof(int32_t));
+    d->scratch = malloc(sizeof(float) * (size_t)V);
+    if (!d->causal || !d->logits || !d->block || !d->filled || !d->conf || !d->cand || !d->nexp || !d->scratch)
+        goto nomem;
+    clover_rng_seed(&d->rng, p->seed);
+    d->sp = (clover_sampler_params){p->temperature, p->top_k, p->top_p, m->hp.mask_token_id};
+    clover_context_reset(c);
+    if (clover_prefill(c, prompt, n_prompt, d->causal, 0, err, err_size)) {
+        clover_decoder_free(d);
+        return NULL;
+    }
+    d->st.n_prompt = n_prompt;
+    d->st.n_forward_prefill = 1;
+    return d;
+nomem:
+    clover_decoder_free(d);
+    clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory allocating the decoder");
+    return NULL;
+}
+
+static int is_end(const clover_decoder *d, int32_t t) {
+    for (int32_t i = 0; i < d->p.n_end_ids; i++)
+        if (d->end_ids[i] == t) return 1;
+    return 0;
+}
+
+/* Emit tokens[0..n) within the max_tokens budget; sets finish_reason = LENGTH and returns the
+ * count written when the budget cuts it. */
+static int32_t emit(clover_decoder *d, const int32_t *tokens, int32_t n, int32_t *out) {
+    int64_t left = d->p.max_tokens - d->st.n_generated;
+    if (n >= left) {
+        n = (int32_t)left;
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_LENGTH;
+    }
+    memcpy(out, tokens, sizeof(int32_t) * (size_t)n);
+    d->st.n_generated += n;
+    return n;
+}
+
+static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
+    float conf;
+    int32_t t = clover_sample(d->causal, d->c->m->hp.n_vocab, &d->sp, &d->rng, &conf, d->scratch, NULL);
+    *n_out = emit(d, &t, 1, out);
+    if (is_end(d, t) && *n_out == 1) {
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_STOP;
+    }
+    if (d->done) return 0;
+    if (d->c->n_past + 1 > d->c->n_ctx) {
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_LENGTH;
+        return 0;
+    }
+    int rc = clover_prefill(d->c, &t, 1, d->causal, 0, err, err_size);
+    if (rc) return rc;
+    d->st.n_forward_decode++;
+    return 1;
+}
+
+/* Index of the first end token preceded only by filled slots, or -1 (spec 5.2 early stop). */
+static int32_t end_in_block(const clover_decoder *d, int32_t B) {
+    for (int32_t e = 0; e < B && d->filled[e]; e++)
+        if (is_end(d, d->block[e])) return e;
+    return -1;
+}
+
+static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
+    clover_context *c = d->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int32_t B = d->p.block_size, V = hp->n_vocab;
+    const int shift = hp->logits_shift;
+    if ((int64_t)c->n_past + B > c->n_ctx) {
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_LENGTH;
+        return 0;
+    }
+    for (int32_t j = 0; j < B; j++) {
+        d->block[j] = hp->mask_token_id;
+        d->filled[j] = 0;
+    }
+    int32_t n_masked = B;
+    if (shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
+        float conf;
+        d->block[0] = clover_sample(d->causal, V, &d->sp, &d->rng, &conf, d->scratch, NULL);
+        d->filled[0] = 1;
+        n_masked--;
+    }
+    int32_t e = end_in_block(d, B);
+    while (e < 0 && n_masked > 0) {
+        int rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
+        if (rc) return rc;
+        d->st.n_forward_denoise++;
+        for (int il = 0; il < hp->n_layer; il++) d->st.sum_distinct_experts += d->nexp[il];
+        int32_t best = -1, n_fill = 0;
+        for (int32_t j = 0; j < B; j++) {
+            if (d->filled[j]) continue;
+            const float *row = d->logits + (int64_t)(shift ? j - 1 : j) * V;
+            d->cand[j] = clover_sample(row, V, &d->sp, &d->rng, &d->conf[j], d->scratch, NULL);
+            if (best < 0 || d->conf[j] > d->conf[best]) best = j;
+        }
+        for (int32_t j = 0; j < B; j++) {
+            if (!d->filled[j] && d->conf[j] > d->p.threshold) {
+                d->block[j] = d->cand[j];
+                d->filled[j] = 1;
+                n_fill++;
+            }
+        }
+        if (n_fill == 0) { /* none clears the threshold: the single most confident */
+            d->block[best] = d->cand[best];
+            d->filled[best] = 1;
+            n_fill = 1;
+        }
+        n_masked -= n_fill;
+        e = end_in_block(d, B);
+    }
+    if (e >= 0) {
+        *n_out = emit(d, d->block, e + 1, out);
+        d->done = 1;
+        if (*n_out == e + 1) d->st.finish_reason = CLOVER_FINISH_STOP;
+        d->st.n_blocks++;
+        return 0;
+    }
+    *n_out = emit(d, d->block, B, out);
+    d->st.n_blocks++;
+    if (d->done) return 0;
+    /* commit: prefix-mode forward of the block writes the caches and gives the next slot 0 */
+    int rc = clover_prefill(c, d->block, B, d->causal, 0, err, err_size);
+    if (rc) return rc;
+    d->st.n_forward_commit++;
+    return 1;
+}
+
+int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n_out, char *err,
+                        size_t err_size) {
+    if (!d || !out || !n_out) return clover_set_err(err, err_size, CLOVER_E_ARG, "decoder, out or n_out is NULL");
+    *n_out = 0;
+    if (d->done) return 0;
+    int32_t need = d->p.mode == CLOVER_MODE_DIFFUSION ? d->p.block_size : 1;
+    if (cap < need) return clover_set_err(err, err_size, CLOVER_E_ARG, "cap: %d < %d tokens per step", cap, need);
+    int rc = d->p.mode == CLOVER_MODE_AR ? step_ar(d, out, n_out, err, err_size)
+                                         : step_diffusion(d, out, n_out, err, err_size);
+    if (rc < 0) d->done = 1;
+    return rc;
+}
+
+void clover_decoder_stats(const clover_decoder *d, clover_stats *out) {
+    if (d && out) *out = d->st;
+}

@@ -1,0 +1,1108 @@
+/* model.c: the one Clover / qwen35moe graph on the CPU.
+ *
+ * Loading (hyperparameters from GGUF keys, every tensor checked by name, type and shape), the
+ * per-sequence context (KV cache, GDN state, conv history), and the forward passes:
+ * prefix (causal) mode and block (denoising) mode, clover-spec sections 2-3 and 5.6.
+ * Weights and tensor layout follow spec 4.3 (the converter applied the transforms: norms carry
+ * +1, ssm_a = -exp(A_log), value heads in tiled order so value head h reads key head h % Hk).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "engine.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...) {
+    if (err && err_size > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, err_size, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+/* ------------------------------------------------------------------ loading */
+
+typedef struct {
+    const clover_gguf *g;
+    const char *arch;
+    char *err;
+    size_t err_size;
+    int failed;
+} loader;
+
+static int64_t key_index(loader *L, const char *suffix) {
+    char key[256];
+    snprintf(key, sizeof key, "%s.%s", L->arch, suffix);
+    return clover_gguf_find_key(L->g, key);
+}
+
+static int is_numeric_type(int t) {
+    return t != CLOVER_GGUF_STRING && t != CLOVER_GGUF_ARRAY && t >= 0;
+}
+
+/* Integer hyperparameter `arch.suffix` in [lo, hi]; def when absent and not required. */
+static int32_t get_int(loader *L, const char *suffix, int required, int64_t def, int64_t lo, int64_t hi) {
+    if (L->failed) return 0;
+    int64_t i = key_index(L, suffix);
+    if (i < 0) {
+        if (required) {
+            L->failed = 1;
+            clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "missing key %s.%s", L->arch, suffix);
+        }
+        return (int32_t)def;
+    }
+    int t = clover_gguf_kv_type(L->g, i);
+    if (!is_numeric_type(t) || t == CLOVER_GGUF_FLOAT32 || t == CLOVER_GGUF_FLOAT64) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: expected an integer (type %d)",
+                       L->arch, suffix, t);
+        return 0;
+    }
+    int64_t v = clover_gguf_get_i64(L->g, i, 0);
+    if (t == CLOVER_GGUF_UINT64 && clover_gguf_get_u64(L->g, i, 0) > (uint64_t)INT64_MAX) v = INT64_MAX;
+    if (v < lo || v > hi) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: value %lld outside [%lld, %lld]",
+                       L->arch, suffix, (long long)v, (long long)lo, (long long)hi);
+        return 0;
+    }
+    return (int32_t)v;
+}
+
+static float get_float(loader *L, const char *suffix, int required, double def, double lo, double hi) {
+    if (L->failed) return 0;
+    int64_t i = key_index(L, suffix);
+    if (i < 0) {
+        if (required) {
+            L->failed = 1;
+            clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "missing key %s.%s", L->arch, suffix);
+        }
+        return (float)def;
+    }
+    if (!is_numeric_type(clover_gguf_kv_type(L->g, i))) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: expected a number", L->arch, suffix);
+        return 0;
+    }
+    double v = clover_gguf_get_f64(L->g, i, 0);
+    if (!(v >= lo && v <= hi)) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: value %g outside [%g, %g]", L->arch,
+                       suffix, v, lo, hi);
+        return 0;
+    }
+    return (float)v;
+}
+
+static const char *type_name(int t) {
+    switch (t) {
+    case CLOVER_TYPE_F32: return "F32";
+    case CLOVER_TYPE_F16: return "F16";
+    case CLOVER_TYPE_BF16: return "BF16";
+    case CLOVER_TYPE_Q8_0: return "Q8_0";
+    default: return "?";
+    }
+}
+
+/* Look up tensor `name` and check its shape against ne (ggml order, trailing dims 1).
+ * f32_only: the tensor must be F32 (norms, conv, ssm_a, dt). */
+static int get_tensor(loader *L, const char *name, int required, int f32_only, int64_t ne0, int64_t ne1,
+                      int64_t ne2, clover_tensor *out) {
+    memset(out, 0, sizeof *out);
+    if (L->failed) return 0;
+    int64_t t = clover_gguf_find_tensor(L->g, name);
+    if (t < 0) {
+        if (required) {
+            L->failed = 1;
+            clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "missing tensor %s", name);
+        }
+        return 0;
+    }
+    int64_t want[4] = {ne0, ne1, ne2, 1};
+    int64_t have[4];
+    for (int d = 0; d < 4; d++) have[d] = clover_gguf_tensor_ne(L->g, t, d);
+    if (memcmp(want, have, sizeof want) != 0) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT,
+                       "tensor %s: shape {%lld, %lld, %lld, %lld} expected {%lld, %lld, %lld, 1}", name,
+                       (long long)have[0], (long long)have[1], (long long)have[2], (long long)have[3],
+                       (long long)ne0, (long long)ne1, (long long)ne2);
+        return 0;
+    }
+    int type = clover_gguf_tensor_type(L->g, t);
+    if (f32_only && type != CLOVER_TYPE_F32) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "tensor %s: type %s, expected F32", name,
+                       type_name(type));
+        return 0;
+    }
+    if (clover_row_nbytes(type, ne0) < 0) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "tensor %s: type %d not supported for rows of %lld",
+                       name, type, (long long)ne0);
+        return 0;
+    }
+    out->type = type;
+    out->data = clover_gguf_tensor_data(L->g, t);
+    for (int d = 0; d < 4; d++) out->ne[d] = have[d];
+    return 1;
+}
+
+static const float *get_f32(loader *L, const char *name, int required, int64_t ne0, int64_t ne1) {
+    clover_tensor t;
+    if (!get_tensor(L, name, required, 1, ne0, ne1, 1, &t)) return NULL;
+    return (const float *)t.data;
+}
+
+static void read_hparams(loader *L, clover_hparams *hp) {
+    memset(hp, 0, sizeof *hp);
+    hp->n_layer = get_int(L, "block_count", 1, 0, 1, 4096);
+    hp->n_ctx_train = get_int(L, "context_length", 0, 4096, 1, INT32_MAX);
+    hp->n_embd = get_int(L, "embedding_length", 1, 0, 1, 1 << 20);
+    hp->n_head = get_int(L, "attention.head_count", 1, 0, 1, 4096);
+    hp->n_head_kv = get_int(L, "attention.head_count_kv", 1, 0, 1, 4096);
+    hp->head_dim = get_int(L, "attention.key_length", 1, 0, 2, 1 << 16);
+    int32_t vlen = get_int(L, "attention.value_length", 0, hp->head_dim, 1, 1 << 16);
+    hp->rope_dim = get_int(L, "rope.dimension_count", 1, 0, 2, 1 << 16);
+    hp->rms_eps = get_float(L, "attention.layer_norm_rms_epsilon", 1, 0, 0, 1);
+    hp->rope_theta = get_float(L, "rope.freq_base", 0, 1e7, 1e-3, 1e30);
+    hp->n_expert = get_int(L, "expert_count", 1, 0, 1, 1 << 16);
+    hp->n_expert_used = get_int(L, "expert_used_count", 1, 0, 1, 1 << 16);
+    hp->n_ff_exp = get_int(L, "expert_feed_forward_length", 1, 0, 1, 1 << 24);
+    hp->n_ff_shexp = get_int(L, "expert_shared_feed_forward_length", 1, 0, 1, 1 << 24);
+    hp->ssm_d_conv = get_int(L, "ssm.conv_kernel", 1, 0, 1, 64);
+    hp->ssm_d_state = get_int(L, "ssm.state_size", 1, 0, 1, 1 << 16);
+    hp->ssm_n_group = get_int(L, "ssm.group_count", 1, 0, 1, 4096);
+    hp->ssm_dt_rank = get_int(L, "ssm.time_step_rank", 1, 0, 1, 4096);
+    hp->ssm_d_inner = get_int(L, "ssm.inner_size", 1, 0, 1, 1 << 24);
+    hp->full_attention_interval = get_int(L, "full_attention_interval", 0, 4, 1, 4096);
+    if (L->failed) return;
+    const char *bad = NULL;
+    if (vlen != hp->head_dim) bad = "attention.value_length != attention.key_length";
+    else if (hp->n_head % hp->n_head_kv) bad = "attention.head_count not a multiple of head_count_kv";
+    else if (hp->rope_dim > hp->head_dim || hp->rope_dim % 2) bad = "rope.dimension_count odd or > key_length";
+    else if (hp->n_expert_used > hp->n_expert) bad = "expert_used_count > expert_count";
+    else if (hp->ssm_dt_rank % hp->ssm_n_group) bad = "ssm.time_step_rank not a multiple of ssm.group_count";
+    else if (hp->ssm_d_inner % hp->ssm_dt_rank) bad = "ssm.inner_size not a multiple of ssm.time_step_rank";
+    else if (hp->ssm_d_conv < 2) bad = "ssm.conv_kernel < 2";
+    if (bad) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "%s: %s", L->arch, bad);
+        return;
+    }
+    /* diffusion keys: spec 4.2 defaults when absent */
+    hp->mask_token_id = get_int(L, "diffusion.mask_token_id", hp->is_clover, -1, 0, INT32_MAX);
+    hp->block_size = get_int(L, "diffusion.block_size", 0, 32, 1, 1 << 16);
+    hp->threshold = get_float(L, "diffusion.threshold", 0, 0.95, 1e-9, 1.0);
+    hp->coreset_top_p = get_float(L, "diffusion.moe_block_coreset_top_p", 0, 0.9, 1e-9, 1.0);
+    hp->logits_shift = get_int(L, "diffusion.logits_shift", 0, 1, 0, 1);
+    hp->presence_penalty = get_float(L, "diffusion.presence_penalty", 0, 0.9, -1e9, 1e9);
+    hp->repetition_penalty = get_float(L, "diffusion.repetition_penalty", 0, 1.05, 1e-9, 1e9);
+    hp->think_close_bias_start = get_int(L, "diffusion.think_close_bias_start", 0, 4096, 0, INT32_MAX);
+    hp->eos_bias_start = get_int(L, "diffusion.eos_bias_start", 0, 8192, 0, INT32_MAX);
+}
+
+/* Layer il is a full-attention layer: attention.recurrent_layers when present (false =
+ * attention), else every full_attention_interval-th layer (spec 1: i % 4 == 3). */
+static int layer_is_attn(loader *L, const clover_hparams *hp, int il) {
+    int64_t k = key_index(L, "attention.recurrent_layers");
+    if (k >= 0 && clover_gguf_kv_type(L->g, k) == CLOVER_GGUF_ARRAY && clover_gguf_arr_n(L->g, k) > il)
+        return clover_gguf_get_i64(L->g, k, il) == 0;
+    return (il + 1) % hp->full_attention_interval == 0;
+}
+
+static void load_layer(loader *L, const clover_hparams *hp, int il, clover_layer *ly) {
+    char n[128];
+#define TN(suffix) (snprintf(n, sizeof n, "blk.%d." suffix, il), n)
+    const int64_t H = hp->n_embd, E = hp->n_expert;
+    ly->attn_norm = get_f32(L, TN("attn_norm.weight"), 1, H, 1);
+    ly->post_norm = get_f32(L, TN("post_attention_norm.weight"), 1, H, 1);
+    if (ly->is_attn) {
+        const int64_t hd = hp->head_dim;
+        get_tensor(L, TN("attn_q.weight"), 1, 0, H, hp->n_head * 2 * hd, 1, &ly->wq);
+        get_tensor(L, TN("attn_k.weight"), 1, 0, H, hp->n_head_kv * hd, 1, &ly->wk);
+        get_tensor(L, TN("attn_v.weight"), 1, 0, H, hp->n_head_kv * hd, 1, &ly->wv);
+        get_tensor(L, TN("attn_output.weight"), 1, 0, hp->n_head * hd, H, 1, &ly->wo);
+        ly->q_norm = get_f32(L, TN("attn_q_norm.weight"), 1, hd, 1);
+        ly->k_norm = get_f32(L, TN("attn_k_norm.weight"), 1, hd, 1);
+    } else {
+        const int64_t Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state, Hk = hp->ssm_n_group;
+        const int64_t vdim = hp->ssm_d_inner, dv = vdim / Hv, C = 2 * Hk * dk + vdim;
+        get_tensor(L, TN("attn_qkv.weight"), 1, 0, H, C, 1, &ly->wqkv);
+        get_tensor(L, TN("attn_gate.weight"), 1, 0, H, vdim, 1, &ly->wz);
+        get_tensor(L, TN("ssm_beta.weight"), 1, 0, H, Hv, 1, &ly->wbeta);
+        get_tensor(L, TN("ssm_alpha.weight"), 1, 0, H, Hv, 1, &ly->walpha);
+        get_tensor(L, TN("ssm_out.weight"), 1, 0, vdim, H, 1, &ly->wout);
+        ly->conv = get_f32(L, TN("ssm_conv1d.weight"), 1, hp->ssm_d_conv, C);
+        ly->ssm_a = get_f32(L, TN("ssm_a"), 1, Hv, 1);
+        ly->dt_bias = get_f32(L, TN("ssm_dt.bias"), 1, Hv, 1);
+        ly->ssm_norm = get_f32(L, TN("ssm_norm.weight"), 1, dv, 1);
+        if (hp->is_clover) { /* spec 3.3 */
+            get_tensor(L, TN("ssm_beta_bwd.weight"), 1, 0, H, Hv, 1, &ly->wbeta_bwd);
+            get_tensor(L, TN("ssm_alpha_bwd.weight"), 1, 0, H, Hv, 1, &ly->walpha_bwd);
+            ly->conv_bwd = get_f32(L, TN("ssm_conv1d_bwd.weight"), 1, hp->ssm_d_conv, C);
+            ly->ssm_a_bwd = get_f32(L, TN("ssm_a_bwd"), 1, Hv, 1);
+            ly->dt_bias_bwd = get_f32(L, TN("ssm_dt_bwd.bias"), 1, Hv, 1);
+            ly->bwd_mix = get_f32(L, TN("ssm_bwd_mix"), 1, Hv, 1);
+        }
+    }
+    get_tensor(L, TN("ffn_gate_inp.weight"), 1, 0, H, E, 1, &ly->router);
+    get_tensor(L, TN("ffn_gate_exps.weight"), 1, 0, H, hp->n_ff_exp, E, &ly->gate_exps);
+    get_tensor(L, TN("ffn_up_exps.weight"), 1, 0, H, hp->n_ff_exp, E, &ly->up_exps);
+    get_tensor(L, TN("ffn_down_exps.weight"), 1, 0, hp->n_ff_exp, H, E, &ly->down_exps);
+    get_tensor(L, TN("ffn_gate_inp_shexp.weight"), 1, 0, H, 1, 1, &ly->shexp_gate);
+    get_tensor(L, TN("ffn_gate_shexp.weight"), 1, 0, H, hp->n_ff_shexp, 1, &ly->gate_sh);
+    get_tensor(L, TN("ffn_up_shexp.weight"), 1, 0, H, hp->n_ff_shexp, 1, &ly->up_sh);
+    get_tensor(L, TN("ffn_down_shexp.weight"), 1, 0, hp->n_ff_shexp, H, 1, &ly->down_sh);
+#undef TN
+}
+
+clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
+    if (!path) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "path is NULL");
+        return NULL;
+    }
+    clover_gguf *g = clover_gguf_open(path, err, err_size);
+    if (!g) return NULL;
+    clover_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        clover_gguf_close(g);
+        clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        return NULL;
+    }
+    m->g = g;
+    loader L = {g, NULL, err, err_size, 0};
+    int64_t ka = clover_gguf_find_key(g, "general.architecture");
+    const char *arch = ka >= 0 ? clover_gguf_get_str(g, ka, 0, NULL) : NULL;
+    if (!arch) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "missing key general.architecture");
+        goto fail;
+    }
+    if (strcmp(arch, "clover") == 0) m->hp.is_clover = 1;
+    else if (strcmp(arch, "qwen35moe") != 0) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT,
+                       "general.architecture: '%s' is not supported (expected clover or qwen35moe)", arch);
+        goto fail;
+    }
+    L.arch = arch;
+    clover_hparams *hp = &m->hp;
+    int is_clover = hp->is_clover;
+    read_hparams(&L, hp);
+    hp->is_clover = is_clover;
+    if (L.failed) goto fail;
+
+    int64_t t_emb = clover_gguf_find_tensor(g, "token_embd.weight");
+    if (t_emb < 0) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "missing tensor token_embd.weight");
+        goto fail;
+    }
+    int64_t V = clover_gguf_tensor_ne(g, t_emb, 1);
+    if (V < 1 || V > INT32_MAX) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "token_embd.weight: vocab size %lld", (long long)V);
+        goto fail;
+    }
+    hp->n_vocab = (int32_t)V;
+    if (hp->mask_token_id >= hp->n_vocab) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "clover.diffusion.mask_token_id: %d >= n_vocab %d",
+                       hp->mask_token_id, hp->n_vocab);
+        goto fail;
+    }
+    get_tensor(&L, "token_embd.weight", 1, 0, hp->n_embd, V, 1, &m->tok_embd);
+    get_tensor(&L, "output.weight", 1, 0, hp->n_embd, V, 1, &m->output);
+    m->output_norm = get_f32(&L, "output_norm.weight", 1, hp->n_embd, 1);
+    m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
+    if (!m->layers) {
+        clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int il = 0; il < hp->n_layer && !L.failed; il++) {
+        clover_layer *ly = &m->layers[il];
+        ly->is_attn = layer_is_attn(&L, hp, il);
+        ly->slot = ly->is_attn ? m->n_attn++ : m->n_gdn++;
+        load_layer(&L, hp, il, ly);
+    }
+    if (L.failed) goto fail;
+    return m;
+fail:
+    clover_model_free(m);
+    return NULL;
+}
+
+void clover_model_free(clover_model *m) {
+    if (!m) return;
+    free(m->layers);
+    clover_gguf_close(m->g);
+    free(m);
+}
+
+const clover_gguf *clover_model_gguf(const clover_model *m) { return m ? m->g : NULL; }
+
+void clover_model_hparams(const clover_model *m, clover_hparams *out) {
+    if (m && out) *out = m->hp;
+}
+
+/* ------------------------------------------------------------------ context */
+
+static int64_t conv_channels(const clover_hparams *hp) {
+    return 2 * (int64_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner;
+}
+
+static int64_t gdn_state_floats(const clover_hparams *hp) {
+    return (int64_t)hp->ssm_dt_rank * hp->ssm_d_state * (hp->ssm_d_inner / hp->ssm_dt_rank);
+}
+
+/* calloc of a*b*c floats with overflow check. */
+static float *alloc_floats(int64_t a, int64_t b, int64_t c) {
+    if (a <= 0 || b <= 0 || c <= 0) return calloc(1, sizeof(float));
+    if (a > INT64_MAX / b || a * b > INT64_MAX / c) return NULL;
+    uint64_t n = (uint64_t)(a * b * c);
+    if (n > SIZE_MAX / sizeof(float)) return NULL;
+    return calloc((size_t)n, sizeof(float));
+}
+
+clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, char *err,
+                                   size_t err_size) {
+    if (!m) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "model is NULL");
+        return NULL;
+    }
+    if (n_ctx <= 0) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "n_ctx: %d must be > 0", n_ctx);
+        return NULL;
+    }
+    if (n_threads <= 0) {
+        long nc = 1;
+#ifdef _SC_NPROCESSORS_ONLN
+        nc = sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+        n_threads = nc > 0 ? (int32_t)nc : 1;
+    }
+    clover_context *c = calloc(1, sizeof *c);
+    if (!c) {
+        clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        return NULL;
+    }
+    const clover_hparams *hp = &m->hp;
+    c->m = m;
+    c->n_ctx = n_ctx;
+    c->n_threads = n_threads;
+    c->gdn_chunked = 1;
+    int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
+    c->k_cache = alloc_floats(m->n_attn, n_ctx, kv);
+    c->v_cache = alloc_floats(m->n_attn, n_ctx, kv);
+    c->gdn_state = alloc_floats(m->n_gdn, gdn_state_floats(hp), 1);
+    c->conv_state = alloc_floats(m->n_gdn, hp->ssm_d_conv - 1, conv_channels(hp));
+    if (!c->k_cache || !c->v_cache || !c->gdn_state || !c->conv_state) {
+        clover_context_free(c);
+        clover_set_err(err, err_size, CLOVER_E_NOMEM,
+                       "n_ctx: %d needs a KV cache of %lld floats per layer, allocation failed", n_ctx,
+                       (long long)(2 * kv * (int64_t)n_ctx));
+        return NULL;
+    }
+    return c;
+}
+
+void clover_context_free(clover_context *c) {
+    if (!c) return;
+    free(c->k_cache);
+    free(c->v_cache);
+    free(c->gdn_state);
+    free(c->conv_state);
+    free(c);
+}
+
+int32_t clover_context_n_past(const clover_context *c) { return c ? c->n_past : 0; }
+int32_t clover_context_n_ctx(const clover_context *c) { return c ? c->n_ctx : 0; }
+void clover_context_set_gdn_chunked(clover_context *c, int chunked) {
+    if (c) c->gdn_chunked = chunked != 0;
+}
+
+void clover_context_reset(clover_context *c) {
+    if (!c) return;
+    const clover_hparams *hp = &c->m->hp;
+    c->n_past = 0;
+    memset(c->gdn_state, 0, sizeof(float) * (size_t)(c->m->n_gdn * gdn_state_floats(hp)));
+    memset(c->conv_state, 0,
+           sizeof(float) * (size_t)(c->m->n_gdn * (hp->ssm_d_conv - 1) * conv_channels(hp)));
+}
+
+/* ------------------------------------------------------------------ small kernels */
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* y = x * rsqrt(mean(x^2) + eps) * w; w already holds 1 + w_hf for N1p norms (spec 2, 4.3). */
+static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float s = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * s * w[i];
+}
+
+/* x * rsqrt(sum(x^2) + eps), the l2norm of spec 2.1 step 3 (as transformers' l2norm). */
+static void l2norm(float *x, int64_t n, float eps) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float s = 1.0f / sqrtf((float)ss + eps);
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+static int matmul(const clover_context *c, const clover_tensor *w, const float *x, int64_t T, float *y) {
+    return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, c->n_threads);
+}
+
+/* Expert e of a 3-D expert tensor as a 2-D view. */
+static clover_tensor expert_view(const clover_tensor *w, int64_t e) {
+    clover_tensor v = *w;
+    int64_t row = clover_row_nbytes(w->type, w->ne[0]);
+    v.data = (const char *)w->data + (size_t)(e * w->ne[1] * row);
+    v.ne[2] = 1;
+    return v;
+}
+
+/* ------------------------------------------------------------------ forward state */
+
+enum { MODE_PREFIX = 0, MODE_BLOCK = 1 };
+
+typedef struct {
+    clover_context *c;
+    int mode;
+    int64_t T;         /* rows */
+    int64_t pos0;      /* position of row 0 */
+    float coreset_top_p;
+    int32_t *n_experts_out;
+    char *err;
+    size_t err_size;
+} fwd;
+
+/* ------------------------------------------------------------------ gated attention (spec 2.2) */
+
+static void rope_neox(float *v, int64_t pos, int rd, float theta) {
+    int half = rd / 2;
+    for (int i = 0; i < half; i++) {
+        double freq = pow((double)theta, -2.0 * i / rd);
+        double ang = (double)pos * freq;
+        float cs = (float)cos(ang), sn = (float)sin(ang);
+        float a = v[i], b = v[i + half];
+        v[i] = a * cs - b * sn;
+        v[i + half] = b * cs + a * sn;
+    }
+}
+
+static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim;
+    const int64_t kvd = nkv * hd, group = nh / nkv;
+    float *qg = malloc(sizeof(float) * (size_t)(T * nh * 2 * hd));
+    float *k = malloc(sizeof(float) * (size_t)(T * kvd));
+    float *v = malloc(sizeof(float) * (size_t)(T * kvd));
+    float *att = malloc(sizeof(float) * (size_t)(T * nh * hd));
+    float *sc = malloc(sizeof(float) * (size_t)(f->pos0 + T));
+    int rc = CLOVER_E_NOMEM;
+    if (!qg || !k || !v || !att || !sc) goto done;
+    if (matmul(c, &ly->wq, xn, T, qg) || matmul(c, &ly->wk, xn, T, k) || matmul(c, &ly->wv, xn, T, v)) goto done;
+    float *kc = c->k_cache + (size_t)ly->slot * c->n_ctx * kvd;
+    float *vc = c->v_cache + (size_t)ly->slot * c->n_ctx * kvd;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t pos = f->pos0 + t;
+        for (int64_t h = 0; h < nh; h++) {
+            float *q = qg + (t * nh + h) * 2 * hd;
+            rmsnorm(q, q, ly->q_norm, hd, hp->rms_eps);
+            rope_neox(q, pos, hp->rope_dim, hp->rope_theta);
+        }
+        for (int64_t h = 0; h < nkv; h++) {
+            float *kh = k + t * kvd + h * hd;
+            rmsnorm(kh, kh, ly->k_norm, hd, hp->rms_eps);
+            rope_neox(kh, pos, hp->rope_dim, hp->rope_theta);
+        }
+        /* Block mode writes the block's K/V past n_past only as scratch: n_past does not move,
+         * so the cache is unchanged for every later call (spec 3.2). */
+        memcpy(kc + pos * kvd, k + t * kvd, sizeof(float) * (size_t)kvd);
+        memcpy(vc + pos * kvd, v + t * kvd, sizeof(float) * (size_t)kvd);
+    }
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int64_t t = 0; t < T; t++) {
+        /* prefix: causal; block: the whole prefix plus every row of the block */
+        int64_t n_keys = f->mode == MODE_PREFIX ? f->pos0 + t + 1 : f->pos0 + T;
+        for (int64_t h = 0; h < nh; h++) {
+            const float *q = qg + (t * nh + h) * 2 * hd;
+            const float *gate = q + hd;
+            int64_t kh = h / group;
+            float mx = -FLT_MAX;
+            for (int64_t j = 0; j < n_keys; j++) {
+                const float *kj = kc + j * kvd + kh * hd;
+                float s = 0;
+                for (int64_t d = 0; d < hd; d++) s += q[d] * kj[d];
+                sc[j] = s * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            double sum = 0;
+            for (int64_t j = 0; j < n_keys; j++) {
+                sc[j] = expf(sc[j] - mx);
+                sum += sc[j];
+            }
+            float *o = att + (t * nh + h) * hd;
+            memset(o, 0, sizeof(float) * (size_t)hd);
+            for (int64_t j = 0; j < n_keys; j++) {
+                const float *vj = vc + j * kvd + kh * hd;
+                float p = (float)(sc[j] / sum);
+                for (int64_t d = 0; d < hd; d++) o[d] += p * vj[d];
+            }
+            for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
+        }
+    }
+    rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
+done:
+    free(qg), free(k), free(v), free(att), free(sc);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ Gated DeltaNet (spec 2.1, 3.3) */
+
+typedef struct {
+    int64_t Hk, Hv, dk, dv, C, K; /* K = conv kernel */
+} gdn_dims;
+
+static gdn_dims gdn_dims_of(const clover_hparams *hp) {
+    gdn_dims d;
+    d.Hk = hp->ssm_n_group;
+    d.Hv = hp->ssm_dt_rank;
+    d.dk = hp->ssm_d_state;
+    d.dv = hp->ssm_d_inner / hp->ssm_dt_rank;
+    d.C = conv_channels(hp);
+    d.K = hp->ssm_d_conv;
+    return d;
+}
+
+/* Causal depthwise conv + SiLU (spec 2.1 step 2). hist: the K-1 previous inputs [K-1][C],
+ * oldest first. w[ch*K + j], j = K-1 multiplies the current token. */
+static void conv_causal(const gdn_dims *d, const float *w, const float *hist, const float *in, int64_t T,
+                        float *out) {
+    const int64_t K = d->K, C = d->C;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t ch = 0; ch < C; ch++) {
+            float s = 0;
+            for (int64_t j = 0; j < K; j++) {
+                int64_t src = t - (K - 1) + j; /* input index */
+                float x = src >= 0 ? in[src * C + ch] : hist[(K - 1 + src) * C + ch];
+                s += w[ch * K + j] * x;
+            }
+            out[t * C + ch] = silu(s);
+        }
+    }
+}
+
+/* Anti-causal conv of the backward branch (spec 3.3): c_t = sum_j w[ch,j] * in_{t+K-1-j},
+ * zeros past the block end. */
+static void conv_anticausal(const gdn_dims *d, const float *w, const float *in, int64_t T, float *out) {
+    const int64_t K = d->K, C = d->C;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t ch = 0; ch < C; ch++) {
+            float s = 0;
+            for (int64_t j = 0; j < K; j++) {
+                int64_t src = t + (K - 1) - j;
+                if (src < T) s += w[ch * K + j] * in[src * C + ch];
+            }
+            out[t * C + ch] = silu(s);
+        }
+    }
+}
+
+/* After the conv: L2-normalise q and k per head, scale q by 1/sqrt(dk) (spec 2.1 step 3). */
+static void qk_norm(const gdn_dims *d, float *conv, int64_t T, float eps) {
+    const float qs = 1.0f / sqrtf((float)d->dk);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = conv + t * d->C;
+        for (int64_t h = 0; h < d->Hk; h++) {
+            float *q = row + h * d->dk, *k = row + d->Hk * d->dk + h * d->dk;
+            l2norm(q, d->dk, eps);
+            l2norm(k, d->dk, eps);
+            for (int64_t i = 0; i < d->dk; i++) q[i] *= qs;
+        }
+    }
+}
+
+/* beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias) with ssm_a = -exp(A_log) (spec 2.1 step 4).
+ * b, a: [T, Hv] in place -> beta, g. */
+static void gates(const gdn_dims *d, float *b, float *a, const float *ssm_a, const float *dt_bias, int64_t T) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < d->Hv; h++) {
+            b[t * d->Hv + h] = sigmoidf_(b[t * d->Hv + h]);
+            a[t * d->Hv + h] = ssm_a[h] * softplus(a[t * d->Hv + h] + dt_bias[h]);
+        }
+}
+
+/* One delta-rule step for one head (spec 2.1 step 6), S [dk][dv]:
+ * S <- exp(g) S; S <- S + k (beta (v - S^T k))^T. tmp: dv floats. */
+static void delta_step(float *S, const float *k, const float *v, float g, float beta, int64_t dk, int64_t dv,
+                       float *tmp) {
+    float eg = expf(g);
+    for (int64_t i = 0; i < dk * dv; i++) S[i] *= eg;
+    for (int64_t j = 0; j < dv; j++) tmp[j] = 0;
+    for (int64_t i = 0; i < dk; i++)
+        for (int64_t j = 0; j < dv; j++) tmp[j] += S[i * dv + j] * k[i];
+    for (int64_t j = 0; j < dv; j++) tmp[j] = (v[j] - tmp[j]) * beta;
+    for (int64_t i = 0; i < dk; i++)
+        for (int64_t j = 0; j < dv; j++) S[i * dv + j] += k[i] * tmp[j];
+}
+
+/* o = S^T q for one head. */
+static void readout(const float *S, const float *q, int64_t dk, int64_t dv, float *o) {
+    for (int64_t j = 0; j < dv; j++) o[j] = 0;
+    for (int64_t i = 0; i < dk; i++)
+        for (int64_t j = 0; j < dv; j++) o[j] += S[i * dv + j] * q[i];
+}
+
+/* Pointers to q, k, v of value head h at row t of the conv output. Value head h reads key
+ * head h % Hk (tiled order, spec 4.3). */
+#define GDN_Q(d, conv, t, h) ((conv) + (t) * (d)->C + ((h) % (d)->Hk) * (d)->dk)
+#define GDN_K(d, conv, t, h) ((conv) + (t) * (d)->C + (d)->Hk * (d)->dk + ((h) % (d)->Hk) * (d)->dk)
+#define GDN_V(d, conv, t, h) ((conv) + (t) * (d)->C + 2 * (d)->Hk * (d)->dk + (h) * (d)->dv)
+
+/* Token-by-token recurrence over T rows, forward in time; o: [T, Hv*dv]. */
+static void gdn_recurrent(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                          float *state, float *o) {
+    float *tmp = malloc(sizeof(float) * (size_t)d->dv);
+    for (int64_t h = 0; h < d->Hv; h++) {
+        float *S = state + h * d->dk * d->dv;
+        for (int64_t t = 0; t < T; t++) {
+            delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h],
+                       d->dk, d->dv, tmp);
+            readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
+        }
+    }
+    free(tmp);
+}
+
+/* Backward branch (spec 3.3): reverse recurrence from S = 0 with exclusive readout. */
+static void gdn_backward(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                         float *o) {
+    float *S = malloc(sizeof(float) * (size_t)(d->dk * d->dv));
+    float *tmp = malloc(sizeof(float) * (size_t)d->dv);
+    for (int64_t h = 0; h < d->Hv; h++) {
+        memset(S, 0, sizeof(float) * (size_t)(d->dk * d->dv));
+        for (int64_t t = T - 1; t >= 0; t--) {
+            readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
+            delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h],
+                       d->dk, d->dv, tmp);
+        }
+    }
+    free(S), free(tmp);
+}
+
+/* Chunked form of the same recurrence (chunk 64), the WY / UT-transform algorithm used by
+ * transformers' torch_chunk_gated_delta_rule (after fla's chunk_gated_delta_rule). Per chunk of
+ * L rows with in-chunk cumulative decay G_i = sum_{m<=i} g_m:
+ *   A = -(diag(beta) K K^T * exp(G_i - G_j)) strictly lower; forward-substitute A <- (I - A)^-1
+ *   U = A diag(beta) V;  W = A diag(beta exp(G)) K
+ *   V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), j <= i) V'
+ *   S <- exp(G_L) S + (K * exp(G_L - G))^T V'
+ * It equals gdn_recurrent up to rounding (tested). */
+#define GDN_CHUNK 64
+static int gdn_chunked(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                       float *state, float *o) {
+    const int64_t dk = d->dk, dv = d->dv, CH = GDN_CHUNK;
+    float *A = malloc(sizeof(float) * CH * CH);
+    float *U = malloc(sizeof(float) * (size_t)(CH * dv));
+    float *W = malloc(sizeof(float) * (size_t)(CH * dk));
+    float *G = malloc(sizeof(float) * CH);
+    float *row = malloc(sizeof(float) * CH);
+    if (!A || !U || !W || !G || !row) {
+        free(A), free(U), free(W), free(G), free(row);
+        return CLOVER_E_NOMEM;
+    }
+    for (int64_t h = 0; h < d->Hv; h++) {
+        float *S = state + h * dk * dv;
+        for (int64_t t0 = 0; t0 < T; t0 += CH) {
+            const int64_t L = T - t0 < CH ? T - t0 : CH;
+            double acc = 0;
+            for (int64_t i = 0; i < L; i++) {
+                acc += g[(t0 + i) * d->Hv + h];
+                G[i] = (float)acc;
+            }
+            /* A[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j), j < i */
+            for (int64_t i = 0; i < L; i++) {
+                const float *ki = GDN_K(d, conv, t0 + i, h);
+                float bi = beta[(t0 + i) * d->Hv + h];
+                for (int64_t j = 0; j < L; j++) {
+                    float a = 0;
+                    if (j < i) {
+                        const float *kj = GDN_K(d, conv, t0 + j, h);
+                        float s = 0;
+                        for (int64_t m = 0; m < dk; m++) s += ki[m] * kj[m];
+                        a = -bi * s * expf(G[i] - G[j]);
+                    }
+                    A[i * CH + j] = a;
+                }
+            }
+            /* forward substitution, row by row, using the already updated rows above */
+            for (int64_t i = 1; i < L; i++) {
+                for (int64_t j = 0; j < i; j++) row[j] = A[i * CH + j];
+                for (int64_t j = 0; j < i; j++) {
+                    float s = 0;
+                    for (int64_t m = j + 1; m < i; m++) s += row[m] * A[m * CH + j];
+                    A[i * CH + j] = row[j] + s;
+                }
+            }
+            for (int64_t i = 0; i < L; i++) A[i * CH + i] = 1.0f;
+            /* U = A diag(beta) V, W = A diag(beta exp(G)) K */
+            for (int64_t i = 0; i < L; i++) {
+                float *u = U + i * dv, *w = W + i * dk;
+                memset(u, 0, sizeof(float) * (size_t)dv);
+                memset(w, 0, sizeof(float) * (size_t)dk);
+                for (int64_t j = 0; j <= i; j++) {
+                    float a = A[i * CH + j], bj = beta[(t0 + j) * d->Hv + h];
+                    if (a == 0) continue;
+                    const float *vj = GDN_V(d, conv, t0 + j, h), *kj = GDN_K(d, conv, t0 + j, h);
+                    float av = a * bj, ak = a * bj * expf(G[j]);
+                    for (int64_t m = 0; m < dv; m++) u[m] += av * vj[m];
+                    for (int64_t m = 0; m < dk; m++) w[m] += ak * kj[m];
+                }
+            }
+            /* V' = U - W S (in U) */
+            for (int64_t i = 0; i < L; i++) {
+                float *u = U + i * dv;
+                const float *w = W + i * dk;
+                for (int64_t m = 0; m < dk; m++) {
+                    float wm = w[m];
+                    const float *Sm = S + m * dv;
+                    for (int64_t n = 0; n < dv; n++) u[n] -= wm * Sm[n];
+                }
+            }
+            /* O_i = exp(G_i) q_i S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j */
+            for (int64_t i = 0; i < L; i++) {
+                const float *qi = GDN_Q(d, conv, t0 + i, h);
+                float *oi = o + ((t0 + i) * d->Hv + h) * dv;
+                readout(S, qi, dk, dv, oi);
+                float eg = expf(G[i]);
+                for (int64_t n = 0; n < dv; n++) oi[n] *= eg;
+                for (int64_t j = 0; j <= i; j++) {
+                    const float *kj = GDN_K(d, conv, t0 + j, h);
+                    float s = 0;
+                    for (int64_t m = 0; m < dk; m++) s += qi[m] * kj[m];
+                    s *= expf(G[i] - G[j]);
+                    const float *uj = U + j * dv;
+                    for (int64_t n = 0; n < dv; n++) oi[n] += s * uj[n];
+                }
+            }
+            /* S <- exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T */
+            float egl = expf(G[L - 1]);
+            for (int64_t m = 0; m < dk * dv; m++) S[m] *= egl;
+            for (int64_t j = 0; j < L; j++) {
+                const float *kj = GDN_K(d, conv, t0 + j, h);
+                float e = expf(G[L - 1] - G[j]);
+                const float *uj = U + j * dv;
+                for (int64_t m = 0; m < dk; m++) {
+                    float km = kj[m] * e;
+                    float *Sm = S + m * dv;
+                    for (int64_t n = 0; n < dv; n++) Sm[n] += km * uj[n];
+                }
+            }
+        }
+    }
+    free(A), free(U), free(W), free(G), free(row);
+    return CLOVER_OK;
+}
+
+static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
+    const gdn_dims d = gdn_dims_of(hp);
+    const int64_t T = f->T, C = d.C, vdim = d.Hv * d.dv;
+    float *state = c->gdn_state + (size_t)ly->slot * gdn_state_floats(hp);
+    float *hist = c->conv_state + (size_t)ly->slot * (d.K - 1) * C;
+    float *qkv = malloc(sizeof(float) * (size_t)(T * C));
+    float *cv = malloc(sizeof(float) * (size_t)(T * C));
+    float *z = malloc(sizeof(float) * (size_t)(T * vdim));
+    float *b = malloc(sizeof(float) * (size_t)(T * d.Hv));
+    float *a = malloc(sizeof(float) * (size_t)(T * d.Hv));
+    float *o = malloc(sizeof(float) * (size_t)(T * vdim));
+    float *S = NULL, *ob = NULL, *cvb = NULL, *bb = NULL, *ab = NULL;
+    int rc = CLOVER_E_NOMEM;
+    if (!qkv || !cv || !z || !b || !a || !o) goto done;
+    if (matmul(c, &ly->wqkv, xn, T, qkv) || matmul(c, &ly->wz, xn, T, z) || matmul(c, &ly->wbeta, xn, T, b) ||
+        matmul(c, &ly->walpha, xn, T, a))
+        goto done;
+    conv_causal(&d, ly->conv, hist, qkv, T, cv);
+    qk_norm(&d, cv, T, 1e-6f);
+    gates(&d, b, a, ly->ssm_a, ly->dt_bias, T);
+    if (f->mode == MODE_PREFIX) {
+        /* new conv history: the last K-1 inputs of (history ++ qkv rows) */
+        for (int64_t j = 0; j < d.K - 1; j++) {
+            int64_t src = T - (d.K - 1) + j;
+            float *dst = hist + j * C;
+            if (src >= 0) memcpy(dst, qkv + src * C, sizeof(float) * (size_t)C);
+            else memmove(dst, hist + (d.K - 1 + src) * C, sizeof(float) * (size_t)C);
+        }
+        if (c->gdn_chunked && T > 1) {
+            if (gdn_chunked(&d, cv, b, a, T, state, o)) goto done;
+        } else {
+            gdn_recurrent(&d, cv, b, a, T, state, o);
+        }
+    } else {
+        /* block mode: forward branch on a copy of the prefix state, then the backward branch */
+        S = malloc(sizeof(float) * (size_t)gdn_state_floats(hp));
+        ob = malloc(sizeof(float) * (size_t)(T * vdim));
+        cvb = malloc(sizeof(float) * (size_t)(T * C));
+        bb = malloc(sizeof(float) * (size_t)(T * d.Hv));
+        ab = malloc(sizeof(float) * (size_t)(T * d.Hv));
+        if (!S || !ob || !cvb || !bb || !ab) goto done;
+        memcpy(S, state, sizeof(float) * (size_t)gdn_state_floats(hp));
+        gdn_recurrent(&d, cv, b, a, T, S, o);
+        if (hp->is_clover) {
+            if (matmul(c, &ly->wbeta_bwd, xn, T, bb) || matmul(c, &ly->walpha_bwd, xn, T, ab)) goto done;
+            conv_anticausal(&d, ly->conv_bwd, qkv, T, cvb);
+            qk_norm(&d, cvb, T, 1e-6f);
+            gates(&d, bb, ab, ly->ssm_a_bwd, ly->dt_bias_bwd, T);
+            gdn_backward(&d, cvb, bb, ab, T, ob);
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t h = 0; h < d.Hv; h++) {
+                    float mix = sigmoidf_(ly->bwd_mix[h]);
+                    float *of = o + (t * d.Hv + h) * d.dv;
+                    const float *obh = ob + (t * d.Hv + h) * d.dv;
+                    for (int64_t n = 0; n < d.dv; n++) of[n] += mix * obh[n];
+                }
+        }
+    }
+    /* gated RMSNorm per head with a plain weight (spec 2.1 step 7) */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < d.Hv; h++) {
+            float *oh = o + (t * d.Hv + h) * d.dv;
+            const float *zh = z + (t * d.Hv + h) * d.dv;
+            rmsnorm(oh, oh, ly->ssm_norm, d.dv, hp->rms_eps);
+            for (int64_t n = 0; n < d.dv; n++) oh[n] *= silu(zh[n]);
+        }
+    rc = matmul(c, &ly->wout, o, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
+done:
+    free(qkv), free(cv), free(z), free(b), free(a), free(o);
+    free(S), free(ob), free(cvb), free(bb), free(ab);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ MoE (spec 2.3, 5.6) */
+
+/* Indices of the k largest p[i] among allowed experts (allowed == NULL: all), largest first,
+ * ties to the lower id. */
+static void topk(const float *p, int64_t n, const unsigned char *allowed, int64_t k, int32_t *idx) {
+    for (int64_t s = 0; s < k; s++) {
+        int32_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            if (allowed && !allowed[e]) continue;
+            int taken = 0;
+            for (int64_t u = 0; u < s; u++) taken |= idx[u] == e;
+            if (taken) continue;
+            if (best < 0 || p[e] > p[best]) best = (int32_t)e;
+        }
+        idx[s] = best;
+    }
+}
+
+/* Coreset C (spec 5.6): allowed[e] = 1 for the first m experts by aggregated top-k mass. */
+static void coreset(const float *probs, int64_t T, int64_t E, int64_t k, double top_p, unsigned char *allowed,
+                    double *S, int32_t *order, int32_t *idx) {
+    for (int64_t e = 0; e < E; e++) S[e] = 0;
+    for (int64_t t = 0; t < T; t++) {
+        topk(probs + t * E, E, NULL, k, idx);
+        for (int64_t s = 0; s < k; s++) S[idx[s]] += probs[t * E + idx[s]];
+    }
+    double tot = 0;
+    for (int64_t e = 0; e < E; e++) tot += S[e];
+    for (int64_t e = 0; e < E; e++) {
+        S[e] = tot > 0 ? S[e] / tot : 0;
+        order[e] = (int32_t)e;
+    }
+    /* stable insertion sort by S descending (ties: lower id first) */
+    for (int64_t i = 1; i < E; i++) {
+        int32_t x = order[i];
+        int64_t j = i - 1;
+        while (j >= 0 && S[order[j]] < S[x]) {
+            order[j + 1] = order[j];
+            j--;
+        }
+        order[j + 1] = x;
+    }
+    int64_t m = E;
+    double cum = 0;
+    for (int64_t i = 0; i < E; i++) {
+        cum += S[order[i]];
+        if (cum >= top_p) {
+            m = i + 1;
+            break;
+        }
+    }
+    if (m < k) m = k;
+    memset(allowed, 0, (size_t)E);
+    for (int64_t i = 0; i < m; i++) allowed[order[i]] = 1;
+}
+
+static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *out) {
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, I = hp->n_ff_exp;
+    const int64_t Is = hp->n_ff_shexp;
+    const int64_t Imax = I > Is ? I : Is;
+    float *probs = malloc(sizeof(float) * (size_t)(T * E));
+    int32_t *sel = malloc(sizeof(int32_t) * (size_t)(T * k));
+    float *wsel = malloc(sizeof(float) * (size_t)(T * k));
+    unsigned char *allowed = malloc((size_t)E);
+    unsigned char *used = calloc((size_t)E, 1);
+    double *S = malloc(sizeof(double) * (size_t)E);
+    int32_t *order = malloc(sizeof(int32_t) * (size_t)E);
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)T);
+    float *rw = malloc(sizeof(float) * (size_t)T);
+    float *xg = malloc(sizeof(float) * (size_t)(T * H));
+    float *gt = malloc(sizeof(float) * (size_t)(T * Imax));
+    float *up = malloc(sizeof(float) * (size_t)(T * Imax));
+    float *y = malloc(sizeof(float) * (size_t)(T * H));
+    float *sg = malloc(sizeof(float) * (size_t)T);
+    int rc = CLOVER_E_NOMEM;
+    if (!probs || !sel || !wsel || !allowed || !used || !S || !order || !rows || !rw || !xg || !gt || !up || !y ||
+        !sg)
+        goto done;
+    /* router: softmax in fp32 over all experts, top-k, renormalise (spec 2.3 step 1) */
+    if (matmul(c, &ly->router, xn, T, probs)) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        float *p = probs + t * E, mx = -FLT_MAX;
+        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        double sum = 0;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
+    }
+    const int use_coreset = f->mode == MODE_BLOCK;
+    if (use_coreset) coreset(probs, T, E, k, f->coreset_top_p, allowed, S, order, sel);
+    for (int64_t t = 0; t < T; t++) {
+        int32_t *st = sel + t * k;
+        topk(probs + t * E, E, use_coreset ? allowed : NULL, k, st);
+        double sum = 0;
+        for (int64_t s = 0; s < k; s++) sum += probs[t * E + st[s]];
+        for (int64_t s = 0; s < k; s++) {
+            wsel[t * k + s] = (float)(probs[t * E + st[s]] / sum);
+            used[st[s]] = 1;
+        }
+    }
+    memset(out, 0, sizeof(float) * (size_t)(T * H));
+    /* each used expert runs once over the rows routed to it (spec 5.6) */
+    int32_t n_used = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (!used[e]) continue;
+        n_used++;
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t s = 0; s < k; s++)
+                if (sel[t * k + s] == e) {
+                    rows[n] = (int32_t)t;
+                    rw[n] = wsel[t * k + s];
+                    memcpy(xg + n * H, xn + t * H, sizeof(float) * (size_t)H);
+                    n++;
+                }
+        clover_tensor wg = expert_view(&ly->gate_exps, e), wu = expert_view(&ly->up_exps, e);
+        clover_tensor wd = expert_view(&ly->down_exps, e);
+        if (matmul(c, &wg, xg, n, gt) || matmul(c, &wu, xg, n, up)) goto done;
+        for (int64_t i = 0; i < n * I; i++) gt[i] = silu(gt[i]) * up[i];
+        if (matmul(c, &wd, gt, n, y)) goto done;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t j = 0; j < H; j++) out[rows[r] * H + j] += rw[r] * y[r * H + j];
+    }
+    if (f->n_experts_out) f->n_experts_out[il] = n_used;
+    /* shared expert, gated per token by sigmoid(w . x) (spec 2.3 step 3) */
+    if (matmul(c, &ly->shexp_gate, xn, T, sg) || matmul(c, &ly->gate_sh, xn, T, gt) ||
+        matmul(c, &ly->up_sh, xn, T, up))
+        goto done;
+    for (int64_t i = 0; i < T * Is; i++) gt[i] = silu(gt[i]) * up[i];
+    if (matmul(c, &ly->down_sh, gt, T, y)) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        float s = sigmoidf_(sg[t]);
+        for (int64_t j = 0; j < H; j++) out[t * H + j] += s * y[t * H + j];
+    }
+    rc = CLOVER_OK;
+done:
+    free(probs), free(sel), free(wsel), free(allowed), free(used), free(S), free(order), free(rows), free(rw);
+    free(xg), free(gt), free(up), free(y), free(sg);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ whole model */
+
+static int check_tokens(const clover_model *m, const int32_t *tokens, int32_t n, char *err, size_t err_size) {
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->hp.n_vocab)
+            return clover_set_err(err, err_size, CLOVER_E_ARG, "tokens[%d]: id %d outside [0, %d)", i, tokens[i],
+                                  m->hp.n_vocab);
+    return CLOVER_OK;
+}
+
+/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T). */
+static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    const clover_hparams *hp = &m->hp;
+    const int64_t T = f->T, H = hp->n_embd;
+    float *x = malloc(sizeof(float) * (size_t)(T * H));
+    float *xn = malloc(sizeof(float) * (size_t)(T * H));
+    float *o = malloc(sizeof(float) * (size_t)(T * H));
+    int rc = CLOVER_E_NOMEM;
+    if (!x || !xn || !o) goto done;
+    const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
+    for (int64_t t = 0; t < T; t++)
+        clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const clover_layer *ly = &m->layers[il];
+        for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->attn_norm, H, hp->rms_eps);
+        rc = ly->is_attn ? attention_layer(f, ly, xn, o) : gdn_layer(f, ly, xn, o);
+        if (rc) goto done;
+        for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+        for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->post_norm, H, hp->rms_eps);
+        if ((rc = moe_layer(f, ly, il, xn, o))) goto done;
+        for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    }
+    if (logits) {
+        for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
+        rc = matmul(c, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
+    }
+done:
+    if (rc == CLOVER_E_NOMEM) clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
+    free(x), free(xn), free(o);
+    return rc;
+}
+
+int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   char *err, size_t err_size) {
+    if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
+    if (n <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d must be > 0", n);
+    if ((int64_t)c->n_past + n > c->n_ctx)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d past %d cached exceeds n_ctx %d", n,
+                              c->n_past, c->n_ctx);
+    int rc = check_tokens(c->m, tokens, n, err, err_size);
+    if (rc) return rc;
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size};
+    rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1);
+    if (rc == CLOVER_OK) c->n_past += n;
+    else clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
+    return rc;
+}
+
+int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
+                         int32_t *n_experts_out, char *err, size_t err_size) {
+    if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
+    if (!c->m->hp.is_clover)
+        return clover_set_err(err, err_size, CLOVER_E_STATE,
+                              "block mode needs a clover model (this file is qwen35moe: use mode ar)");
+    if (B <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "block_size: %d must be > 0", B);
+    if (!(coreset_top_p > 0.0f && coreset_top_p <= 1.0f))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "coreset_top_p: %g outside (0, 1]", coreset_top_p);
+    if ((int64_t)c->n_past + B > c->n_ctx)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "block_size: %d past %d cached exceeds n_ctx %d", B,
+                              c->n_past, c->n_ctx);
+    int rc = check_tokens(c->m, tokens, B, err, err_size);
+    if (rc) return rc;
+    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size};
+    return forward(&f, tokens, logits, 0);
+}
