@@ -6,7 +6,8 @@ truth. Nothing here imports torch.
 
 Library search order: ``$CLOVER_LIB`` (a path to the shared library, for development), then
 the package directory (where ``pip install .`` puts it), then ``build/`` trees of a source
-checkout.
+checkout, then ``clover_gguf/`` under every ``sys.path`` entry (the installed copy, when a
+source checkout's package shadows it).
 """
 from __future__ import annotations
 
@@ -52,12 +53,23 @@ def _find_library() -> str:
     if env:
         return env
     dirs = [_PKG, _ROOT / "build", _ROOT / "build" / "native"]
+    # A source checkout's clover_gguf/ can shadow the installed package (pytest run at the
+    # repository root puts the root on sys.path first); `pip install .` put the library
+    # only into site-packages, so look there too.
+    for entry in sys.path:
+        try:
+            d = pathlib.Path(entry or os.getcwd()).resolve() / "clover_gguf"
+        except OSError:
+            continue
+        if d != _PKG:
+            dirs.append(d)
     for d in dirs:
         for name in _LIBNAMES:
             if (d / name).is_file():
                 return str(d / name)
     raise ImportError(
-        "native library libclover not found: install the package with `pip install .` "
+        "native library libclover not found: install the package with `pip install .`, "
+        "build it with `cmake -S . -B build && cmake --build build`, "
         "or set CLOVER_LIB to the built library"
     )
 

@@ -1,0 +1,30 @@
+"""clover-gguf: a local runtime for the Clover block-diffusion LLM from GGUF files.
+
+Public names: :class:`Model` (load a GGUF, tokenize, generate in ``diffusion`` or ``ar``
+mode, read logits), :class:`CloverError` (errors reported by the native engine) and
+``__version__``. ``Model`` and ``CloverError`` are loaded on first use, so reading
+``clover_gguf.__version__`` works even before the native library is built. Nothing here
+imports torch.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["Model", "CloverError", "__version__"]
+
+
+def __getattr__(name: str):
+    # PEP 562: load the native binding only when Model/CloverError are first used.
+    if name == "Model":
+        from .api import Model
+
+        return Model
+    if name == "CloverError":
+        from ._ffi import CloverError
+
+        return CloverError
+    raise AttributeError(f"module 'clover_gguf' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + ["Model", "CloverError"])

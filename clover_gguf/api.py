@@ -1,0 +1,393 @@
+"""Python API over the native engine: :class:`Model` (clover-spec sections 3, 5).
+
+A thin, friendly layer over ``clover.h`` (through the cffi binding in ``_ffi``): load a
+GGUF, tokenize, generate text in ``diffusion`` (threshold block decoding, spec 5.2) or
+``ar`` mode, stream committed text, and read prefix-mode / block-mode logits for tests.
+Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ._ffi import CloverError, err_buf, ffi, lib, raise_error
+from .tokenizer import CloverTokenizer
+
+__all__ = ["Model", "CloverError"]
+
+_MODES = {"ar": lib.CLOVER_MODE_AR, "diffusion": lib.CLOVER_MODE_DIFFUSION}
+_FINISH = {
+    lib.CLOVER_FINISH_NONE: None,
+    lib.CLOVER_FINISH_STOP: "stop",
+    lib.CLOVER_FINISH_LENGTH: "length",
+}
+# Tokens that end generation besides the GGUF eos (Qwen chat / document ends).
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def _check_int(name, v, lo=None, hi=None):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name}: expected an integer, got {v!r}")
+    v = int(v)
+    if lo is not None and v < lo:
+        raise ValueError(f"{name}: {v} must be >= {lo}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name}: {v} must be <= {hi}")
+    return v
+
+
+def _check_float(name, v, lo=None, hi=None, lo_open=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}: expected a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: {v} is not finite")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise ValueError(f"{name}: {v} must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name}: {v} must be <= {hi}")
+    return v
+
+
+class Model:
+    """A loaded GGUF model (arch ``clover`` or ``qwen35moe``) with one decoding context.
+
+    Args:
+        path: GGUF file.
+        n_ctx: context length in tokens (prompt + generated + one block), > 0.
+        n_threads: CPU threads; None or 0 = all available cores.
+
+    Raises:
+        CloverError: the native loader's message (bad file, missing/mis-shaped tensor, ...).
+        ValueError: a bad argument, naming it.
+
+    Use as a context manager or call :meth:`close` to free the native memory.
+    """
+
+    def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+        self._model = ffi.NULL
+        self._ctx = ffi.NULL
+        path = os.fspath(path)
+        n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
+        n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
+        self.path = path
+        err = err_buf()
+        m = lib.clover_model_load(os.fsencode(path), err, len(err))
+        if m == ffi.NULL:
+            raise_error(err, f"loading {path}")
+        self._model = m
+        try:
+            hp = ffi.new("clover_hparams *")
+            lib.clover_model_hparams(m, hp)
+            self._hp = hp[0]
+            self.hparams = {name: getattr(hp, name) for name, _ in ffi.typeof("clover_hparams").fields}
+            self.hparams["is_clover"] = bool(self.hparams["is_clover"])
+            self.hparams["logits_shift"] = bool(self.hparams["logits_shift"])
+            c = lib.clover_context_new(m, n_ctx, n_threads, err, len(err))
+            if c == ffi.NULL:
+                raise_error(err, "creating the context")
+            self._ctx = c
+            self.tokenizer = CloverTokenizer.from_handle(lib.clover_model_gguf(m))
+        except BaseException:
+            self.close()
+            raise
+        self.n_ctx = n_ctx
+        self.n_vocab = int(self.hparams["n_vocab"])
+        self.end_ids = self._end_ids()
+        self.last_stats: dict | None = None
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def arch(self) -> str:
+        """``"clover"`` or ``"qwen35moe"``."""
+        return "clover" if self.hparams["is_clover"] else "qwen35moe"
+
+    @property
+    def is_clover(self) -> bool:
+        return self.hparams["is_clover"]
+
+    def _end_ids(self) -> list[int]:
+        ids = []
+        for t in _END_TOKENS:
+            i = self.tokenizer.token_to_id(t)
+            if i is not None and i not in ids:
+                ids.append(int(i))
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and 0 <= eos < self.n_vocab and eos not in ids:
+            ids.append(int(eos))
+        return ids
+
+    def _live(self):
+        if self._ctx == ffi.NULL:
+            raise CloverError("model is closed")
+
+    def close(self) -> None:
+        """Free the context and the model (idempotent)."""
+        if getattr(self, "_ctx", ffi.NULL) != ffi.NULL:
+            lib.clover_context_free(self._ctx)
+            self._ctx = ffi.NULL
+        if getattr(self, "_model", ffi.NULL) != ffi.NULL:
+            lib.clover_model_free(self._model)
+            self._model = ffi.NULL
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, arch={self.arch}, n_ctx={self.n_ctx})"
+
+    # ------------------------------------------------------------------ tokens
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of ``text`` (list of int, no BOS). ``special=True`` recognises control
+        tokens such as ``<|im_start|>`` written in the text."""
+        return self.tokenizer.encode(text, special=special)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of ``ids`` (invalid UTF-8 becomes U+FFFD). Raises ValueError for an id out
+        of range."""
+        return self.tokenizer.decode(self._check_ids("ids", ids, allow_empty=True), skip_special)
+
+    def _check_ids(self, name, ids, allow_empty=False) -> list[int]:
+        if isinstance(ids, (str, bytes)):
+            raise ValueError(f"{name}: expected a sequence of token ids, got {type(ids).__name__}")
+        try:
+            out = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: expected a sequence of integer token ids") from None
+        if not out and not allow_empty:
+            raise ValueError(f"{name}: empty")
+        for k, i in enumerate(out):
+            if not 0 <= i < self.n_vocab:
+                raise ValueError(f"{name}[{k}]: token id {i} out of range [0, {self.n_vocab})")
+        return out
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+            if not ids:
+                raise ValueError("prompt: empty (at least one token is needed)")
+            return ids
+        return self._check_ids("prompt", prompt)
+
+    # ------------------------------------------------------------------ generation
+    def _check_fits(self, ids: list[int]) -> list[int]:
+        self._live()
+        if len(ids) >= self.n_ctx:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in n_ctx={self.n_ctx}")
+        return ids
+
+    def _params(self, max_tokens, mode, temperature, top_k, top_p, seed, block_size, threshold,
+                coreset_top_p, end_ids):
+        p = ffi.new("clover_gen_params *")
+        lib.clover_gen_params_default(self._model, p)
+        if mode is None:
+            mode = "diffusion" if self.is_clover else "ar"
+        if mode not in _MODES:
+            raise ValueError(f"mode: {mode!r} not one of {sorted(_MODES)}")
+        if mode == "diffusion" and not self.is_clover:
+            raise ValueError("mode: 'diffusion' needs a clover model (this GGUF is qwen35moe); use 'ar'")
+        p.mode = _MODES[mode]
+        p.max_tokens = _check_int("max_tokens", max_tokens, lo=1, hi=2**31 - 1)
+        p.temperature = _check_float("temperature", temperature, lo=0.0)
+        p.top_k = _check_int("top_k", top_k, lo=0, hi=2**31 - 1)
+        p.top_p = _check_float("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+        p.seed = _check_int("seed", seed, lo=0, hi=2**64 - 1)
+        if block_size is not None:
+            p.block_size = _check_int("block_size", block_size, lo=1, hi=self.n_ctx)
+        if threshold is not None:
+            p.threshold = _check_float("threshold", threshold, lo=0.0, hi=1.0, lo_open=True)
+        if coreset_top_p is not None:
+            p.coreset_top_p = _check_float("coreset_top_p", coreset_top_p, lo=0.0, hi=1.0, lo_open=True)
+        ends = self.end_ids if end_ids is None else self._check_ids("end_ids", end_ids, allow_empty=True)
+        keep = ffi.new("int32_t[]", max(len(ends), 1))
+        for k, t in enumerate(ends):
+            keep[k] = t
+        p.end_ids = keep
+        p.n_end_ids = len(ends)
+        return p, keep, mode, ends
+
+    def _steps(self, prompt_ids, p, mode) -> Iterator[list[int]]:
+        """Run the native decoder; yield each step's newly final tokens; set last_stats."""
+        n = len(prompt_ids)
+        err = err_buf()
+        prompt = ffi.new("int32_t[]", prompt_ids)
+        t0 = time.perf_counter()
+        d = lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
+        if d == ffi.NULL:
+            raise_error(err, "generate")
+        t_prefill = time.perf_counter() - t0
+        cap = max(int(p.block_size), 1)  # a step yields at most one block
+        out = ffi.new("int32_t[]", cap)
+        n_out = ffi.new("int32_t *")
+        tokens: list[int] = []
+        try:
+            while True:
+                n_out[0] = 0
+                rc = lib.clover_decoder_step(d, out, cap, n_out, err, len(err))
+                if rc < 0:
+                    raise_error(err, "generate")
+                new = [int(out[k]) for k in range(n_out[0])]
+                tokens.extend(new)
+                if new:
+                    yield new
+                if rc == 0:
+                    break
+        finally:
+            seconds = time.perf_counter() - t0
+            st = ffi.new("clover_stats *")
+            lib.clover_decoder_stats(d, st)
+            lib.clover_decoder_free(d)
+            self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
+
+    def _stats_dict(self, st, mode, seconds, t_prefill, tokens) -> dict:
+        n_forward = int(st.n_forward_prefill + st.n_forward_denoise + st.n_forward_commit
+                        + st.n_forward_decode)
+        n_gen = int(st.n_generated)
+        n_layer = int(self.hparams["n_layer"])
+        den = int(st.n_forward_denoise)
+        return {
+            "mode": mode,
+            "n_prompt": int(st.n_prompt),
+            "n_generated": n_gen,
+            "n_forward": n_forward,
+            "n_forward_prefill": int(st.n_forward_prefill),
+            "n_forward_denoise": den,
+            "n_forward_commit": int(st.n_forward_commit),
+            "n_forward_decode": int(st.n_forward_decode),
+            "n_blocks": int(st.n_blocks),
+            "sum_distinct_experts": int(st.sum_distinct_experts),
+            "mean_distinct_experts": (st.sum_distinct_experts / (den * n_layer)) if den and n_layer else None,
+            "tokens_per_forward": n_gen / n_forward if n_forward else 0.0,
+            "seconds": seconds,
+            "prefill_seconds": t_prefill,
+            "tokens_per_second": n_gen / seconds if seconds > 0 else 0.0,
+            "finish_reason": _FINISH.get(int(st.finish_reason), None),
+            "tokens": list(tokens),
+        }
+
+    def generate_tokens(self, prompt_ids: Sequence[int], max_tokens: int = 256, mode: str | None = None,
+                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                        block_size: int | None = None, threshold: float | None = None,
+                        coreset_top_p: float | None = None, end_ids: Sequence[int] | None = None):
+        """Generate from token ids (spec 5.1-5.3, 5.6).
+
+        Returns ``(ids, stats)``: the generated token ids (the end token included when
+        generation stopped on one) and the stats dict of :attr:`last_stats`.
+        ``mode`` None means ``"diffusion"`` for a clover GGUF, ``"ar"`` for qwen35moe;
+        ``block_size``/``threshold``/``coreset_top_p`` None take the GGUF defaults (spec 4.2);
+        ``end_ids`` None means ``<|im_end|>``, ``<|endoftext|>`` and the GGUF eos.
+        Raises ValueError for a bad argument (naming it), CloverError for an engine error.
+        """
+        ids = self._check_fits(self._check_ids("prompt_ids", prompt_ids))
+        p, _keep, mode, _ = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
+                                         block_size, threshold, coreset_top_p, end_ids)
+        out: list[int] = []
+        for new in self._steps(ids, p, mode):
+            out.extend(new)
+        return out, dict(self.last_stats)
+
+    def generate_stream(self, prompt, max_tokens: int = 256, mode: str | None = None,
+                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                        block_size: int | None = None, threshold: float | None = None,
+                        coreset_top_p: float | None = None) -> Iterator[str]:
+        """Like :meth:`generate`, but yields text as tokens become final (per AR token or
+        per committed diffusion block). Pieces never split a UTF-8 character; end tokens
+        are not written. :attr:`last_stats` is set when the iterator ends (or is closed).
+        Arguments are validated before the first piece is requested."""
+        ids = self._check_fits(self._prompt_ids(prompt))
+        p, keep, mode, ends = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
+                                           block_size, threshold, coreset_top_p, None)
+        return self._stream(ids, p, keep, mode, set(ends))
+
+    def _stream(self, ids, p, keep, mode, ends) -> Iterator[str]:
+        det = self.tokenizer.stream()
+        for new in self._steps(ids, p, mode):
+            piece = det.add([t for t in new if t not in ends])
+            if piece:
+                yield piece
+        tail = det.flush()
+        if tail:
+            yield tail
+        del keep  # the end-id array must live as long as the decoder
+
+    def generate(self, prompt, max_tokens: int = 256, mode: str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 block_size: int | None = None, threshold: float | None = None,
+                 coreset_top_p: float | None = None) -> str:
+        """Generate text after ``prompt`` (a str, tokenized with special tokens recognised,
+        or a sequence of token ids) and return it, without the end token.
+
+        Spec 5.2 (diffusion) / 5.1 (ar); greedy at ``temperature=0``; a ``seed`` makes
+        sampling reproducible. Statistics of the run are in :attr:`last_stats`
+        (``n_forward``, ``tokens_per_forward``, ``seconds``, ``tokens_per_second``,
+        ``finish_reason`` ``"stop"``/``"length"``, ``tokens``...).
+        Raises ValueError for a bad argument (naming it), CloverError for an engine error.
+        """
+        return "".join(self.generate_stream(prompt, max_tokens, mode, temperature, top_k, top_p,
+                                            seed, block_size, threshold, coreset_top_p))
+
+    # ------------------------------------------------------------------ logits (tests)
+    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Prefix (causal) mode logits of ``ids`` from an empty cache (spec 3.2):
+        float32 array [len(ids), n_vocab]; row t predicts the token after ids[t].
+        Resets the context. Raises ValueError / CloverError."""
+        self._live()
+        ids = self._check_ids("ids", ids)
+        if len(ids) > self.n_ctx:
+            raise ValueError(f"ids: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
+        lib.clover_context_reset(self._ctx)
+        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        err = err_buf()
+        toks = ffi.new("int32_t[]", ids)
+        rc = lib.clover_prefill(self._ctx, toks, len(ids), ffi.cast("float *", out.ctypes.data), 1,
+                                err, len(err))
+        if rc < 0:
+            raise_error(err, "prefix_logits")
+        return out
+
+    def block_logits(self, prefix_ids: Sequence[int], block_ids: Sequence[int],
+                     coreset_top_p: float = 1.0):
+        """Block (denoising) mode logits (spec 3.2-3.3, coreset 5.6): reset, prefill
+        ``prefix_ids`` (may be empty), then one block forward over ``block_ids`` (mask ids
+        allowed) at positions len(prefix)..len(prefix)+B-1; the caches are not changed by
+        the block pass.
+
+        Returns ``(logits, n_experts)``: float32 [B, n_vocab] (row j = LM head on row j, no
+        shift applied) and a list of n_layer ints, the distinct experts used per layer.
+        Requires a clover model. Raises ValueError / CloverError."""
+        self._live()
+        if not self.is_clover:
+            raise ValueError("block_logits: needs a clover model (this GGUF is qwen35moe)")
+        prefix = self._check_ids("prefix_ids", prefix_ids, allow_empty=True)
+        block = self._check_ids("block_ids", block_ids)
+        cp = _check_float("coreset_top_p", coreset_top_p, lo=0.0, hi=1.0, lo_open=True)
+        if len(prefix) + len(block) > self.n_ctx:
+            raise ValueError(f"prefix_ids + block_ids: {len(prefix) + len(block)} tokens do not fit n_ctx={self.n_ctx}")
+        err = err_buf()
+        lib.clover_context_reset(self._ctx)
+        if prefix:
+            toks = ffi.new("int32_t[]", prefix)
+            if lib.clover_prefill(self._ctx, toks, len(prefix), ffi.NULL, 0, err, len(err)) < 0:
+                raise_error(err, "block_logits prefill")
+        out = np.empty((len(block), self.n_vocab), dtype=np.float32)
+        n_layer = int(self.hparams["n_layer"])
+        nexp = ffi.new("int32_t[]", max(n_layer, 1))
+        btoks = ffi.new("int32_t[]", block)
+        rc = lib.clover_block_forward(self._ctx, btoks, len(block), cp,
+                                      ffi.cast("float *", out.ctypes.data), nexp, err, len(err))
+        if rc < 0:
+            raise_error(err, "block_logits")
+        return out, [int(nexp[k]) for k in range(n_layer)]

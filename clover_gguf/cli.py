@@ -1,0 +1,300 @@
+"""``clover-gguf`` command line: run, info, logits, convert.
+
+A thin shell over :class:`clover_gguf.Model` (flags map one to one onto API arguments) and
+over ``convert.convert.main`` (imported only by ``convert``). Never imports torch.
+Exit codes: 0 ok, 1 runtime error, 2 bad arguments or unreadable/invalid files, 130 on
+Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    """A bad argument or file: printed as ``error: ...``, exit 2."""
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_model_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise _UsageError(f"model file not found: {path}")
+    if not os.path.isfile(path):
+        raise _UsageError(f"model path is not a file: {path}")
+
+
+def _load(path: str, n_ctx: int, n_threads):
+    _check_model_path(path)
+    from ._ffi import CloverError
+    from .api import Model
+
+    try:
+        return Model(path, n_ctx=n_ctx, n_threads=n_threads)
+    except (CloverError, ValueError) as e:
+        raise _UsageError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- run
+def cmd_run(a) -> int:
+    m = _load(a.model, a.ctx_size, a.threads)
+    with m:
+        kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
+                  top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
+                  coreset_top_p=a.coreset_top_p)
+        try:
+            stream = m.generate_stream(a.prompt, **kw)
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+        pieces = []
+        for piece in stream:
+            pieces.append(piece)
+            if not a.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        st = m.last_stats
+        text = "".join(pieces)
+        if a.json:
+            obj = {
+                "text": text,
+                "tokens": st["tokens"],
+                "n_tokens": st["n_generated"],
+                "n_prompt": st["n_prompt"],
+                "n_forward": st["n_forward"],
+                "tokens_per_forward": st["tokens_per_forward"],
+                "seconds": st["seconds"],
+                "tokens_per_second": st["tokens_per_second"],
+                "mode": st["mode"],
+                "finish_reason": st["finish_reason"],
+            }
+            print(json.dumps(obj, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print(
+                f"[{st['mode']}] {st['n_generated']} tokens in {st['seconds']:.3f} s "
+                f"({st['tokens_per_second']:.2f} tokens/s), {st['n_forward']} forward passes, "
+                f"{st['tokens_per_forward']:.2f} tokens/forward, finish: {st['finish_reason']}",
+                file=sys.stderr,
+            )
+    return _EXIT_OK
+
+
+# ---------------------------------------------------------------------------- info
+def _summarise(v, max_items: int = 8) -> str:
+    if isinstance(v, (list, tuple)):
+        if len(v) <= max_items:
+            return "[" + ", ".join(_summarise(x) for x in v) + "]"
+        head = ", ".join(_summarise(x) for x in v[:max_items])
+        return f"[{head}, ...] ({len(v)} items)"
+    if isinstance(v, str):
+        s = v if len(v) <= 80 else v[:77] + "..."
+        return json.dumps(s, ensure_ascii=False) + (f" ({len(v)} chars)" if len(v) > 80 else "")
+    if isinstance(v, float):
+        return f"{v:.9g}"
+    return str(v)
+
+
+def _tensor_field(t: dict, *names, default=None):
+    for n in names:
+        if n in t:
+            return t[n]
+    return default
+
+
+def cmd_info(a) -> int:
+    from ._ffi import CloverError
+    from .gguf import GGUFFile
+
+    _check_model_path(a.model)
+    try:
+        f = GGUFFile(a.model)
+    except (CloverError, ValueError) as e:
+        raise _UsageError(str(e)) from None
+    with f:
+        md = f.metadata
+        out = sys.stdout
+        print(f"file: {a.model}", file=out)
+        print(f"metadata: {len(md)} keys", file=out)
+        width = max((len(k) for k in md), default=0)
+        for k, v in md.items():
+            print(f"  {k:<{width}}  {_summarise(v)}", file=out)
+        tensors = f.tensors
+        print(f"tensors: {len(tensors)}", file=out)
+        rows = []
+        total = 0
+        for t in tensors:
+            shape = _tensor_field(t, "shape", "ne", default=())
+            typ = _tensor_field(t, "type_name", "type", default="?")
+            nbytes = int(_tensor_field(t, "nbytes", "n_bytes", default=0))
+            off = _tensor_field(t, "offset", default="")
+            total += nbytes
+            rows.append((str(t.get("name")), str(typ), "{" + ", ".join(str(int(x)) for x in shape) + "}",
+                         str(nbytes), str(off)))
+        hdr = ("name", "type", "shape (ne)", "bytes", "offset")
+        w = [max(len(r[i]) for r in rows + [hdr]) for i in range(5)]
+        print("  " + "  ".join(h.ljust(w[i]) for i, h in enumerate(hdr)), file=out)
+        for r in rows:
+            print("  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)), file=out)
+        print(f"total tensor bytes: {total}", file=out)
+    return _EXIT_OK
+
+
+# ---------------------------------------------------------------------------- logits
+def _parse_tokens(s: str) -> list[int]:
+    try:
+        ids = [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise _UsageError(f"--tokens: expected comma-separated integers, got {s!r}") from None
+    if not ids:
+        raise _UsageError("--tokens: empty")
+    return ids
+
+
+def cmd_logits(a) -> int:
+    import numpy as np
+
+    ids = _parse_tokens(a.tokens) if a.tokens is not None else None
+    m = _load(a.model, a.ctx_size, a.threads)
+    with m:
+        if ids is None:
+            ids = m.tokenize(a.prompt)
+            if not ids:
+                raise _UsageError("--prompt: empty (no tokens)")
+        n_ctx_needed = len(ids)
+        if n_ctx_needed > m.n_ctx:
+            raise _UsageError(f"{n_ctx_needed} tokens do not fit --ctx-size {m.n_ctx}")
+        try:
+            logits = m.prefix_logits(ids)
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+    out_dir = os.path.dirname(os.path.abspath(a.output))
+    if not os.path.isdir(out_dir):
+        raise _UsageError(f"--output: directory does not exist: {out_dir}")
+    with open(a.output, "wb") as fh:  # np.save(path) would append .npy to other names
+        np.save(fh, logits)
+    print(f"wrote {a.output}: float32 {list(logits.shape)} (tokens: {','.join(map(str, ids))})",
+          file=sys.stderr)
+    return _EXIT_OK
+
+
+# ---------------------------------------------------------------------------- convert
+def cmd_convert(argv: list[str]) -> int:
+    # Imported lazily: the converter is only needed here.
+    from convert.convert import main as convert_main
+
+    rc = convert_main(argv)
+    return 0 if rc is None else int(rc)
+
+
+# ---------------------------------------------------------------------------- parser
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be > 0")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(
+        prog="clover-gguf",
+        description="Run Clover block-diffusion (and Qwen3.5/3.6-MoE) models from GGUF files.",
+    )
+    p.add_argument("--version", action="version", version=f"clover-gguf {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{run,info,logits,convert}")
+    sub.required = True
+
+    r = sub.add_parser("run", help="generate text from a prompt")
+    r.add_argument("-m", "--model", required=True, help="GGUF file")
+    r.add_argument("-p", "--prompt", required=True, help="prompt text (special tokens recognised)")
+    r.add_argument("-n", "--n-predict", type=_positive_int, default=256, help="max tokens to generate (256)")
+    r.add_argument("--mode", choices=["diffusion", "ar"], default=None,
+                   help="decoding mode (default: diffusion for clover, ar for qwen35moe)")
+    r.add_argument("--temp", type=float, default=0.0, help="temperature, 0 = greedy (0)")
+    r.add_argument("--top-k", type=_nonneg_int, default=0, help="top-k, 0 = off (0)")
+    r.add_argument("--top-p", type=float, default=1.0, help="top-p, 1 = off (1.0)")
+    r.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (0)")
+    r.add_argument("--block-size", type=_positive_int, default=None, help="diffusion block size (GGUF default)")
+    r.add_argument("--threshold", type=float, default=None, help="diffusion confidence threshold (GGUF default)")
+    r.add_argument("--coreset-top-p", type=float, default=None, help="MoE block coreset top-p (GGUF default)")
+    r.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
+    r.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("info", help="print GGUF metadata and the tensor table")
+    i.add_argument("model", help="GGUF file")
+    i.set_defaults(func=cmd_info)
+
+    lg = sub.add_parser("logits", help="write prefix-mode logits [n_tokens, n_vocab] float32 to .npy")
+    lg.add_argument("-m", "--model", required=True, help="GGUF file")
+    src = lg.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
+    lg.add_argument("-o", "--output", required=True, help="output .npy file")
+    lg.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
+    lg.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
+    lg.set_defaults(func=cmd_logits)
+
+    # Parsed by the converter itself (see main); listed here for --help.
+    sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF "
+                   "(clover-gguf convert HF_DIR -o OUT.gguf --outtype {f32,f16,bf16,q8_0} [--arch clover|qwen35moe])",
+                   add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``clover-gguf``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "convert":
+            try:
+                return cmd_convert(argv[1:])
+            except (FileNotFoundError, NotADirectoryError, ValueError) as e:
+                raise _UsageError(str(e)) from None
+        parser = build_parser()
+        a = parser.parse_args(argv)
+        return a.func(a)
+    except _UsageError as e:
+        _err(str(e))
+        return _EXIT_USAGE
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into head): not an error of ours.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return _EXIT_OK
+    except Exception as e:  # runtime failure: one line, no traceback (CLOVER_DEBUG=1 shows it)
+        if os.environ.get("CLOVER_DEBUG"):
+            raise
+        _err(f"{type(e).__name__}: {e}" if not str(e).startswith(type(e).__name__) else str(e))
+        return _EXIT_RUNTIME
+
+
+if __name__ == "__main__":
+    sys.exit(main())
