@@ -1,0 +1,361 @@
+/* quants.c: weight formats (F32, F16, BF16, Q8_0) and the matrix product kernels of the CPU
+ * engine (spec 6).
+ *
+ * Formats are the ggml ones, so bytes written here equal those of gguf-py's
+ * gguf.quants.quantize and of ggml's reference quantize_row_q8_0_ref:
+ *   F16  IEEE binary16, round to nearest even (subnormals, inf and NaN exact).
+ *   BF16 the top 16 bits of binary32, round to nearest even, NaN forced quiet.
+ *   Q8_0 blocks of 32: fp16 scale d = amax/127, then 32 int8 q = roundf(x/d); value = d*q.
+ *
+ * clover_matmul reads each weight row once for all T activation rows. F16/BF16 rows are
+ * converted to float32 into a per-thread scratch buffer first; Q8_0 weights are paired with
+ * activations quantised to Q8_0 once per call and multiplied with int32 block sums scaled by
+ * d_w*d_x, as llama.cpp's ggml_vec_dot_q8_0_q8_0 does. Plain C written so the compiler can
+ * vectorise it; SIMD variants come later and are tested against these.
+ *
+ * Build without -ffast-math: the Q8_0 rounding and the fp16/bf16 conversions rely on exact
+ * IEEE float arithmetic.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "clover.h"
+#include "quants.h"
+
+/* The internal kernels are exported with default visibility too, so that tests can reach
+ * clover_matmul through their own cdef even when the library is built with
+ * -fvisibility=hidden. */
+#if defined(_WIN32)
+#define CLOVER_INTERNAL
+#else
+#define CLOVER_INTERNAL __attribute__((visibility("default")))
+#endif
+
+#define Q8_0_BYTES ((int64_t)sizeof(clover_block_q8_0)) /* 34: fp16 d + 32 int8 */
+
+/* ---------------------------------------------------------------- scalar conversions */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu; /* exponent and mantissa */
+    uint32_t bits;
+    if (em >= 0x7c00u) {
+        bits = 0x7f800000u | ((em & 0x3ffu) << 13); /* inf, NaN (payload kept) */
+    } else if (em >= 0x0400u) {
+        bits = (em << 13) + ((127u - 15u) << 23); /* normal: rebias the exponent */
+    } else {
+        bits = f32_bits((float)em * 0x1p-24f); /* zero/subnormal: em * 2^-24, exact */
+    }
+    return bits_f32(sign | bits);
+}
+
+static inline uint16_t fp32_to_fp16(float f) {
+    const uint32_t x = f32_bits(f);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) {
+        /* NaN: quiet, keep the top payload bits */
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    }
+    if (ax >= 0x38800000u) {
+        /* |f| >= 2^-14 (fp16 normal range or overflow): rebias, round the 13 dropped
+         * mantissa bits to nearest even; a carry may move into the exponent, and anything
+         * at or above 65520 ends at 0x7c00 (inf). */
+        uint32_t m = ax - (112u << 23);
+        m += 0x0fffu + ((m >> 13) & 1u);
+        m >>= 13;
+        return (uint16_t)(sign | (m >= 0x7c00u ? 0x7c00u : m));
+    }
+    /* fp16 subnormal or zero: |f| * 2^24 < 1024 is exact; round it to an integer, ties to
+     * even (the 2^23 trick is exact under the default rounding mode). 1024 is the smallest
+     * normal, which is also the right encoding. */
+    const float v = bits_f32(ax) * 0x1p24f;
+    const float r = (v + 0x1p23f) - 0x1p23f;
+    return (uint16_t)(sign | (uint16_t)r);
+}
+
+static inline float bf16_to_fp32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t fp32_to_bf16(float f) {
+    const uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16); /* no overflow: x < 0xff800001 */
+}
+
+CLOVER_INTERNAL float clover_fp16_to_fp32(uint16_t h) { return fp16_to_fp32(h); }
+CLOVER_INTERNAL uint16_t clover_fp32_to_fp16(float f) { return fp32_to_fp16(f); }
+CLOVER_INTERNAL float clover_bf16_to_fp32(uint16_t h) { return bf16_to_fp32(h); }
+CLOVER_INTERNAL uint16_t clover_fp32_to_bf16(float f) { return fp32_to_bf16(f); }
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ---------------------------------------------------------------- Q8_0 (ggml block_q8_0) */
+
+/* One block of 32 values, exactly as ggml's quantize_row_q8_0_ref (and gguf-py's Q8_0). */
+static void quantize_block_q8_0(const float *x, uint8_t *out) {
+    float amax = 0.0f;
+    for (int j = 0; j < CLOVER_QK8_0; j++) {
+        const float v = fabsf(x[j]);
+        amax = amax > v ? amax : v;
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t dh = fp32_to_fp16(d);
+    memcpy(out, &dh, sizeof dh);
+    int8_t *qs = (int8_t *)(out + 2);
+    for (int j = 0; j < CLOVER_QK8_0; j++) qs[j] = (int8_t)roundf(x[j] * id);
+}
+
+static void dequantize_block_q8_0(const uint8_t *in, float *y) {
+    const float d = fp16_to_fp32(load_u16(in));
+    const int8_t *qs = (const int8_t *)(in + 2);
+    for (int j = 0; j < CLOVER_QK8_0; j++) y[j] = (float)qs[j] * d;
+}
+
+/* ---------------------------------------------------------------- public conversions */
+
+CLOVER_INTERNAL int64_t clover_row_nbytes(int type, int64_t n_in) {
+    if (n_in < 0) return -1;
+    switch (type) {
+    case CLOVER_TYPE_F32:
+        return n_in > INT64_MAX / 4 ? -1 : n_in * 4;
+    case CLOVER_TYPE_F16:
+    case CLOVER_TYPE_BF16:
+        return n_in > INT64_MAX / 2 ? -1 : n_in * 2;
+    case CLOVER_TYPE_Q8_0:
+        if (n_in % CLOVER_QK8_0 != 0) return -1;
+        return (n_in / CLOVER_QK8_0) * Q8_0_BYTES; /* no overflow: 34/32 < 4 */
+    default:
+        return -1;
+    }
+}
+
+int64_t clover_type_nbytes(int type, int64_t n) { return clover_row_nbytes(type, n); }
+
+int clover_to_f32(int type, const void *src, float *dst, int64_t n) {
+    if (n < 0 || (n > 0 && (src == NULL || dst == NULL))) return CLOVER_E_ARG;
+    const uint8_t *s = (const uint8_t *)src;
+    switch (type) {
+    case CLOVER_TYPE_F32:
+        if (n > 0) memmove(dst, src, (size_t)n * sizeof(float));
+        return CLOVER_OK;
+    case CLOVER_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) dst[i] = fp16_to_fp32(load_u16(s + 2 * i));
+        return CLOVER_OK;
+    case CLOVER_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_fp32(load_u16(s + 2 * i));
+        return CLOVER_OK;
+    case CLOVER_TYPE_Q8_0:
+        if (n % CLOVER_QK8_0 != 0) return CLOVER_E_ARG;
+        for (int64_t b = 0; b < n / CLOVER_QK8_0; b++)
+            dequantize_block_q8_0(s + b * Q8_0_BYTES, dst + b * CLOVER_QK8_0);
+        return CLOVER_OK;
+    default:
+        return CLOVER_E_ARG;
+    }
+}
+
+int64_t clover_from_f32(int type, const float *src, void *dst, int64_t n) {
+    const int64_t nbytes = clover_row_nbytes(type, n);
+    if (nbytes < 0 || (n > 0 && (src == NULL || dst == NULL))) return CLOVER_E_ARG;
+    uint8_t *d = (uint8_t *)dst;
+    switch (type) {
+    case CLOVER_TYPE_F32:
+        if (n > 0) memmove(dst, src, (size_t)n * sizeof(float));
+        break;
+    case CLOVER_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t h = fp32_to_fp16(src[i]);
+            memcpy(d + 2 * i, &h, 2);
+        }
+        break;
+    case CLOVER_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t h = fp32_to_bf16(src[i]);
+            memcpy(d + 2 * i, &h, 2);
+        }
+        break;
+    case CLOVER_TYPE_Q8_0:
+        for (int64_t b = 0; b < n / CLOVER_QK8_0; b++)
+            quantize_block_q8_0(src + b * CLOVER_QK8_0, d + b * Q8_0_BYTES);
+        break;
+    default:
+        return CLOVER_E_ARG;
+    }
+    return nbytes;
+}
+
+/* ---------------------------------------------------------------- matmul kernels
+ * Weight rows are processed in tiles of ROWS rows; for each tile every activation row t is
+ * dotted against all ROWS rows at once, so each x element loaded serves ROWS products. The
+ * last tile repeats its final row to stay full (the duplicate results are not stored). A
+ * row's result depends only on that row and x, never on the tile partner or thread split,
+ * so any n_threads gives bit-identical output. */
+#define ROWS 4
+#define LANES 8 /* independent partial sums per row */
+
+/* out[k] = dot(w[k], x) for k < ROWS, float accumulation over LANES partial sums. */
+static void dot_rows_f32(const float *const w[ROWS], const float *x, int64_t n, float out[ROWS]) {
+    float acc[ROWS][LANES] = {{0}};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        for (int k = 0; k < ROWS; k++) {
+            const float *wk = w[k] + j;
+            for (int l = 0; l < LANES; l++) acc[k][l] += wk[l] * x[j + l];
+        }
+    }
+    for (int k = 0; k < ROWS; k++) {
+        float tail = 0.0f;
+        for (int64_t i = j; i < n; i++) tail += w[k][i] * x[i];
+        float s = tail;
+        for (int l = 0; l < LANES; l++) s += acc[k][l];
+        out[k] = s;
+    }
+}
+
+/* out[k] = sum over blocks of (int32 dot of the int8 quants) * d_w * d_x, for k < ROWS.
+ * w[k]: Q8_0 weight row (byte blocks), dw[k]: its block scales as float; xq: the activation
+ * row as Q8_0 blocks, dx: its scales. */
+static void dot_rows_q8_0(const uint8_t *const w[ROWS], const float *const dw[ROWS],
+                          const clover_block_q8_0 *xq, const float *dx, int64_t nb, float out[ROWS]) {
+    float sum[ROWS] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *qx = xq[b].qs;
+        for (int k = 0; k < ROWS; k++) {
+            const int8_t *qw = (const int8_t *)(w[k] + b * Q8_0_BYTES + 2);
+            int32_t isum = 0;
+            for (int l = 0; l < CLOVER_QK8_0; l++) isum += (int32_t)qw[l] * (int32_t)qx[l];
+            sum[k] += (float)isum * (dw[k][b] * dx[b]);
+        }
+    }
+    for (int k = 0; k < ROWS; k++) out[k] = sum[k];
+}
+
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const float *x,
+                                  int64_t T, float *y, int n_threads) {
+    const int64_t row_bytes = clover_row_nbytes(type, n_in);
+    if (row_bytes < 0 || n_in <= 0 || n_out < 0 || T < 0) return -1;
+    if (n_out == 0 || T == 0) return 0;
+    if (W == NULL || x == NULL || y == NULL) return -1;
+    const int nth = n_threads > 1 ? n_threads : 1;
+    const int64_t n_tiles = (n_out + ROWS - 1) / ROWS;
+    const uint8_t *wbytes = (const uint8_t *)W;
+    const int64_t nb = n_in / CLOVER_QK8_0;
+
+    /* scratch: F16/BF16 -> float rows per thread; Q8_0 -> the quantised activations and the
+     * per-thread weight scales. Sizes are products of real dimensions, checked for overflow. */
+    float *scratch = NULL;
+    clover_block_q8_0 *xq = NULL;
+    float *dx = NULL;
+    if (type == CLOVER_TYPE_F16 || type == CLOVER_TYPE_BF16) {
+        if ((uint64_t)n_in > SIZE_MAX / sizeof(float) / ROWS / (uint64_t)nth) return -1;
+        scratch = malloc((size_t)nth * ROWS * (size_t)n_in * sizeof(float));
+        if (scratch == NULL) return -1;
+    } else if (type == CLOVER_TYPE_Q8_0) {
+        if ((uint64_t)nb > SIZE_MAX / sizeof(clover_block_q8_0) / (uint64_t)T) return -1;
+        xq = malloc((size_t)T * (size_t)nb * sizeof(clover_block_q8_0));
+        dx = malloc((size_t)T * (size_t)nb * sizeof(float));
+        scratch = malloc((size_t)nth * ROWS * (size_t)nb * sizeof(float));
+        if (xq == NULL || dx == NULL || scratch == NULL) {
+            free(xq);
+            free(dx);
+            free(scratch);
+            return -1;
+        }
+        /* quantise every activation row once (ggml pairs Q8_0 weights with Q8_0 activations) */
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t b = 0; b < nb; b++) {
+                clover_block_q8_0 *blk = &xq[t * nb + b];
+                quantize_block_q8_0(x + t * n_in + b * CLOVER_QK8_0, (uint8_t *)blk);
+                dx[t * nb + b] = fp16_to_fp32(blk->d);
+            }
+        }
+    }
+
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+#endif
+    for (int64_t tile = 0; tile < n_tiles; tile++) {
+        const int64_t r0 = tile * ROWS;
+        int64_t rows[ROWS];
+        for (int k = 0; k < ROWS; k++) rows[k] = r0 + k < n_out ? r0 + k : n_out - 1;
+        const int n_valid = (int)(n_out - r0 < ROWS ? n_out - r0 : ROWS);
+        float out[ROWS];
+
+        if (type == CLOVER_TYPE_Q8_0) {
+            const uint8_t *w[ROWS];
+            const float *dw[ROWS];
+            float *sc = scratch + (size_t)thread_index() * ROWS * (size_t)nb;
+            for (int k = 0; k < ROWS; k++) {
+                w[k] = wbytes + rows[k] * row_bytes;
+                float *d = sc + (size_t)k * (size_t)nb;
+                for (int64_t b = 0; b < nb; b++) d[b] = fp16_to_fp32(load_u16(w[k] + b * Q8_0_BYTES));
+                dw[k] = d;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                dot_rows_q8_0(w, dw, xq + t * nb, dx + t * nb, nb, out);
+                for (int k = 0; k < n_valid; k++) y[t * n_out + r0 + k] = out[k];
+            }
+            continue;
+        }
+
+        const float *w[ROWS];
+        if (type == CLOVER_TYPE_F32) {
+            for (int k = 0; k < ROWS; k++) w[k] = (const float *)(wbytes + rows[k] * row_bytes);
+        } else {
+            float *sc = scratch + (size_t)thread_index() * ROWS * (size_t)n_in;
+            for (int k = 0; k < ROWS; k++) {
+                const uint8_t *src = wbytes + rows[k] * row_bytes;
+                float *dst = sc + (size_t)k * (size_t)n_in;
+                if (k > 0 && rows[k] == rows[k - 1]) {
+                    w[k] = w[k - 1]; /* duplicated last row of a partial tile */
+                    continue;
+                }
+                if (type == CLOVER_TYPE_F16) {
+                    for (int64_t i = 0; i < n_in; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
+                } else {
+                    for (int64_t i = 0; i < n_in; i++) dst[i] = bf16_to_fp32(load_u16(src + 2 * i));
+                }
+                w[k] = dst;
+            }
+        }
+        for (int64_t t = 0; t < T; t++) {
+            dot_rows_f32(w, x + t * n_in, n_in, out);
+            for (int k = 0; k < n_valid; k++) y[t * n_out + r0 + k] = out[k];
+        }
+    }
+
+    free(scratch);
+    free(xq);
+    free(dx);
+    return 0;
+}
