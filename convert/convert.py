@@ -1,0 +1,948 @@
+"""HF safetensors checkpoint -> GGUF converter for Clover and Qwen3.5/3.6-MoE (clover-spec section 4).
+
+``convert(hf_dir, out_path, outtype="bf16", arch=None)`` reads a Hugging Face checkpoint
+(config.json, tokenizer.json, tokenizer_config.json, one or more safetensors shards) and writes
+one GGUF file with llama.cpp's ``qwen35moe`` layout, plus the Clover diffusion keys and
+backward-branch tensors for ``arch="clover"``. The tensor names come from one table,
+``convert.tensor_map``.
+
+Design:
+
+- Everything is checked before the output is opened: the shard set against
+  ``model.safetensors.index.json``, every shard header, every tensor name (an unknown one is an
+  error naming it), every tensor shape against the config, the completeness of every layer, the
+  Clover/parent consistency (spec 3.4) and the tokenizer. The file is written to
+  ``OUT.part`` and renamed at the end, so a failed run leaves no output file.
+- Streaming: tensor infos are registered with ``gguf.GGUFWriter.add_tensor_info`` first; the
+  data are then produced and written one piece at a time (one expert, or up to 64 MiB of rows),
+  read straight from the shard files with ``numpy.fromfile``. Peak memory is a few pieces plus
+  the tokenizer metadata, independent of the model size.
+- No torch: safetensors headers are parsed here; BF16 data are handled as uint16 bit patterns
+  and stay bit-exact for ``outtype="bf16"``.
+
+Everything here is numpy, json, gguf and tqdm; importing it never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from . import tensor_map as TM
+
+ARCH_CLOVER = "clover"
+ARCH_PARENT = "qwen35moe"
+ARCHES = (ARCH_CLOVER, ARCH_PARENT)
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+# Pre-tokenizer regexes (contract: llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35 / QWEN2), as they appear
+# in tokenizer.json's Split pre-tokenizer.
+QWEN35_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_BY_REGEX = {QWEN35_REGEX: "qwen35", QWEN2_REGEX: "qwen2"}
+
+# gguf TokenType values (contract).
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+# Clover diffusion keys (spec 3.4 / 4.2): (config key, GGUF type, default; None = required).
+CLOVER_KEYS = [
+    ("mask_token_id", "uint32", None),
+    ("block_size", "uint32", 32),
+    ("threshold", "float32", 0.95),
+    ("logits_shift", "bool", True),
+    ("moe_block_coreset_top_p", "float32", 0.9),
+    ("presence_penalty", "float32", 0.9),
+    ("repetition_penalty", "float32", 1.05),
+    ("think_close_bias_start", "uint32", 4096),
+    ("eos_bias_start", "uint32", 8192),
+]
+
+PIECE_BYTES = 64 << 20  # rows of a large unpermuted tensor are read and written in pieces of this size
+
+
+class ConvertError(ValueError):
+    """A checkpoint the converter cannot convert; the message names the file, tensor or key."""
+
+
+class MissingShardError(ConvertError, FileNotFoundError):
+    """A safetensors shard listed in model.safetensors.index.json does not exist."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Safetensors (read lazily, without torch)
+# ---------------------------------------------------------------------------------------------
+
+# safetensors dtype -> numpy dtype used to hold the raw data (BF16 kept as uint16 bit patterns).
+_ST_DTYPES = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
+
+
+@dataclass
+class SourceTensor:
+    """One tensor inside a safetensors file: name, file, absolute data offset, shape, dtype."""
+
+    name: str
+    path: pathlib.Path
+    offset: int
+    shape: tuple
+    dtype: str  # safetensors dtype string ("BF16", "F16", "F32")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return _ST_DTYPES[self.dtype]
+
+    @property
+    def row_len(self) -> int:
+        return self.shape[-1] if self.shape else 1
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+
+    def read_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows r0..r1-1 of the tensor viewed as 2-D [prod(shape[:-1]), shape[-1]]."""
+        n = self.row_len
+        dt = self.np_dtype
+        with open(self.path, "rb") as f:
+            a = np.fromfile(f, dtype=dt, count=(r1 - r0) * n, offset=self.offset + r0 * n * dt.itemsize)
+        if a.size != (r1 - r0) * n:
+            raise ConvertError(f"{self.path.name}: tensor {self.name} is truncated")
+        return a.reshape(r1 - r0, n)
+
+    def read(self) -> np.ndarray:
+        """The whole tensor with its HF shape (raw dtype; BF16 as uint16)."""
+        return self.read_rows(0, self.n_rows).reshape(self.shape)
+
+
+def read_safetensors_header(path: pathlib.Path) -> dict[str, SourceTensor]:
+    """Parse a safetensors file's JSON header. Returns name -> SourceTensor.
+
+    Raises ConvertError on a malformed header, an unsupported dtype, or data outside the file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConvertError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
+        (hlen,) = struct.unpack("<Q", raw)
+        if 8 + hlen > size:
+            raise ConvertError(f"{path.name}: safetensors header length {hlen} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(hlen))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{path.name}: bad safetensors header: {e}") from None
+    base = 8 + hlen
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = meta.get("dtype")
+        shape = tuple(int(s) for s in meta.get("shape", ()))
+        b0, b1 = (int(x) for x in meta.get("data_offsets", (0, 0)))
+        if dtype not in _ST_DTYPES:
+            raise ConvertError(f"tensor {name} ({path.name}): dtype {dtype} not supported "
+                               f"(expected one of {', '.join(_ST_DTYPES)})")
+        if b1 - b0 != math.prod(shape) * _ST_DTYPES[dtype].itemsize or base + b1 > size:
+            raise ConvertError(f"tensor {name} ({path.name}): data_offsets {[b0, b1]} do not match "
+                               f"shape {list(shape)} {dtype} within a file of {size} bytes")
+        out[name] = SourceTensor(name, path, base + b0, shape, dtype)
+    return out
+
+
+def load_tensor_index(hf_dir: pathlib.Path) -> dict[str, SourceTensor]:
+    """Find every tensor of the checkpoint without reading any data (spec 4.3).
+
+    With ``model.safetensors.index.json``, every shard it lists must exist (MissingShardError
+    naming the first missing one) and hold the tensors the index assigns to it. Without an index,
+    ``model.safetensors`` or else every ``*.safetensors`` file is used. Raises ConvertError when
+    no weights are found or a tensor appears twice.
+    """
+    index_path = hf_dir / "model.safetensors.index.json"
+    tensors: dict[str, SourceTensor] = {}
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConvertError(f"{index_path.name}: cannot read weight_map: {e}") from None
+        shards = sorted(set(weight_map.values()))
+        for s in shards:  # check the whole shard set before reading any header
+            if not (hf_dir / s).is_file():
+                raise MissingShardError(f"missing shard {s} (listed in {index_path.name})")
+        headers = {s: read_safetensors_header(hf_dir / s) for s in shards}
+        for name, s in weight_map.items():
+            if name not in headers[s]:
+                raise ConvertError(f"tensor {name}: {index_path.name} places it in {s}, which does not contain it")
+        for s, hdr in headers.items():
+            for name, t in hdr.items():
+                if weight_map.get(name) != s:
+                    raise ConvertError(f"tensor {name} in {s} is not listed for that shard in {index_path.name}")
+                tensors[name] = t
+        return tensors
+    files = [hf_dir / "model.safetensors"] if (hf_dir / "model.safetensors").is_file() \
+        else sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"{hf_dir}: no model.safetensors.index.json and no *.safetensors files")
+    for p in files:
+        for name, t in read_safetensors_header(p).items():
+            if name in tensors:
+                raise ConvertError(f"tensor {name} appears in both {tensors[name].path.name} and {p.name}")
+            tensors[name] = t
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class HParams:
+    """Text-model hyperparameters (spec section 1) read from config.json."""
+
+    H: int
+    n_layer: int
+    nh: int
+    nkv: int
+    hd: int
+    Hk: int
+    Hv: int
+    dk: int
+    dv: int
+    K: int
+    E: int
+    k_used: int
+    I: int
+    Is: int
+    V: int
+    eps: float
+    rope_theta: float
+    rot_dims: int
+    sections: list
+    ctx: int
+    interval: int
+    layer_types: list
+    tie: bool
+    eos_token_id: int | None = None
+
+    @property
+    def C(self) -> int:
+        return 2 * self.Hk * self.dk + self.Hv * self.dv
+
+
+def read_hparams(config: dict) -> HParams:
+    """Read the Qwen3.5-MoE text config (top level, or under "text_config"). Raises ConvertError
+    naming a missing or inconsistent key."""
+    tc = config.get("text_config") or config
+
+    def req(key):
+        if key in tc and tc[key] is not None:
+            return tc[key]
+        if key in config and config[key] is not None:
+            return config[key]
+        raise ConvertError(f"config.json: missing {key}")
+
+    n_layer = int(req("num_hidden_layers"))
+    nh = int(req("num_attention_heads"))
+    H = int(req("hidden_size"))
+    hd = int(tc.get("head_dim") or H // nh)
+    Hk, Hv = int(req("linear_num_key_heads")), int(req("linear_num_value_heads"))
+    if Hv % Hk:
+        raise ConvertError(f"config.json: linear_num_value_heads {Hv} is not a multiple of linear_num_key_heads {Hk}")
+    if tc.get("attn_output_gate", True) is False:
+        raise ConvertError("config.json: attn_output_gate false is not supported (Qwen3.5 gated attention)")
+    rp = dict(tc.get("rope_parameters") or {})
+    rs = tc.get("rope_scaling") or {}
+    theta = rp.get("rope_theta", tc.get("rope_theta", 10000.0))
+    prf = rp.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))
+    sections = list(rp.get("mrope_section") or rs.get("mrope_section") or [11, 11, 10])
+    sections = (sections + [0, 0, 0, 0])[:4]
+
+    interval = tc.get("full_attention_interval")
+    lt = tc.get("layer_types")
+    if lt is None:
+        interval = int(interval or 4)
+        lt = [TM.ATTN if (i + 1) % interval == 0 else TM.GDN for i in range(n_layer)]
+    else:
+        lt = list(lt)
+        if len(lt) != n_layer or any(t not in (TM.ATTN, TM.GDN) for t in lt):
+            raise ConvertError(f"config.json: layer_types must list {n_layer} entries of "
+                               f"'{TM.GDN}'/'{TM.ATTN}', got {lt}")
+        if interval is None:
+            interval = (lt.index(TM.ATTN) + 1) if TM.ATTN in lt else n_layer + 1
+        interval = int(interval)
+        want = [TM.ATTN if (i + 1) % interval == 0 else TM.GDN for i in range(n_layer)]
+        if lt != want:
+            raise ConvertError(f"config.json: layer_types {lt} do not follow full_attention_interval "
+                               f"{interval} (layer i is full attention when (i+1) % interval == 0)")
+    eos = tc.get("eos_token_id", config.get("eos_token_id"))
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return HParams(
+        H=H, n_layer=n_layer, nh=nh, nkv=int(req("num_key_value_heads")), hd=hd, Hk=Hk, Hv=Hv,
+        dk=int(req("linear_key_head_dim")), dv=int(req("linear_value_head_dim")),
+        K=int(tc.get("linear_conv_kernel_dim", 4)), E=int(req("num_experts")),
+        k_used=int(req("num_experts_per_tok")), I=int(req("moe_intermediate_size")),
+        Is=int(req("shared_expert_intermediate_size")), V=int(req("vocab_size")),
+        eps=float(tc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        rot_dims=int(hd * float(prf)), sections=[int(s) for s in sections],
+        ctx=int(tc.get("max_position_embeddings", 262144)), interval=interval, layer_types=lt,
+        tie=bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        eos_token_id=None if eos is None else int(eos),
+    )
+
+
+def _hf_shapes(hp: HParams) -> dict[str, list[tuple]]:
+    """Accepted HF shapes per name suffix (the first is the canonical one)."""
+    H, C, Hv, dv, K = hp.H, hp.C, hp.Hv, hp.dv, hp.K
+    return {
+        "embed_tokens.weight": [(hp.V, H)], "norm.weight": [(H,)], "lm_head.weight": [(hp.V, H)],
+        "input_layernorm.weight": [(H,)], "post_attention_layernorm.weight": [(H,)],
+        "linear_attn.in_proj_qkv.weight": [(C, H)],
+        "linear_attn.in_proj_z.weight": [(Hv * dv, H)],
+        "linear_attn.in_proj_b.weight": [(Hv, H)], "linear_attn.in_proj_a.weight": [(Hv, H)],
+        "linear_attn.in_proj_b_bwd.weight": [(Hv, H)], "linear_attn.in_proj_a_bwd.weight": [(Hv, H)],
+        "linear_attn.conv1d.weight": [(C, 1, K), (C, K)],
+        "linear_attn.conv1d_bwd.weight": [(C, 1, K), (C, K)],
+        "linear_attn.A_log": [(Hv,)], "linear_attn.A_log_bwd": [(Hv,)],
+        "linear_attn.dt_bias": [(Hv,)], "linear_attn.dt_bias_bwd": [(Hv,)],
+        "linear_attn.bwd_mix": [(Hv,)],
+        "linear_attn.norm.weight": [(dv,)],
+        "linear_attn.out_proj.weight": [(H, Hv * dv)],
+        "self_attn.q_proj.weight": [(hp.nh * 2 * hp.hd, H)],
+        "self_attn.k_proj.weight": [(hp.nkv * hp.hd, H)],
+        "self_attn.v_proj.weight": [(hp.nkv * hp.hd, H)],
+        "self_attn.o_proj.weight": [(H, hp.nh * hp.hd)],
+        "self_attn.q_norm.weight": [(hp.hd,)], "self_attn.k_norm.weight": [(hp.hd,)],
+        "mlp.gate.weight": [(hp.E, H)],
+        "mlp.experts.gate_up_proj": [(hp.E, 2 * hp.I, H)],
+        "mlp.experts.down_proj": [(hp.E, H, hp.I)],
+        "mlp.experts.gate": [(hp.I, H)], "mlp.experts.up": [(hp.I, H)], "mlp.experts.down": [(H, hp.I)],
+        "mlp.shared_expert_gate.weight": [(1, H), (H,)],
+        "mlp.shared_expert.gate_proj.weight": [(hp.Is, H)],
+        "mlp.shared_expert.up_proj.weight": [(hp.Is, H)],
+        "mlp.shared_expert.down_proj.weight": [(H, hp.Is)],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Transforms (spec 4.3)
+# ---------------------------------------------------------------------------------------------
+
+def v_head_perm(n_k_heads: int, n_v_per_k: int, head_dim: int) -> np.ndarray:
+    """Index array ``idx`` with ``out[p] = src[idx[p]]`` that moves value head ``i*r + j`` to
+    ``j*Hk + i`` (r = n_v_per_k, Hk = n_k_heads), keeping ``head_dim`` entries per head
+    (spec 4.3). Returns int64 [Hk*r*head_dim]."""
+    n = n_k_heads * n_v_per_k * head_dim
+    return np.arange(n).reshape(n_k_heads, n_v_per_k, head_dim).transpose(1, 0, 2).reshape(n)
+
+
+def to_f32(a: np.ndarray) -> np.ndarray:
+    """Raw safetensors data (uint16 = BF16 bits, float16, float32) -> float32, exactly."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def apply_transform(kind: str, a: np.ndarray, hp: HParams) -> np.ndarray:
+    """Apply one whole-tensor transform of ``convert.tensor_map`` to raw data ``a`` (HF shape).
+
+    Permutations keep the raw dtype (so BF16 stays bit-exact); ``norm1p``, ``conv``, ``negexp``
+    return float32 (these tensors are F32 in the GGUF). Returns the array in GGUF numpy order.
+    """
+    r = hp.Hv // hp.Hk
+    if kind == "none":
+        return a
+    if kind == "norm1p":  # zero-centred RMSNorm: the engine multiplies by the stored 1 + w
+        return to_f32(a) + np.float32(1.0)
+    if kind == "flat":
+        return a.reshape(-1)
+    if kind == "qkv":
+        qk = 2 * hp.Hk * hp.dk
+        return np.concatenate([a[:qk], a[qk:][v_head_perm(hp.Hk, r, hp.dv)]], axis=0)
+    if kind == "vrows":
+        return a[v_head_perm(hp.Hk, r, hp.dv)]
+    if kind == "vheads":
+        return a[v_head_perm(hp.Hk, r, 1)]
+    if kind == "vcols":
+        return a[:, v_head_perm(hp.Hk, r, hp.dv)]
+    if kind == "conv":  # [C, 1, K] -> [C, K] (ggml {K, C}); w[ch, K-1] multiplies the current token
+        a = to_f32(a).reshape(hp.C, hp.K)
+        qk = 2 * hp.Hk * hp.dk
+        return np.concatenate([a[:qk], a[qk:][v_head_perm(hp.Hk, r, hp.dv)]], axis=0)
+    if kind == "negexp":  # ssm_a = -exp(A_log), computed in float64 and rounded once to float32
+        a = to_f32(a)[v_head_perm(hp.Hk, r, 1)]
+        return (-np.exp(a.astype(np.float64))).astype(np.float32)
+    raise ConvertError(f"internal: unknown transform {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output plan
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class OutTensor:
+    """One GGUF tensor to write: name, numpy-order shape, GGML type, and a producer of pieces
+    (arrays whose rows, concatenated, form the tensor viewed as [-1, shape[-1]])."""
+
+    name: str
+    shape: tuple
+    qtype: object  # gguf.GGMLQuantizationType
+    pieces: Callable[[], Iterator[np.ndarray]]
+    sources: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        import gguf
+        block, tsize = gguf.GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape) // block * tsize
+
+
+def _whole(src: SourceTensor, kind: str, hp: HParams):
+    return lambda: iter([apply_transform(kind, src.read(), hp)])
+
+
+def _row_pieces(src: SourceTensor, r0: int = 0, r1: int | None = None, step: int | None = None):
+    """Pieces of rows [r0, r1) of src (as 2-D), each at most PIECE_BYTES (or ``step`` rows)."""
+    r1 = src.n_rows if r1 is None else r1
+    step = step or max(1, PIECE_BYTES // (src.row_len * src.np_dtype.itemsize))
+
+    def gen():
+        for s in range(r0, r1, step):
+            yield src.read_rows(s, min(r1, s + step))
+    return gen
+
+
+def _expert_half_pieces(src: SourceTensor, E: int, I: int, half: int):
+    """gate (half 0) or up (half 1) of fused gate_up [E, 2I, H]: one piece per expert."""
+    def gen():
+        for e in range(E):
+            base = e * 2 * I + half * I
+            yield src.read_rows(base, base + I)
+    return gen
+
+
+def _stack_pieces(srcs: list):
+    def gen():
+        for s in srcs:
+            yield from _row_pieces(s)()
+    return gen
+
+
+def _gguf_type(gname: str, shape: tuple, outtype: str):
+    """Contract dtype policy: norms, routers, conv, ssm_a/dt, 1-D tensors -> F32; others take the
+    outtype; q8_0 only where the row length is a multiple of 32 (else f16)."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    if len(shape) <= 1 or gname.endswith(TM.F32_SUFFIXES):
+        return Q.F32
+    if outtype == "q8_0":
+        return Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16
+    return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16}[outtype]
+
+
+def encode(a: np.ndarray, qtype) -> np.ndarray:
+    """Encode raw/float data ``a`` (uint16 = BF16 bits) as GGML ``qtype`` bytes (a C-contiguous
+    array). BF16 input stays bit-exact for BF16; F32 -> BF16 rounds to nearest even (ggml's
+    rule); Q8_0 uses gguf.quants.quantize over whole rows."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    if qtype == Q.F32:
+        out = to_f32(a)
+    elif qtype == Q.BF16:
+        out = a if a.dtype == np.uint16 else gguf.quants.quantize(to_f32(a), Q.BF16)
+    elif qtype == Q.F16:
+        out = a if a.dtype == np.float16 else to_f32(a).astype(np.float16)
+    elif qtype == Q.Q8_0:
+        out = gguf.quants.quantize(np.ascontiguousarray(to_f32(a)), Q.Q8_0)
+    else:
+        raise ConvertError(f"internal: unsupported output type {qtype}")
+    return np.ascontiguousarray(out)
+
+
+@dataclass
+class Plan:
+    """Everything needed to write the GGUF, all checked before writing."""
+
+    arch: str
+    hp: HParams
+    tensors: list
+    dropped: list
+    clover_kv: dict
+
+
+def _layer_and_suffix(rest: str):
+    """"layers.{i}.{suffix}" -> (i, suffix) or None."""
+    if not rest.startswith("layers."):
+        return None
+    i, _, suffix = rest[len("layers."):].partition(".")
+    if not i.isdecimal() or not suffix:
+        return None
+    return int(i), suffix
+
+
+def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, arch: str | None,
+               no_mtp: bool = False) -> Plan:
+    """Map every HF tensor to its GGUF tensor and check names, shapes and completeness.
+
+    Raises ConvertError naming the first unknown, misplaced, duplicated, missing or misshapen
+    tensor, or the Clover/parent inconsistency (spec 3.4).
+    """
+    hp = read_hparams(config)
+    names = sorted(sources)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+    dropped, mtp = [], []
+    glob_src: dict[str, SourceTensor] = {}
+    layer_src: list[dict[str, SourceTensor]] = [dict() for _ in range(hp.n_layer)]
+    experts: list[dict[tuple, SourceTensor]] = [dict() for _ in range(hp.n_layer)]
+    shapes = _hf_shapes(hp)
+
+    def check_shape(name, key, shape):
+        ok = shapes[key]
+        if tuple(shape) not in ok:
+            raise ConvertError(f"tensor {name}: shape {list(shape)} expected {list(ok[0])}")
+
+    for n in names:
+        if n.startswith(("visual.", "model.visual.")):
+            dropped.append(n)  # spec 4.3: the vision tower is not converted
+            continue
+        if n.startswith(("mtp.", "model.mtp.")):
+            mtp.append(n)
+            continue
+        src = sources[n]
+        if n == TM.LM_HEAD[0]:
+            check_shape(n, "lm_head.weight", src.shape)
+            glob_src["lm_head.weight"] = src
+            continue
+        if not n.startswith(prefix):
+            raise ConvertError(f"unrecognised tensor {n} (expected prefix {prefix!r}, lm_head.weight, visual.*)")
+        rest = n[len(prefix):]
+        if rest in TM.GLOBAL_MAP:
+            check_shape(n, rest, src.shape)
+            glob_src[rest] = src
+            continue
+        ls = _layer_and_suffix(rest)
+        if ls is None:
+            raise ConvertError(f"unrecognised tensor {n}")
+        i, suffix = ls
+        if i >= hp.n_layer:
+            raise ConvertError(f"tensor {n}: layer {i} >= num_hidden_layers {hp.n_layer}")
+        suffix = TM.FUSED_ALIASES.get(suffix, suffix)
+        m = TM.PER_EXPERT_RE.match(suffix)
+        if m:
+            e, which = int(m.group(1)), m.group(2)
+            if e >= hp.E:
+                raise ConvertError(f"tensor {n}: expert {e} >= num_experts {hp.E}")
+            check_shape(n, f"mlp.experts.{which}", src.shape)
+            experts[i][(which, e)] = src
+            continue
+        row = TM.LAYER_BY_HF.get(suffix)
+        if row is None:
+            raise ConvertError(f"unrecognised tensor {n}")
+        kind = row[3]
+        if kind != TM.ANY and kind != hp.layer_types[i]:
+            raise ConvertError(f"tensor {n}: layer {i} is a {hp.layer_types[i]} layer "
+                               f"(full_attention_interval {hp.interval}), not {kind}")
+        if suffix in layer_src[i]:
+            raise ConvertError(f"tensor {n} appears twice")
+        check_shape(n, suffix, src.shape)
+        layer_src[i][suffix] = src
+
+    if mtp and not no_mtp:
+        raise ConvertError(f"checkpoint has {len(mtp)} MTP tensors ({mtp[0]}, ...); this converter does "
+                           f"not write MTP layers yet: pass --no-mtp (no_mtp=True) to drop them")
+    dropped += mtp
+
+    # --- Clover or parent (spec 3.4) ---
+    clover_suffixes = [r[0] for r in TM.LAYER_MAP if r[4]]
+    has_bwd = any(s in d for d in layer_src for s in clover_suffixes)
+    has_mask = "mask_token_id" in config or "mask_token_id" in (config.get("text_config") or {})
+    if arch not in (None,) + ARCHES:
+        raise ConvertError(f"arch {arch!r}: expected one of {', '.join(ARCHES)}")
+    if arch is None or arch == ARCH_CLOVER:
+        if has_mask and not has_bwd:
+            raise ConvertError("config.json has mask_token_id but the checkpoint has no Clover backward-branch "
+                               "tensors (linear_attn.*_bwd, linear_attn.bwd_mix)")
+        if has_bwd and not has_mask:
+            raise ConvertError("the checkpoint has Clover backward-branch tensors but config.json has no mask_token_id")
+        if arch == ARCH_CLOVER and not has_bwd:
+            raise ConvertError("--arch clover: the checkpoint is not a Clover checkpoint (no mask_token_id in "
+                               "config.json, no backward-branch tensors)")
+        arch = ARCH_CLOVER if has_bwd else ARCH_PARENT
+    clover = arch == ARCH_CLOVER
+    clover_kv = {}
+    if clover:
+        for key, typ, default in CLOVER_KEYS:
+            v = config.get(key, (config.get("text_config") or {}).get(key, default))
+            if v is None:
+                raise ConvertError(f"config.json: missing {key}")
+            clover_kv[key] = (typ, v)
+        if not 0 <= int(clover_kv["mask_token_id"][1]) < hp.V:
+            raise ConvertError(f"config.json: mask_token_id {clover_kv['mask_token_id'][1]} outside the "
+                               f"vocabulary (vocab_size {hp.V})")
+
+    # --- output tensors in order: token_embd, blocks, output_norm, output ---
+    out: list[OutTensor] = []
+
+    def add(gname, shape, pieces, srcs):
+        out.append(OutTensor(gname, tuple(shape), _gguf_type(gname, tuple(shape), outtype), pieces,
+                             [s.name for s in srcs]))
+
+    def need_global(key, gname):
+        if key not in glob_src:
+            raise ConvertError(f"missing tensor {prefix if key != 'lm_head.weight' else ''}{key} ({gname})")
+        return glob_src[key]
+
+    emb = need_global("embed_tokens.weight", "token_embd.weight")
+    add("token_embd.weight", emb.shape, _row_pieces(emb), [emb])
+    for i in range(hp.n_layer):
+        ls, lt = layer_src[i], hp.layer_types[i]
+        exp = experts[i]
+        fused = "mlp.experts.gate_up_proj" in ls or "mlp.experts.down_proj" in ls
+        if fused and exp:
+            raise ConvertError(f"layer {i}: both fused (mlp.experts.gate_up_proj) and per-expert "
+                               f"(mlp.experts.{{e}}.*) expert tensors")
+        for hf_suffix, gsuffix, kind, lkind, clover_only in TM.LAYER_MAP:
+            hf_name = f"{prefix}layers.{i}.{hf_suffix}"
+            if lkind != TM.ANY and lkind != lt:
+                continue
+            if clover_only and not clover:
+                if hf_suffix in ls:
+                    dropped.append(hf_name)
+                continue
+            if kind == "split_gate_up" or hf_suffix == "mlp.experts.down_proj":
+                if not fused:
+                    if hf_suffix == "mlp.experts.down_proj":
+                        continue
+                    for which in ("gate", "up", "down"):
+                        srcs = []
+                        for e in range(hp.E):
+                            if (which, e) not in exp:
+                                raise ConvertError(f"missing tensor {prefix}layers.{i}.mlp.experts.{e}."
+                                                   f"{which}_proj.weight (blk.{i}.{TM.PER_EXPERT_MAP[which]})")
+                            srcs.append(exp[(which, e)])
+                        add(f"blk.{i}.{TM.PER_EXPERT_MAP[which]}", (hp.E,) + srcs[0].shape,
+                            _stack_pieces(srcs), srcs)
+                    continue
+            if hf_suffix not in ls:
+                g = gsuffix if isinstance(gsuffix, str) else "/".join(gsuffix)
+                raise ConvertError(f"missing tensor {hf_name} (blk.{i}.{g})")
+            src = ls[hf_suffix]
+            if kind == "split_gate_up":
+                shape = (hp.E, hp.I, hp.H)
+                add(f"blk.{i}.{gsuffix[0]}", shape, _expert_half_pieces(src, hp.E, hp.I, 0), [src])
+                add(f"blk.{i}.{gsuffix[1]}", shape, _expert_half_pieces(src, hp.E, hp.I, 1), [src])
+            elif kind == "none":  # streamed in row pieces (one expert or <= PIECE_BYTES at a time)
+                add(f"blk.{i}.{gsuffix}", src.shape, _row_pieces(src), [src])
+            else:
+                add(f"blk.{i}.{gsuffix}", _out_shape(kind, src.shape, hp), _whole(src, kind, hp), [src])
+    onorm = need_global("norm.weight", "output_norm.weight")
+    add("output_norm.weight", onorm.shape, _whole(onorm, "norm1p", hp), [onorm])
+    if "lm_head.weight" in glob_src:
+        head = glob_src["lm_head.weight"]
+    elif hp.tie:
+        head = emb  # tied embeddings: written as an explicit output.weight (same values)
+    else:
+        raise ConvertError("missing tensor lm_head.weight (output.weight)")
+    add("output.weight", head.shape, _row_pieces(head), [head])
+    return Plan(arch, hp, out, dropped, clover_kv)
+
+
+def _out_shape(kind: str, shape: tuple, hp: HParams) -> tuple:
+    if kind == "flat":
+        return (math.prod(shape),)
+    if kind == "conv":
+        return (hp.C, hp.K)
+    return tuple(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer (spec 4.2)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Vocab:
+    tokens: list
+    types: list
+    merges: list
+    pre: str
+    eos: int | None
+    pad: int | None
+    bos: int | None
+    chat_template: str | None
+
+
+def _token_content(v):
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+def read_vocab(hf_dir: pathlib.Path, hp: HParams) -> Vocab:
+    """Read tokenizer.json (byte-level BPE) and tokenizer_config.json.
+
+    Tokens are listed in id order (BPE vocabulary and added tokens), padded to vocab_size with
+    ``[PAD{i}]`` (UNUSED). Added special tokens are CONTROL, other added tokens USER_DEFINED.
+    Raises ConvertError when tokenizer.json is missing, is not BPE, uses an unknown
+    pre-tokenizer regex, or has a token id >= vocab_size.
+    """
+    tj = hf_dir / "tokenizer.json"
+    if not tj.is_file():
+        raise ConvertError(f"{hf_dir}: missing tokenizer.json")
+    tok = json.loads(tj.read_text(encoding="utf-8"))
+    tcfg_path = hf_dir / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.is_file() else {}
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ConvertError(f"tokenizer.json: model type {model.get('type')!r} (expected BPE)")
+
+    # pre-tokenizer: find the Split regex
+    regexes = []
+
+    def walk(pt):
+        if not isinstance(pt, dict):
+            return
+        if pt.get("type") == "Split":
+            pat = pt.get("pattern") or {}
+            regexes.append(pat.get("Regex", pat.get("String")))
+        for sub in pt.get("pretokenizers") or []:
+            walk(sub)
+    walk(tok.get("pre_tokenizer"))
+    pres = {PRE_BY_REGEX.get(r) for r in regexes}
+    if len(regexes) != 1 or None in pres:
+        raise ConvertError(f"tokenizer.json: pre-tokenizer Split regex {regexes} is not the qwen35 (or qwen2) regex")
+    pre = pres.pop()
+
+    by_id: dict[int, tuple] = {}
+    for t, i in model.get("vocab", {}).items():
+        by_id[int(i)] = (t, TOKEN_NORMAL)
+    for at in tok.get("added_tokens") or []:
+        by_id[int(at["id"])] = (at["content"], TOKEN_CONTROL if at.get("special") else TOKEN_USER_DEFINED)
+    if by_id and max(by_id) >= hp.V:
+        raise ConvertError(f"tokenizer.json: token id {max(by_id)} >= vocab_size {hp.V} (config.json)")
+    tokens, types = [], []
+    for i in range(hp.V):
+        t, ty = by_id.get(i, (f"[PAD{i}]", TOKEN_UNUSED))
+        tokens.append(t)
+        types.append(ty)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+
+    ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
+
+    def tid(content):
+        c = _token_content(content)
+        return ids.get(c) if isinstance(c, str) else None
+
+    eos = ids.get("<|im_end|>")
+    if eos is None:
+        eos = hp.eos_token_id if hp.eos_token_id is not None else tid(tcfg.get("eos_token"))
+    pad = ids.get("<|endoftext|>")
+    if pad is None:
+        pad = tid(tcfg.get("pad_token"))
+    bos = tid(tcfg.get("bos_token"))
+
+    chat_template = None
+    if (hf_dir / "chat_template.jinja").is_file():
+        chat_template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    else:
+        ct = tcfg.get("chat_template")
+        if ct is None and (hf_dir / "chat_template.json").is_file():
+            ct = json.loads((hf_dir / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(ct, list):  # [{"name": ..., "template": ...}]
+            named = {d.get("name"): d.get("template") for d in ct if isinstance(d, dict)}
+            ct = named.get("default", next(iter(named.values()), None))
+        chat_template = ct if isinstance(ct, str) and ct else None
+    return Vocab(tokens, types, merges, pre, eos, pad, bos, chat_template)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+def _file_type(outtype: str) -> int:
+    import gguf
+    F = gguf.LlamaFileType
+    return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[outtype])
+
+
+def _add_metadata(w, plan: Plan, vocab: Vocab, outtype: str, name: str) -> None:
+    import gguf
+    hp = plan.hp
+    w.add_type("model")
+    w.add_name(name)
+    w.add_file_type(_file_type(outtype))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    # spec 4.2 / contract, prefix = arch
+    w.add_block_count(hp.n_layer)
+    w.add_context_length(hp.ctx)
+    w.add_embedding_length(hp.H)
+    w.add_feed_forward_length(hp.I)
+    w.add_head_count(hp.nh)
+    w.add_head_count_kv(hp.nkv)
+    w.add_key_length(hp.hd)
+    w.add_value_length(hp.hd)
+    w.add_layer_norm_rms_eps(hp.eps)
+    w.add_rope_freq_base(hp.rope_theta)
+    w.add_rope_dimension_count(hp.rot_dims)
+    w.add_rope_dimension_sections(hp.sections)
+    w.add_expert_count(hp.E)
+    w.add_expert_used_count(hp.k_used)
+    w.add_expert_feed_forward_length(hp.I)
+    w.add_expert_shared_feed_forward_length(hp.Is)
+    w.add_ssm_conv_kernel(hp.K)
+    w.add_ssm_state_size(hp.dk)
+    w.add_ssm_group_count(hp.Hk)
+    w.add_ssm_time_step_rank(hp.Hv)
+    w.add_ssm_inner_size(hp.Hv * hp.dv)
+    w.add_full_attention_interval(hp.interval)
+    for key, (typ, v) in plan.clover_kv.items():
+        k = f"clover.diffusion.{key}"
+        if typ == "uint32":
+            w.add_uint32(k, int(v))
+        elif typ == "float32":
+            w.add_float32(k, float(v))
+        else:
+            w.add_bool(k, bool(v))
+    # tokenizer
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    if vocab.bos is not None:
+        w.add_bos_token_id(vocab.bos)
+    if vocab.eos is not None:
+        w.add_eos_token_id(vocab.eos)
+    if vocab.pad is not None:
+        w.add_pad_token_id(vocab.pad)
+    w.add_add_bos_token(False)
+    if vocab.chat_template:
+        w.add_chat_template(vocab.chat_template)
+
+
+def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, progress: bool = True,
+            no_mtp: bool = False) -> dict:
+    """Convert an HF Clover / Qwen3.5-3.6-MoE checkpoint to one GGUF file (clover-spec section 4).
+
+    hf_dir: directory with config.json, tokenizer.json (+ tokenizer_config.json, optional
+    chat_template.jinja) and safetensors weights (sharded with model.safetensors.index.json, or
+    a single file). out_path: the GGUF to write (written as ``out_path.part``, renamed when
+    complete; an existing file is replaced). outtype: "f32" | "f16" | "bf16" | "q8_0" for the
+    2-D/3-D weights (norms, routers, conv, ssm_a/dt and 1-D tensors stay F32; q8_0 falls back to
+    f16 for rows not a multiple of 32). arch: None (clover when the checkpoint is Clover, else
+    qwen35moe), "clover" or "qwen35moe" (drops the Clover-only tensors and keys). progress: tqdm
+    bar on stderr. no_mtp: drop ``mtp.*`` tensors (otherwise they are an error).
+
+    Returns a dict: path, arch, outtype, file_type, n_tensors, tensors (GGUF names in file
+    order), n_bytes (file size), dropped (HF tensor names not converted).
+
+    Raises MissingShardError (a ConvertError) for a shard listed in the index but absent, and
+    ConvertError for anything else the converter cannot map; in both cases before the output
+    file is created.
+    """
+    import gguf
+
+    hf_dir = pathlib.Path(hf_dir)
+    out_path = pathlib.Path(out_path)
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ConvertError(f"{hf_dir}: missing config.json")
+    config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    sources = load_tensor_index(hf_dir)
+    plan = build_plan(hf_dir, config, sources, outtype, arch, no_mtp=no_mtp)
+    vocab = read_vocab(hf_dir, plan.hp)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    part = out_path.with_name(out_path.name + ".part")
+    w = gguf.GGUFWriter(path=None, arch=plan.arch)
+    try:
+        _add_metadata(w, plan, vocab, outtype, hf_dir.resolve().name)
+        for t in plan.tensors:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        w.write_header_to_file(path=part)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        total = sum(t.nbytes for t in plan.tensors)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {outtype}", file=sys.stderr)
+        try:
+            for t in plan.tensors:
+                w.write_padding(fout, fout.tell())
+                n = 0
+                for piece in t.pieces():
+                    b = encode(piece.reshape(-1, t.shape[-1]), t.qtype)
+                    fout.write(b.reshape(-1).view(np.uint8).data)
+                    n += b.nbytes
+                    if bar is not None:
+                        bar.update(b.nbytes)
+                if n != t.nbytes:
+                    raise ConvertError(f"internal: tensor {t.name} wrote {n} bytes, expected {t.nbytes}")
+                w.write_padding(fout, n)
+        finally:
+            if bar is not None:
+                bar.close()
+        w.close()
+        os.replace(part, out_path)
+    except BaseException:
+        w.close()
+        part.unlink(missing_ok=True)
+        raise
+    return {
+        "path": str(out_path),
+        "arch": plan.arch,
+        "outtype": outtype,
+        "file_type": _file_type(outtype),
+        "n_tensors": len(plan.tensors),
+        "tensors": [t.name for t in plan.tensors],
+        "n_bytes": out_path.stat().st_size,
+        "dropped": plan.dropped,
+    }
+
+
+def main(argv=None) -> int:
+    """CLI: ``clover-gguf convert HF_DIR -o OUT [--outtype f32|f16|bf16|q8_0] [--arch clover|qwen35moe]
+    [--no-mtp] [--no-progress]``. Returns 0; on a conversion error prints ``error: ...`` to
+    stderr and exits with status 2."""
+    ap = argparse.ArgumentParser(prog="clover-gguf convert",
+                                 description="Convert a Hugging Face Clover / Qwen3.5-MoE checkpoint to GGUF.")
+    ap.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory (config.json, tokenizer.json, safetensors)")
+    ap.add_argument("-o", "--outfile", "--out", dest="out_path", required=True, metavar="OUT", help="output .gguf path")
+    ap.add_argument("--outtype", choices=OUTTYPES, default="bf16",
+                    help="type of the 2-D/3-D weights (default bf16; norms, routers, conv, ssm_a/dt stay f32)")
+    ap.add_argument("--arch", choices=ARCHES, default=None,
+                    help="default: clover for a Clover checkpoint, else qwen35moe; "
+                         "qwen35moe on a Clover checkpoint drops the Clover-only tensors and keys")
+    ap.add_argument("--no-mtp", action="store_true", help="drop mtp.* (multi-token prediction) tensors")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    try:
+        r = convert(a.hf_dir, a.out_path, outtype=a.outtype, arch=a.arch, progress=not a.no_progress,
+                    no_mtp=a.no_mtp)
+    except (ConvertError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    print(f"wrote {r['path']}: arch {r['arch']}, {r['outtype']}, {r['n_tensors']} tensors, "
+          f"{r['n_bytes'] / 2**20:.1f} MiB" + (f", dropped {len(r['dropped'])} tensors" if r["dropped"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
