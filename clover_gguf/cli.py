@@ -97,7 +97,7 @@ def _summarise(v, max_items: int = 8) -> str:
         s = v if len(v) <= 80 else v[:77] + "..."
         return json.dumps(s, ensure_ascii=False) + (f" ({len(v)} chars)" if len(v) > 80 else "")
     if isinstance(v, float):
-        return f"{v:.9g}"
+        return f"{v:.7g}"  # float32 values: 7 significant digits
     return str(v)
 
 
@@ -116,7 +116,8 @@ def cmd_info(a) -> int:
     try:
         f = GGUFFile(a.model)
     except (CloverError, ValueError) as e:
-        raise _UsageError(str(e)) from None
+        msg = str(e)
+        raise _UsageError(msg if a.model in msg else f"{a.model}: {msg}") from None
     with f:
         md = f.metadata
         out = sys.stdout
@@ -161,6 +162,9 @@ def cmd_logits(a) -> int:
     import numpy as np
 
     ids = _parse_tokens(a.tokens) if a.tokens is not None else None
+    out_dir = os.path.dirname(os.path.abspath(a.output))
+    if not os.path.isdir(out_dir):
+        raise _UsageError(f"--output: directory does not exist: {out_dir}")
     m = _load(a.model, a.ctx_size, a.threads)
     with m:
         if ids is None:
@@ -174,9 +178,6 @@ def cmd_logits(a) -> int:
             logits = m.prefix_logits(ids)
         except ValueError as e:
             raise _UsageError(str(e)) from None
-    out_dir = os.path.dirname(os.path.abspath(a.output))
-    if not os.path.isdir(out_dir):
-        raise _UsageError(f"--output: directory does not exist: {out_dir}")
     with open(a.output, "wb") as fh:  # np.save(path) would append .npy to other names
         np.save(fh, logits)
     print(f"wrote {a.output}: float32 {list(logits.shape)} (tokens: {','.join(map(str, ids))})",

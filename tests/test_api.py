@@ -1,0 +1,287 @@
+"""clover_gguf.Model: the Python API over the engine (clover-spec sections 3, 5).
+
+References: the checkpoint's config.json and tokenizer.json, and the engine's own prefix-mode
+logits (a greedy AR loop written here over ``prefix_logits`` must give the tokens of
+``generate_tokens(mode="ar")``). Engine-versus-PyTorch numerics are in test_engine.py.
+"""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from clover_gguf import CloverError, Model
+
+N_THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt):
+    return pathlib.Path(make_ckpt())
+
+
+@pytest.fixture(scope="module")
+def config(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return cfg, text
+
+
+@pytest.fixture(scope="module")
+def gguf_path(ckpt, tmp_path_factory):
+    from convert.convert import convert
+
+    out = tmp_path_factory.mktemp("api") / "tiny-f32.gguf"
+    convert(ckpt, out, outtype="f32", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parent_gguf(ckpt, tmp_path_factory):
+    from convert.convert import convert
+
+    out = tmp_path_factory.mktemp("api") / "tiny-qwen35moe.gguf"
+    convert(ckpt, out, outtype="f32", arch="qwen35moe", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    with Model(gguf_path, n_ctx=512, n_threads=N_THREADS) as m:
+        yield m
+
+
+PROMPT = "def fib(n):\n    if n < 2:\n        return n\n"
+
+
+def test_hparams_from_config(model, config):
+    cfg, text = config
+    hp = model.hparams
+    assert hp["is_clover"] is True and model.arch == "clover"
+    assert hp["n_vocab"] == text["vocab_size"] == model.n_vocab
+    assert hp["n_embd"] == text["hidden_size"]
+    assert hp["n_layer"] == text["num_hidden_layers"]
+    assert hp["n_head"] == text["num_attention_heads"]
+    assert hp["n_head_kv"] == text["num_key_value_heads"]
+    assert hp["n_expert"] == text["num_experts"]
+    assert hp["n_expert_used"] == text["num_experts_per_tok"]
+    assert hp["mask_token_id"] == cfg["mask_token_id"]
+    assert hp["block_size"] == cfg["block_size"]
+    assert hp["threshold"] == pytest.approx(cfg["threshold"], rel=1e-6)
+    assert hp["coreset_top_p"] == pytest.approx(cfg["moe_block_coreset_top_p"], rel=1e-6)
+    assert hp["logits_shift"] is bool(cfg.get("logits_shift", True))
+
+
+def test_end_ids(model, ckpt):
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    assert hf.token_to_id("<|im_end|>") in model.end_ids
+    assert hf.token_to_id("<|endoftext|>") in model.end_ids
+    assert hf.token_to_id("<|mask|>") not in model.end_ids
+
+
+def test_tokenize_matches_checkpoint_tokenizer(model, ckpt):
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    for s in [PROMPT, "<|im_start|>user\nGrüße 🙂<|im_end|>\n", "  x = [1, 2, 3]  # ünïcode"]:
+        ids = model.tokenize(s)
+        assert ids == hf.encode(s, add_special_tokens=False).ids
+        assert model.detokenize(ids) == s
+    plain = model.tokenize("<|im_start|>", special=False)
+    assert hf.token_to_id("<|im_start|>") not in plain
+
+
+def test_prefix_logits_shape_and_causality(model):
+    ids = model.tokenize(PROMPT)
+    assert len(ids) >= 8
+    full = model.prefix_logits(ids)
+    assert full.dtype == np.float32 and full.shape == (len(ids), model.n_vocab)
+    assert np.isfinite(full).all()
+    part = model.prefix_logits(ids[:5])
+    # causal: the first rows do not depend on later tokens (chunked vs shorter prefill)
+    np.testing.assert_allclose(part, full[:5], rtol=0, atol=1e-4)
+    assert np.abs(full).max() > 0
+
+
+def _greedy_ar(model, prompt, n):
+    mask = model.hparams["mask_token_id"]
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        row = model.prefix_logits(ids)[-1].astype(np.float64)
+        if mask >= 0:
+            row[mask] = -np.inf  # the mask token is never a candidate
+        t = int(np.argmax(row))
+        out.append(t)
+        if t in model.end_ids:
+            break
+        ids.append(t)
+    return out
+
+
+def test_generate_tokens_ar_equals_greedy_loop_over_prefix_logits(model):
+    prompt = model.tokenize(PROMPT)
+    ids, st = model.generate_tokens(prompt, max_tokens=12, mode="ar")
+    assert ids == _greedy_ar(model, prompt, 12)
+    assert st["mode"] == "ar" and st["tokens"] == ids
+    assert st["n_prompt"] == len(prompt) and st["n_generated"] == len(ids)
+    assert st["n_forward_prefill"] == 1 and st["n_forward_denoise"] == 0
+    assert st["n_forward"] == st["n_forward_prefill"] + st["n_forward_decode"]
+    assert st["tokens_per_forward"] == pytest.approx(len(ids) / st["n_forward"])
+    if st["finish_reason"] == "length":
+        assert len(ids) == 12
+    else:
+        assert st["finish_reason"] == "stop" and ids[-1] in model.end_ids
+
+
+def test_generate_diffusion_text_stream_and_stats(model):
+    kw = dict(max_tokens=20, block_size=8, threshold=0.3)
+    ids, st = model.generate_tokens(model.tokenize(PROMPT), **kw)
+    assert st["mode"] == "diffusion"  # the default for a clover GGUF
+    assert 1 <= len(ids) <= 20
+    assert st["n_forward"] == (st["n_forward_prefill"] + st["n_forward_denoise"]
+                               + st["n_forward_commit"] + st["n_forward_decode"])
+    assert st["n_forward_denoise"] >= 1 and st["n_blocks"] >= 1
+    assert st["seconds"] > 0 and st["tokens_per_second"] > 0
+    assert st["finish_reason"] in ("stop", "length")
+    if st["finish_reason"] == "length":
+        assert len(ids) == 20
+    text = model.generate(PROMPT, **kw)
+    body = [t for t in ids if t not in model.end_ids]
+    assert text == model.detokenize(body)  # deterministic (greedy) and end token dropped
+    assert model.last_stats["tokens"] == ids
+    pieces = list(model.generate_stream(PROMPT, **kw))
+    assert "".join(pieces) == text
+    assert all(pieces)  # no empty pieces
+    # block-wise streaming: at most one piece per committed block (plus a flushed tail)
+    assert len(pieces) <= st["n_blocks"] + 1
+
+
+def test_generate_accepts_token_ids_and_threshold_changes_forwards(model):
+    prompt = model.tokenize(PROMPT)
+    a = model.generate(prompt, max_tokens=16, block_size=8, threshold=1.0)
+    st_strict = dict(model.last_stats)
+    b = model.generate(PROMPT, max_tokens=16, block_size=8, threshold=1.0)
+    assert a == b
+    model.generate(prompt, max_tokens=16, block_size=8, threshold=1e-6)
+    st_loose = model.last_stats
+    # threshold 1.0 (strict >) fills one slot per denoising step; a tiny threshold fills
+    # every masked slot at once
+    if st_strict["finish_reason"] == "length" and st_loose["finish_reason"] == "length":
+        assert st_loose["n_forward_denoise"] < st_strict["n_forward_denoise"]
+        assert st_loose["n_forward_denoise"] == st_loose["n_blocks"]
+
+
+def test_seeded_sampling_is_reproducible(model):
+    kw = dict(max_tokens=10, mode="ar", temperature=0.9, top_k=50, top_p=0.95)
+    a, _ = model.generate_tokens(model.tokenize(PROMPT), seed=7, **kw)
+    b, _ = model.generate_tokens(model.tokenize(PROMPT), seed=7, **kw)
+    assert a == b
+    runs = {tuple(model.generate_tokens(model.tokenize(PROMPT), seed=s, **kw)[0]) for s in range(4)}
+    assert len(runs) > 1  # the seed matters
+
+
+def test_block_logits(model):
+    hp = model.hparams
+    mask = hp["mask_token_id"]
+    prefix = model.tokenize(PROMPT)
+    block = [mask] * 8
+    block[0] = prefix[-1]
+    logits, nexp = model.block_logits(prefix, block)
+    assert logits.dtype == np.float32 and logits.shape == (8, model.n_vocab)
+    assert np.isfinite(logits).all()
+    assert len(nexp) == hp["n_layer"]
+    assert all(hp["n_expert_used"] <= n <= hp["n_expert"] for n in nexp)
+    again, nexp2 = model.block_logits(prefix, block, coreset_top_p=1.0)
+    np.testing.assert_array_equal(again, logits)  # default is normal routing (top-p 1)
+    assert nexp2 == nexp
+    small, nexp_small = model.block_logits(prefix, block, coreset_top_p=0.3)
+    # the coreset C has m <= |union of normal routing| experts and every row picks inside C
+    assert all(hp["n_expert_used"] <= a <= b for a, b in zip(nexp_small, nexp))
+    # the block pass leaves the caches as they were: prefix logits are unaffected
+    np.testing.assert_allclose(model.prefix_logits(prefix)[-1], model.prefix_logits(prefix)[-1])
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(block_size=0), "block_size"),
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=1.1), "threshold"),
+        (dict(coreset_top_p=0.0), "coreset_top_p"),
+        (dict(mode="beam"), "mode"),
+    ],
+)
+def test_argument_errors_name_the_field(model, kw, field):
+    with pytest.raises(ValueError, match=field):
+        model.generate(PROMPT, **kw)
+    with pytest.raises(ValueError, match=field):
+        model.generate_stream(PROMPT, **kw)  # validated before the first piece
+
+
+def test_token_and_prompt_errors(model):
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate("")
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\]"):
+        model.generate_tokens([1, model.n_vocab])
+    with pytest.raises(ValueError, match="ids"):
+        model.prefix_logits([])
+    with pytest.raises(ValueError, match="ids"):
+        model.detokenize([-1])
+    with pytest.raises(ValueError, match="block_ids"):
+        model.block_logits([1, 2], [])
+    with pytest.raises(ValueError, match="coreset_top_p"):
+        model.block_logits([1, 2], [3], coreset_top_p=2.0)
+    with pytest.raises(ValueError, match="n_ctx"):
+        model.prefix_logits([1] * (model.n_ctx + 1))
+    with pytest.raises(ValueError, match="n_ctx"):
+        Model("whatever.gguf", n_ctx=0)
+    with pytest.raises(ValueError, match="n_threads"):
+        Model("whatever.gguf", n_threads=-2)
+
+
+def test_load_errors_are_clover_errors(tmp_path, gguf_path):
+    with pytest.raises(CloverError, match="missing.gguf"):
+        Model(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(CloverError):
+        Model(bad)
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(gguf_path.read_bytes()[: 1 << 16])
+    with pytest.raises(CloverError):
+        Model(trunc)
+    assert issubclass(CloverError, RuntimeError)
+
+
+def test_close_and_context_manager(gguf_path):
+    m = Model(gguf_path, n_ctx=64, n_threads=1)
+    with m:
+        assert len(m.prefix_logits([1, 2, 3])) == 3
+    with pytest.raises(CloverError, match="closed"):
+        m.prefix_logits([1, 2, 3])
+    m.close()  # idempotent
+
+
+def test_parent_arch_defaults_to_ar(parent_gguf, model):
+    with Model(parent_gguf, n_ctx=256, n_threads=N_THREADS) as p:
+        assert p.arch == "qwen35moe" and p.hparams["is_clover"] is False
+        ids, st = p.generate_tokens(p.tokenize(PROMPT), max_tokens=6)
+        assert st["mode"] == "ar"
+        # the parent GGUF is the Clover file minus the Clover-only tensors: same AR output
+        ids_clover, _ = model.generate_tokens(model.tokenize(PROMPT), max_tokens=6, mode="ar")
+        assert ids == ids_clover
+        with pytest.raises(ValueError, match="mode"):
+            p.generate(PROMPT, mode="diffusion")
+        with pytest.raises(ValueError, match="clover"):
+            p.block_logits([1], [2])

@@ -1,0 +1,188 @@
+"""The ``clover-gguf`` command line (run, info, logits, convert), run in subprocesses.
+
+References: the Python API on the same GGUF (``Model.generate_tokens``, ``prefix_logits``),
+``GGUFFile`` for the metadata/tensor table, and the converter's index check for a missing
+shard. Also: importing clover_gguf and its CLI never imports torch.
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import clover_gguf
+
+PKG_PARENT = str(pathlib.Path(clover_gguf.__file__).resolve().parent.parent)
+PROMPT = "def fib(n):"
+
+
+def cli(*args, timeout=300):
+    """Run ``python -m clover_gguf ARGS`` with the same clover_gguf package as this process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONIOENCODING"] = "utf-8"
+    return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True,
+                          text=True, encoding="utf-8", env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt):
+    return pathlib.Path(make_ckpt())
+
+
+@pytest.fixture(scope="module")
+def gguf_path(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny-bf16.gguf"
+    r = cli("convert", ckpt, "-o", out, "--outtype", "bf16", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert out.is_file() and out.stat().st_size > 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    from clover_gguf import Model
+
+    with Model(gguf_path, n_ctx=512, n_threads=2) as m:
+        yield m
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, clover_gguf, clover_gguf.cli, clover_gguf.api, clover_gguf.tokenizer; " \
+           "print('torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_help_and_version():
+    r = cli("--help")
+    assert r.returncode == 0
+    for sub in ("run", "info", "logits", "convert"):
+        assert sub in r.stdout
+    r = cli("--version")
+    assert r.returncode == 0 and clover_gguf.__version__ in r.stdout
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_run_json_matches_api(gguf_path, model, mode):
+    r = cli("run", "-m", gguf_path, "-p", PROMPT, "-n", 12, "--mode", mode, "--block-size", 8,
+            "--threshold", 0.5, "-t", 2, "--json")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    for key in ("text", "tokens", "n_tokens", "n_forward", "tokens_per_forward", "seconds", "tokens_per_second"):
+        assert key in obj
+    ids, st = model.generate_tokens(model.tokenize(PROMPT), max_tokens=12, mode=mode, block_size=8, threshold=0.5)
+    assert obj["tokens"] == ids  # greedy: the CLI and the API agree token for token
+    assert obj["n_tokens"] == len(ids) <= 12
+    assert obj["n_forward"] == st["n_forward"]
+    assert obj["tokens_per_forward"] == pytest.approx(len(ids) / obj["n_forward"])
+    assert obj["text"] == model.detokenize([t for t in ids if t not in model.end_ids])
+    assert obj["seconds"] > 0 and obj["tokens_per_second"] > 0
+    if mode == "ar":
+        assert obj["tokens_per_forward"] == pytest.approx(1.0)
+
+
+def test_run_streams_text_then_stats(gguf_path, model):
+    r = cli("run", "-m", gguf_path, "-p", PROMPT, "-n", 8, "--mode", "ar")
+    assert r.returncode == 0, r.stderr
+    want = model.generate(PROMPT, max_tokens=8, mode="ar")
+    assert r.stdout == want + "\n"
+    assert "tokens/s" in r.stderr and "forward passes" in r.stderr and "tokens/forward" in r.stderr
+
+
+def test_info_prints_metadata_and_tensor_table(gguf_path):
+    from clover_gguf.gguf import GGUFFile
+
+    r = cli("info", gguf_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    with GGUFFile(gguf_path) as f:
+        md, tensors = f.metadata, f.tensors
+    assert f"metadata: {len(md)} keys" in out and f"tensors: {len(tensors)}" in out
+    for key in md:
+        assert key in out
+    assert '"clover"' in out  # general.architecture
+    n_tok = len(md["tokenizer.ggml.tokens"])
+    assert f"({n_tok} items)" in out  # long arrays are summarised, not dumped
+    assert len(out) < 200_000
+    for t in tensors:
+        line = next(ln for ln in out.splitlines() if ln.split()[:1] == [t["name"]])
+        assert t["type"] in line and "{" + ", ".join(map(str, t["shape"])) + "}" in line
+    assert f"total tensor bytes: {sum(t['nbytes'] for t in tensors)}" in out
+
+
+def test_logits_writes_prefix_logits(gguf_path, model, tmp_path):
+    out = tmp_path / "logits.npy"
+    r = cli("logits", "-m", gguf_path, "--tokens", "5,17,300,42", "-o", out)
+    assert r.returncode == 0, r.stderr
+    a = np.load(out)
+    assert a.dtype == np.float32 and a.shape == (4, model.n_vocab)
+    np.testing.assert_allclose(a, model.prefix_logits([5, 17, 300, 42]), rtol=0, atol=1e-5)
+    out2 = tmp_path / "prompt.logits"  # any name: written as given
+    r = cli("logits", "-m", gguf_path, "-p", PROMPT, "-o", out2)
+    assert r.returncode == 0, r.stderr
+    b = np.load(out2)
+    assert b.shape == (len(model.tokenize(PROMPT)), model.n_vocab)
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["run", "-m", "{missing}", "-p", "x"], "not found"),
+        (["run", "-m", "{gguf}", "-p", "x", "--temp", "-1"], "temperature"),
+        (["run", "-m", "{gguf}", "-p", "x", "--threshold", "2"], "threshold"),
+        (["run", "-m", "{gguf}", "-p", "x", "-n", "0"], "n-predict"),
+        (["run", "-m", "{gguf}", "-p", ""], "prompt"),
+        (["run", "-m", "{garbage}", "-p", "x"], "garbage.gguf"),
+        (["info", "{garbage}"], "garbage.gguf"),
+        (["logits", "-m", "{gguf}", "--tokens", "1,x", "-o", "{tmp}/a.npy"], "--tokens"),
+        (["logits", "-m", "{gguf}", "--tokens", "1,999999", "-o", "{tmp}/a.npy"], "999999"),
+        (["logits", "-m", "{gguf}", "--tokens", "1", "-o", "{tmp}/no/such/dir/a.npy"], "directory"),
+        (["logits", "-m", "{gguf}", "-o", "{tmp}/a.npy"], "--prompt"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_and_files_exit_2(gguf_path, tmp_path, args, msg):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    subs = {"{missing}": str(tmp_path / "missing.gguf"), "{gguf}": str(gguf_path),
+            "{garbage}": str(garbage), "{tmp}": str(tmp_path)}
+    argv = []
+    for a in args:
+        for k, v in subs.items():
+            a = a.replace(k, v)
+        argv.append(a)
+    r = cli(*argv)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert msg in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_convert_missing_shard_is_a_one_line_error(ckpt, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (broken / shard).unlink()
+    out = tmp_path / "out.gguf"
+    r = cli("convert", broken, "-o", out, "--outtype", "f32")
+    assert r.returncode == 2
+    err_lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err_lines) == 1 and err_lines[0].startswith("error:") and shard in err_lines[0]
+    assert not out.exists()  # checked before anything is written
+
+
+def test_installed_entry_point_if_present(gguf_path):
+    exe = shutil.which("clover-gguf")
+    if exe is None:
+        pytest.skip("clover-gguf is not installed on PATH (pip install .)")
+    r = subprocess.run([exe, "run", "-m", str(gguf_path), "-p", PROMPT, "-n", "4", "--mode", "ar", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_tokens"] >= 1
