@@ -88,6 +88,14 @@ class GGUFFile:
         g = self._g
         if t == lib.CLOVER_GGUF_STRING:
             get, unpack = lib.clover_gguf_get_str, ffi.unpack
+            if n > 1:
+                # native/gguf.c stores the strings of one KV back to back, each NUL-terminated:
+                # read them in one copy and split, unless a string holds a NUL itself.
+                first = get(g, i, 0, ffi.NULL)
+                last = get(g, i, n - 1, lenp)
+                parts = unpack(ffi.cast("char *", first), (last - first) + lenp[0]).split(b"\0")
+                if len(parts) == n:
+                    return [s.decode("utf-8", "replace") for s in parts]
             return [unpack(get(g, i, j, lenp), lenp[0]).decode("utf-8", "replace") for j in range(n)]
         if t in _FLOAT_TYPES:
             get = lib.clover_gguf_get_f64

@@ -54,7 +54,8 @@ typedef struct {
     int arr_type;         /* element type for arrays, -1 otherwise */
     uint64_t n;           /* element count; 1 for scalars */
     const uint8_t *data;  /* numeric/bool values: their bytes in the mapping */
-    char *blob;           /* string values: NUL-terminated copies, back to back */
+    char *blob;           /* string values: NUL-terminated copies, back to back in order
+                           * (clover_gguf/gguf.py reads a string array in one copy) */
     uint64_t *str_off;    /* string j is blob + str_off[j], length str_off[j+1]-str_off[j]-1 */
 } gguf_kv;
 

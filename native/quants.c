@@ -53,16 +53,15 @@ static inline float bits_f32(uint32_t u) {
 }
 
 static inline float fp16_to_fp32(uint16_t h) {
+    /* Branch-free so that row conversion loops vectorise: compute the three cases and select. */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t em = h & 0x7fffu; /* exponent and mantissa */
-    uint32_t bits;
-    if (em >= 0x7c00u) {
-        bits = 0x7f800000u | ((em & 0x3ffu) << 13); /* inf, NaN (payload kept) */
-    } else if (em >= 0x0400u) {
-        bits = (em << 13) + ((127u - 15u) << 23); /* normal: rebias the exponent */
-    } else {
-        bits = f32_bits((float)em * 0x1p-24f); /* zero/subnormal: em * 2^-24, exact */
-    }
+    const uint32_t em = h & 0x7fffu;                            /* exponent and mantissa */
+    const uint32_t normal = (em << 13) + ((127u - 15u) << 23);  /* rebias the exponent */
+    const uint32_t infnan = (em << 13) | 0x7f800000u;           /* inf, NaN (payload kept) */
+    const uint32_t sub = f32_bits((float)(int32_t)em * 0x1p-24f); /* zero/subnormal: exact */
+    const uint32_t m_sub = 0u - (uint32_t)(em < 0x0400u);     /* all ones when subnormal */
+    const uint32_t m_inf = 0u - (uint32_t)(em >= 0x7c00u);    /* all ones when inf/NaN */
+    const uint32_t bits = (sub & m_sub) | (infnan & m_inf) | (normal & ~(m_sub | m_inf));
     return bits_f32(sign | bits);
 }
 
@@ -110,6 +109,28 @@ static inline uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
+/* Row conversions in groups of 8 with a constant inner trip count, which GCC vectorises
+ * even at -O2 (its "very cheap" cost model rejects loops that need an epilogue). */
+static void f16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint16_t h[8];
+        memcpy(h, src + 2 * i, sizeof h);
+        for (int l = 0; l < 8; l++) dst[i + l] = fp16_to_fp32(h[l]);
+    }
+    for (; i < n; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
+}
+
+static void bf16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint16_t h[8];
+        memcpy(h, src + 2 * i, sizeof h);
+        for (int l = 0; l < 8; l++) dst[i + l] = bf16_to_fp32(h[l]);
+    }
+    for (; i < n; i++) dst[i] = bf16_to_fp32(load_u16(src + 2 * i));
+}
+
 /* ---------------------------------------------------------------- Q8_0 (ggml block_q8_0) */
 
 /* One block of 32 values, exactly as ggml's quantize_row_q8_0_ref (and gguf-py's Q8_0). */
@@ -124,7 +145,12 @@ static void quantize_block_q8_0(const float *x, uint8_t *out) {
     const uint16_t dh = fp32_to_fp16(d);
     memcpy(out, &dh, sizeof dh);
     int8_t *qs = (int8_t *)(out + 2);
-    for (int j = 0; j < CLOVER_QK8_0; j++) qs[j] = (int8_t)roundf(x[j] * id);
+    for (int j = 0; j < CLOVER_QK8_0; j++) {
+        /* |x*id| <= 127 for finite input; a subnormal d makes id = inf and x*id inf/NaN, which
+         * ggml leaves to the float->int conversion (x86 yields 0): keep that, but defined. */
+        const float r = roundf(x[j] * id);
+        qs[j] = (r >= -128.0f && r <= 127.0f) ? (int8_t)r : 0;
+    }
 }
 
 static void dequantize_block_q8_0(const uint8_t *in, float *y) {
@@ -161,10 +187,10 @@ int clover_to_f32(int type, const void *src, float *dst, int64_t n) {
         if (n > 0) memmove(dst, src, (size_t)n * sizeof(float));
         return CLOVER_OK;
     case CLOVER_TYPE_F16:
-        for (int64_t i = 0; i < n; i++) dst[i] = fp16_to_fp32(load_u16(s + 2 * i));
+        f16_row_to_f32(s, dst, n);
         return CLOVER_OK;
     case CLOVER_TYPE_BF16:
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_fp32(load_u16(s + 2 * i));
+        bf16_row_to_f32(s, dst, n);
         return CLOVER_OK;
     case CLOVER_TYPE_Q8_0:
         if (n % CLOVER_QK8_0 != 0) return CLOVER_E_ARG;
@@ -340,11 +366,10 @@ CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t
                     w[k] = w[k - 1]; /* duplicated last row of a partial tile */
                     continue;
                 }
-                if (type == CLOVER_TYPE_F16) {
-                    for (int64_t i = 0; i < n_in; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
-                } else {
-                    for (int64_t i = 0; i < n_in; i++) dst[i] = bf16_to_fp32(load_u16(src + 2 * i));
-                }
+                if (type == CLOVER_TYPE_F16)
+                    f16_row_to_f32(src, dst, n_in);
+                else
+                    bf16_row_to_f32(src, dst, n_in);
                 w[k] = dst;
             }
         }
