@@ -165,6 +165,9 @@ def _corpus() -> list[str]:
     return texts
 
 
+_TOKENIZER_MEMO: dict[int, str] = {}  # in-process only: vocab_size -> tokenizer JSON
+
+
 def build_tokenizer(vocab_size: int = 2000):
     """Train the test tokenizer (byte-level BPE, qwen35 pre-tokenizer) and append ADDED_TOKENS.
 
@@ -176,6 +179,8 @@ def build_tokenizer(vocab_size: int = 2000):
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # count words single-threaded
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if vocab_size in _TOKENIZER_MEMO:
+        return Tokenizer.from_str(_TOKENIZER_MEMO[vocab_size])
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZER_REGEX), behavior="isolated", invert=False),
@@ -196,6 +201,7 @@ def build_tokenizer(vocab_size: int = 2000):
         (tok.add_special_tokens if special else tok.add_tokens)([at])
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer: {tok.get_vocab_size()} tokens, expected {vocab_size}")
+    _TOKENIZER_MEMO[vocab_size] = tok.to_str()
     return tok
 
 
@@ -328,9 +334,11 @@ def _randn(shape, g: torch.Generator, std: float, mean: float, dtype) -> torch.T
     return out
 
 
-def make_tensor(name: str, shape: tuple, kind: str, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+def make_tensor(name: str, shape: tuple, kind: str, seed: int, dtype=torch.bfloat16,
+                lm_head_gain: float = LM_HEAD_GAIN, router_gain: float = ROUTER_GAIN) -> torch.Tensor:
     """Draw one parameter (see module docstring for the scales). ``name`` is the prefix-free HF
-    name; the result depends only on (seed, name, kind, shape)."""
+    name; the result depends only on (seed, name, kind, shape) and, for the LM head and the
+    routers, on the gains."""
     if kind == "experts_gate_up":  # stack of per-expert [gate; up], identical to per-expert files
         base = name[: -len("gate_up_proj")]
         E, I2, H = shape
@@ -350,9 +358,9 @@ def make_tensor(name: str, shape: tuple, kind: str, seed: int, dtype=torch.bfloa
     if kind == "embed":
         return _randn(shape, g, 1.0, 0.0, dtype)
     if kind == "lm_head":
-        return _randn(shape, g, LM_HEAD_GAIN / math.sqrt(shape[-1]), 0.0, dtype)
+        return _randn(shape, g, lm_head_gain / math.sqrt(shape[-1]), 0.0, dtype)
     if kind == "router":
-        return _randn(shape, g, ROUTER_GAIN / math.sqrt(shape[-1]), 0.0, dtype)
+        return _randn(shape, g, router_gain / math.sqrt(shape[-1]), 0.0, dtype)
     if kind == "norm0":  # zero-centred RMSNorm weight (the norm uses 1 + w)
         return _randn(shape, g, 0.1, 0.0, dtype)
     if kind == "gnorm":  # GDN gated norm: plain weight around 1
@@ -395,6 +403,8 @@ def make_checkpoint(
     max_shard_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     extra_config: dict | None = None,
+    lm_head_gain: float = LM_HEAD_GAIN,
+    router_gain: float = ROUTER_GAIN,
     progress: bool = False,
 ) -> pathlib.Path:
     """Write a random HF checkpoint to ``out_dir`` (created if needed) and return its Path.
@@ -406,7 +416,9 @@ def make_checkpoint(
     seed: all values are a function of it. tokenizer_vocab: trained tokenizer size (the config
     vocab_size, default 2048 tiny / 248320 real, may be larger: extra embedding rows are padding).
     max_shard_bytes: shard limit (default 2 GB; always at most half the total, so there are at
-    least two shards). Weights are stored as ``dtype`` (bf16 default). Raises ValueError on bad
+    least two shards). Weights are stored as ``dtype`` (bf16 default). lm_head_gain /
+    router_gain: std * sqrt(hidden) of the LM head and router weights (defaults LM_HEAD_GAIN,
+    ROUTER_GAIN). extra_config: keys merged into config.json last. Raises ValueError on bad
     options.
     """
     if prefix not in ("model.", "model.language_model."):
@@ -473,14 +485,22 @@ def make_checkpoint(
         tmp_files.append(tmp)
         shard, shard_bytes = {}, 0
 
-    for (name, shape, kind), nbytes in zip(specs, sizes):
-        if shard and shard_bytes + nbytes > limit:
-            flush()
-        if progress:
-            print(f"  {_full_name(name, prefix)} {list(shape)}", flush=True)
-        shard[_full_name(name, prefix)] = make_tensor(name, shape, kind, seed, dtype).contiguous()
-        shard_bytes += nbytes
-    flush()
+    # One torch thread for the small tensors: on a busy 2-core machine torch's thread pool
+    # spin-waits and runs ~20x slower; the drawn values do not depend on the thread count.
+    n_threads = torch.get_num_threads()
+    try:
+        for (name, shape, kind), nbytes in zip(specs, sizes):
+            if shard and shard_bytes + nbytes > limit:
+                flush()
+            if progress:
+                print(f"  {_full_name(name, prefix)} {list(shape)}", flush=True)
+            torch.set_num_threads(n_threads if math.prod(shape) >= (1 << 24) else 1)
+            shard[_full_name(name, prefix)] = make_tensor(name, shape, kind, seed, dtype, lm_head_gain,
+                                                          router_gain).contiguous()
+            shard_bytes += nbytes
+        flush()
+    finally:
+        torch.set_num_threads(n_threads)
 
     n = len(tmp_files)
     names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]

@@ -1,0 +1,730 @@
+"""PyTorch reference of the Clover / Qwen3.6-MoE forward pass and decoders (clover-spec 2, 3, 5).
+
+Written to be read next to the spec, not to be fast: one class per block, plain token-by-token
+Gated DeltaNet recurrence, every step in the working dtype (float32 by default; float64 works).
+This module needs torch; ``import clover_gguf`` never imports it.
+
+- Prefix (causal) mode, spec 3.2: exactly the Qwen3.6 autoregressive computation (checked
+  against transformers' Qwen3_5MoeForCausalLM in tests/test_reference.py).
+- Block (denoising) mode, spec 3.2/3.3: the B rows of a block against read-only caches;
+  attention rows see the prefix and the whole block; GDN layers add a backward branch with an
+  anti-causal conv, a reverse recurrence with exclusive readout, and ``sigmoid(bwd_mix)`` mixing.
+- MoE block coreset routing, spec 5.6, in block mode.
+- ``generate_ar`` / ``generate_diffusion``: the greedy decoders of the shared contract (spec 5.2).
+
+Main entry points: ``CloverReference.from_pretrained(hf_dir)``, ``.prefix_logits(tokens)``,
+``.block_logits(prefix, block, coreset_top_p)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ReferenceConfig", "CloverReference", "State", "generate_ar", "generate_diffusion",
+    "coreset_route",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters (spec 1, 3.4)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ReferenceConfig:
+    """Hyperparameters read from an HF config.json (text config top level or under text_config)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: list  # "linear_attention" (GDN) | "full_attention", per layer
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    rope_theta: float
+    partial_rotary_factor: float
+    rms_norm_eps: float
+    eos_token_id: int | list | None = None
+    # Clover (spec 3.4); clover is False for a parent (qwen3_5_moe) checkpoint.
+    clover: bool = False
+    mask_token_id: int | None = None
+    block_size: int = 32
+    threshold: float = 0.95
+    logits_shift: bool = True
+    moe_block_coreset_top_p: float = 0.9
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of rotated dims per head (head_dim * partial_rotary_factor), spec 2.2."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ReferenceConfig":
+        """Build from a parsed config.json. Raises KeyError naming a missing field."""
+        t = cfg.get("text_config", cfg)
+
+        def need(k):
+            if k not in t:
+                raise KeyError(f"config.json: missing text config field {k!r}")
+            return t[k]
+
+        rope = t.get("rope_parameters") or {}
+        n_layers = need("num_hidden_layers")
+        layer_types = t.get("layer_types")
+        if layer_types is None:
+            interval = t.get("full_attention_interval", 4)
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(n_layers)]
+        c = cls(
+            vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
+            num_hidden_layers=n_layers, layer_types=list(layer_types)[:n_layers],
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=need("num_key_value_heads"), head_dim=need("head_dim"),
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4),
+            num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+            moe_intermediate_size=need("moe_intermediate_size"),
+            shared_expert_intermediate_size=need("shared_expert_intermediate_size"),
+            rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 t.get("partial_rotary_factor", 0.25))),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            eos_token_id=t.get("eos_token_id", cfg.get("eos_token_id")),
+        )
+        if "mask_token_id" in cfg:
+            c.clover = True
+            c.mask_token_id = int(cfg["mask_token_id"])
+            c.block_size = int(cfg.get("block_size", 32))
+            c.threshold = float(cfg.get("threshold", 0.95))
+            c.logits_shift = bool(cfg.get("logits_shift", True))
+            c.moe_block_coreset_top_p = float(cfg.get("moe_block_coreset_top_p", 0.9))
+            c.extra = {k: cfg[k] for k in ("presence_penalty", "repetition_penalty",
+                                           "think_close_bias_start", "eos_bias_start") if k in cfg}
+        return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Small kernels
+# ---------------------------------------------------------------------------------------------
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Norms and softmaxes run in at least fp32 (spec 2)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = _acc(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # As FLA / transformers: x * rsqrt(sum(x^2) + eps)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class RMSNorm1p:
+    """Spec 2 N1p, zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (rmsnorm(x, self.eps) * (1.0 + _acc(self.weight))).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class GDNCache:
+    """GDN layer cache: last K-1 qkv inputs of the conv [K-1, C] and the state S [Hv, dk, dv]."""
+    conv: torch.Tensor
+    S: torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """Attention layer cache: keys and values after norm/RoPE, [nkv, T, hd] each."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class State:
+    """Prefix-mode state: number of committed positions and one cache per layer."""
+    pos: int
+    layers: list
+
+
+# ---------------------------------------------------------------------------------------------
+# 2.1 Gated DeltaNet (+ 3.3 backward branch in block mode)
+# ---------------------------------------------------------------------------------------------
+
+class GatedDeltaNet:
+    """Spec 2.1 (prefix mode) and 3.3 (block mode: forward + backward branch)."""
+
+    def __init__(self, w: dict, cfg: ReferenceConfig):
+        self.cfg = cfg
+        self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.K = cfg.linear_conv_kernel_dim
+        self.W_qkv = w["in_proj_qkv.weight"]          # [C, H]
+        self.W_z = w["in_proj_z.weight"]              # [Hv*dv, H]
+        self.W_b = w["in_proj_b.weight"]              # [Hv, H]
+        self.W_a = w["in_proj_a.weight"]              # [Hv, H]
+        self.conv_w = w["conv1d.weight"][:, 0, :]     # [C, K]; [:, K-1] multiplies the current token
+        self.A_log = w["A_log"]                       # [Hv]
+        self.dt_bias = w["dt_bias"]                   # [Hv]
+        self.norm_w = w["norm.weight"]                # [dv], plain weight (no +1)
+        self.W_out = w["out_proj.weight"]             # [H, Hv*dv]
+        self.has_bwd = cfg.clover
+        if self.has_bwd:                              # spec 3.3
+            self.conv_w_bwd = w["conv1d_bwd.weight"][:, 0, :]
+            self.A_log_bwd = w["A_log_bwd"]
+            self.dt_bias_bwd = w["dt_bias_bwd"]
+            self.W_b_bwd = w["in_proj_b_bwd.weight"]
+            self.W_a_bwd = w["in_proj_a_bwd.weight"]
+            self.bwd_mix = w["bwd_mix"]
+
+    def new_cache(self, dtype) -> GDNCache:
+        C = self.W_qkv.shape[0]
+        return GDNCache(conv=torch.zeros(self.K - 1, C, dtype=dtype),
+                        S=torch.zeros(self.Hv, self.dk, self.dv,
+                                      dtype=torch.float64 if dtype == torch.float64 else torch.float32))
+
+    # 2.1 step 2: causal depthwise conv; hist holds the K-1 previous inputs (zeros at start).
+    def _conv_causal(self, qkv, hist):
+        xp = torch.cat([hist, qkv], 0)                # [K-1+T, C]
+        T = qkv.shape[0]
+        out = sum(self.conv_w[:, j] * xp[j:j + T] for j in range(self.K))
+        return F.silu(out)
+
+    # 3.3: anti-causal conv, c_t = sum_j w_bwd[ch, j] * qkv_{t+K-1-j}, zeros past the block end.
+    def _conv_anticausal(self, qkv):
+        T, C = qkv.shape
+        xp = torch.cat([qkv, qkv.new_zeros(self.K - 1, C)], 0)
+        out = sum(self.conv_w_bwd[:, j] * xp[self.K - 1 - j:self.K - 1 - j + T] for j in range(self.K))
+        return F.silu(out)
+
+    # 2.1 step 3: split, L2-normalise q and k per head, scale q by 1/sqrt(dk).
+    def _split(self, c):
+        T = c.shape[0]
+        kd = self.Hk * self.dk
+        q = c[:, :kd].reshape(T, self.Hk, self.dk)
+        k = c[:, kd:2 * kd].reshape(T, self.Hk, self.dk)
+        v = c[:, 2 * kd:].reshape(T, self.Hv, self.dv)
+        q = l2norm(_acc(q)) / math.sqrt(self.dk)
+        k = l2norm(_acc(k))
+        return q, k, _acc(v)
+
+    # 2.1 step 4: beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) (<= 0).
+    @staticmethod
+    def _gates(x, W_b, W_a, A_log, dt_bias):
+        beta = torch.sigmoid(_acc(x @ W_b.T))
+        g = -torch.exp(_acc(A_log)) * F.softplus(_acc(x @ W_a.T) + _acc(dt_bias))
+        return beta, g
+
+    # 2.1 steps 5-6 (and the 3.3 reverse, exclusive-readout variant).
+    def _recurrence(self, q, k, v, g, beta, S, reverse=False, exclusive=False):
+        T = q.shape[0]
+        key_head = torch.arange(self.Hv) // (self.Hv // self.Hk)   # value head h -> key head h // r
+        o = torch.zeros(T, self.Hv, self.dv, dtype=S.dtype)
+        for t in (range(T - 1, -1, -1) if reverse else range(T)):
+            qt, kt = q[t][key_head], k[t][key_head]                   # [Hv, dk]
+            if exclusive:
+                o[t] = torch.einsum("hk,hkv->hv", qt, S)
+            S = S * torch.exp(g[t])[:, None, None]
+            kv = torch.einsum("hk,hkv->hv", kt, S)                    # S^T k
+            delta = beta[t][:, None] * (v[t] - kv)
+            S = S + kt[:, :, None] * delta[:, None, :]
+            if not exclusive:
+                o[t] = torch.einsum("hk,hkv->hv", qt, S)
+        return o, S
+
+    # 2.1 steps 7-8: gated RMSNorm per head (plain weight), then W_out.
+    def _output(self, o, x):
+        T = o.shape[0]
+        z = (x @ self.W_z.T).reshape(T, self.Hv, self.dv)
+        y = _acc(self.norm_w) * rmsnorm(o, self.cfg.rms_norm_eps) * F.silu(_acc(z))
+        return y.reshape(T, -1).to(x.dtype) @ self.W_out.T
+
+    def prefix(self, x: torch.Tensor, cache: GDNCache) -> torch.Tensor:
+        """Prefix mode over x [T, H]; advances ``cache`` (conv history and state)."""
+        qkv = x @ self.W_qkv.T
+        c = self._conv_causal(qkv, cache.conv)
+        cache.conv = torch.cat([cache.conv, qkv], 0)[-(self.K - 1):]
+        q, k, v = self._split(c)
+        beta, g = self._gates(x, self.W_b, self.W_a, self.A_log, self.dt_bias)
+        o, cache.S = self._recurrence(q, k, v, g, beta, cache.S)
+        return self._output(o, x)
+
+    def block(self, x: torch.Tensor, cache: GDNCache, backward: bool = True) -> torch.Tensor:
+        """Block mode over the B rows x [B, H] (spec 3.3); ``cache`` is read, not written."""
+        qkv = x @ self.W_qkv.T
+        # Forward branch: the unchanged layer from a copy of the prefix state and conv history.
+        q, k, v = self._split(self._conv_causal(qkv, cache.conv))
+        beta, g = self._gates(x, self.W_b, self.W_a, self.A_log, self.dt_bias)
+        o_f, _ = self._recurrence(q, k, v, g, beta, cache.S.clone())
+        o = o_f
+        if backward and self.has_bwd:
+            # Backward branch: own anti-causal conv and gates, reverse exclusive recurrence from 0.
+            qb, kb, vb = self._split(self._conv_anticausal(qkv))
+            beta_b, g_b = self._gates(x, self.W_b_bwd, self.W_a_bwd, self.A_log_bwd, self.dt_bias_bwd)
+            o_b, _ = self._recurrence(qb, kb, vb, g_b, beta_b, torch.zeros_like(cache.S),
+                                      reverse=True, exclusive=True)
+            o = o_f + torch.sigmoid(_acc(self.bwd_mix))[None, :, None] * o_b   # mix per value head
+        return self._output(o, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2.2 Gated full attention
+# ---------------------------------------------------------------------------------------------
+
+class GatedAttention:
+    """Spec 2.2: q/gate split per head, q/k N1p norms, partial NEOX RoPE, GQA, sigmoid output gate."""
+
+    def __init__(self, w: dict, cfg: ReferenceConfig):
+        self.cfg = cfg
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.W_q = w["q_proj.weight"]      # [nh*2*hd, H], per head [query hd | gate hd]
+        self.W_k = w["k_proj.weight"]      # [nkv*hd, H]
+        self.W_v = w["v_proj.weight"]      # [nkv*hd, H]
+        self.W_o = w["o_proj.weight"]      # [H, nh*hd]
+        self.q_norm = RMSNorm1p(w["q_norm.weight"], cfg.rms_norm_eps)
+        self.k_norm = RMSNorm1p(w["k_norm.weight"], cfg.rms_norm_eps)
+        rd = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+
+    def new_cache(self, dtype) -> KVCache:
+        return KVCache(k=torch.zeros(self.nkv, 0, self.hd, dtype=dtype),
+                       v=torch.zeros(self.nkv, 0, self.hd, dtype=dtype))
+
+    def _rope(self, x, pos):
+        # x [n, T, hd]; NEOX pairs (i, i + rd/2) on the first rd dims; angle pos * theta^(-2i/rd).
+        # (Qwen's multi-section RoPE reduces to this for text: all position rows are equal.)
+        rd = self.cfg.rotary_dim
+        ang = pos.to(torch.float64)[:, None] * self.inv_freq[None, :]        # [T, rd/2]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+        xr, xp = x[..., :rd], x[..., rd:]
+        rot = torch.cat([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
+        return torch.cat([xr * cos + rot * sin, xp], -1)
+
+    def _project(self, x, pos0):
+        T = x.shape[0]
+        qg = (x @ self.W_q.T).view(T, self.nh, 2 * self.hd)
+        q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(T, self.nh * self.hd)
+        q = self.q_norm(q).transpose(0, 1)                                     # [nh, T, hd]
+        k = self.k_norm((x @ self.W_k.T).view(T, self.nkv, self.hd)).transpose(0, 1)
+        v = (x @ self.W_v.T).view(T, self.nkv, self.hd).transpose(0, 1)
+        pos = torch.arange(pos0, pos0 + T)
+        return self._rope(q, pos), self._rope(k, pos), v, gate
+
+    def _attend(self, q, k, v, gate, mask):
+        rep = self.nh // self.nkv                       # query head h uses KV head h // rep
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        scores = _acc(q @ k.transpose(1, 2)) / math.sqrt(self.hd)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, -1).to(v.dtype)
+        a = (p @ v).transpose(0, 1).reshape(q.shape[1], -1)                    # [T, nh*hd]
+        return (a * torch.sigmoid(gate)) @ self.W_o.T
+
+    def prefix(self, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
+        """Causal attention of x [T, H] at positions pos0.. over the cache; appends to it."""
+        q, k, v, gate = self._project(x, pos0)
+        cache.k = torch.cat([cache.k, k], 1)
+        cache.v = torch.cat([cache.v, v], 1)
+        T, L = x.shape[0], cache.k.shape[1]
+        mask = torch.arange(L)[None, :] <= (L - T + torch.arange(T))[:, None]
+        return self._attend(q, cache.k, cache.v, gate, mask)
+
+    def block(self, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
+        """Spec 3.2 block mode: every row sees the cached prefix and every block row."""
+        q, k, v, gate = self._project(x, pos0)
+        return self._attend(q, torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1), gate, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2.3 MoE and 5.6 block coreset
+# ---------------------------------------------------------------------------------------------
+
+def coreset_route(probs: torch.Tensor, k: int, top_p: float):
+    """Spec 5.6 / contract: coreset routing of a block's rows.
+
+    probs [B, E] (router softmax, float). S = sum over rows of each row's probs masked to its own
+    top-k, normalised (float64); experts ordered by S desc, ties lower id first; m = smallest
+    count with cumsum >= top_p, clamped to [k, E]; each row takes top-k among the first m and
+    renormalises. Returns (weights [B, k] float, ids [B, k] long, m). No special case for 1.0.
+    """
+    B, E = probs.shape
+    topv, topi = torch.topk(probs, k, dim=-1)
+    s = torch.zeros(B, E, dtype=torch.float64).scatter(1, topi, topv.to(torch.float64))
+    S = s.sum(0)
+    S = S / S.sum()
+    order = sorted(range(E), key=lambda e: (-S[e].item(), e))
+    cum = torch.cumsum(S[order], 0)
+    reach = (cum >= top_p).nonzero()
+    m = int(reach[0, 0]) + 1 if len(reach) else E
+    m = max(k, min(E, m))
+    allowed = torch.zeros(E, dtype=torch.bool)
+    allowed[order[:m]] = True
+    w, ids = torch.topk(probs.masked_fill(~allowed, float("-inf")), k, dim=-1)
+    return w / w.sum(-1, keepdim=True), ids, m
+
+
+class SparseMoE:
+    """Spec 2.3: softmax router, top-k renormalised, SwiGLU experts, sigmoid-gated shared expert."""
+
+    def __init__(self, w: dict, cfg: ReferenceConfig):
+        self.k = cfg.num_experts_per_tok
+        self.W_router = w["gate.weight"]                 # [E, H]
+        self.gate_up = w["experts.gate_up_proj"]         # [E, 2I, H] (first I rows gate, next I up)
+        self.down = w["experts.down_proj"]               # [E, H, I]
+        self.sh_gate = w["shared_expert.gate_proj.weight"]
+        self.sh_up = w["shared_expert.up_proj.weight"]
+        self.sh_down = w["shared_expert.down_proj.weight"]
+        self.sh_gate_inp = w["shared_expert_gate.weight"]  # [1, H]
+
+    def route(self, x: torch.Tensor, coreset_top_p: float | None = None):
+        """Top-k routing of x [T, H] -> (weights [T, k], expert ids [T, k]); coreset when a
+        top_p is given (block mode, spec 5.6), normal routing when None."""
+        probs = torch.softmax(_acc(x @ self.W_router.T), -1)
+        if coreset_top_p is not None:
+            w, ids, _ = coreset_route(probs, self.k, coreset_top_p)
+            return w, ids
+        w, ids = torch.topk(probs, self.k, dim=-1)
+        return w / w.sum(-1, keepdim=True), ids
+
+    def __call__(self, x: torch.Tensor, coreset_top_p: float | None = None):
+        """Returns (out [T, H], expert ids [T, k])."""
+        w, ids = self.route(x, coreset_top_p)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            gu = x[rows] @ self.gate_up[e].T
+            g, u = gu.chunk(2, dim=-1)
+            y = (F.silu(g) * u) @ self.down[e].T
+            out.index_add_(0, rows, y * w[rows, slot, None].to(x.dtype))
+        ys = (F.silu(x @ self.sh_gate.T) * (x @ self.sh_up.T)) @ self.sh_down.T
+        out = out + torch.sigmoid(x @ self.sh_gate_inp.T) * ys
+        return out, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder layer and model (spec 2)
+# ---------------------------------------------------------------------------------------------
+
+class DecoderLayer:
+    """Spec 2: h = x + Mixer(N1p(x)); out = h + MoE(N1p(h))."""
+
+    def __init__(self, w: dict, cfg: ReferenceConfig, layer_type: str):
+        self.is_gdn = layer_type == "linear_attention"
+        self.input_norm = RMSNorm1p(w["input_layernorm.weight"], cfg.rms_norm_eps)
+        self.post_norm = RMSNorm1p(w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        sub = "linear_attn." if self.is_gdn else "self_attn."
+        mw = {n[len(sub):]: t for n, t in w.items() if n.startswith(sub)}
+        self.mixer = GatedDeltaNet(mw, cfg) if self.is_gdn else GatedAttention(mw, cfg)
+        self.moe = SparseMoE({n[4:]: t for n, t in w.items() if n.startswith("mlp.")}, cfg)
+
+    def new_cache(self, dtype):
+        return self.mixer.new_cache(dtype)
+
+    def prefix(self, x, cache, pos0):
+        a = self.input_norm(x)
+        h = x + (self.mixer.prefix(a, cache) if self.is_gdn else self.mixer.prefix(a, cache, pos0))
+        m, ids = self.moe(self.post_norm(h))
+        return h + m, ids
+
+    def block(self, x, cache, pos0, coreset_top_p, backward=True):
+        a = self.input_norm(x)
+        h = x + (self.mixer.block(a, cache, backward) if self.is_gdn else self.mixer.block(a, cache, pos0))
+        m, ids = self.moe(self.post_norm(h), coreset_top_p)
+        return h + m, ids
+
+
+_LM_PREFIXES = ("model.language_model.", "model.")
+_SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+
+
+def _load_hf_tensors(hf_dir: pathlib.Path, dtype, tensor_hook):
+    from safetensors import safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{hf_dir}: no model.safetensors.index.json or model.safetensors")
+    out, per_expert = {}, {}
+    for fname in files:
+        with safe_open(str(hf_dir / fname), framework="pt") as f:
+            for full in f.keys():
+                if full.startswith(_SKIP_PREFIXES):
+                    continue
+                if full == "lm_head.weight":
+                    name = full
+                else:
+                    pre = next((p for p in _LM_PREFIXES if full.startswith(p)), None)
+                    if pre is None:
+                        raise ValueError(f"tensor {full}: unexpected name (no model./model.language_model. prefix)")
+                    name = full[len(pre):]
+                t = f.get_tensor(full).to(dtype)
+                if tensor_hook is not None:
+                    t = tensor_hook(full, t)
+                parts = name.split(".")
+                # per-expert layout: layers.i.mlp.experts.e.{gate,up,down}_proj.weight
+                if len(parts) == 7 and parts[3] == "experts" and parts[4].isdigit():
+                    per_expert[(int(parts[1]), int(parts[4]), parts[5])] = t
+                else:
+                    out[name] = t
+    if per_expert:
+        layers = sorted({l for l, _, _ in per_expert})
+        for l in layers:
+            E = 1 + max(e for ll, e, _ in per_expert if ll == l)
+            try:
+                out[f"layers.{l}.mlp.experts.gate_up_proj"] = torch.stack(
+                    [torch.cat([per_expert[(l, e, "gate_proj")], per_expert[(l, e, "up_proj")]]) for e in range(E)])
+                out[f"layers.{l}.mlp.experts.down_proj"] = torch.stack(
+                    [per_expert[(l, e, "down_proj")] for e in range(E)])
+            except KeyError as err:
+                l_, e_, p_ = err.args[0]
+                raise KeyError(f"tensor layers.{l_}.mlp.experts.{e_}.{p_}.weight: missing") from None
+    return out
+
+
+class _Weights(dict):
+    def __missing__(self, key):
+        raise KeyError(f"tensor {key}: missing from the checkpoint")
+
+
+class CloverReference:
+    """The reference model (spec 2-3). Build with ``from_pretrained``."""
+
+    def __init__(self, config: ReferenceConfig, weights: dict, dtype=torch.float32):
+        self.config = config
+        self.dtype = dtype
+        w = _Weights(weights)
+        self.embed = w["embed_tokens.weight"]           # [V, H]
+        self.norm = RMSNorm1p(w["norm.weight"], config.rms_norm_eps)
+        self.lm_head = w["lm_head.weight"]              # [V, H]
+        self.layers = []
+        for i, lt in enumerate(config.layer_types):
+            p = f"layers.{i}."
+            lw = _Weights({n[len(p):]: t for n, t in weights.items() if n.startswith(p)})
+            self.layers.append(DecoderLayer(lw, config, lt))
+
+    @classmethod
+    def from_pretrained(cls, hf_dir, dtype=torch.float32, tensor_hook=None) -> "CloverReference":
+        """Load an HF checkpoint directory (spec 3.4): config.json plus safetensors (sharded with
+        an index, or one model.safetensors), tensor prefix ``model.`` or ``model.language_model.``,
+        fused 3-D or per-expert experts, any stored dtype (converted to ``dtype``).
+
+        tensor_hook(name, tensor) -> tensor, when given, is applied to every tensor after the
+        dtype conversion, with its full HF name (e.g. to feed Q8_0-round-tripped weights).
+        A Clover checkpoint needs both ``mask_token_id`` and the backward-branch tensors; a
+        missing one of the two raises ValueError saying which. Missing tensors raise KeyError.
+        """
+        hf_dir = pathlib.Path(hf_dir)
+        cfg_json = json.loads((hf_dir / "config.json").read_text())
+        config = ReferenceConfig.from_hf(cfg_json)
+        weights = _load_hf_tensors(hf_dir, dtype, tensor_hook)
+        has_bwd = any(n.endswith("linear_attn.conv1d_bwd.weight") for n in weights)
+        if config.clover and not has_bwd:
+            raise ValueError(f"{hf_dir}: config has mask_token_id but the checkpoint has no "
+                             "Clover backward-branch tensors (linear_attn.conv1d_bwd.weight, ...)")
+        if has_bwd and not config.clover:
+            raise ValueError(f"{hf_dir}: checkpoint has Clover backward-branch tensors but "
+                             "config.json has no mask_token_id")
+        return cls(config, weights, dtype)
+
+    # -- incremental interface (also used by the decoders) ------------------------------------
+
+    def new_state(self) -> State:
+        """Empty prefix-mode state (position 0, zero GDN state and conv history, empty KV)."""
+        return State(pos=0, layers=[l.new_cache(self.dtype) for l in self.layers])
+
+    def _logits(self, x):
+        return self.norm(x) @ self.lm_head.T
+
+    def forward_prefix(self, state: State, tokens: list) -> torch.Tensor:
+        """Prefix (causal) mode, spec 3.2: run ``tokens`` after ``state`` and advance it.
+        Returns logits [T, V] (row t predicts the token after tokens[t])."""
+        if len(tokens) == 0:
+            return torch.zeros(0, self.config.vocab_size, dtype=self.dtype)
+        x = self.embed[torch.tensor(tokens, dtype=torch.long)]
+        for layer, cache in zip(self.layers, state.layers):
+            x, _ = layer.prefix(x, cache, state.pos)
+        state.pos += len(tokens)
+        return self._logits(x)
+
+    def forward_block(self, state: State, block: list, coreset_top_p: float | None = 1.0,
+                      backward: bool = True):
+        """Block (denoising) mode, spec 3.2/3.3/5.6, over the B tokens of ``block`` at positions
+        state.pos..state.pos+B-1; ``state`` is not modified. coreset_top_p None = normal routing.
+        ``backward=False`` drops the GDN backward branch (for tests). Returns (logits [B, V],
+        distinct experts per layer (list of int))."""
+        if not self.config.clover and backward:
+            raise ValueError("block mode needs a Clover checkpoint (mask_token_id and backward-branch tensors)")
+        x = self.embed[torch.tensor(block, dtype=torch.long)]
+        distinct = []
+        for layer, cache in zip(self.layers, state.layers):
+            x, ids = layer.block(x, cache, state.pos, coreset_top_p, backward)
+            distinct.append(int(ids.unique().numel()))
+        return self._logits(x), distinct
+
+    # -- contract API ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefix_logits(self, tokens: list) -> torch.Tensor:
+        """Causal logits [T, V] (dtype of the model) for ``tokens``, computed from scratch."""
+        return self.forward_prefix(self.new_state(), list(tokens))
+
+    @torch.no_grad()
+    def block_logits(self, prefix: list, block: list, coreset_top_p: float | None = 1.0):
+        """Block-mode logits of ``block`` (B tokens, masks included) after ``prefix``, from
+        scratch: the prefix runs causally to get the caches, then the block runs in block mode.
+        coreset_top_p: spec 5.6 coreset (1.0 runs the general coreset path, which equals normal
+        routing); None disables the coreset code path. Returns (logits [B, V], distinct experts
+        per layer). Raises ValueError for a non-Clover checkpoint."""
+        state = self.new_state()
+        self.forward_prefix(state, list(prefix))
+        return self.forward_block(state, list(block), coreset_top_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy decoders (spec 5.2; the shared contract's "Decoding semantics")
+# ---------------------------------------------------------------------------------------------
+
+def _masked(logits: torch.Tensor, mask_id) -> torch.Tensor:
+    """The mask token is never a candidate: its logit becomes -inf."""
+    if mask_id is None:
+        return logits
+    logits = logits.clone()
+    logits[..., mask_id] = float("-inf")
+    return logits
+
+
+def _argmax_conf(logits: torch.Tensor, mask_id):
+    """Greedy candidate and confidence (softmax probability of the argmax), spec 5.3."""
+    p = torch.softmax(_acc(_masked(logits, mask_id)), -1)
+    t = int(torch.argmax(p))
+    return t, float(p[t])
+
+
+@torch.no_grad()
+def generate_ar(ref: CloverReference, prompt: list, max_tokens: int, end_ids):
+    """Greedy autoregressive decoding in prefix mode (spec 5.1 ``ar``).
+
+    prompt: token ids (non-empty); end_ids: iterable of ids that stop generation (emitted).
+    Returns (tokens, n_forward) with n_forward = prefill 1 + one per decode forward.
+    max_tokens <= 0 returns ([], 0).
+    """
+    if max_tokens <= 0:
+        return [], 0
+    end_ids = set(end_ids or ())
+    mask_id = ref.config.mask_token_id
+    state = ref.new_state()
+    L = ref.forward_prefix(state, list(prompt))[-1]
+    n_forward, out = 1, []
+    while True:
+        t, _ = _argmax_conf(L, mask_id)
+        out.append(t)
+        if t in end_ids or len(out) >= max_tokens:
+            break
+        L = ref.forward_prefix(state, [t])[-1]
+        n_forward += 1
+    return out, n_forward
+
+
+@torch.no_grad()
+def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, block_size: int,
+                       threshold: float, coreset_top_p: float | None, end_ids):
+    """Greedy threshold block decoding (spec 5.2) with the contract's exact semantics.
+
+    Per block at P (always full size B): with logits_shift slot 0 = argmax of the causal logits
+    (no forward; an end id there is emitted and stops), other slots MASK. While a slot is
+    masked: one block forward (coreset top-p); slot j is predicted by row j-1 (logits_shift) or
+    row j; every masked slot whose confidence > threshold is filled, else the single most
+    confident (ties: lowest slot). After each step, an end id at slot e with no mask before it
+    emits slots 0..e and stops. A full block is emitted (truncated to the budget); unless the
+    budget is exhausted it is committed by a prefix-mode forward whose last row gives the next
+    slot 0. Returns (tokens, n_forward): prefill 1 + denoise forwards + commit forwards.
+    max_tokens <= 0 returns ([], 0).
+    """
+    if max_tokens <= 0:
+        return [], 0
+    cfg = ref.config
+    if not cfg.clover:
+        raise ValueError("diffusion decoding needs a Clover checkpoint")
+    B, shift, mask_id = int(block_size), cfg.logits_shift, cfg.mask_token_id
+    if B < 1:
+        raise ValueError(f"block_size: {B} (expected >= 1)")
+    end_ids = set(end_ids or ())
+    state = ref.new_state()
+    L = ref.forward_prefix(state, list(prompt))[-1]
+    n_forward, out = 1, []
+    while True:
+        budget = max_tokens - len(out)
+        blk = [mask_id] * B
+        masked = [True] * B
+        if shift:
+            t0, _ = _argmax_conf(L, mask_id)
+            blk[0], masked[0] = t0, False
+            if t0 in end_ids:
+                out.append(t0)
+                return out, n_forward
+        stop_at = None
+        while any(masked):
+            rows, _ = ref.forward_block(state, blk, coreset_top_p)
+            n_forward += 1
+            cand = {}
+            for j in range(B):
+                if masked[j]:
+                    cand[j] = _argmax_conf(rows[j - 1] if shift else rows[j], mask_id)
+            fill = [j for j, (_, c) in cand.items() if c > threshold]
+            if not fill:
+                best = None
+                for j in sorted(cand):
+                    if best is None or cand[j][1] > cand[best][1]:
+                        best = j
+                fill = [best]
+            for j in fill:
+                blk[j], masked[j] = cand[j][0], False
+            for e in range(B):
+                if masked[e]:
+                    break
+                if blk[e] in end_ids:
+                    stop_at = e
+                    break
+            if stop_at is not None:
+                break
+        if stop_at is not None:
+            out.extend(blk[:min(stop_at + 1, budget)])
+            return out, n_forward
+        out.extend(blk[:budget])
+        if len(out) >= max_tokens:
+            return out, n_forward
+        L = ref.forward_prefix(state, blk)[-1]
+        n_forward += 1

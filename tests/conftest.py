@@ -1,0 +1,52 @@
+"""Shared pytest fixtures: random HF test checkpoints (convert/make_checkpoint.py).
+
+- ``make_ckpt(**opts) -> pathlib.Path``: session-scoped factory; ``opts`` are keyword
+  arguments of ``convert.make_checkpoint.make_checkpoint`` (dims, n_layers, clover, prefix,
+  fused_experts, seed, block_size, logits_shift, lm_head_gain, router_gain, extra_config, ...).
+  Each distinct option set is written once per session under pytest's tmp dir and reused.
+- ``tiny_ckpt``: the default tiny Clover checkpoint (prefix ``model.``, fused experts, seed 0).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+try:  # use the checkout when the package is not installed
+    import clover_gguf  # noqa: F401
+    import convert  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(_ROOT))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory):
+    """Factory fixture: ``make_ckpt(**opts)`` returns the directory of a random HF checkpoint
+    written by ``convert.make_checkpoint.make_checkpoint(out_dir, **opts)``, cached per option
+    set for the whole session (do not modify the returned directory)."""
+    from convert.make_checkpoint import make_checkpoint
+
+    cache: dict[str, pathlib.Path] = {}
+
+    def _make(**opts) -> pathlib.Path:
+        key = json.dumps(opts, sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("ckpt")
+            cache[key] = make_checkpoint(out, **opts)
+        return cache[key]
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(make_ckpt) -> pathlib.Path:
+    """Tiny Clover checkpoint: spec section 1 tiny dims, prefix model., fused experts, seed 0."""
+    return make_ckpt()
