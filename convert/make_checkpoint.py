@@ -52,11 +52,19 @@ ADDED_TOKENS = [
     ("<|mask|>", True),
 ]
 
-_SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
-if not _SHARED.is_dir():  # installed package: fall back to the workspace path
-    _SHARED = pathlib.Path("/work/shared")
+# The shared data folder: next to the checkout, inside it (device machines), or the workspace.
+_HERE = pathlib.Path(__file__).resolve()
+_SHARED = next((p for p in (_HERE.parents[2] / "shared", _HERE.parents[1] / "shared",
+                            pathlib.Path("/work/shared")) if (p / "data").is_dir()),
+               pathlib.Path("/work/shared"))
 CHAT_TEMPLATE_PATH = _SHARED / "data" / "templates" / "Qwen3.5-4B.jinja"
 REAL_CONFIG_PATH = _SHARED / "data" / "qwen3.6-35b-a3b.json"
+# Used only when CHAT_TEMPLATE_PATH is missing (plain ChatML, as Qwen's template renders text).
+_FALLBACK_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
 
 # Standard-library sources used as tokenizer training text (a fixed list, so that the
 # tokenizer is the same on every run; missing files are skipped).
@@ -125,6 +133,8 @@ def text_config(dims: str = "tiny", n_layers: int | None = None) -> dict:
     if dims == "tiny":
         cfg = json.loads(json.dumps(TINY_TEXT_CONFIG))
     elif dims == "real":
+        if not REAL_CONFIG_PATH.is_file():
+            raise FileNotFoundError(f"dims 'real' needs {REAL_CONFIG_PATH}")
         real = json.loads(REAL_CONFIG_PATH.read_text())
         cfg = {k: v for k, v in real.items()
                if not k.startswith("_") and k not in ("clover_diffusion", "model_type")}
@@ -219,7 +229,8 @@ def _write_tokenizer(out: pathlib.Path, tok) -> dict[str, int]:
         "added_tokens_decoder": added_decoder,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|mask|>"],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE_PATH.read_text(),
+        "chat_template": (CHAT_TEMPLATE_PATH.read_text() if CHAT_TEMPLATE_PATH.is_file()
+                          else _FALLBACK_CHAT_TEMPLATE),
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -342,16 +353,18 @@ def make_tensor(name: str, shape: tuple, kind: str, seed: int, dtype=torch.bfloa
     if kind == "experts_gate_up":  # stack of per-expert [gate; up], identical to per-expert files
         base = name[: -len("gate_up_proj")]
         E, I2, H = shape
-        return torch.stack([
-            torch.cat([make_tensor(f"{base}{e}.gate_proj.weight", (I2 // 2, H), "linear", seed, dtype),
-                       make_tensor(f"{base}{e}.up_proj.weight", (I2 // 2, H), "linear", seed, dtype)])
-            for e in range(E)
-        ])
+        out = torch.empty(shape, dtype=dtype)
+        for e in range(E):
+            out[e, : I2 // 2] = make_tensor(f"{base}{e}.gate_proj.weight", (I2 // 2, H), "linear", seed, dtype)
+            out[e, I2 // 2:] = make_tensor(f"{base}{e}.up_proj.weight", (I2 // 2, H), "linear", seed, dtype)
+        return out
     if kind == "experts_down":
         base = name[: -len("down_proj")]
         E, H, I = shape
-        return torch.stack([make_tensor(f"{base}{e}.down_proj.weight", (H, I), "linear", seed, dtype)
-                            for e in range(E)])
+        out = torch.empty(shape, dtype=dtype)
+        for e in range(E):
+            out[e] = make_tensor(f"{base}{e}.down_proj.weight", (H, I), "linear", seed, dtype)
+        return out
     g = _generator(seed, name)
     if kind == "linear":  # N(0, 1/fan_in): unit-variance outputs for unit-variance inputs
         return _randn(shape, g, 1.0 / math.sqrt(shape[-1]), 0.0, dtype)
@@ -470,7 +483,7 @@ def make_checkpoint(
     sizes = [math.prod(s) * esize for _, s, _ in specs]
     total = sum(sizes)
     limit = min(max_shard_bytes or 2 * 10**9, total // 2 + 1)
-    for old in out.glob("model*.safetensors"):
+    for old in [*out.glob("model*.safetensors"), *out.glob(".shard-*.tmp.safetensors")]:
         old.unlink()
     shard, shard_bytes, tmp_files, weight_map_tmp = {}, 0, [], {}
 
@@ -485,16 +498,16 @@ def make_checkpoint(
         tmp_files.append(tmp)
         shard, shard_bytes = {}, 0
 
-    # One torch thread for the small tensors: on a busy 2-core machine torch's thread pool
-    # spin-waits and runs ~20x slower; the drawn values do not depend on the thread count.
+    # One torch thread: on a busy 2-core machine torch's thread pool spin-waits and runs ~20x
+    # slower; the drawn values do not depend on the thread count.
     n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for (name, shape, kind), nbytes in zip(specs, sizes):
             if shard and shard_bytes + nbytes > limit:
                 flush()
             if progress:
                 print(f"  {_full_name(name, prefix)} {list(shape)}", flush=True)
-            torch.set_num_threads(n_threads if math.prod(shape) >= (1 << 24) else 1)
             shard[_full_name(name, prefix)] = make_tensor(name, shape, kind, seed, dtype, lm_head_gain,
                                                           router_gain).contiguous()
             shard_bytes += nbytes
