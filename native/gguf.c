@@ -850,7 +850,7 @@ int clover_gguf_tensor_to_f32(const clover_gguf *g, int64_t t, float *out, int64
         return CLOVER_E_ARG;
     }
     const int64_t n = x->ne[0] * x->ne[1] * x->ne[2] * x->ne[3]; /* checked at open */
-    if (out == NULL || n_out < n) {
+    if ((out == NULL && n > 0) || n_out < n) {
         set_err(err, err_size, "tensor %s: output capacity %" PRId64 " floats < %" PRId64 " elements", x->name,
                 out == NULL ? 0 : n_out, n);
         return CLOVER_E_ARG;

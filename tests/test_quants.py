@@ -148,21 +148,24 @@ def _q8_cases(rng) -> np.ndarray:
 def test_q8_0_quantize_equals_gguf_py():
     x = _q8_cases(np.random.default_rng(3))
     got = from_f32("Q8_0", x)
-    ref = quantize(x, QT.Q8_0).ravel()
+    with np.errstate(all="ignore"):  # gguf-py meets inf/NaN in the subnormal-scale blocks
+        ref = quantize(x, QT.Q8_0).ravel()
     assert got.size == x.size // 32 * 34
     assert np.array_equal(got, ref)
 
 
 def test_q8_0_dequantize_equals_gguf_py():
     rng = np.random.default_rng(4)
-    raw = quantize(_q8_cases(rng), QT.Q8_0).ravel()
+    with np.errstate(all="ignore"):
+        raw = quantize(_q8_cases(rng), QT.Q8_0).ravel()
     n = raw.size // 34 * 32
     got = to_f32("Q8_0", raw, n)
     assert np.array_equal(got.view(np.uint32), dequantize(raw, QT.Q8_0).ravel().view(np.uint32))
     # arbitrary bytes (any fp16 scale, any int8) dequantise like gguf-py too, NaN/inf included
     raw = rng.integers(0, 256, size=34 * 200, dtype=np.uint8)
     got = to_f32("Q8_0", raw, 32 * 200)
-    ref = dequantize(raw, QT.Q8_0).ravel()
+    with np.errstate(all="ignore"):
+        ref = dequantize(raw, QT.Q8_0).ravel()
     same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
     assert same.all()
 
