@@ -27,6 +27,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
 
 
+def pytest_runtest_setup(item):
+    # torch on a busy 2-core machine: its 2-thread pool spin-waits and small-tensor work (the
+    # reference, transformers, the checkpoint generator) runs up to ~20x slower. Use one thread
+    # once some test has imported torch; torch itself is never imported here.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory):
     """Factory fixture: ``make_ckpt(**opts)`` returns the directory of a random HF checkpoint

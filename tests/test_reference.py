@@ -21,15 +21,6 @@ from clover_gguf.reference import (  # noqa: E402
 )
 from convert.make_checkpoint import ADDED_TOKENS  # noqa: E402
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Small tensors: torch's 2-thread pool only spin-waits on a busy 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 CLOVER_EXTRAS = ("conv1d_bwd.weight", "A_log_bwd", "dt_bias_bwd", "in_proj_b_bwd.weight",
                  "in_proj_a_bwd.weight", "bwd_mix")
 
