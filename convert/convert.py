@@ -14,7 +14,7 @@ Design:
   Clover/parent consistency (spec 3.4) and the tokenizer. The file is written to
   ``OUT.part`` and renamed at the end, so a failed run leaves no output file.
 - Streaming: tensor infos are registered with ``gguf.GGUFWriter.add_tensor_info`` first; the
-  data are then produced and written one piece at a time (one expert, or up to 64 MiB of rows),
+  data are then produced and written one piece at a time (one expert, or up to 16 MiB of rows),
   read straight from the shard files with ``numpy.fromfile``. Peak memory is a few pieces plus
   the tokenizer metadata, independent of the model size.
 - No torch: safetensors headers are parsed here; BF16 data are handled as uint16 bit patterns
@@ -72,7 +72,7 @@ CLOVER_KEYS = [
     ("eos_bias_start", "uint32", 8192),
 ]
 
-PIECE_BYTES = 64 << 20  # rows of a large unpermuted tensor are read and written in pieces of this size
+PIECE_BYTES = 16 << 20  # rows of a large unpermuted tensor are read and written in pieces of this size
 
 
 class ConvertError(ValueError):

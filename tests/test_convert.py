@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convert import convert as C
-from convert.make_checkpoint import QWEN35_PRETOKENIZER_REGEX, make_checkpoint
+from convert.make_checkpoint import QWEN35_PRETOKENIZER_REGEX
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType
@@ -38,15 +38,15 @@ Q = gguf.GGMLQuantizationType
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """Four tiny checkpoints with the same seed: Clover fused/model., Clover nested prefix,
-    Clover per-expert, and the parent (no Clover tensors or keys)."""
-    base = tmp_path_factory.mktemp("ckpt")
+def ckpts(make_ckpt):
+    """Four tiny checkpoints with the same seed (tests/conftest.py, shared per session): Clover
+    fused/model., Clover nested prefix, Clover per-expert, and the parent (no Clover tensors or
+    keys). Never modified in place (tests copy them first)."""
     return {
-        "clover": make_checkpoint(base / "clover", seed=3),
-        "nested": make_checkpoint(base / "nested", seed=3, prefix="model.language_model."),
-        "perexpert": make_checkpoint(base / "perexpert", seed=3, fused_experts=False),
-        "parent": make_checkpoint(base / "parent", seed=3, clover=False),
+        "clover": make_ckpt(),
+        "nested": make_ckpt(prefix="model.language_model."),
+        "perexpert": make_ckpt(fused_experts=False),
+        "parent": make_ckpt(clover=False),
     }
 
 
@@ -418,6 +418,15 @@ def test_small_pieces_same_bytes(ckpts, converted, tmp_path, monkeypatch):
         res = C.convert(ckpts["clover"], tmp_path / f"{outtype}.gguf", outtype=outtype, progress=False)
         _, ref = converted("clover", outtype)
         _assert_same_gguf(gguf.GGUFReader(res["path"]), ref)
+
+
+def test_defaults_bf16_with_progress(ckpts, tmp_path, capsys):
+    """Default outtype keeps BF16 (no silent downcast) and progress=True draws a tqdm bar."""
+    res = C.convert(ckpts["clover"], tmp_path / "d.gguf")
+    assert res["outtype"] == "bf16" and res["file_type"] == 32
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(res["path"]).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == Q.BF16 and types["token_embd.weight"] == Q.BF16
+    assert "100%" in capsys.readouterr().err
 
 
 def test_cli_without_torch(ckpts, tmp_path):
