@@ -132,12 +132,13 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2, last dim) + eps), in at least fp32; any shape [..., n]."""
     x = _acc(x)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    # As FLA / transformers: x * rsqrt(sum(x^2) + eps)
+    """Spec 2.1 step 3, as FLA / transformers: x * rsqrt(sum(x^2, last dim) + eps)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -149,6 +150,21 @@ class RMSNorm1p:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (rmsnorm(x, self.eps) * (1.0 + _acc(self.weight))).to(x.dtype)
+
+
+class _Weights(dict):
+    """Tensors by prefix-free HF name; a missing one raises KeyError with its full name."""
+
+    def __init__(self, tensors: dict, where: str = ""):
+        super().__init__(tensors)
+        self.where = where
+
+    def __missing__(self, key):
+        raise KeyError(f"tensor {self.where}{key}: missing from the checkpoint")
+
+    def sub(self, prefix: str) -> "_Weights":
+        return _Weights({n[len(prefix):]: t for n, t in self.items() if n.startswith(prefix)},
+                        self.where + prefix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,14 +454,15 @@ class SparseMoE:
 class DecoderLayer:
     """Spec 2: h = x + Mixer(N1p(x)); out = h + MoE(N1p(h))."""
 
-    def __init__(self, w: dict, cfg: ReferenceConfig, layer_type: str):
+    def __init__(self, w: _Weights, cfg: ReferenceConfig, layer_type: str):
         self.is_gdn = layer_type == "linear_attention"
         self.input_norm = RMSNorm1p(w["input_layernorm.weight"], cfg.rms_norm_eps)
         self.post_norm = RMSNorm1p(w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        sub = "linear_attn." if self.is_gdn else "self_attn."
-        mw = {n[len(sub):]: t for n, t in w.items() if n.startswith(sub)}
-        self.mixer = GatedDeltaNet(mw, cfg) if self.is_gdn else GatedAttention(mw, cfg)
-        self.moe = SparseMoE({n[4:]: t for n, t in w.items() if n.startswith("mlp.")}, cfg)
+        if self.is_gdn:
+            self.mixer = GatedDeltaNet(w.sub("linear_attn."), cfg)
+        else:
+            self.mixer = GatedAttention(w.sub("self_attn."), cfg)
+        self.moe = SparseMoE(w.sub("mlp."), cfg)
 
     def new_cache(self, dtype):
         return self.mixer.new_cache(dtype)
@@ -514,26 +531,22 @@ def _load_hf_tensors(hf_dir: pathlib.Path, dtype, tensor_hook):
     return out
 
 
-class _Weights(dict):
-    def __missing__(self, key):
-        raise KeyError(f"tensor {key}: missing from the checkpoint")
-
-
 class CloverReference:
-    """The reference model (spec 2-3). Build with ``from_pretrained``."""
+    """The reference model (spec 2-3). Build with ``from_pretrained``.
+
+    Runs on the CPU in the load dtype. On a busy 2-core machine call
+    ``torch.set_num_threads(1)`` first: torch's thread pool otherwise spin-waits on these small
+    tensors (tests/conftest.py does this for the test session)."""
 
     def __init__(self, config: ReferenceConfig, weights: dict, dtype=torch.float32):
         self.config = config
         self.dtype = dtype
-        w = _Weights(weights)
+        w = _Weights(weights, "model.")
         self.embed = w["embed_tokens.weight"]           # [V, H]
         self.norm = RMSNorm1p(w["norm.weight"], config.rms_norm_eps)
-        self.lm_head = w["lm_head.weight"]              # [V, H]
-        self.layers = []
-        for i, lt in enumerate(config.layer_types):
-            p = f"layers.{i}."
-            lw = _Weights({n[len(p):]: t for n, t in weights.items() if n.startswith(p)})
-            self.layers.append(DecoderLayer(lw, config, lt))
+        self.lm_head = _Weights(weights)["lm_head.weight"]  # [V, H] (top level, no prefix)
+        self.layers = [DecoderLayer(w.sub(f"layers.{i}."), config, lt)
+                       for i, lt in enumerate(config.layer_types)]
 
     @classmethod
     def from_pretrained(cls, hf_dir, dtype=torch.float32, tensor_hook=None) -> "CloverReference":

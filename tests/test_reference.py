@@ -367,6 +367,18 @@ def test_parent_and_inconsistent_checkpoints(make_ckpt, tmp_path):
         CloverReference.from_pretrained(d2)
 
 
+def test_missing_tensor_is_named(tiny_ckpt):
+    from clover_gguf import reference as R
+
+    cfg = R.ReferenceConfig.from_hf(json.loads((tiny_ckpt / "config.json").read_text()))
+    for name, shown in (("layers.3.self_attn.k_norm.weight", "model.layers.3.self_attn.k_norm.weight"),
+                        ("lm_head.weight", "tensor lm_head.weight")):
+        w = R._load_hf_tensors(tiny_ckpt, torch.float32, None)
+        del w[name]
+        with pytest.raises(KeyError, match=shown.replace(".", r"\.")):
+            R.CloverReference(cfg, w)
+
+
 def test_tensor_hook_sees_every_tensor(tiny_ckpt):
     seen = []
     CloverReference.from_pretrained(tiny_ckpt, tensor_hook=lambda n, t: seen.append(n) or t)
