@@ -71,6 +71,7 @@ class Model:
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
+        self._active = None  # the native decoder of a generation in progress
         path = os.fspath(path)
         n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
@@ -125,8 +126,18 @@ class Model:
         if self._ctx == ffi.NULL:
             raise CloverError("model is closed")
 
+    def _abort_active(self) -> None:
+        """Free an unfinished decoder (a generate_stream iterator left open): every call
+        that uses the context resets it, so that iterator cannot continue."""
+        d = getattr(self, "_active", None)
+        if d is not None:
+            self._active = None
+            lib.clover_decoder_free(d)
+
     def close(self) -> None:
-        """Free the context and the model (idempotent)."""
+        """Free the context and the model (idempotent). An unfinished generate_stream
+        iterator of this model raises CloverError if resumed afterwards."""
+        self._abort_active()
         if getattr(self, "_ctx", ffi.NULL) != ffi.NULL:
             lib.clover_context_free(self._ctx)
             self._ctx = ffi.NULL
@@ -224,10 +235,13 @@ class Model:
         n = len(prompt_ids)
         err = err_buf()
         prompt = ffi.new("int32_t[]", prompt_ids)
+        self._live()
+        self._abort_active()
         t0 = time.perf_counter()
         d = lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
         if d == ffi.NULL:
             raise_error(err, "generate")
+        self._active = d
         t_prefill = time.perf_counter() - t0
         cap = max(int(p.block_size), 1)  # a step yields at most one block
         out = ffi.new("int32_t[]", cap)
@@ -235,6 +249,9 @@ class Model:
         tokens: list[int] = []
         try:
             while True:
+                if self._active is not d:
+                    raise CloverError("generation interrupted: another call on this model "
+                                      "(generate, prefix_logits, block_logits or close) reset its context")
                 n_out[0] = 0
                 rc = lib.clover_decoder_step(d, out, cap, n_out, err, len(err))
                 if rc < 0:
@@ -246,11 +263,13 @@ class Model:
                 if rc == 0:
                     break
         finally:
-            seconds = time.perf_counter() - t0
-            st = ffi.new("clover_stats *")
-            lib.clover_decoder_stats(d, st)
-            lib.clover_decoder_free(d)
-            self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
+            if self._active is d:
+                seconds = time.perf_counter() - t0
+                st = ffi.new("clover_stats *")
+                lib.clover_decoder_stats(d, st)
+                self._active = None
+                lib.clover_decoder_free(d)
+                self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
 
     def _stats_dict(self, st, mode, seconds, t_prefill, tokens) -> dict:
         n_forward = int(st.n_forward_prefill + st.n_forward_denoise + st.n_forward_commit
@@ -348,6 +367,7 @@ class Model:
         ids = self._check_ids("ids", ids)
         if len(ids) > self.n_ctx:
             raise ValueError(f"ids: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
+        self._abort_active()
         lib.clover_context_reset(self._ctx)
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
         err = err_buf()
@@ -377,6 +397,7 @@ class Model:
         if len(prefix) + len(block) > self.n_ctx:
             raise ValueError(f"prefix_ids + block_ids: {len(prefix) + len(block)} tokens do not fit n_ctx={self.n_ctx}")
         err = err_buf()
+        self._abort_active()
         lib.clover_context_reset(self._ctx)
         if prefix:
             toks = ffi.new("int32_t[]", prefix)

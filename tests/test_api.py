@@ -264,6 +264,25 @@ def test_load_errors_are_clover_errors(tmp_path, gguf_path):
     assert issubclass(CloverError, RuntimeError)
 
 
+def test_unfinished_stream_is_invalidated_not_corrupting(model, gguf_path):
+    kw = dict(max_tokens=8, mode="ar")
+    want = model.generate(PROMPT, **kw)
+    it = model.generate_stream(PROMPT, **kw)
+    first = next(it)
+    assert want.startswith(first)
+    # another call resets the shared context: the old iterator must not continue silently
+    assert model.generate(PROMPT, **kw) == want
+    with pytest.raises(CloverError, match="interrupted"):
+        next(it)
+    # closing a model under an open iterator frees the decoder first; resuming raises
+    m = Model(gguf_path, n_ctx=64, n_threads=1)
+    it = m.generate_stream(PROMPT, **kw)
+    next(it)
+    m.close()
+    with pytest.raises(CloverError):
+        next(it)
+
+
 def test_close_and_context_manager(gguf_path):
     m = Model(gguf_path, n_ctx=64, n_threads=1)
     with m:
