@@ -513,3 +513,49 @@ def test_v_head_perm_matches_spec():
     for i in range(hk):
         for j in range(r):
             np.testing.assert_array_equal(out[j * hk + i], src.reshape(hk * r, hd)[i * r + j])
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's own converter as an oracle (when its source is present; read only)
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_CPP = pathlib.Path("/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="llama.cpp source not present")
+@pytest.mark.parametrize("outtype", ["bf16", "q8_0"])
+def test_matches_llama_cpp_converter(outtype, ckpts, converted, tmp_path):
+    """On the parent checkpoint, every tensor equals llama.cpp's convert_hf_to_gguf.py output
+    (qwen35moe) bit for bit. Known, intended differences: ffn_gate_inp_shexp is {H} here
+    (contract) and {H, 1} there; llama.cpp adds general.size_label, attention.recurrent_layers
+    and tokenizer.ggml.mask_token_id and omits feed_forward_length."""
+    out = tmp_path / "ll.gguf"
+    runner = (
+        "import sys, runpy; LL = sys.argv[1]; sys.path.insert(0, LL); sys.path.insert(1, LL + '/gguf-py'); "
+        "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
+        "sys.argv = [LL + '/convert_hf_to_gguf.py'] + sys.argv[2:]; "
+        "runpy.run_path(LL + '/convert_hf_to_gguf.py', run_name='__main__')"
+    )
+    p = subprocess.run([sys.executable, "-c", runner, str(LLAMA_CPP), str(ckpts["parent"]), "--outfile", str(out),
+                        "--outtype", outtype, "--no-mtp"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ll = gguf.GGUFReader(out)
+    _, me = converted("parent", outtype)
+    tl, tm = gguf_tensors(ll), gguf_tensors(me)
+    assert set(tl) == set(tm)
+    for name, x in tl.items():
+        y = tm[name]
+        assert x.tensor_type == y.tensor_type, name
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            assert list(x.shape) == list(y.shape) + [1]
+        else:
+            assert list(x.shape) == list(y.shape), name
+        assert np.array_equal(np.asarray(x.data).view(np.uint8).reshape(-1),
+                              np.asarray(y.data).view(np.uint8).reshape(-1)), name
+    kl, km = kv(ll), kv(me)
+    for k in ("general.name", "general.size_label", "qwen35moe.attention.recurrent_layers",
+              "tokenizer.ggml.mask_token_id"):
+        kl.pop(k, None)
+    km.pop("general.name")
+    assert km.pop("qwen35moe.feed_forward_length") == km["qwen35moe.expert_feed_forward_length"]
+    assert kl == km
