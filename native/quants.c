@@ -327,8 +327,12 @@ CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t
         }
     }
 
+    /* threads only pay off above ~64K multiply-adds; below that the fork/join costs more
+     * (and oversubscribed cores make it much worse) */
+    const int parallel = nth > 1 && (double)n_out * (double)n_in * (double)T >= 65536.0;
+    (void)parallel;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+#pragma omp parallel for num_threads(nth) schedule(static) if (parallel)
 #endif
     for (int64_t tile = 0; tile < n_tiles; tile++) {
         const int64_t r0 = tile * ROWS;
