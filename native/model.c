@@ -46,22 +46,36 @@ static int is_numeric_type(int t) {
     return t != CLOVER_GGUF_STRING && t != CLOVER_GGUF_ARRAY && t >= 0;
 }
 
-/* Integer hyperparameter `arch.suffix` in [lo, hi]; def when absent and not required. */
-static int32_t get_int(loader *L, const char *suffix, int required, int64_t def, int64_t lo, int64_t hi) {
-    if (L->failed) return 0;
+/* Index of the numeric key `arch.suffix`; -1 when absent (an error when required) or, with
+ * L->failed set, when it holds a string or array. */
+static int64_t numeric_key(loader *L, const char *suffix, int required) {
+    if (L->failed) return -1;
     int64_t i = key_index(L, suffix);
     if (i < 0) {
         if (required) {
             L->failed = 1;
             clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "missing key %s.%s", L->arch, suffix);
         }
-        return (int32_t)def;
+        return -1;
     }
-    int t = clover_gguf_kv_type(L->g, i);
-    if (!is_numeric_type(t) || t == CLOVER_GGUF_FLOAT32 || t == CLOVER_GGUF_FLOAT64) {
+    if (!is_numeric_type(clover_gguf_kv_type(L->g, i))) {
         L->failed = 1;
-        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: expected an integer (type %d)",
-                       L->arch, suffix, t);
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: expected a number (type %d)", L->arch,
+                       suffix, clover_gguf_kv_type(L->g, i));
+        return -1;
+    }
+    return i;
+}
+
+/* Integer hyperparameter `arch.suffix` in [lo, hi]; def when absent and not required. */
+static int32_t get_int(loader *L, const char *suffix, int required, int64_t def, int64_t lo, int64_t hi) {
+    int64_t i = numeric_key(L, suffix, required);
+    if (i < 0) return L->failed ? 0 : (int32_t)def;
+    int t = clover_gguf_kv_type(L->g, i);
+    if (t == CLOVER_GGUF_FLOAT32 || t == CLOVER_GGUF_FLOAT64) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: expected an integer, found a float",
+                       L->arch, suffix);
         return 0;
     }
     int64_t v = clover_gguf_get_i64(L->g, i, 0);
@@ -76,20 +90,8 @@ static int32_t get_int(loader *L, const char *suffix, int required, int64_t def,
 }
 
 static float get_float(loader *L, const char *suffix, int required, double def, double lo, double hi) {
-    if (L->failed) return 0;
-    int64_t i = key_index(L, suffix);
-    if (i < 0) {
-        if (required) {
-            L->failed = 1;
-            clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "missing key %s.%s", L->arch, suffix);
-        }
-        return (float)def;
-    }
-    if (!is_numeric_type(clover_gguf_kv_type(L->g, i))) {
-        L->failed = 1;
-        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s.%s: expected a number", L->arch, suffix);
-        return 0;
-    }
+    int64_t i = numeric_key(L, suffix, required);
+    if (i < 0) return L->failed ? 0 : (float)def;
     double v = clover_gguf_get_f64(L->g, i, 0);
     if (!(v >= lo && v <= hi)) {
         L->failed = 1;

@@ -272,3 +272,59 @@ def test_bad_token_ids_are_errors(model_of):
     with pytest.raises(Exception, match=r"tokens\[0\]: id -1 outside"):
         _prefill(m, [-1])
     assert lib.clover_context_n_past(_ctx(m)) == 0
+
+
+def _rewrite(src, dst, drop=None, reshape=None, set_kv=None):
+    """Copy a GGUF, dropping tensor `drop`, giving tensor reshape[0] the numpy shape reshape[1],
+    or overriding one uint32 KV (set_kv = (key, value))."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+    w = gguf.GGUFWriter(str(dst), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if set_kv and name == set_kv[0]:
+            w.add_uint32(name, set_kv[1])
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_array(name, f.contents())
+        elif vt == gguf.GGUFValueType.STRING:
+            w.add_string(name, f.contents())
+        else:
+            w.add_key_value(name, f.contents(), vt)
+    for t in r.tensors:
+        if t.name == drop:
+            continue
+        data = np.array(t.data)
+        if reshape and t.name == reshape[0]:
+            data = data.reshape(reshape[1])
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_model_load_errors_name_the_tensor_or_key(gguf_of, tmp_path):
+    """Spec 4.3 shapes are checked against the hyperparameters; errors name the tensor or key."""
+    from clover_gguf import CloverError
+
+    src = gguf_of("f32")
+    cases = [
+        (dict(drop="blk.2.ssm_bwd_mix"), r"missing tensor blk\.2\.ssm_bwd_mix"),
+        (dict(reshape=("blk.3.attn_k.weight", (256, 128))),
+         r"tensor blk\.3\.attn_k\.weight: shape \{128, 256, 1, 1\} expected \{256, 128, 1, 1\}"),
+        (dict(set_kv=("clover.expert_used_count", 9)), r"expert_used_count > expert_count"),
+        (dict(set_kv=("clover.diffusion.mask_token_id", 10**6)), r"clover\.diffusion\.mask_token_id: 1000000 >= n_vocab"),
+    ]
+    for i, (kw, pattern) in enumerate(cases):
+        dst = tmp_path / f"bad{i}.gguf"
+        _rewrite(src, dst, **kw)
+        with pytest.raises(CloverError, match=pattern):
+            Model(str(dst), n_ctx=64)
+    # the process is still fine and the good file still loads
+    with Model(str(src), n_ctx=64) as m:
+        assert m.hparams["n_layer"] == 4
