@@ -59,3 +59,23 @@ def make_ckpt(tmp_path_factory):
 def tiny_ckpt(make_ckpt) -> pathlib.Path:
     """Tiny Clover checkpoint: spec section 1 tiny dims, prefix model., fused experts, seed 0."""
     return make_ckpt()
+
+
+@pytest.fixture(scope="session")
+def make_gguf(make_ckpt, tmp_path_factory):
+    """Factory fixture: ``make_gguf(outtype="f32", arch=None, **ckpt_opts)`` converts the
+    ``make_ckpt(**ckpt_opts)`` checkpoint with ``convert.convert.convert`` and returns the GGUF
+    path, cached per argument set for the session (do not modify the file)."""
+    from convert.convert import convert
+
+    cache: dict[str, pathlib.Path] = {}
+
+    def _make(outtype: str = "f32", arch: str | None = None, **ckpt_opts) -> pathlib.Path:
+        key = json.dumps([outtype, arch, ckpt_opts], sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("gguf") / f"{outtype}-{arch or 'auto'}.gguf"
+            convert(make_ckpt(**ckpt_opts), out, outtype=outtype, arch=arch, progress=False)
+            cache[key] = out
+        return cache[key]
+
+    return _make

@@ -28,21 +28,13 @@ def config(ckpt):
 
 
 @pytest.fixture(scope="module")
-def gguf_path(ckpt, tmp_path_factory):
-    from convert.convert import convert
-
-    out = tmp_path_factory.mktemp("api") / "tiny-f32.gguf"
-    convert(ckpt, out, outtype="f32", progress=False)
-    return out
+def gguf_path(make_gguf):
+    return make_gguf("f32")
 
 
 @pytest.fixture(scope="module")
-def parent_gguf(ckpt, tmp_path_factory):
-    from convert.convert import convert
-
-    out = tmp_path_factory.mktemp("api") / "tiny-qwen35moe.gguf"
-    convert(ckpt, out, outtype="f32", arch="qwen35moe", progress=False)
-    return out
+def parent_gguf(make_gguf):
+    return make_gguf("f32", arch="qwen35moe")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ torch = pytest.importorskip("torch")
 from clover_gguf import reference  # noqa: E402
 from clover_gguf._ffi import ffi, lib, err_buf, raise_error  # noqa: E402
 from clover_gguf.api import Model  # noqa: E402
-from convert.convert import convert  # noqa: E402
 
 PROMPT_LEN = 40
 
@@ -29,19 +28,9 @@ def ref(ckpt):
     return reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32)
 
 
-_GGUF_CACHE = {}
-
-
 @pytest.fixture(scope="module")
-def gguf_of(ckpt, tmp_path_factory):
-    def get(outtype):
-        if outtype not in _GGUF_CACHE:
-            out = tmp_path_factory.mktemp("gguf") / f"tiny-{outtype}.gguf"
-            convert(ckpt, out, outtype=outtype, progress=False)
-            _GGUF_CACHE[outtype] = out
-        return _GGUF_CACHE[outtype]
-
-    return get
+def gguf_of(make_gguf):
+    return make_gguf
 
 
 @pytest.fixture(scope="module")

@@ -38,12 +38,8 @@ def ckpt(make_ckpt):
 
 
 @pytest.fixture(scope="module")
-def gguf_path(ckpt, tmp_path_factory):
-    from convert.convert import convert
-
-    out = tmp_path_factory.mktemp("tok") / "tiny-f32.gguf"
-    convert(ckpt, out, outtype="f32", progress=False)
-    return out
+def gguf_path(make_gguf):
+    return make_gguf("f32")
 
 
 @pytest.fixture(scope="module")
