@@ -198,11 +198,12 @@ int clover_to_f32(int type, const void *src, float *dst, int64_t n) {
             dequantize_block_q8_0(s + b * Q8_0_BYTES, dst + b * CLOVER_QK8_0);
         return CLOVER_OK;
     default:
-        return CLOVER_E_ARG;
+        return clover_kq_to_f32(type, src, dst, n); /* kquants.c; CLOVER_E_ARG if unknown */
     }
 }
 
 int64_t clover_from_f32(int type, const float *src, void *dst, int64_t n) {
+    if (clover_kq_nbytes(type, 0) >= 0) return clover_kq_from_f32(type, src, dst, n); /* kquants.c */
     const int64_t nbytes = clover_row_nbytes(type, n);
     if (nbytes < 0 || (n > 0 && (src == NULL || dst == NULL))) return CLOVER_E_ARG;
     uint8_t *d = (uint8_t *)dst;

@@ -28,6 +28,17 @@ uint16_t clover_fp32_to_bf16(float f); /* round to nearest even, NaN kept quiet 
  * length is not a multiple of 32. */
 int64_t clover_row_nbytes(int type, int64_t n_in);
 
+/* Block formats of kquants.c (Q4_0, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS, MXFP4; ggml
+ * layouts and ggml's reference quantisers). n must be a multiple of the block size (32 for
+ * Q4_0/IQ4_NL/MXFP4, 256 for the others).
+ * clover_kq_nbytes: bytes of n values, -1 for other types or a bad n.
+ * clover_kq_to_f32 / clover_kq_from_f32: as clover_to_f32 / clover_from_f32 for these types
+ * only (CLOVER_E_ARG for any other type). These types are not engine weight types:
+ * clover_row_nbytes (loader, matmul) still rejects them. */
+int64_t clover_kq_nbytes(int type, int64_t n);
+int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
+int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
+
 /* y[t*n_out + r] = sum_i W[r, i] * x[t*n_in + i] for t < T, r < n_out.
  * W: n_out rows of `type` (row r at (const char*)W + r*row_nbytes). x: float32 [T, n_in].
  * y: float32 [T, n_out]. Each weight row is read once for all T rows. Work is split over
