@@ -268,6 +268,13 @@ static int engine_type(uint32_t t, int64_t *block, uint64_t *block_bytes, uint64
     case CLOVER_TYPE_F16: *block = 1; *block_bytes = 2; *elem_align = 2; return 1;
     case CLOVER_TYPE_BF16: *block = 1; *block_bytes = 2; *elem_align = 2; return 1;
     case CLOVER_TYPE_Q8_0: *block = CLOVER_QK8_0; *block_bytes = sizeof(clover_block_q8_0); *elem_align = 2; return 1;
+    case CLOVER_TYPE_Q4_0:
+    case CLOVER_TYPE_IQ4_NL: *block = 32; *block_bytes = 18; *elem_align = 2; return 1;
+    case CLOVER_TYPE_MXFP4: *block = 32; *block_bytes = 17; *elem_align = 1; return 1;
+    case CLOVER_TYPE_Q4_K: *block = 256; *block_bytes = 144; *elem_align = 2; return 1;
+    case CLOVER_TYPE_Q5_K: *block = 256; *block_bytes = 176; *elem_align = 2; return 1;
+    case CLOVER_TYPE_Q6_K: *block = 256; *block_bytes = 210; *elem_align = 2; return 1;
+    case CLOVER_TYPE_IQ4_XS: *block = 256; *block_bytes = 136; *elem_align = 2; return 1;
     default: return 0;
     }
 }
@@ -465,7 +472,8 @@ static int parse_tensor(reader *r, clover_gguf *g, int64_t i) {
     int64_t block;
     uint64_t block_bytes, elem_align;
     if (!engine_type(type, &block, &block_bytes, &elem_align)) {
-        fail(r, "ggml type %" PRIu32 " (%s) is not supported by this engine (supported: F32, F16, BF16, Q8_0)",
+        fail(r, "ggml type %" PRIu32 " (%s) is not supported by this engine (supported: F32, F16, BF16, Q8_0, Q4_0, "
+             "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)",
              type, ggml_type_name(type));
         return 0;
     }

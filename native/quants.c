@@ -26,6 +26,7 @@
 
 #include "clover.h"
 #include "quants.h"
+#include "dot.h"
 
 /* The internal kernels are exported with default visibility too, so that tests can reach
  * clover_matmul through their own cdef even when the library is built with
@@ -173,11 +174,16 @@ CLOVER_INTERNAL int64_t clover_row_nbytes(int type, int64_t n_in) {
         if (n_in % CLOVER_QK8_0 != 0) return -1;
         return (n_in / CLOVER_QK8_0) * Q8_0_BYTES; /* no overflow: 34/32 < 4 */
     default:
-        return -1;
+        /* the other block formats are weight types where this CPU build has a dot kernel */
+        if (clover_dot_act_type(type) < 0 || clover_dot_kernel(type, -1) == NULL) return -1;
+        return clover_kq_nbytes(type, n_in);
     }
 }
 
-int64_t clover_type_nbytes(int type, int64_t n) { return clover_row_nbytes(type, n); }
+int64_t clover_type_nbytes(int type, int64_t n) {
+    const int64_t r = clover_row_nbytes(type, n);
+    return r >= 0 ? r : clover_kq_nbytes(type, n); /* Q8_K: activation-only storage format */
+}
 
 int clover_to_f32(int type, const void *src, float *dst, int64_t n) {
     if (n < 0 || (n > 0 && (src == NULL || dst == NULL))) return CLOVER_E_ARG;
@@ -261,30 +267,50 @@ static void dot_rows_f32(const float *const w[ROWS], const float *x, int64_t n, 
     }
 }
 
-/* out[k] = sum over blocks of (int32 dot of the int8 quants) * d_w * d_x, for k < ROWS.
- * w[k]: Q8_0 weight row (byte blocks), dw[k]: its block scales as float; xq: the activation
- * row as Q8_0 blocks, dx: its scales. */
-static void dot_rows_q8_0(const uint8_t *const w[ROWS], const float *const dw[ROWS],
-                          const clover_block_q8_0 *xq, const float *dx, int64_t nb, float out[ROWS]) {
-    float sum[ROWS] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        const int8_t *qx = xq[b].qs;
-        for (int k = 0; k < ROWS; k++) {
-            const int8_t *qw = (const int8_t *)(w[k] + b * Q8_0_BYTES + 2);
-            int32_t isum = 0;
-            for (int l = 0; l < CLOVER_QK8_0; l++) isum += (int32_t)qw[l] * (int32_t)qx[l];
-            sum[k] += (float)isum * (dw[k][b] * dx[b]);
-        }
-    }
-    for (int k = 0; k < ROWS; k++) out[k] = sum[k];
-}
-
 static int thread_index(void) {
 #ifdef _OPENMP
     return omp_get_thread_num();
 #else
     return 0;
 #endif
+}
+
+/* Threads only pay off above ~64K multiply-adds; below that the fork/join costs more (and
+ * oversubscribed cores make it much worse). */
+static int worth_threads(int nth, int64_t n_out, int64_t n_in, int64_t T) {
+    return nth > 1 && (double)n_out * (double)n_in * (double)T >= 65536.0;
+}
+
+/* Quantised weights (dot.h): every activation row is quantised once to the type's paired
+ * format, then each weight row is dotted with all T rows while it sits in L1. */
+#define QROWS 16 /* weight rows per work item */
+static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t row_bytes, int64_t n_in,
+                            int64_t n_out, const float *x, int64_t T, float *y, int nth) {
+    const clover_vec_dot_fn dot = clover_dot_kernel(type, -1);
+    const int64_t act_bytes = clover_type_nbytes(act, n_in);
+    if (dot == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
+    uint8_t *xq = malloc((size_t)(act_bytes * T));
+    if (xq == NULL) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (clover_quantize_act(act, x + t * n_in, xq + t * act_bytes, n_in) < 0) {
+            free(xq);
+            return -1;
+        }
+    const int64_t n_items = (n_out + QROWS - 1) / QROWS;
+    const int parallel = worth_threads(nth, n_out, n_in, T);
+    (void)parallel;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nth) schedule(static) if (parallel)
+#endif
+    for (int64_t item = 0; item < n_items; item++) {
+        const int64_t r1 = (item + 1) * QROWS < n_out ? (item + 1) * QROWS : n_out;
+        for (int64_t r = item * QROWS; r < r1; r++) {
+            const uint8_t *wr = wbytes + r * row_bytes;
+            for (int64_t t = 0; t < T; t++) y[t * n_out + r] = dot(n_in, wr, xq + t * act_bytes);
+        }
+    }
+    free(xq);
+    return 0;
 }
 
 CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const float *x,
@@ -296,41 +322,18 @@ CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t
     const int nth = n_threads > 1 ? n_threads : 1;
     const int64_t n_tiles = (n_out + ROWS - 1) / ROWS;
     const uint8_t *wbytes = (const uint8_t *)W;
-    const int64_t nb = n_in / CLOVER_QK8_0;
+    const int act = clover_dot_act_type(type);
+    if (act >= 0) return matmul_quantized(type, act, wbytes, row_bytes, n_in, n_out, x, T, y, nth);
 
-    /* scratch: F16/BF16 -> float rows per thread; Q8_0 -> the quantised activations and the
-     * per-thread weight scales. Sizes are products of real dimensions, checked for overflow. */
+    /* scratch: F16/BF16 -> float rows per thread; sizes are checked for overflow. */
     float *scratch = NULL;
-    clover_block_q8_0 *xq = NULL;
-    float *dx = NULL;
     if (type == CLOVER_TYPE_F16 || type == CLOVER_TYPE_BF16) {
         if ((uint64_t)n_in > SIZE_MAX / sizeof(float) / ROWS / (uint64_t)nth) return -1;
         scratch = malloc((size_t)nth * ROWS * (size_t)n_in * sizeof(float));
         if (scratch == NULL) return -1;
-    } else if (type == CLOVER_TYPE_Q8_0) {
-        if ((uint64_t)nb > SIZE_MAX / sizeof(clover_block_q8_0) / (uint64_t)T) return -1;
-        xq = malloc((size_t)T * (size_t)nb * sizeof(clover_block_q8_0));
-        dx = malloc((size_t)T * (size_t)nb * sizeof(float));
-        scratch = malloc((size_t)nth * ROWS * (size_t)nb * sizeof(float));
-        if (xq == NULL || dx == NULL || scratch == NULL) {
-            free(xq);
-            free(dx);
-            free(scratch);
-            return -1;
-        }
-        /* quantise every activation row once (ggml pairs Q8_0 weights with Q8_0 activations) */
-        for (int64_t t = 0; t < T; t++) {
-            for (int64_t b = 0; b < nb; b++) {
-                clover_block_q8_0 *blk = &xq[t * nb + b];
-                quantize_block_q8_0(x + t * n_in + b * CLOVER_QK8_0, (uint8_t *)blk);
-                dx[t * nb + b] = fp16_to_fp32(blk->d);
-            }
-        }
     }
 
-    /* threads only pay off above ~64K multiply-adds; below that the fork/join costs more
-     * (and oversubscribed cores make it much worse) */
-    const int parallel = nth > 1 && (double)n_out * (double)n_in * (double)T >= 65536.0;
+    const int parallel = worth_threads(nth, n_out, n_in, T);
     (void)parallel;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nth) schedule(static) if (parallel)
@@ -341,23 +344,6 @@ CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t
         for (int k = 0; k < ROWS; k++) rows[k] = r0 + k < n_out ? r0 + k : n_out - 1;
         const int n_valid = (int)(n_out - r0 < ROWS ? n_out - r0 : ROWS);
         float out[ROWS];
-
-        if (type == CLOVER_TYPE_Q8_0) {
-            const uint8_t *w[ROWS];
-            const float *dw[ROWS];
-            float *sc = scratch + (size_t)thread_index() * ROWS * (size_t)nb;
-            for (int k = 0; k < ROWS; k++) {
-                w[k] = wbytes + rows[k] * row_bytes;
-                float *d = sc + (size_t)k * (size_t)nb;
-                for (int64_t b = 0; b < nb; b++) d[b] = fp16_to_fp32(load_u16(w[k] + b * Q8_0_BYTES));
-                dw[k] = d;
-            }
-            for (int64_t t = 0; t < T; t++) {
-                dot_rows_q8_0(w, dw, xq + t * nb, dx + t * nb, nb, out);
-                for (int k = 0; k < n_valid; k++) y[t * n_out + r0 + k] = out[k];
-            }
-            continue;
-        }
 
         const float *w[ROWS];
         if (type == CLOVER_TYPE_F32) {
@@ -385,7 +371,5 @@ CLOVER_INTERNAL int clover_matmul(int type, const void *W, int64_t n_in, int64_t
     }
 
     free(scratch);
-    free(xq);
-    free(dx);
     return 0;
 }

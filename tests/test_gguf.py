@@ -505,8 +505,8 @@ def test_bad_shapes(tmp_path, base):
 def test_unknown_tensor_types(tmp_path, base):
     buf, lay = base
     t = tensor_entry(lay, "blk.0.attn_q.weight")
-    open_error(tmp_path, patch(buf, t["type_pos"], "I", 12),
-               r"tensor blk.0.attn_q.weight: ggml type 12 \(Q4_K\) is not supported by this engine")
+    open_error(tmp_path, patch(buf, t["type_pos"], "I", 10),
+               r"tensor blk.0.attn_q.weight: ggml type 10 \(Q2_K\) is not supported by this engine")
     open_error(tmp_path, patch(buf, t["type_pos"], "I", 1000), r"ggml type 1000 \(unknown\) is not supported")
 
 

@@ -110,8 +110,9 @@ def test_type_ids_and_sizes_match_gguf(name):
     assert _ilib.clover_kq_nbytes(TYPE[name], 0) == 0
     assert _ilib.clover_kq_nbytes(TYPE[name], bs + 16) == -1
     assert _ilib.clover_kq_nbytes(TYPE[name], -bs) == -1
-    # not engine weight types yet: the loader/matmul size function rejects them
-    assert _ilib.clover_row_nbytes(TYPE[name], bs) == -1
+    # weight types with a dot kernel (dot.h) are engine types; Q8_K is activation-only
+    assert _ilib.clover_row_nbytes(TYPE[name], bs) == (-1 if name == "Q8_K" else nbytes)
+    assert lib.clover_type_nbytes(TYPE[name], 7 * bs) == 7 * nbytes
 
 
 def test_kq_nbytes_rejects_other_types():

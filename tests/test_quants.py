@@ -176,12 +176,14 @@ def test_type_nbytes_and_bad_arguments():
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_BF16, 5) == 10
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q8_0, 64) == 68
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q8_0, 33) == -1
-    assert lib.clover_type_nbytes(12, 256) == -1  # Q4_K: not an engine type
+    assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q4_K, 256) == 144  # ggml block_q4_K
+    assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q4_K, 255) == -1
+    assert lib.clover_type_nbytes(10, 256) == -1  # Q2_K: not a type of this engine
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_F32, -1) == -1
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_F32, 2 ** 62) == -1  # bytes overflow int64
     buf = ffi.new("float[64]")
     assert lib.clover_to_f32(lib.CLOVER_TYPE_Q8_0, buf, buf, 33) == lib.CLOVER_E_ARG
-    assert lib.clover_to_f32(12, buf, buf, 32) == lib.CLOVER_E_ARG
+    assert lib.clover_to_f32(lib.CLOVER_TYPE_Q4_K, buf, buf, 32) == lib.CLOVER_E_ARG  # 32 % 256 != 0
     assert lib.clover_from_f32(lib.CLOVER_TYPE_Q8_0, buf, buf, 31) < 0
     assert lib.clover_from_f32(99, buf, buf, 32) < 0
 

@@ -1,0 +1,160 @@
+/* dot.c: kernel dispatch and the portable scalar kernels of the Q8_0-paired weight types
+ * (Q8_0, Q4_0, IQ4_NL, MXFP4), the reference every SIMD kernel is tested against.
+ * Block layouts are ggml's (see kquants.c); the sums follow ggml's generic vec_dot kernels:
+ * per block an exact int32 sum of weight codes times activation quants, then one float
+ * multiply by both scales.
+ */
+#include "dot.h"
+
+#include "clover.h"
+#include "quants.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ggml's kvalues_iq4nl and kvalues_mxfp4 (doubled E2M1 codes). */
+const int8_t clover_kv_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t clover_kv_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Half of 2^(e-127): the MXFP4 scale for doubled codes (as ggml's E8M0_TO_FP32_HALF). */
+float clover_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* ---------------------------------------------------------------- scalar kernels */
+
+static float dot_q8_0(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    float sum = 0;
+    for (int64_t b = 0; b < n / 32; b++, wb += 34) {
+        const int8_t *qw = (const int8_t *)(wb + 2);
+        int32_t isum = 0;
+        for (int j = 0; j < 32; j++) isum += qw[j] * x[b].qs[j];
+        sum += (float)isum * (clover_fp16_to_fp32(load_u16(wb)) * clover_fp16_to_fp32(x[b].d));
+    }
+    return sum;
+}
+
+static float dot_q4_0(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    float sum = 0;
+    for (int64_t b = 0; b < n / 32; b++, wb += 18) {
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) {
+            isum += ((wb[2 + j] & 15) - 8) * x[b].qs[j];
+            isum += ((wb[2 + j] >> 4) - 8) * x[b].qs[j + 16];
+        }
+        sum += (float)isum * (clover_fp16_to_fp32(load_u16(wb)) * clover_fp16_to_fp32(x[b].d));
+    }
+    return sum;
+}
+
+/* IQ4_NL (fp16 scale) and MXFP4 (E8M0 scale) share the nibble-table form. */
+static int32_t table_isum(const uint8_t *qs, const int8_t *table, const int8_t *x) {
+    int32_t isum = 0;
+    for (int j = 0; j < 16; j++) {
+        isum += table[qs[j] & 15] * x[j];
+        isum += table[qs[j] >> 4] * x[j + 16];
+    }
+    return isum;
+}
+
+static float dot_iq4_nl(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    float sum = 0;
+    for (int64_t b = 0; b < n / 32; b++, wb += 18)
+        sum += (float)table_isum(wb + 2, clover_kv_iq4nl, x[b].qs) *
+               (clover_fp16_to_fp32(load_u16(wb)) * clover_fp16_to_fp32(x[b].d));
+    return sum;
+}
+
+static float dot_mxfp4(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    float sum = 0;
+    for (int64_t b = 0; b < n / 32; b++, wb += 17)
+        sum += (float)table_isum(wb + 1, clover_kv_mxfp4, x[b].qs) *
+               (clover_e8m0_half(wb[0]) * clover_fp16_to_fp32(x[b].d));
+    return sum;
+}
+
+clover_vec_dot_fn clover_dot_scalar(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0: return dot_q8_0;
+    case CLOVER_TYPE_Q4_0: return dot_q4_0;
+    case CLOVER_TYPE_IQ4_NL: return dot_iq4_nl;
+    case CLOVER_TYPE_MXFP4: return dot_mxfp4;
+    default: return clover_dot_k_scalar ? clover_dot_k_scalar(type) : NULL;
+    }
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+int clover_dot_act_type(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0:
+    case CLOVER_TYPE_Q4_0:
+    case CLOVER_TYPE_IQ4_NL:
+    case CLOVER_TYPE_MXFP4: return CLOVER_TYPE_Q8_0;
+    case CLOVER_TYPE_Q4_K:
+    case CLOVER_TYPE_Q5_K:
+    case CLOVER_TYPE_Q6_K:
+    case CLOVER_TYPE_IQ4_XS: return CLOVER_TYPE_Q8_K;
+    default: return -1;
+    }
+}
+
+int64_t clover_quantize_act(int act_type, const float *x, void *dst, int64_t n) {
+    if (act_type == CLOVER_TYPE_Q8_0) return clover_from_f32(CLOVER_TYPE_Q8_0, x, dst, n);
+    if (act_type == CLOVER_TYPE_Q8_K) return clover_kq_from_f32(CLOVER_TYPE_Q8_K, x, dst, n);
+    return -1;
+}
+
+static int detect_isa(void) {
+    int isa = CLOVER_ISA_SCALAR;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = CLOVER_ISA_AVX2;
+    if (isa == CLOVER_ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        isa = CLOVER_ISA_AVX512;
+#endif
+    const char *env = getenv("CLOVER_ISA"); /* lower it for tests and comparisons */
+    if (env) {
+        int want = strcmp(env, "scalar") == 0 ? CLOVER_ISA_SCALAR
+                   : strcmp(env, "avx2") == 0 ? CLOVER_ISA_AVX2
+                                              : CLOVER_ISA_AVX512;
+        if (want < isa) isa = want;
+    }
+    return isa;
+}
+
+int clover_dot_best_isa(void) {
+    static int cached = -1; /* benign race: every thread computes the same value */
+    if (cached < 0) cached = detect_isa();
+    return cached;
+}
+
+clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
+    const int best = clover_dot_best_isa();
+    if (isa < 0) isa = best;
+    if (isa > best) return NULL;
+    clover_vec_dot_fn f = NULL;
+    /* fall back to the next narrower ISA where a type has no kernel at the asked one */
+    if (isa >= CLOVER_ISA_AVX512) f = clover_dot_avx512(type);
+    if (!f && isa >= CLOVER_ISA_AVX2) f = clover_dot_avx2(type);
+    if (!f) f = clover_dot_scalar(type);
+    return f;
+}

@@ -1,0 +1,55 @@
+/* dot.h: per-type dot-product kernels of quantised weight rows against quantised activations
+ * (internal). As in ggml, each weight type is paired with an activation format that the
+ * activation row is quantised to once per product call:
+ *   Q8_0, Q4_0, IQ4_NL, MXFP4  x  Q8_0 activations (blocks of 32)
+ *   Q4_K, Q5_K, Q6_K, IQ4_XS   x  Q8_K activations (blocks of 256)
+ * Every type has a portable scalar kernel (dot_scalar.c, the reference) and optional AVX2
+ * (dot_avx2.c) and AVX-512 VNNI (dot_avx512.c) kernels, chosen at run time from the CPU's
+ * features; every SIMD kernel is tested against the scalar one (tests/test_dot.py).
+ */
+#ifndef CLOVER_DOT_H
+#define CLOVER_DOT_H
+
+#include <stdint.h>
+
+#define CLOVER_QK_K 256
+
+/* ggml block_q8_K: the activation format of the K-quants. */
+typedef struct {
+    float d;
+    int8_t qs[CLOVER_QK_K];
+    int16_t bsums[CLOVER_QK_K / 16]; /* sums of qs in groups of 16 */
+} clover_block_q8_K;
+
+/* dot(w_row, x) for n elements (n a multiple of the type's block size): w_row in the weight
+ * type's blocks, xq the activation row in the paired format. */
+typedef float (*clover_vec_dot_fn)(int64_t n, const void *w_row, const void *xq);
+
+enum { CLOVER_ISA_SCALAR = 0, CLOVER_ISA_AVX2 = 1, CLOVER_ISA_AVX512 = 2 };
+
+/* Activation format paired with weight type `type` (CLOVER_TYPE_Q8_0 or CLOVER_TYPE_Q8_K), or
+ * -1 when the type has no quantised kernel (F32, F16, BF16 use float kernels). */
+int clover_dot_act_type(int type);
+
+/* The kernel for `type` at instruction set `isa`; NULL when this build or CPU lacks it.
+ * isa < 0 means the best one this CPU supports. */
+clover_vec_dot_fn clover_dot_kernel(int type, int isa);
+
+/* Best instruction set this CPU supports (CLOVER_ISA_*); CLOVER_ISA env var can lower it. */
+int clover_dot_best_isa(void);
+
+/* Quantise one activation row of n floats to `act_type` (Q8_0: n % 32 == 0; Q8_K:
+ * n % 256 == 0) into dst; returns bytes written or -1. */
+int64_t clover_quantize_act(int act_type, const float *x, void *dst, int64_t n);
+
+/* Per-ISA tables (NULL entries where a type has no kernel for that ISA). */
+clover_vec_dot_fn clover_dot_scalar(int type);
+clover_vec_dot_fn clover_dot_avx2(int type);
+clover_vec_dot_fn clover_dot_avx512(int type);
+
+/* K-quant kernels (dot_k.c): Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K; NULL for other types. */
+clover_vec_dot_fn clover_dot_k_scalar(int type) __attribute__((weak));
+clover_vec_dot_fn clover_dot_k_avx2(int type) __attribute__((weak));
+clover_vec_dot_fn clover_dot_k_avx512(int type) __attribute__((weak));
+
+#endif

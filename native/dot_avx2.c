@@ -1,0 +1,123 @@
+/* dot_avx2.c: AVX2 + FMA kernels of the Q8_0-paired weight types (Q8_0, Q4_0, IQ4_NL, MXFP4).
+ * Compiled with function target attributes (no global -m flags) and only called after
+ * clover_dot_best_isa() found AVX2 and FMA. Each block of 32 gives an exact int32 sum (the
+ * sign trick turns the signed x signed product into maddubs' unsigned x signed form; |w| <= 128,
+ * |x| <= 127 keeps each pair sum inside int16), then one FMA with both scales.
+ */
+#include "dot.h"
+
+#include "clover.h"
+#include "quants.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+extern const int8_t clover_kv_iq4nl[16];
+extern const int8_t clover_kv_mxfp4[16];
+float clover_e8m0_half(uint8_t e);
+
+static inline AVX2 float fp16(const void *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 8 int32 partial sums of w[i] * x[i] over 32 signed bytes each. */
+static inline AVX2 __m256i isum8(__m256i w, __m256i x) {
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static inline AVX2 float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 signed bytes from 16 nibble bytes: low nibbles -> elements 0..15, high -> 16..31, each
+ * code mapped through a 16-entry table (pshufb). */
+static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(15);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, m));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm256_set_m128i(hi, lo);
+}
+
+static AVX2 float dot_q8_0(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++, wb += 34) {
+        const __m256i qw = _mm256_loadu_si256((const __m256i *)(wb + 2));
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m256 d = _mm256_set1_ps(fp16(wb) * fp16(&x[b].d));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
+    }
+    return hsum(acc);
+}
+
+static AVX2 float dot_q4_0(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    /* table mapping code c to c - 8 */
+    const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++, wb += 18) {
+        const __m256i qw = nibbles_table(wb + 2, table);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m256 d = _mm256_set1_ps(fp16(wb) * fp16(&x[b].d));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
+    }
+    return hsum(acc);
+}
+
+static AVX2 float dot_iq4_nl(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++, wb += 18) {
+        const __m256i qw = nibbles_table(wb + 2, table);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m256 d = _mm256_set1_ps(fp16(wb) * fp16(&x[b].d));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
+    }
+    return hsum(acc);
+}
+
+static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
+    const uint8_t *wb = w;
+    const clover_block_q8_0 *x = xq;
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++, wb += 17) {
+        const __m256i qw = nibbles_table(wb + 1, table);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m256 d = _mm256_set1_ps(clover_e8m0_half(wb[0]) * fp16(&x[b].d));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
+    }
+    return hsum(acc);
+}
+
+clover_vec_dot_fn clover_dot_avx2(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0: return dot_q8_0;
+    case CLOVER_TYPE_Q4_0: return dot_q4_0;
+    case CLOVER_TYPE_IQ4_NL: return dot_iq4_nl;
+    case CLOVER_TYPE_MXFP4: return dot_mxfp4;
+    default: return clover_dot_k_avx2 ? clover_dot_k_avx2(type) : NULL;
+    }
+}
+
+#else
+clover_vec_dot_fn clover_dot_avx2(int type) {
+    (void)type;
+    return NULL;
+}
+#endif

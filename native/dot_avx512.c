@@ -1,0 +1,121 @@
+/* dot_avx512.c: AVX-512 VNNI kernels of the Q8_0-paired weight types (Q8_0, Q4_0, IQ4_NL,
+ * MXFP4). Two blocks of 32 per step in one 512-bit register; vpdpbusd sums groups of four
+ * unsigned x signed bytes straight into int32 (|w| as unsigned, the sign moved onto x), so
+ * each block's int32 sum is exact; then one FMA with the two blocks' scales.
+ * Only called after clover_dot_best_isa() found AVX-512 F/BW/VL and VNNI.
+ */
+#include "dot.h"
+
+#include "clover.h"
+#include "quants.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+extern const int8_t clover_kv_iq4nl[16];
+extern const int8_t clover_kv_mxfp4[16];
+float clover_e8m0_half(uint8_t e);
+
+static inline AVX512 float fp16(const void *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 int32: lanes 0-7 sum block a, lanes 8-15 block b (each 32 signed bytes w times x). */
+static inline AVX512 __m512i isum16(__m512i w, __m512i x) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), sx);
+}
+
+static inline AVX512 __m512i join(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline AVX512 __m512 scales2(float da, float db) {
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(da)), _mm256_castps_pd(_mm256_set1_ps(db)), 1));
+}
+
+/* 8 int32 sums of one block (the odd tail block). */
+static inline AVX512 __m256i isum8(__m256i w, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline AVX512 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(15);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, m));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm256_set_m128i(hi, lo);
+}
+
+static inline AVX512 __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* The loop shared by the four types: get(wb) unpacks a weight block's 32 codes, scale(wb) its
+ * scale; bytes is the block size. Written as a macro so each kernel inlines its unpacking. */
+#define DOT_Q8_0_FAMILY(BYTES, GET, SCALE)                                                          \
+    const uint8_t *wb = w;                                                                          \
+    const clover_block_q8_0 *x = xq;                                                                \
+    const int64_t nb = n / 32;                                                                      \
+    __m512 acc = _mm512_setzero_ps();                                                               \
+    int64_t b = 0;                                                                                  \
+    for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                 \
+        const __m512i qw = join(GET(wb), GET(wb + (BYTES)));                                        \
+        const __m512i qx = join(load32(x[b].qs), load32(x[b + 1].qs));                              \
+        const __m512 d = scales2(SCALE(wb) * fp16(&x[b].d), SCALE(wb + (BYTES)) * fp16(&x[b + 1].d)); \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum16(qw, qx)), d, acc);                          \
+    }                                                                                               \
+    float sum = _mm512_reduce_add_ps(acc);                                                          \
+    if (b < nb) {                                                                                   \
+        const __m256i s = isum8(GET(wb), load32(x[b].qs));                                          \
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));      \
+        s4 = _mm_hadd_epi32(s4, s4);                                                                \
+        s4 = _mm_hadd_epi32(s4, s4);                                                                \
+        sum += (float)_mm_cvtsi128_si32(s4) * (SCALE(wb) * fp16(&x[b].d));                          \
+    }                                                                                               \
+    return sum;
+
+#define GET_Q8_0(p) load32((p) + 2)
+#define SCALE_FP16(p) fp16(p)
+static AVX512 float dot_q8_0(int64_t n, const void *w, const void *xq) { DOT_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16) }
+
+static AVX512 float dot_q4_0(int64_t n, const void *w, const void *xq) {
+    const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+#define GET_TABLE2(p) nibbles_table((p) + 2, table)
+    DOT_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+}
+
+static AVX512 float dot_iq4_nl(int64_t n, const void *w, const void *xq) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl);
+    DOT_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+}
+
+static AVX512 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4);
+#define GET_TABLE1(p) nibbles_table((p) + 1, table)
+#define SCALE_E8M0(p) clover_e8m0_half((p)[0])
+    DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
+}
+
+clover_vec_dot_fn clover_dot_avx512(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0: return dot_q8_0;
+    case CLOVER_TYPE_Q4_0: return dot_q4_0;
+    case CLOVER_TYPE_IQ4_NL: return dot_iq4_nl;
+    case CLOVER_TYPE_MXFP4: return dot_mxfp4;
+    default: return clover_dot_k_avx512 ? clover_dot_k_avx512(type) : NULL;
+    }
+}
+
+#else
+clover_vec_dot_fn clover_dot_avx512(int type) {
+    (void)type;
+    return NULL;
+}
+#endif

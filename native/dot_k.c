@@ -1,0 +1,571 @@
+/* dot_k.c: dot-product kernels of the K-quant weight types against Q8_K activations (spec 6,
+ * issue 3 "Kernels"): Q4_K, Q5_K, Q6_K and IQ4_XS, each as a portable scalar kernel (the
+ * reference), an AVX2 kernel and an AVX-512 (BW, VL, VNNI) kernel.
+ *
+ * Semantics are ggml's ggml_vec_dot_*_q8_K: per 256-value block the integer products of the
+ * weight levels with the activation int8 values are summed exactly in int32 (per-sub-block
+ * scales applied in integers), then scaled by fp16 d(weight) * float d(activation); the
+ * asymmetric types (Q4_K, Q5_K) subtract dmin * sum(min_j * sum of the activations of
+ * sub-block j), taken from the Q8_K bsums. Every kernel computes the same per-block integers,
+ * so the SIMD kernels differ from the scalar one only in the order of the float sums.
+ *
+ * Preconditions (as in ggml): n is a multiple of 256; xq is a Q8_K row whose bsums are the sums
+ * of its qs (as clover_kq_from_f32 / the activation quantiser write them) and whose qs lie in
+ * -127..127 (the Q8_K quantiser never writes -128; the AVX2 IQ4_XS kernel, like ggml's, takes
+ * |x| with a sign trick that would wrap -128).
+ *
+ * The SIMD functions are compiled with GCC/Clang target attributes, so the file needs no
+ * global -m flags; on non-x86 builds the SIMD getters return NULL. Callers must check the CPU
+ * (AVX2+FMA+F16C, or AVX-512 F/BW/VL/VNNI) before calling a SIMD kernel.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "clover.h"
+#include "dot.h"
+#include "quants.h"
+
+#if defined(_WIN32)
+#define DK_EXPORT
+#else
+#define DK_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* ---------------------------------------------------------------- block layouts (ggml) */
+
+typedef struct {
+    uint16_t d, dmin;    /* fp16 super-block scale of the scales / of the mins */
+    uint8_t scales[12];  /* eight 6-bit (scale, min) pairs */
+    uint8_t qs[128];     /* per 64 values: low nibbles = first 32, high nibbles = next 32 */
+} dk_q4_K;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[32];      /* bit 2k / 2k+1 of qh[l]: fifth bit of value 64k+l / 64k+32+l */
+    uint8_t qs[128];
+} dk_q5_K;
+
+typedef struct {
+    uint8_t ql[128];     /* low 4 bits */
+    uint8_t qh[64];      /* high 2 bits */
+    int8_t scales[16];   /* one per 16 values */
+    uint16_t d;
+} dk_q6_K;
+
+typedef struct {
+    uint16_t d;
+    uint16_t scales_h;   /* 2 high bits of each of the eight 6-bit group scales */
+    uint8_t scales_l[4]; /* 4 low bits of each group scale (group g at bit 4g) */
+    uint8_t qs[128];     /* per 32 values: low nibbles = first 16, high nibbles = next 16 */
+} dk_iq4_xs;
+
+_Static_assert(sizeof(dk_q4_K) == 144, "q4_K block size");
+_Static_assert(sizeof(dk_q5_K) == 176, "q5_K block size");
+_Static_assert(sizeof(dk_q6_K) == 210, "q6_K block size");
+_Static_assert(sizeof(dk_iq4_xs) == 136, "iq4_xs block size");
+_Static_assert(sizeof(clover_block_q8_K) == 292, "q8_K block size");
+
+static const int8_t dk_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                    1,    13,   25,  38,  53,  69,  89,  113};
+
+/* Unpack the 12-byte Q4_K/Q5_K scale field into u[0..3]: bytes 0..7 = the eight 6-bit scales,
+ * bytes 8..15 = the eight 6-bit mins (sub-block j: scale at byte j, min at byte 8+j).
+ * Scales 0..3 are the low 6 bits of bytes 0..3, mins 0..3 of bytes 4..7; scales/mins 4..7
+ * take their low 4 bits from the nibbles of bytes 8..11 and their high 2 bits from the top
+ * bits of bytes 0..3 / 4..7. */
+static inline void dk_unpack_scales(const uint8_t *s, uint32_t u[4]) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    u[0] = a & 0x3f3f3f3fu;
+    u[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    u[2] = b & 0x3f3f3f3fu;
+    u[3] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+}
+
+/* ---------------------------------------------------------------- scalar (reference) */
+
+static float dot_q4_K_scalar(int64_t n, const void *w_row, const void *xq) {
+    const dk_q4_K *x = (const dk_q4_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        uint32_t u[4];
+        dk_unpack_scales(x[i].scales, u);
+        uint8_t sm[16];
+        memcpy(sm, u, 16);
+        const uint8_t *q = x[i].qs;
+        const int8_t *a = y[i].qs;
+        int32_t isum = 0, msum = 0;
+        for (int j = 0; j < 4; j++, q += 32, a += 64) {
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 32; l++) {
+                lo += (q[l] & 0xF) * a[l];
+                hi += (q[l] >> 4) * a[l + 32];
+            }
+            isum += sm[2 * j] * lo + sm[2 * j + 1] * hi;
+        }
+        for (int j = 0; j < 8; j++) msum += sm[8 + j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
+        const float d = y[i].d * clover_fp16_to_fp32(x[i].d);
+        const float dmin = y[i].d * clover_fp16_to_fp32(x[i].dmin);
+        sum += d * (float)isum - dmin * (float)msum;
+    }
+    return sum;
+}
+
+static float dot_q5_K_scalar(int64_t n, const void *w_row, const void *xq) {
+    const dk_q5_K *x = (const dk_q5_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        uint32_t u[4];
+        dk_unpack_scales(x[i].scales, u);
+        uint8_t sm[16];
+        memcpy(sm, u, 16);
+        const uint8_t *q = x[i].qs, *qh = x[i].qh;
+        const int8_t *a = y[i].qs;
+        int32_t isum = 0, msum = 0;
+        for (int j = 0; j < 4; j++, q += 32, a += 64) {
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 32; l++) {
+                lo += ((q[l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4)) * a[l];
+                hi += ((q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4)) * a[l + 32];
+            }
+            isum += sm[2 * j] * lo + sm[2 * j + 1] * hi;
+        }
+        for (int j = 0; j < 8; j++) msum += sm[8 + j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
+        const float d = y[i].d * clover_fp16_to_fp32(x[i].d);
+        const float dmin = y[i].d * clover_fp16_to_fp32(x[i].dmin);
+        sum += d * (float)isum - dmin * (float)msum;
+    }
+    return sum;
+}
+
+static float dot_q6_K_scalar(int64_t n, const void *w_row, const void *xq) {
+    const dk_q6_K *x = (const dk_q6_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        const int8_t *sc = x[i].scales;
+        const int8_t *a = y[i].qs;
+        int32_t isum = 0;
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, a += 128) {
+            int32_t g[8] = {0};
+            for (int l = 0; l < 32; l++) {
+                const int q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                const int s = l / 16;
+                g[s] += q1 * a[l];
+                g[s + 2] += q2 * a[l + 32];
+                g[s + 4] += q3 * a[l + 64];
+                g[s + 6] += q4 * a[l + 96];
+            }
+            for (int k = 0; k < 8; k++) isum += sc[k] * g[k];
+        }
+        sum += y[i].d * clover_fp16_to_fp32(x[i].d) * (float)isum;
+    }
+    return sum;
+}
+
+static float dot_iq4_xs_scalar(int64_t n, const void *w_row, const void *xq) {
+    const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        uint32_t sl;
+        memcpy(&sl, x[i].scales_l, 4);
+        const uint32_t sh = x[i].scales_h;
+        const uint8_t *q = x[i].qs;
+        const int8_t *a = y[i].qs;
+        int32_t isum = 0;
+        for (int g = 0; g < 8; g++, q += 16, a += 32) {
+            const int ls = (int)(((sl >> (4 * g)) & 0xF) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+            int32_t s = 0;
+            for (int l = 0; l < 16; l++) s += dk_iq4nl[q[l] & 0xF] * a[l] + dk_iq4nl[q[l] >> 4] * a[l + 16];
+            isum += ls * s;
+        }
+        sum += y[i].d * clover_fp16_to_fp32(x[i].d) * (float)isum;
+    }
+    return sum;
+}
+
+DK_EXPORT clover_vec_dot_fn clover_dot_k_scalar(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q4_K: return dot_q4_K_scalar;
+    case CLOVER_TYPE_Q5_K: return dot_q5_K_scalar;
+    case CLOVER_TYPE_Q6_K: return dot_q6_K_scalar;
+    case CLOVER_TYPE_IQ4_XS: return dot_iq4_xs_scalar;
+    default: return NULL;
+    }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define DK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define DK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* ---------------------------------------------------------------- AVX2 */
+
+DK_AVX2 static inline float dk_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+DK_AVX2 static inline float dk_hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* pshufb mask that broadcasts int16 element k of each 128-bit lane */
+#define DK_BCAST16(k) _mm256_set1_epi16((short)(0x0100 + 0x0202 * (k)))
+
+/* sum of the mins part of a Q4_K/Q5_K block: 4 int32 lanes summing to sum_j m_j * bsum32_j */
+DK_AVX2 static inline __m128i dk_mins_prod(__m128i mins16, const int16_t *bsums) {
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)bsums);
+    const __m128i b1 = _mm_loadu_si128((const __m128i *)bsums + 1);
+    return _mm_madd_epi16(mins16, _mm_hadd_epi16(b0, b1)); /* per-32 sums fit int16 */
+}
+
+DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq) {
+    const dk_q4_K *x = (const dk_q4_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        uint32_t u[4];
+        dk_unpack_scales(x[i].scales, u);
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
+        const float yd = y[i].d;
+        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(x[i].dmin)), _mm_cvtepi32_ps(prod), accm);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        const uint8_t *q = x[i].qs;
+        const int8_t *a = y[i].qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++, q += 32, a += 64) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
+            const __m256i lo = _mm256_and_si256(bits, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)), pl));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)), ph));
+        }
+        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    }
+    return dk_hsum8(acc) + dk_hsum4(accm);
+}
+
+DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq) {
+    const dk_q5_K *x = (const dk_q5_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        uint32_t u[4];
+        dk_unpack_scales(x[i].scales, u);
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
+        const float yd = y[i].d;
+        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(x[i].dmin)), _mm_cvtepi32_ps(prod), accm);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        const uint8_t *q = x[i].qs;
+        const int8_t *a = y[i].qs;
+        __m256i hb = _mm256_loadu_si256((const __m256i *)x[i].qh);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++, q += 32, a += 64) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
+            /* bit 0 / bit 1 of each byte of hb -> bit 4 (shifts stay inside each byte) */
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4),
+                                               _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4),
+                                               _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
+            hb = _mm256_srli_epi16(hb, 2);
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)), pl));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)), ph));
+        }
+        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    }
+    return dk_hsum8(acc) + dk_hsum4(accm);
+}
+
+DK_AVX2 static float dot_q6_K_avx2(int64_t n, const void *w_row, const void *xq) {
+    const dk_q6_K *x = (const dk_q6_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        /* levels are stored +32: subtract 32 * sum_g sc_g * bsum_g */
+        const __m256i corr = _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), _mm256_cvtepi8_epi16(sc8)), 5);
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        const int8_t *a = y[i].qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, a += 128) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(b2, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
+            const __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *)a));
+            const __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *)(a + 32)));
+            const __m256i p2 = _mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *)(a + 64)));
+            const __m256i p3 = _mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *)(a + 96)));
+            /* 32 values = two groups of 16: int16 lanes 0..7 take scale 2k, lanes 8..15 2k+1 */
+            const int k = 4 * h;
+#define DK_SC6(c) _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * (k + c) + 1), \
+                                                                               0x0101010101010101LL * (2 * (k + c)))))
+            s0 = _mm256_add_epi32(s0, _mm256_add_epi32(_mm256_madd_epi16(DK_SC6(0), p0), _mm256_madd_epi16(DK_SC6(1), p1)));
+            s1 = _mm256_add_epi32(s1, _mm256_add_epi32(_mm256_madd_epi16(DK_SC6(2), p2), _mm256_madd_epi16(DK_SC6(3), p3)));
+#undef DK_SC6
+        }
+        const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return dk_hsum8(acc);
+}
+
+/* The eight signed 6-bit IQ4_XS group scales (ls - 32) as int32 lanes. */
+DK_AVX2 static inline __m256i dk_iq4xs_scales(const dk_iq4_xs *b) {
+    uint32_t sl;
+    memcpy(&sl, b->scales_l, 4);
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                        _mm256_set1_epi32(0xF));
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(b->scales_h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+}
+
+DK_AVX2 static float dot_iq4_xs_avx2(int64_t n, const void *w_row, const void *xq) {
+    const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dk_iq4nl));
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        /* group scales as int16 in the low half of each 32-bit lane: broadcast with pshufb */
+        const __m256i ls32 = dk_iq4xs_scales(&x[i]);
+        const __m128i ls16 = _mm_packs_epi32(_mm256_castsi256_si128(ls32), _mm256_extracti128_si256(ls32, 1));
+        const __m256i lsb = _mm256_broadcastsi128_si256(ls16);
+        const uint8_t *q = x[i].qs;
+        const int8_t *a = y[i].qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int g = 0; g < 8; g += 2, q += 32, a += 64) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q); /* groups g, g+1 */
+            /* group g: [lo nibbles of q[0..15] | hi nibbles of q[0..15]] */
+            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i w0 = _mm256_shuffle_epi8(tab, _mm256_permute2x128_si256(lo, hi, 0x20));
+            const __m256i w1 = _mm256_shuffle_epi8(tab, _mm256_permute2x128_si256(lo, hi, 0x31));
+            const __m256i a0 = _mm256_loadu_si256((const __m256i *)a);
+            const __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
+            const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(a0, w0));
+            const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(a1, w1));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, _mm256_shuffle_epi8(lsb, DK_BCAST16(g))));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, _mm256_shuffle_epi8(lsb, DK_BCAST16(g + 1))));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                              acc);
+    }
+    return dk_hsum8(acc);
+}
+
+/* ---------------------------------------------------------------- AVX-512 (BW, VL, VNNI) */
+
+/* int16 index vector for vpermw: lanes 0..15 = element a, lanes 16..31 = element b */
+#define DK_IDX2(a, b) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1)
+
+DK_AVX512 static inline __m256i dk_fold512(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* Q4_K (x5 == NULL) and Q5_K with 256-bit VNNI: as the AVX2 kernels, with vpdpwssd fusing
+ * the scale multiply and the accumulation (runs on both vector ALU ports, unlike zmm). */
+DK_AVX512 static inline float dk_q45_vnni256(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5,
+                                              const clover_block_q8_K *y) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
+        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
+        const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
+        uint32_t u[4];
+        dk_unpack_scales(scales, u);
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
+        const float yd = y[i].d;
+        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(hdmin)), _mm_cvtepi32_ps(prod), accm);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        const int8_t *a = y[i].qs;
+        __m256i hb = _mm256_setzero_si256();
+        if (x5) hb = _mm256_loadu_si256((const __m256i *)x5[i].qh);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++, q += 32, a += 64) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
+            __m256i lo = _mm256_and_si256(bits, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            if (x5) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
+                hb = _mm256_srli_epi16(hb, 2);
+            }
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
+            s0 = _mm256_dpwssd_epi32(s0, pl, _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)));
+            s1 = _mm256_dpwssd_epi32(s1, ph, _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)));
+        }
+        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(hd));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    }
+    return dk_hsum8(acc) + dk_hsum4(accm);
+}
+
+DK_AVX512 static float dot_q4_K_avx512(int64_t n, const void *w_row, const void *xq) {
+    return dk_q45_vnni256(n, (const dk_q4_K *)w_row, NULL, (const clover_block_q8_K *)xq);
+}
+
+DK_AVX512 static float dot_q5_K_avx512(int64_t n, const void *w_row, const void *xq) {
+    return dk_q45_vnni256(n, NULL, (const dk_q5_K *)w_row, (const clover_block_q8_K *)xq);
+}
+
+DK_AVX512 static float dot_q6_K_avx512(int64_t n, const void *w_row, const void *xq) {
+    const dk_q6_K *x = (const dk_q6_K *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    /* low half of a zmm takes qh bits 0-1 (lo nibbles) / 4-5 (hi), high half bits 2-3 / 6-7 */
+    const __m512i mlo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
+    const __m512i mhi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8((char)0xC0), 1);
+    const __m512i shl = DK_IDX2(4, 2), shr = DK_IDX2(0, 2);
+    /* scales of groups 4c..4c+3, each over 8 int16 lanes */
+    __m512i gidx[4];
+    for (int c = 0; c < 4; c++) {
+        int16_t t[32];
+        for (int l = 0; l < 32; l++) t[l] = (int16_t)(4 * c + l / 8);
+        gidx[c] = _mm512_loadu_si512((const void *)t);
+    }
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), sc16), 5);
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        const int8_t *a = y[i].qs;
+        __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, a += 128) {
+            const __m512i bits = _mm512_loadu_si512((const void *)ql);
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+            const __m512i q0 = _mm512_or_si512(_mm512_and_si512(bits, m4), _mm512_sllv_epi16(_mm512_and_si512(hb, mlo), shl));
+            const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m4),
+                                               _mm512_srlv_epi16(_mm512_and_si512(hb, mhi), shr));
+            const __m512i p0 = _mm512_maddubs_epi16(q0, _mm512_loadu_si512((const void *)a));
+            const __m512i p1 = _mm512_maddubs_epi16(q1, _mm512_loadu_si512((const void *)(a + 64)));
+            s = _mm512_dpwssd_epi32(s, p0, _mm512_permutexvar_epi16(gidx[2 * h], sc));
+            s = _mm512_dpwssd_epi32(s, p1, _mm512_permutexvar_epi16(gidx[2 * h + 1], sc));
+        }
+        const __m256i sumi = _mm256_sub_epi32(dk_fold512(s), corr);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return dk_hsum8(acc);
+}
+
+DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const void *xq) {
+    const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
+    const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
+    /* table + 128 as unsigned bytes: u8 x s8 products with vpdpbusd, then subtract
+     * 128 * ls_g * (sum of the activations of group g) */
+    int8_t tab_u[16];
+    for (int k = 0; k < 16; k++) tab_u[k] = (int8_t)(uint8_t)(dk_iq4nl[k] + 128);
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab_u));
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i gi0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i gi1 = _mm512_add_epi32(gi0, _mm512_set1_epi32(4));
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const __m256i ls = dk_iq4xs_scales(&x[i]);
+        const __m512i lsz = _mm512_castsi256_si512(ls);
+        const __m256i gsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), ones16);
+        const __m256i corr = _mm256_slli_epi32(_mm256_mullo_epi32(ls, gsum), 7);
+        const uint8_t *q = x[i].qs;
+        const int8_t *a = y[i].qs;
+        __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int h = 0; h < 2; h++, q += 64, a += 128) {
+            const __m512i bits = _mm512_loadu_si512((const void *)q); /* groups 4h..4h+3, 16 B each */
+            const __m512i wl = _mm512_shuffle_epi8(tab, _mm512_and_si512(bits, m4));
+            const __m512i wh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(bits, 4), m4));
+            const __m512i a0 = _mm512_loadu_si512((const void *)a), a1 = _mm512_loadu_si512((const void *)(a + 64));
+            /* first / second 16 activations of each group, one group per 128-bit lane */
+            const __m512i al = _mm512_shuffle_i64x2(a0, a1, 0x88), ah = _mm512_shuffle_i64x2(a0, a1, 0xDD);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, al), wh, ah);
+            s = _mm512_add_epi32(s, _mm512_mullo_epi32(d, _mm512_permutexvar_epi32(h ? gi1 : gi0, lsz)));
+        }
+        const __m256i sumi = _mm256_sub_epi32(dk_fold512(s), corr);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return dk_hsum8(acc);
+}
+
+DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q4_K: return dot_q4_K_avx2;
+    case CLOVER_TYPE_Q5_K: return dot_q5_K_avx2;
+    case CLOVER_TYPE_Q6_K: return dot_q6_K_avx2;
+    case CLOVER_TYPE_IQ4_XS: return dot_iq4_xs_avx2;
+    default: return NULL;
+    }
+}
+
+DK_EXPORT clover_vec_dot_fn clover_dot_k_avx512(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q4_K: return dot_q4_K_avx512;
+    case CLOVER_TYPE_Q5_K: return dot_q5_K_avx512;
+    case CLOVER_TYPE_Q6_K: return dot_q6_K_avx512;
+    case CLOVER_TYPE_IQ4_XS: return dot_iq4_xs_avx512;
+    default: return NULL;
+    }
+}
+
+#else /* not x86 */
+
+DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
+    (void)type;
+    return NULL;
+}
+
+DK_EXPORT clover_vec_dot_fn clover_dot_k_avx512(int type) {
+    (void)type;
+    return NULL;
+}
+
+#endif

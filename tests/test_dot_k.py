@@ -1,0 +1,179 @@
+"""K-quant dot-product kernels of native/dot_k.c (spec 6, issue 3 "Kernels").
+
+Weight types Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K activations, each with a scalar kernel
+(the reference) and AVX2 / AVX-512-VNNI kernels.
+Checks:
+- the scalar kernel equals the float64 dot of the dequantised weight row (clover_kq_to_f32)
+  with the dequantised Q8_K row, within 1e-5 * sum|w*x|;
+- every SIMD kernel equals the scalar kernel within 1e-6 * sum|w*x| (the per-block integer
+  sums are exact; only the order of the float sums differs);
+on row lengths of 1, 3, 5, 8 and 32 blocks (256 .. 8192 values), for weight rows of random
+bytes (finite random fp16 scales) and rows quantised from random floats, and activations
+quantised from random floats or random Q8_K bytes (qs in -127..127, consistent bsums).
+SIMD cases are skipped on CPUs without the features (read from /proc/cpuinfo).
+"""
+import pathlib
+
+import cffi
+import numpy as np
+import pytest
+
+from clover_gguf import _ffi
+from clover_gguf._ffi import lib
+
+TYPES = {"Q4_K": (lib.CLOVER_TYPE_Q4_K, 144), "Q5_K": (lib.CLOVER_TYPE_Q5_K, 176),
+         "Q6_K": (lib.CLOVER_TYPE_Q6_K, 210), "IQ4_XS": (lib.CLOVER_TYPE_IQ4_XS, 136)}
+# byte offsets of the fp16 scales in each block (d, and dmin for Q4_K/Q5_K)
+FP16_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+Q8K = lib.CLOVER_TYPE_Q8_K
+LENGTHS = [256, 768, 1280, 2048, 8192]
+
+_kffi = cffi.FFI()
+_kffi.cdef("""
+typedef float (*clover_vec_dot_fn)(int64_t n, const void *w_row, const void *xq);
+clover_vec_dot_fn clover_dot_k_scalar(int type);
+clover_vec_dot_fn clover_dot_k_avx2(int type);
+clover_vec_dot_fn clover_dot_k_avx512(int type);
+int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
+int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
+""")
+klib = _kffi.dlopen(_ffi._find_library())
+
+
+def _cpu_flags():
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+FLAGS = _cpu_flags()
+ISAS = {
+    "avx2": ({"avx2", "fma", "f16c"}, klib.clover_dot_k_avx2),
+    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+               klib.clover_dot_k_avx512),
+}
+
+
+def _ptr(a):
+    return _kffi.cast("void *", a.ctypes.data)
+
+
+def _quant(type_id, x):
+    nbytes = {Q8K: 292}.get(type_id) or dict(TYPES.values()).get(type_id)
+    out = np.zeros(x.size // 256 * nbytes, np.uint8)
+    x = np.ascontiguousarray(x, np.float32)
+    r = klib.clover_kq_from_f32(type_id, _kffi.cast("const float *", x.ctypes.data), _ptr(out), x.size)
+    assert r == out.size
+    return out
+
+
+def _dequant(type_id, b, n):
+    y = np.zeros(n, np.float32)
+    assert klib.clover_kq_to_f32(type_id, _ptr(b), _kffi.cast("float *", y.ctypes.data), n) == 0
+    return y
+
+
+def _random_weight_bytes(rng, name, n):
+    tid, nb = TYPES[name]
+    b = rng.integers(0, 256, size=(n // 256, nb), dtype=np.uint8)
+    for off in FP16_OFFSETS[name]:
+        h = (rng.standard_normal(n // 256) * rng.choice([1e-3, 0.05, 2.0], n // 256)).astype(np.float16)
+        b[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    return b.reshape(-1)
+
+
+def _random_q8k_bytes(rng, n):
+    nblk = n // 256
+    blk = np.zeros((nblk, 292), np.uint8)
+    qs = rng.integers(-127, 128, size=(nblk, 256), dtype=np.int8)
+    d = (rng.random(nblk) * 0.1 + 1e-3).astype(np.float32) * rng.choice([-1, 1], nblk)
+    blk[:, 0:4] = d.astype(np.float32).view(np.uint8).reshape(nblk, 4)
+    blk[:, 4:260] = qs.view(np.uint8)
+    bsums = qs.reshape(nblk, 16, 16).astype(np.int16).sum(axis=2).astype(np.int16)
+    blk[:, 260:292] = bsums.view(np.uint8).reshape(nblk, 32)
+    return blk.reshape(-1)
+
+
+def _cases(rng, name, n):
+    """(weight bytes, Q8_K bytes) pairs: random bytes and quantised floats on both sides."""
+    tid = TYPES[name][0]
+    out = []
+    for wkind in ("bytes", "quant"):
+        if wkind == "bytes":
+            w = _random_weight_bytes(rng, name, n)
+        else:
+            scale = rng.choice([1e-3, 1.0, 30.0])
+            w = _quant(tid, (rng.standard_normal(n) * scale).astype(np.float32))
+        for xkind in ("bytes", "quant"):
+            if xkind == "bytes":
+                x = _random_q8k_bytes(rng, n)
+            else:
+                xf = rng.standard_normal(n).astype(np.float32) * rng.choice([1e-2, 1.0, 100.0])
+                xf[rng.random(n) < 0.01] *= 20  # a few outliers, as in real activations
+                x = _quant(Q8K, xf)
+            out.append((wkind, xkind, w, x))
+    return out
+
+
+def _ref(tid, w, x, n):
+    wf = _dequant(tid, w, n).astype(np.float64)
+    xf = _dequant(Q8K, x, n).astype(np.float64)
+    return float(wf @ xf), float(np.abs(wf * xf).sum())
+
+
+def _call(fn, n, w, x):
+    return float(fn(n, _ptr(w), _ptr(x)))
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_scalar_matches_dequantised_dot(name):
+    rng = np.random.default_rng(100 + TYPES[name][0])
+    tid = TYPES[name][0]
+    fn = klib.clover_dot_k_scalar(tid)
+    assert fn != _kffi.NULL
+    worst = 0.0
+    for n in LENGTHS:
+        for wkind, xkind, w, x in _cases(rng, name, n):
+            ref, mag = _ref(tid, w, x, n)
+            got = _call(fn, n, w, x)
+            assert mag > 0
+            err = abs(got - ref) / mag
+            worst = max(worst, err)
+            assert err <= 1e-5, (name, n, wkind, xkind, got, ref, mag)
+    print(f"{name} scalar: max |scalar - ref| / sum|w*x| = {worst:.2e}")
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("name", list(TYPES))
+def test_simd_matches_scalar(name, isa):
+    need, getter = ISAS[isa]
+    tid = TYPES[name][0]
+    fn = getter(tid)
+    if fn == _kffi.NULL:
+        pytest.skip(f"{isa} kernels not built (non-x86 build)")
+    if not need <= FLAGS:
+        pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
+    ref_fn = klib.clover_dot_k_scalar(tid)
+    rng = np.random.default_rng(200 + TYPES[name][0])
+    worst = 0.0
+    for n in LENGTHS:
+        for wkind, xkind, w, x in _cases(rng, name, n):
+            _, mag = _ref(tid, w, x, n)
+            want = _call(ref_fn, n, w, x)
+            got = _call(fn, n, w, x)
+            err = abs(got - want) / mag
+            worst = max(worst, err)
+            assert err <= 1e-6, (name, isa, n, wkind, xkind, got, want, mag)
+    assert _call(fn, 0, w, x) == 0.0  # empty row
+    print(f"{name} {isa}: max |simd - scalar| / sum|w*x| = {worst:.2e}")
+
+
+def test_other_types_have_no_kernel():
+    for t in (lib.CLOVER_TYPE_F32, lib.CLOVER_TYPE_Q8_0, lib.CLOVER_TYPE_Q4_0, Q8K,
+              lib.CLOVER_TYPE_IQ4_NL, lib.CLOVER_TYPE_MXFP4, 9999, -1):
+        for getter in (klib.clover_dot_k_scalar, klib.clover_dot_k_avx2, klib.clover_dot_k_avx512):
+            assert getter(t) == _kffi.NULL
