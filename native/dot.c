@@ -96,7 +96,7 @@ clover_vec_dot_fn clover_dot_scalar(int type) {
     case CLOVER_TYPE_Q4_0: return dot_q4_0;
     case CLOVER_TYPE_IQ4_NL: return dot_iq4_nl;
     case CLOVER_TYPE_MXFP4: return dot_mxfp4;
-    default: return clover_dot_k_scalar ? clover_dot_k_scalar(type) : NULL;
+    default: return clover_dot_k_scalar(type);
     }
 }
 

@@ -48,8 +48,8 @@ clover_vec_dot_fn clover_dot_avx2(int type);
 clover_vec_dot_fn clover_dot_avx512(int type);
 
 /* K-quant kernels (dot_k.c): Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K; NULL for other types. */
-clover_vec_dot_fn clover_dot_k_scalar(int type) __attribute__((weak));
-clover_vec_dot_fn clover_dot_k_avx2(int type) __attribute__((weak));
-clover_vec_dot_fn clover_dot_k_avx512(int type) __attribute__((weak));
+clover_vec_dot_fn clover_dot_k_scalar(int type);
+clover_vec_dot_fn clover_dot_k_avx2(int type);
+clover_vec_dot_fn clover_dot_k_avx512(int type);
 
 #endif

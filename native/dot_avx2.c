@@ -111,7 +111,7 @@ clover_vec_dot_fn clover_dot_avx2(int type) {
     case CLOVER_TYPE_Q4_0: return dot_q4_0;
     case CLOVER_TYPE_IQ4_NL: return dot_iq4_nl;
     case CLOVER_TYPE_MXFP4: return dot_mxfp4;
-    default: return clover_dot_k_avx2 ? clover_dot_k_avx2(type) : NULL;
+    default: return clover_dot_k_avx2(type);
     }
 }
 

@@ -109,7 +109,7 @@ clover_vec_dot_fn clover_dot_avx512(int type) {
     case CLOVER_TYPE_Q4_0: return dot_q4_0;
     case CLOVER_TYPE_IQ4_NL: return dot_iq4_nl;
     case CLOVER_TYPE_MXFP4: return dot_mxfp4;
-    default: return clover_dot_k_avx512 ? clover_dot_k_avx512(type) : NULL;
+    default: return clover_dot_k_avx512(type);
     }
 }
 
