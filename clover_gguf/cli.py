@@ -1,4 +1,4 @@
-"""``clover-gguf`` command line: run, info, logits, convert.
+"""``clover-gguf`` command line: run, info, logits, bench, convert.
 
 A thin shell over :class:`clover_gguf.Model` (flags map one to one onto API arguments) and
 over ``convert.convert.main`` (imported only by ``convert``). Never imports torch.
@@ -185,6 +185,24 @@ def cmd_logits(a) -> int:
     return _EXIT_OK
 
 
+# ---------------------------------------------------------------------------- bench
+def cmd_bench(a) -> int:
+    from ._ffi import CloverError
+    from .bench import format_table, run_bench, to_json
+
+    _check_model_path(a.model)
+    if not 0.0 < a.coreset_top_p <= 1.0:
+        raise _UsageError(f"--coreset-top-p: {a.coreset_top_p} must be in (0, 1]")
+    try:
+        rep = run_bench(a.model, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.repetitions,
+                        n_threads=a.threads, block_size=a.block_size, coreset_top_p=a.coreset_top_p,
+                        seed=a.seed, warmup=not a.no_warmup)
+    except (CloverError, ValueError) as e:
+        raise _UsageError(str(e)) from None
+    print(to_json(rep) if a.json else format_table(rep))
+    return _EXIT_OK
+
+
 # ---------------------------------------------------------------------------- convert
 def cmd_convert(argv: list[str]) -> int:
     # Imported lazily: the converter is only needed here.
@@ -223,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run Clover block-diffusion (and Qwen3.5/3.6-MoE) models from GGUF files.",
     )
     p.add_argument("--version", action="version", version=f"clover-gguf {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{run,info,logits,convert}")
+    sub = p.add_subparsers(dest="command", metavar="{run,info,logits,bench,convert}")
     sub.required = True
 
     r = sub.add_parser("run", help="generate text from a prompt")
@@ -257,6 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
     lg.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
     lg.set_defaults(func=cmd_logits)
+
+    b = sub.add_parser("bench", help="llama-bench-style speed table: pp, tg, block and commit forwards")
+    b.add_argument("-m", "--model", required=True, help="GGUF file")
+    b.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="prompt tokens of pp and prefix of block/commit (512)")
+    b.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="tokens of tg (128)")
+    b.add_argument("-r", "--repetitions", type=_positive_int, default=5, help="repetitions of each test (5)")
+    b.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
+    b.add_argument("--block-size", type=_positive_int, default=32, help="rows of the block and commit forwards (32)")
+    b.add_argument("--coreset-top-p", type=float, default=0.9, help="coreset top-p of the block forward (0.9)")
+    b.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the random tokens (0)")
+    b.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.set_defaults(func=cmd_bench)
 
     # Parsed by the converter itself (see main); listed here for --help.
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF "

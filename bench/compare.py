@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Our engine against llama.cpp on the same GGUF files, and against the bandwidth limit
+(issue 3 item 4).
+
+For each GGUF (arch ``qwen35moe`` so llama.cpp loads it):
+- ours: ``clover_gguf.bench.run_bench`` (pp{P} from an empty context, tg{N} single-token steps
+  from an empty context, warm-up first), ``--threads`` threads, ``--reps`` repetitions;
+- llama.cpp: llama-cpp-python in its own virtual environment (bench/build_llama_cpp.sh), in a
+  subprocess: ``Llama(path, n_ctx=1024, n_threads=T, n_threads_batch=T, n_batch=512,
+  n_ubatch=512)``; pp = one ``eval()`` of P random tokens after ``reset()``, tg = N
+  single-token ``eval()`` calls after ``reset()``; the same warm-up and repetitions;
+- the bandwidth limit: bench/bandwidth.py's read bandwidth with ``--threads`` threads divided
+  by the weight bytes read per decoded token (``clover_gguf.bench.bytes_per_token``).
+
+Prints one markdown table (``--json`` for the raw figures). Tokens are random ids in
+[0, n_vocab), seeded, the same for both engines.
+
+Usage: CLOVER_LIB=... python bench/compare.py MODEL.gguf [...] [-p 512] [-n 128] [-r 3]
+       [-t 2] [--llama-python /tmp/llama-venv/bin/python] [--bandwidth GBPS]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "bench"))
+
+# Runs inside the llama.cpp venv: argv = path p n reps threads seed; prints one JSON line.
+_LLAMA_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+path, P, N, reps, T, seed = sys.argv[1], *map(int, sys.argv[2:7])
+llm = Llama(model_path=path, n_ctx=max(1024, P + 1, N + 1), n_threads=T, n_threads_batch=T,
+            n_batch=512, n_ubatch=512, verbose=False)
+V = llm.n_vocab()
+rng = np.random.default_rng(seed)
+def toks(n):
+    return rng.integers(0, V, n).tolist()
+def pp():
+    llm.reset(); t = toks(P); t0 = time.perf_counter(); llm.eval(t); return time.perf_counter() - t0
+def tg(n):
+    llm.reset(); t = toks(n); s = 0.0
+    for x in t:
+        t0 = time.perf_counter(); llm.eval([x]); s += time.perf_counter() - t0
+    return s
+pp(); tg(1)  # warm-up, as llama-bench
+out = {"pp": [pp() for _ in range(reps)], "tg": [tg(N) for _ in range(reps)],
+       "system_info": __import__("llama_cpp").llama_print_system_info().decode()}
+print(json.dumps(out))
+"""
+
+
+def run_llama(python: str, path: str, P: int, N: int, reps: int, threads: int, seed: int) -> dict:
+    """llama.cpp's pp/tg seconds per repetition on ``path``: ``{"pp": [s...], "tg": [s...]}``.
+    Raises RuntimeError with llama.cpp's stderr tail when the subprocess fails."""
+    r = subprocess.run([python, "-c", _LLAMA_SCRIPT, path, str(P), str(N), str(reps), str(threads), str(seed)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _ms(vals):
+    import numpy as np
+    m = float(np.mean(vals))
+    s = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+    return m, s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="ours vs llama.cpp: pp/tg tokens/s and the bandwidth limit")
+    ap.add_argument("models", nargs="+", help="GGUF files (arch qwen35moe)")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama-python", default="/tmp/llama-venv/bin/python",
+                    help="python of the llama-cpp-python venv (bench/build_llama_cpp.sh)")
+    ap.add_argument("--bandwidth", type=float, default=None, help="read bandwidth in GB/s (measured if absent)")
+    ap.add_argument("--skip-llama", action="store_true", help="only our engine")
+    ap.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
+    a = ap.parse_args(argv)
+
+    import numpy as np
+
+    from clover_gguf.bench import run_bench
+
+    if a.bandwidth is None:
+        import bandwidth
+        bw = bandwidth.measure(threads=(a.threads,))["gbps"][a.threads]
+        print(f"read bandwidth ({a.threads} threads): {bw:.1f} GB/s", file=sys.stderr)
+    else:
+        bw = a.bandwidth
+    rows, raw = [], []
+    for path in a.models:
+        print(f"[{path}] ours ...", file=sys.stderr, flush=True)
+        rep = run_bench(path, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.reps, n_threads=a.threads,
+                        seed=a.seed, block=False)
+        s = rep["model"]
+        ours_pp, ours_tg = rep["results"][0], rep["results"][1]
+        entry = {"model": s, "ours": {"pp": ours_pp.seconds, "tg": ours_tg.seconds}}
+        if not a.skip_llama:
+            print(f"[{path}] llama.cpp ...", file=sys.stderr, flush=True)
+            entry["llama"] = run_llama(a.llama_python, os.fspath(path), a.n_prompt, a.n_gen, a.reps,
+                                       a.threads, a.seed)
+        raw.append(entry)
+        limit = bw * 1e9 / s["bytes_per_token"]  # tokens/s if decode only streamed the weights
+        o_pp = _ms([a.n_prompt / x for x in ours_pp.seconds])
+        o_tg = _ms([a.n_gen / x for x in ours_tg.seconds])
+        if "llama" in entry:
+            l_pp = _ms([a.n_prompt / x for x in entry["llama"]["pp"]])
+            l_tg = _ms([a.n_gen / x for x in entry["llama"]["tg"]])
+        else:
+            l_pp = l_tg = (float("nan"), 0.0)
+        rows.append([s["file"], s["type"], f"{o_pp[0]:.2f} ± {o_pp[1]:.2f}", f"{l_pp[0]:.2f} ± {l_pp[1]:.2f}",
+                     f"{o_pp[0] / l_pp[0]:.2f}x", f"{o_tg[0]:.2f} ± {o_tg[1]:.2f}", f"{l_tg[0]:.2f} ± {l_tg[1]:.2f}",
+                     f"{o_tg[0] / l_tg[0]:.2f}x", f"{100 * o_tg[0] / limit:.0f}%", f"{100 * l_tg[0] / limit:.0f}%",
+                     f"{s['bytes_per_token'] / 1e6:.0f} MB / {limit:.1f} t/s"])
+    P, N = a.n_prompt, a.n_gen
+    head = ["model", "type", f"ours pp{P}", f"llama.cpp pp{P}", "ratio", f"ours tg{N}", f"llama.cpp tg{N}",
+            "ratio", f"ours tg{N} % BW limit", f"llama.cpp % BW limit", "bytes/token / limit"]
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    print(f"threads: {a.threads}, repetitions: {a.reps}, read bandwidth: {bw:.1f} GB/s; t/s mean ± std")
+    print("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
+    print("| " + " | ".join("-" * w[i] if i < 2 else "-" * (w[i] - 1) + ":" for i in range(len(head))) + " |")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(r)) + " |")
+    if a.json:
+        print(json.dumps({"bandwidth_gbps": bw, "threads": a.threads, "reps": a.reps, "runs": raw},
+                         default=lambda o: None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""clover_gguf.bench and ``clover-gguf bench`` (issue 3 item 4) on the tiny random models."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clover_gguf.bench import bytes_per_token, format_table, model_summary, run_bench, to_json
+from clover_gguf.cli import main
+
+SMALL = dict(n_prompt=12, n_gen=5, reps=2, n_threads=1, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def clover_gguf_path(make_gguf):
+    return make_gguf("f32")
+
+
+@pytest.fixture(scope="module")
+def parent_gguf_path(make_gguf):
+    return make_gguf("q8_0", arch="qwen35moe")
+
+
+def _independent_bytes_per_token(path) -> tuple[int, int]:
+    """Bytes per decoded token and total bytes, from gguf-py's reader (not our GGUF code)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    n_exp = int(r.fields[f"{arch}.expert_count"].parts[-1][0])
+    n_used = int(r.fields[f"{arch}.expert_used_count"].parts[-1][0])
+    names = [t.name for t in r.tensors]
+    per_tok = total = 0
+    for t in r.tensors:
+        nb = int(t.n_bytes)
+        total += nb
+        if t.name.endswith("_exps.weight"):
+            assert nb % n_exp == 0
+            per_tok += nb // n_exp * n_used
+        elif t.name == "token_embd.weight":
+            per_tok += nb // int(t.shape[1])  # ggml order: shape[1] = n_vocab rows
+            if "output.weight" not in names:
+                per_tok += nb
+        else:
+            per_tok += nb
+    return per_tok, total
+
+
+def test_run_bench_clover(clover_gguf_path):
+    rep = run_bench(clover_gguf_path, **SMALL)
+    names = [r.name for r in rep["results"]]
+    assert names == ["pp12", "tg5", "block8", "commit8"]
+    assert rep["threads"] == 1
+    for r in rep["results"]:
+        assert len(r.seconds) == 2 and all(s > 0 for s in r.seconds)
+        assert r.tps == pytest.approx([r.n_tokens / s for s in r.seconds])
+        assert r.tps_mean == pytest.approx(np.mean(r.tps))
+        assert r.ms_mean == pytest.approx(1000 * np.mean(r.seconds))
+    pp, tg, blk, com = rep["results"]
+    assert (pp.n_tokens, tg.n_tokens, blk.n_tokens, com.n_tokens) == (12, 5, 8, 8)
+    # block time as a multiple of one tg step (mean ms per token)
+    step_ms = 1000.0 / tg.tps_mean
+    assert rep["block_vs_tg"] == pytest.approx(blk.ms_mean / step_ms)
+    assert blk.extra["vs_tg_step"] == rep["block_vs_tg"]
+    n_expert = None
+    from clover_gguf.gguf import GGUFFile
+    with GGUFFile(clover_gguf_path) as f:
+        n_expert = f.metadata["clover.expert_count"]
+    assert 1 <= blk.extra["mean_distinct_experts"] <= n_expert
+    assert blk.extra["coreset_top_p"] == pytest.approx(0.9)
+
+
+def test_run_bench_parent_has_no_block_row(parent_gguf_path):
+    rep = run_bench(parent_gguf_path, **SMALL)
+    assert [r.name for r in rep["results"]] == ["pp12", "tg5", "commit8"]
+    assert rep["block_vs_tg"] is None
+    assert rep["model"]["arch"] == "qwen35moe"
+    assert rep["model"]["type"] == "Q8_0"
+
+
+@pytest.mark.parametrize("which", ["clover", "parent"])
+def test_model_summary_against_gguf_py(which, clover_gguf_path, parent_gguf_path):
+    path = clover_gguf_path if which == "clover" else parent_gguf_path
+    s = model_summary(path)
+    per_tok, total = _independent_bytes_per_token(path)
+    assert s["size_bytes"] == total
+    assert s["bytes_per_token"] == per_tok == bytes_per_token(path)
+    # experts dominate: a token reads far less than the whole file, but more than the LM head
+    assert s["bytes_per_token"] < total
+    from gguf import GGUFReader
+    r = GGUFReader(str(path))
+    assert s["n_params"] == sum(int(t.n_elements) for t in r.tensors)
+    head = [t for t in r.tensors if t.name == "output.weight"][0]
+    assert s["bytes_per_token"] > int(head.n_bytes)
+
+
+def test_format_and_json(clover_gguf_path):
+    rep = run_bench(clover_gguf_path, **SMALL)
+    table = format_table(rep).splitlines()
+    assert len(table) == 2 + 4
+    assert [c.strip() for c in table[0].strip("|").split("|")][:6] == \
+        ["model", "size", "params", "type", "threads", "test"]
+    assert set(table[1].replace("|", "").replace(" ", "")) <= {"-", ":"}
+    for line, r in zip(table[2:], rep["results"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[5] == r.name and cells[4] == "1"
+        if r.name.startswith(("pp", "tg")):
+            assert cells[6].startswith(f"{r.tps_mean:.2f} ± ")
+    obj = json.loads(to_json(rep))
+    assert [x["test"] for x in obj["results"]] == [r.name for r in rep["results"]]
+    assert obj["results"][0]["seconds"] == rep["results"][0].seconds
+
+
+def test_bad_arguments(clover_gguf_path):
+    with pytest.raises(ValueError, match="n_prompt"):
+        run_bench(clover_gguf_path, n_prompt=0)
+    with pytest.raises(ValueError, match="coreset_top_p"):
+        run_bench(clover_gguf_path, coreset_top_p=1.5)
+
+
+def test_cli_bench(clover_gguf_path, capsys, tmp_path):
+    rc = main(["bench", "-m", str(clover_gguf_path), "-p", "8", "-n", "3", "-r", "1", "-t", "1",
+               "--block-size", "4", "--json"])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert [x["test"] for x in obj["results"]] == ["pp8", "tg3", "block4", "commit4"]
+    assert obj["threads"] == 1 and obj["params"]["n_prompt"] == 8
+    rc = main(["bench", "-m", str(clover_gguf_path), "-p", "8", "-n", "3", "-r", "1", "-t", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| pp8 " in out and "| tg3 " in out and "| block32 " in out
+    assert main(["bench", "-m", str(tmp_path / "missing.gguf")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["bench", "-m", str(clover_gguf_path), "--coreset-top-p", "0"]) == 2
+    assert "coreset" in capsys.readouterr().err
+
+
+def test_bench_does_not_import_torch():
+    code = "import sys, clover_gguf.bench, clover_gguf.cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
