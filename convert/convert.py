@@ -19,6 +19,10 @@ Design:
   the tokenizer metadata, independent of the model size.
 - No torch: safetensors headers are parsed here; BF16 data are handled as uint16 bit patterns
   and stay bit-exact for ``outtype="bf16"``.
+- Quantised outtypes (q4_0, q8_0, q4_k_m, q5_k_m, q6_k, iq4_xs): the per-tensor types come
+  from ``convert.quant_plan`` (llama.cpp's llama-quantize rules for qwen35moe); each piece is
+  quantised by the native quantisers (``clover_from_f32``, byte-equal to ggml's reference
+  quantisers) over row chunks on ``threads`` threads (cffi releases the GIL).
 
 Everything here is numpy, json, gguf and tqdm; importing it never imports torch.
 """
@@ -37,12 +41,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import quant_plan as QP
 from . import tensor_map as TM
 
 ARCH_CLOVER = "clover"
 ARCH_PARENT = "qwen35moe"
 ARCHES = (ARCH_CLOVER, ARCH_PARENT)
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+OUTTYPES = QP.OUTTYPES  # f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m q6_k iq4_xs
 
 # Pre-tokenizer regexes (contract: llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35 / QWEN2), as they appear
 # in tokenizer.json's Split pre-tokenizer.
@@ -441,34 +446,60 @@ def _stack_pieces(srcs: list):
     return gen
 
 
-def _gguf_type(gname: str, shape: tuple, outtype: str):
-    """Contract dtype policy: norms, routers, conv, ssm_a/dt, 1-D tensors -> F32; others take the
-    outtype; q8_0 only where the row length is a multiple of 32 (else f16)."""
-    import gguf
-    Q = gguf.GGMLQuantizationType
-    if len(shape) <= 1 or gname.endswith(TM.F32_SUFFIXES):
-        return Q.F32
-    if outtype == "q8_0":
-        return Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16
-    return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16}[outtype]
+_NATIVE_OK = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
 
 
-def encode(a: np.ndarray, qtype) -> np.ndarray:
-    """Encode raw/float data ``a`` (uint16 = BF16 bits) as GGML ``qtype`` bytes (a C-contiguous
-    array). BF16 input stays bit-exact for BF16; F32 -> BF16 rounds to nearest even (ggml's
-    rule); Q8_0 uses gguf.quants.quantize over whole rows."""
+def _quantize_native(a: np.ndarray, qtype, pool=None) -> np.ndarray:
+    """Quantise float32 rows ``a`` [n, ne0] with ``clover_from_f32`` (row chunks on ``pool``)."""
+    import gguf
+    from clover_gguf._ffi import ffi, lib
+    n, ne0 = a.shape
+    block, tsize = gguf.GGML_QUANT_SIZES[qtype]
+    row_bytes = ne0 // block * tsize
+    out = np.empty((n, row_bytes), dtype=np.uint8)
+    if n == 0:
+        return out
+    src_p = ffi.cast("float *", a.ctypes.data)
+    dst_p = ffi.cast("uint8_t *", out.ctypes.data)
+    t = int(qtype)
+
+    def run(r0, r1):
+        k = lib.clover_from_f32(t, src_p + r0 * ne0, dst_p + r0 * row_bytes, (r1 - r0) * ne0)
+        if k != (r1 - r0) * row_bytes:
+            raise ConvertError(f"internal: clover_from_f32({qtype.name}) returned {k}")
+
+    workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
+    if workers <= 1 or n < 2:
+        run(0, n)
+    else:
+        step = max(1, -(-n // (4 * workers)))
+        for f in [pool.submit(run, r, min(n, r + step)) for r in range(0, n, step)]:
+            f.result()
+    return out
+
+
+def encode(a: np.ndarray, qtype, pool=None) -> np.ndarray:
+    """Encode raw/float data ``a`` [rows, ne0] (uint16 = BF16 bits) as GGML ``qtype`` bytes (a
+    C-contiguous array). BF16 input stays bit-exact for BF16; F32 -> BF16 rounds to nearest
+    even (ggml's rule); Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS use the native quantisers
+    (``pool``: an optional ThreadPoolExecutor for row chunks); Q5_0/Q5_1 (llama.cpp's fallback
+    for Q4_K/Q5_K rows that are not a multiple of 256) use gguf.quants. Raises ConvertError for
+    any other type."""
     import gguf
     Q = gguf.GGMLQuantizationType
+    qtype = Q(qtype)
     if qtype == Q.F32:
         out = to_f32(a)
     elif qtype == Q.BF16:
         out = a if a.dtype == np.uint16 else gguf.quants.quantize(to_f32(a), Q.BF16)
     elif qtype == Q.F16:
         out = a if a.dtype == np.float16 else to_f32(a).astype(np.float16)
-    elif qtype == Q.Q8_0:
-        out = gguf.quants.quantize(np.ascontiguousarray(to_f32(a)), Q.Q8_0)
+    elif qtype.name in _NATIVE_OK:
+        out = _quantize_native(np.ascontiguousarray(to_f32(a)), qtype, pool)
+    elif qtype in (Q.Q5_0, Q.Q5_1):
+        out = gguf.quants.quantize(np.ascontiguousarray(to_f32(a)), qtype)
     else:
-        raise ConvertError(f"internal: unsupported output type {qtype}")
+        raise ConvertError(f"internal: unsupported output type {qtype.name}")
     return np.ascontiguousarray(out)
 
 
@@ -597,8 +628,7 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
     out: list[OutTensor] = []
 
     def add(gname, shape, pieces, srcs):
-        out.append(OutTensor(gname, tuple(shape), _gguf_type(gname, tuple(shape), outtype), pieces,
-                             [s.name for s in srcs]))
+        out.append(OutTensor(gname, tuple(shape), None, pieces, [s.name for s in srcs]))
 
     def need_global(key, gname):
         if key not in glob_src:
@@ -657,6 +687,9 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
     else:
         raise ConvertError("missing tensor lm_head.weight (output.weight)")
     add("output.weight", head.shape, _row_pieces(head), [head])
+    types = QP.plan_types(arch, hp, {t.name: t.shape for t in out}, outtype)
+    for t in out:
+        t.qtype = types[t.name]
     return Plan(arch, hp, out, dropped, clover_kv)
 
 
@@ -772,9 +805,7 @@ def read_vocab(hf_dir: pathlib.Path, hp: HParams) -> Vocab:
 # ---------------------------------------------------------------------------------------------
 
 def _file_type(outtype: str) -> int:
-    import gguf
-    F = gguf.LlamaFileType
-    return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[outtype])
+    return QP.file_type(outtype)
 
 
 def _add_metadata(w, plan: Plan, vocab: Vocab, outtype: str, name: str) -> None:
@@ -834,15 +865,19 @@ def _add_metadata(w, plan: Plan, vocab: Vocab, outtype: str, name: str) -> None:
 
 
 def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, progress: bool = True,
-            no_mtp: bool = False) -> dict:
+            no_mtp: bool = False, threads: int | None = None) -> dict:
     """Convert an HF Clover / Qwen3.5-3.6-MoE checkpoint to one GGUF file (clover-spec section 4).
 
     hf_dir: directory with config.json, tokenizer.json (+ tokenizer_config.json, optional
     chat_template.jinja) and safetensors weights (sharded with model.safetensors.index.json, or
     a single file). out_path: the GGUF to write (written as ``out_path.part``, renamed when
-    complete; an existing file is replaced). outtype: "f32" | "f16" | "bf16" | "q8_0" for the
-    2-D/3-D weights (norms, routers, conv, ssm_a/dt and 1-D tensors stay F32; q8_0 falls back to
-    f16 for rows not a multiple of 32). arch: None (clover when the checkpoint is Clover, else
+    complete; an existing file is replaced). outtype: "f32" | "f16" | "bf16" | "q8_0" | "q4_0" |
+    "q4_k_m" | "q5_k_m" | "q6_k" | "iq4_xs"; the type of each tensor follows
+    ``convert.quant_plan.plan_types`` (llama.cpp's llama-quantize rules for qwen35moe: norms,
+    routers, conv, ssm_a/dt and 1-D tensors stay F32; the _M mixes, output.weight Q6_K, and the
+    fallback for rows that are not a multiple of the block size). general.file_type is the
+    llama.cpp LLAMA_FTYPE value, general.quantization_version 2. threads: quantiser threads
+    (default os.cpu_count()). arch: None (clover when the checkpoint is Clover, else
     qwen35moe), "clover" or "qwen35moe" (drops the Clover-only tensors and keys). progress: tqdm
     bar on stderr. no_mtp: drop ``mtp.*`` tensors (otherwise they are an error).
 
@@ -879,6 +914,11 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
         w.write_ti_data_to_file()
         fout = w.fout[0]
         total = sum(t.nbytes for t in plan.tensors)
+        nthreads = max(1, int(threads or os.cpu_count() or 1))
+        pool = None
+        if nthreads > 1 and any(t.qtype.name in _NATIVE_OK for t in plan.tensors):
+            from concurrent.futures import ThreadPoolExecutor
+            pool = ThreadPoolExecutor(nthreads)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -888,7 +928,7 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
                 w.write_padding(fout, fout.tell())
                 n = 0
                 for piece in t.pieces():
-                    b = encode(piece.reshape(-1, t.shape[-1]), t.qtype)
+                    b = encode(piece.reshape(-1, t.shape[-1]), t.qtype, pool)
                     fout.write(b.reshape(-1).view(np.uint8).data)
                     n += b.nbytes
                     if bar is not None:
@@ -899,6 +939,8 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
         finally:
             if bar is not None:
                 bar.close()
+            if pool is not None:
+                pool.shutdown()
         w.close()
         os.replace(part, out_path)
     except BaseException:
@@ -918,24 +960,26 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
 
 
 def main(argv=None) -> int:
-    """CLI: ``clover-gguf convert HF_DIR -o OUT [--outtype f32|f16|bf16|q8_0] [--arch clover|qwen35moe]
-    [--no-mtp] [--no-progress]``. Returns 0; on a conversion error prints ``error: ...`` to
+    """CLI: ``clover-gguf convert HF_DIR -o OUT [--outtype f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k|iq4_xs]
+    [--arch clover|qwen35moe] [--no-mtp] [--no-progress] [--threads N]``. Returns 0; on a conversion error prints ``error: ...`` to
     stderr and exits with status 2."""
     ap = argparse.ArgumentParser(prog="clover-gguf convert",
                                  description="Convert a Hugging Face Clover / Qwen3.5-MoE checkpoint to GGUF.")
     ap.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory (config.json, tokenizer.json, safetensors)")
     ap.add_argument("-o", "--outfile", "--out", dest="out_path", required=True, metavar="OUT", help="output .gguf path")
     ap.add_argument("--outtype", choices=OUTTYPES, default="bf16",
-                    help="type of the 2-D/3-D weights (default bf16; norms, routers, conv, ssm_a/dt stay f32)")
+                    help="type of the 2-D/3-D weights (default bf16; norms, routers, conv, ssm_a/dt stay f32; "
+                         "quantised types follow llama.cpp's llama-quantize mixes)")
     ap.add_argument("--arch", choices=ARCHES, default=None,
                     help="default: clover for a Clover checkpoint, else qwen35moe; "
                          "qwen35moe on a Clover checkpoint drops the Clover-only tensors and keys")
     ap.add_argument("--no-mtp", action="store_true", help="drop mtp.* (multi-token prediction) tensors")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--threads", "-t", type=int, default=None, help="quantiser threads (default: all CPUs)")
     a = ap.parse_args(argv)
     try:
         r = convert(a.hf_dir, a.out_path, outtype=a.outtype, arch=a.arch, progress=not a.no_progress,
-                    no_mtp=a.no_mtp)
+                    no_mtp=a.no_mtp, threads=a.threads)
     except (ConvertError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -445,6 +445,99 @@ def test_cli_without_torch(ckpts, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Quantised outtypes (issue 3 item 2): llama.cpp's type plan, native quantisers, threads
+# ---------------------------------------------------------------------------------------------
+
+# Relative RMSE bound of quantise -> dequantise on the tiny checkpoint's (roughly Gaussian)
+# weights; ggml's reference quantisers reach about 0.07 (Q4_0/Q4_K/IQ4_XS), 0.035 (Q5_K),
+# 0.018 (Q6_K) and 0.004 (Q8_0) on such data.
+QUANT_RMSE = {Q.Q4_0: 0.11, Q.Q4_K: 0.10, Q.Q5_K: 0.05, Q.Q6_K: 0.025, Q.IQ4_XS: 0.10, Q.Q8_0: 0.01}
+
+
+def _native_bytes(a: np.ndarray, qtype) -> np.ndarray:
+    """The whole tensor quantised in one clover_from_f32 call (no pieces, no threads)."""
+    from clover_gguf._ffi import ffi, lib
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    block, tsize = gguf.GGML_QUANT_SIZES[qtype]
+    out = np.empty(a.size // block * tsize, np.uint8)
+    n = lib.clover_from_f32(int(qtype), ffi.cast("float *", a.ctypes.data), ffi.cast("void *", out.ctypes.data), a.size)
+    assert n == out.size
+    return out
+
+
+@pytest.mark.parametrize("outtype,ftype", [("q4_0", 2), ("q4_k_m", 15), ("q5_k_m", 17), ("q6_k", 18),
+                                           ("iq4_xs", 30)])
+def test_quantized_outtypes(outtype, ftype, ckpts, converted):
+    from convert import quant_plan as QP
+    res, reader = converted("clover", outtype)
+    m = kv(reader)
+    assert res["file_type"] == ftype and m["general.file_type"] == ftype
+    assert m["general.quantization_version"] == 2
+    got = gguf_tensors(reader)
+    ex = expected_tensors(ckpts["clover"])
+    assert set(got) == set(ex)
+    hp = C.read_hparams(json.loads((ckpts["clover"] / "config.json").read_text()))
+    plan = QP.plan_types("clover", hp, {n: tuple(e.shape) for n, e in ex.items()}, outtype)
+    default = QP.FTYPES[outtype][1]
+    seen = set()
+    for name, e in ex.items():
+        t = got[name]
+        assert t.tensor_type == plan[name], name
+        if _f32_name(name):
+            assert t.tensor_type == Q.F32, name
+            np.testing.assert_array_equal(np.asarray(t.data).reshape(e.shape), e.numpy(), err_msg=name)
+            continue
+        seen.add(t.tensor_type)
+        ef = e.float().numpy()
+        raw = np.asarray(t.data).view(np.uint8).reshape(-1)
+        # byte-equal to one whole-tensor native quantisation: pieces and threads change nothing
+        np.testing.assert_array_equal(raw, _native_bytes(ef, t.tensor_type), err_msg=name)
+        d = gguf.quants.dequantize(raw.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1]), t.tensor_type)
+        d = d.reshape(e.shape)
+        rel = float(np.sqrt(np.mean((d - ef) ** 2) / np.mean(ef ** 2)))
+        assert rel < QUANT_RMSE[t.tensor_type], (name, t.tensor_type.name, rel)
+    assert default in seen
+    # llama.cpp's rules (tests/test_quant_plan.py has the full table): output.weight Q6_K
+    assert got["output.weight"].tensor_type == Q.Q6_K
+    if outtype == "q4_k_m":
+        # the tiny model has 8 experts: llama.cpp's n_expert == 8 rules give attn_v/qkv/k Q8_0,
+        # attn_output Q5_K; ffn_down gets Q6_K where use_more_bits(i, 4): i >= 3 or i % 3 == 2
+        assert got["blk.0.attn_qkv.weight"].tensor_type == Q.Q8_0
+        assert got["blk.3.attn_output.weight"].tensor_type == Q.Q5_K
+        assert [got[f"blk.{i}.ffn_down_exps.weight"].tensor_type for i in range(4)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q6_K]
+        assert got["blk.2.ffn_down_shexp.weight"].tensor_type == Q.Q6_K
+        assert got["blk.1.ffn_gate_exps.weight"].tensor_type == Q.Q4_K
+
+
+def test_quantized_threads_and_pieces_same_bytes(ckpts, converted, tmp_path, monkeypatch):
+    """q4_k_m with one thread and tiny pieces equals the default (all threads, 16 MiB pieces)."""
+    monkeypatch.setattr(C, "PIECE_BYTES", 4096)
+    res = C.convert(ckpts["clover"], tmp_path / "t1.gguf", outtype="q4_k_m", progress=False, threads=1)
+    _, ref = converted("clover", "q4_k_m")
+    _assert_same_gguf(gguf.GGUFReader(res["path"]), ref)
+
+
+def test_cli_quantized_outtype(ckpts, tmp_path):
+    """`clover-gguf convert ... --outtype q4_k_m` (the CLI passes argv to convert.main) without torch."""
+    out = tmp_path / "cli-q4km.gguf"
+    code = (
+        "import sys; from clover_gguf.cli import main; "
+        f"rc = main(['convert', {str(ckpts['parent'])!r}, '-o', {str(out)!r}, '--outtype', 'q4_k_m', "
+        "'--no-progress', '--threads', '2']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = gguf.GGUFReader(out)
+    assert kv(r)["general.file_type"] == 15 and kv(r)["general.architecture"] == "qwen35moe"
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == Q.Q4_K and types["output.weight"] == Q.Q6_K
+    p = subprocess.run([sys.executable, "-m", "convert.convert", str(ckpts["parent"]), "-o", str(tmp_path / "x.gguf"),
+                        "--outtype", "q3_k_m"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "q4_k_m" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 

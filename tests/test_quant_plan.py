@@ -1,0 +1,181 @@
+"""Per-tensor type plan (convert/quant_plan.py) against llama.cpp's llama-quantize rules.
+
+Table test for the REAL 40-layer Qwen3.6-35B-A3B shapes (shared/data/qwen3.6-35b-a3b.json, no
+weights). The expectations below were derived by reading src/llama-quant.cpp of the llama.cpp
+vendored in llama-cpp-python 0.3.36 (llama_tensor_get_type_impl and friends); each rule is cited
+next to the entries it produces. Real dims: H 2048, 16 heads / 2 KV heads (n_gqa 8), 256
+experts (so none of the "n_expert == 8" rules apply), every row length a multiple of 256.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import gguf
+import pytest
+
+from convert import quant_plan as QP
+from convert.convert import read_hparams
+
+Q = gguf.GGMLQuantizationType
+REAL = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3.6-35b-a3b.json",
+                         pathlib.Path("/work/shared/data/qwen3.6-35b-a3b.json")) if p.is_file()), None)
+
+# use_more_bits(i, 40): i < 40/8 = 5, or i >= 7*40/8 = 35, or (i - 5) % 3 == 2  (llama-quant.cpp,
+# llama_tensor_get_type_impl: `i_layer < n_layers/8 || i_layer >= 7*n_layers/8 || (i_layer - n_layers/8)%3 == 2`)
+MORE_BITS_40 = {0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 35, 36, 37, 38, 39}
+# Representative layers: GDN 0, 5, 6, 34; attention 3, 7, 11, 35, 39 (layer i is attention when (i+1) % 4 == 0).
+LAYERS = (0, 3, 5, 6, 7, 11, 34, 35, 39)
+
+# Tensors never quantised (tensor_allows_quantization): 1-D, names not ending in "weight",
+# "_norm.weight", "ffn_gate_inp.weight" (router), "ssm_conv1d". The converter stores them as F32.
+ALWAYS_F32 = ("attn_norm.weight", "post_attention_norm.weight", "ssm_conv1d.weight", "ssm_a", "ssm_dt.bias",
+              "ssm_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
+              "ffn_gate_inp_shexp.weight", "ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias",
+              "ssm_bwd_mix")
+
+GDN_W = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_out.weight")
+ATTN_W = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+FFN_W = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_shexp.weight",
+         "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+
+
+def expected(ftype: str, layer: int, suffix: str):
+    """Hand-written llama-quant.cpp rules for the real 40-layer model (see comments)."""
+    if suffix in ALWAYS_F32:
+        return Q.F32
+    base = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0,
+            "iq4_xs": Q.IQ4_XS}[ftype]  # llama_ftype_get_default_type
+    more = layer in MORE_BITS_40
+    if suffix in ("attn_qkv.weight", "attn_v.weight"):
+        # category_is_attn_v() covers ATTENTION_V and ATTENTION_QKV; one per layer, so the
+        # counter i_attention_wv equals the layer index and n_attention_wv = 40.
+        if ftype == "iq4_xs":
+            return Q.Q5_K  # "(IQ4_NL || IQ4_XS) && n_gqa() >= 4 -> Q5_K" (n_gqa = 16/2 = 8)
+        if ftype in ("q4_k_m", "q5_k_m") and more:
+            return Q.Q6_K  # "(Q4_K_M || Q5_K_M) && use_more_bits(i_attention_wv, n_attention_wv) -> Q6_K"
+        return base
+    if suffix in ("ffn_down_exps.weight", "ffn_down_shexp.weight"):
+        # FFN_DOWN category ("ffn_down" substring); layer parsed from the name (n_expert > 1)
+        if ftype in ("q4_k_m", "q5_k_m") and more:
+            return Q.Q6_K  # "Q4_K_M: use_more_bits -> Q6_K"; "Q5_K_M && use_more_bits -> Q6_K"
+        if ftype == "iq4_xs" and layer < 5:
+            return Q.Q5_K  # "i_layer < n_layer/8 && IQ4_XS && !has_imatrix -> Q5_K"
+        return base
+    return base  # attn_q/k/output, attn_gate, ssm_beta/alpha/out, ffn gate/up: no rule for these ftypes
+
+
+@pytest.fixture(scope="module")
+def real_hp():
+    if REAL is None:
+        pytest.skip("shared/data/qwen3.6-35b-a3b.json not found")
+    return read_hparams(json.loads(REAL.read_text()))
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "clover"])
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs"])
+def test_real_40_layer_table(real_hp, ftype, arch):
+    hp = real_hp
+    assert hp.n_layer == 40 and hp.E == 256 and hp.nh // hp.nkv == 8
+    shapes = QP.tensor_shapes(hp, arch)
+    plan = QP.plan_types(arch, hp, dict(shapes), ftype)
+    assert set(plan) == {n for n, _ in shapes}
+    checked = 0
+    for layer in LAYERS:
+        kind = hp.layer_types[layer]
+        suffixes = ("attn_norm.weight", "post_attention_norm.weight") + FFN_W + (
+            "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+        if kind == "linear_attention":
+            suffixes += GDN_W + ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias", "ssm_norm.weight")
+            if arch == "clover":
+                suffixes += ("ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias", "ssm_beta_bwd.weight",
+                             "ssm_alpha_bwd.weight", "ssm_bwd_mix")
+        else:
+            suffixes += ATTN_W + ("attn_q_norm.weight", "attn_k_norm.weight")
+        for s in suffixes:
+            name = f"blk.{layer}.{s}"
+            assert name in plan, name
+            want = expected(ftype, layer, s.replace("_bwd", "")) if s not in ALWAYS_F32 else Q.F32
+            assert plan[name] == want, (name, ftype, plan[name].name, want.name)
+            checked += 1
+    assert checked > 150
+    # output.weight -> Q6_K unless the default type is Q8_0 (OUTPUT branch: "new_type != Q8_0 -> Q6_K")
+    assert plan["output.weight"] == (Q.Q8_0 if ftype == "q8_0" else Q.Q6_K)
+    # token_embd: untied model (output.weight exists) -> TOKEN_EMBD branch, unchanged for these ftypes
+    assert plan["token_embd.weight"] == expected(ftype, -1, "token_embd.weight")
+    assert plan["output_norm.weight"] == Q.F32
+    # whole-model count of the bumped tensors
+    if ftype in ("q4_k_m", "q5_k_m"):
+        assert sum(plan[f"blk.{i}.{s}"] == Q.Q6_K for i in range(40)
+                   for s in ("attn_qkv.weight", "attn_v.weight") if f"blk.{i}.{s}" in plan) == len(MORE_BITS_40)
+        assert sum(plan[f"blk.{i}.ffn_down_exps.weight"] == Q.Q6_K for i in range(40)) == len(MORE_BITS_40)
+
+
+@pytest.mark.parametrize("ftype,want", [("f32", Q.F32), ("f16", Q.F16), ("bf16", Q.BF16)])
+def test_float_ftypes(real_hp, ftype, want):
+    # llama.cpp runs the mix rules only when the default type is quantised; non-quantisable
+    # tensors keep F32
+    shapes = QP.tensor_shapes(real_hp)
+    plan = QP.plan_types("qwen35moe", real_hp, shapes, ftype)
+    for name, shape in shapes:
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if len(shape) == 1 or suffix in ALWAYS_F32 or name == "output_norm.weight":
+            assert plan[name] == Q.F32, name
+        else:
+            assert plan[name] == want, name
+
+
+def _small(E=16, nh=4, nkv=2, n_layer=8):
+    return {"n_layer": n_layer, "E": E, "nh": nh, "nkv": nkv}
+
+
+@pytest.mark.parametrize("ftype,ne0,want", [
+    # tensor_type_fallback: ncols % block != 0
+    ("q4_k_m", 128, Q.Q5_0), ("q5_k_m", 128, Q.Q5_1), ("q6_k", 128, Q.Q8_0), ("iq4_xs", 128, Q.IQ4_NL),
+    ("q4_k_m", 48, Q.F16), ("iq4_xs", 48, Q.F16), ("q8_0", 48, Q.F16), ("q4_0", 48, Q.F16),
+    ("q8_0", 96, Q.Q8_0), ("q4_0", 96, Q.Q4_0), ("q4_k_m", 512, Q.Q4_K),
+])
+def test_fallback_row_length(ftype, ne0, want):
+    plan = QP.plan_types("qwen35moe", _small(), {"blk.5.attn_gate.weight": (64, ne0)}, ftype)
+    assert plan["blk.5.attn_gate.weight"] == want
+
+
+def test_output_fallback_and_more_bits_fallback():
+    # OUTPUT: "nx % qk_k != 0 -> Q8_0"; a bumped Q6_K ffn_down with 128-wide rows falls back to Q8_0
+    t = {"output.weight": (100, 128), "token_embd.weight": (100, 128), "blk.0.ffn_down_exps.weight": (16, 64, 128)}
+    plan = QP.plan_types("qwen35moe", _small(), t, "q4_k_m")
+    assert plan["output.weight"] == Q.Q8_0
+    assert plan["token_embd.weight"] == Q.Q5_0
+    assert plan["blk.0.ffn_down_exps.weight"] == Q.Q8_0
+
+
+def test_eight_experts_rules():
+    # n_expert == 8: attn_v-like and attn_k -> Q8_0; attn_output -> Q5_K (Q4_K_M, IQ4_XS)
+    t = {"blk.3.attn_v.weight": (128, 256), "blk.3.attn_k.weight": (128, 256), "blk.3.attn_q.weight": (512, 256),
+         "blk.3.attn_output.weight": (256, 256), "blk.0.attn_qkv.weight": (512, 256)}
+    for ftype in ("q4_k_m", "iq4_xs"):
+        plan = QP.plan_types("qwen35moe", _small(E=8), t, ftype)
+        assert plan["blk.3.attn_v.weight"] == plan["blk.0.attn_qkv.weight"] == plan["blk.3.attn_k.weight"] == Q.Q8_0
+        assert plan["blk.3.attn_output.weight"] == Q.Q5_K
+        assert plan["blk.3.attn_q.weight"] == QP.FTYPES[ftype][1]
+    plan = QP.plan_types("qwen35moe", _small(E=16), t, "q4_k_m")
+    assert plan["blk.3.attn_output.weight"] == Q.Q4_K and plan["blk.3.attn_k.weight"] == Q.Q4_K
+
+
+def test_attn_v_counter_follows_loader_order():
+    # i_attention_wv counts attn_v-like tensors in llama.cpp's loader order (layer number, then
+    # name), not in file order: with 16 layers, use_more_bits(i, 16) is true for i in {0, 1, 4, 7, 10, 13, 14, 15}
+    n = 16
+    t = {f"blk.{i}.attn_qkv.weight": (512, 256) for i in reversed(range(n))}
+    plan = QP.plan_types("qwen35moe", _small(n_layer=n), t, "q4_k_m")
+    bumped = {i for i in range(n) if plan[f"blk.{i}.attn_qkv.weight"] == Q.Q6_K}
+    assert bumped == {0, 1, 4, 7, 10, 13, 14, 15}
+
+
+def test_file_types_and_errors():
+    F = gguf.LlamaFileType
+    assert [QP.file_type(f) for f in ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")] == [2, 7, 15, 17, 18, 30]
+    assert QP.file_type("bf16") == int(F.MOSTLY_BF16) and QP.file_type("f32") == int(F.ALL_F32)
+    with pytest.raises(ValueError, match="q3_k_m"):
+        QP.plan_types("qwen35moe", _small(), {}, "q3_k_m")
