@@ -126,7 +126,8 @@ static int detect_isa(void) {
     int isa = CLOVER_ISA_SCALAR;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = CLOVER_ISA_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        isa = CLOVER_ISA_AVX2;
     if (isa == CLOVER_ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         isa = CLOVER_ISA_AVX512;
