@@ -945,29 +945,43 @@ static void coreset(const float *probs, int64_t T, int64_t E, int64_t k, double 
     for (int64_t i = 0; i < m; i++) allowed[order[i]] = 1;
 }
 
+/* One expert's SwiGLU over its n gathered rows (spec 2.3 step 2), single-threaded:
+ * y = W_down (silu(W_gate x) * W_up x). gt, up: scratch [n, I]. */
+static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float *x, int64_t n, float *gt, float *up,
+                      float *y) {
+    clover_tensor wg = expert_view(&ly->gate_exps, e), wu = expert_view(&ly->up_exps, e);
+    clover_tensor wd = expert_view(&ly->down_exps, e);
+    if (clover_matmul(wg.type, wg.data, wg.ne[0], wg.ne[1], x, n, gt, 1) ||
+        clover_matmul(wu.type, wu.data, wu.ne[0], wu.ne[1], x, n, up, 1))
+        return CLOVER_E_NOMEM;
+    for (int64_t i = 0; i < n * I; i++) gt[i] = silu(gt[i]) * up[i];
+    return clover_matmul(wd.type, wd.data, wd.ne[0], wd.ne[1], gt, n, y, 1) ? CLOVER_E_NOMEM : CLOVER_OK;
+}
+
 static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, I = hp->n_ff_exp;
-    const int64_t Is = hp->n_ff_shexp;
-    const int64_t Imax = I > Is ? I : Is;
+    const int64_t Is = hp->n_ff_shexp, P = T * k; /* P (row, expert) pairs */
     float *probs = malloc(sizeof(float) * (size_t)(T * E));
-    int32_t *sel = malloc(sizeof(int32_t) * (size_t)(T * k));
-    float *wsel = malloc(sizeof(float) * (size_t)(T * k));
+    int32_t *sel = malloc(sizeof(int32_t) * (size_t)P);
+    float *wsel = malloc(sizeof(float) * (size_t)P);
     unsigned char *allowed = malloc((size_t)E);
-    unsigned char *used = calloc((size_t)E, 1);
+    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t)); /* bucket of expert e: [start[e], start[e+1]) */
+    int64_t *fill = malloc(sizeof(int64_t) * (size_t)E);
     double *S = malloc(sizeof(double) * (size_t)E);
     int32_t *order = malloc(sizeof(int32_t) * (size_t)E);
-    int32_t *rows = malloc(sizeof(int32_t) * (size_t)T);
-    float *rw = malloc(sizeof(float) * (size_t)T);
-    float *xg = malloc(sizeof(float) * (size_t)(T * H));
-    float *gt = malloc(sizeof(float) * (size_t)(T * Imax));
-    float *up = malloc(sizeof(float) * (size_t)(T * Imax));
-    float *y = malloc(sizeof(float) * (size_t)(T * H));
+    int32_t *prow = malloc(sizeof(int32_t) * (size_t)P); /* token row of each bucketed pair */
+    float *pw = malloc(sizeof(float) * (size_t)P);
+    float *xg = malloc(sizeof(float) * (size_t)(P * H));
+    float *yg = malloc(sizeof(float) * (size_t)(P * H));
+    float *gt = malloc(sizeof(float) * (size_t)(T * Is));
+    float *up = malloc(sizeof(float) * (size_t)(T * Is));
+    float *ys = malloc(sizeof(float) * (size_t)(T * H));
     float *sg = malloc(sizeof(float) * (size_t)T);
     int rc = CLOVER_E_NOMEM;
-    if (!probs || !sel || !wsel || !allowed || !used || !S || !order || !rows || !rw || !xg || !gt || !up || !y ||
-        !sg)
+    if (!probs || !sel || !wsel || !allowed || !start || !fill || !S || !order || !prow || !pw || !xg || !yg || !gt || !up ||
+        !ys || !sg)
         goto done;
     /* router: softmax in fp32 over all experts, top-k, renormalise (spec 2.3 step 1) */
     if (matmul(c, &ly->router, xn, T, probs)) goto done;
@@ -987,47 +1001,73 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
         for (int64_t s = 0; s < k; s++) sum += probs[t * E + st[s]];
         for (int64_t s = 0; s < k; s++) {
             wsel[t * k + s] = (float)(probs[t * E + st[s]] / sum);
-            used[st[s]] = 1;
+            start[st[s] + 1]++;
         }
     }
-    memset(out, 0, sizeof(float) * (size_t)(T * H));
-    /* each used expert runs once over the rows routed to it (spec 5.6) */
+    /* bucket the pairs by expert (counting sort, rows ascending within a bucket) */
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
     int32_t n_used = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (!used[e]) continue;
-        n_used++;
-        int64_t n = 0;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t s = 0; s < k; s++)
-                if (sel[t * k + s] == e) {
-                    rows[n] = (int32_t)t;
-                    rw[n] = wsel[t * k + s];
-                    memcpy(xg + n * H, xn + t * H, sizeof(float) * (size_t)H);
-                    n++;
-                }
-        clover_tensor wg = expert_view(&ly->gate_exps, e), wu = expert_view(&ly->up_exps, e);
-        clover_tensor wd = expert_view(&ly->down_exps, e);
-        if (matmul(c, &wg, xg, n, gt) || matmul(c, &wu, xg, n, up)) goto done;
-        for (int64_t i = 0; i < n * I; i++) gt[i] = silu(gt[i]) * up[i];
-        if (matmul(c, &wd, gt, n, y)) goto done;
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t j = 0; j < H; j++) out[rows[r] * H + j] += rw[r] * y[r * H + j];
+    for (int64_t e = 0; e < E; e++) n_used += start[e + 1] > start[e];
+    memcpy(fill, start, sizeof(int64_t) * (size_t)E);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t s = 0; s < k; s++) {
+            int64_t q = fill[sel[t * k + s]]++;
+            prow[q] = (int32_t)t;
+            pw[q] = wsel[t * k + s];
+            memcpy(xg + q * H, xn + t * H, sizeof(float) * (size_t)H);
+        }
+    /* each used expert runs once over the rows routed to it (spec 5.6); experts are spread over
+     * the threads, one task per expert, so a pass forks once instead of once per product */
+    int err_any = 0;
+    int64_t n_max = 0;
+    for (int64_t e = 0; e < E; e++) n_max = start[e + 1] - start[e] > n_max ? start[e + 1] - start[e] : n_max;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && n_used > 1)
+#endif
+    {
+        float *tg = malloc(sizeof(float) * (size_t)(n_max * I));
+        float *tu = malloc(sizeof(float) * (size_t)(n_max * I));
+        if (!tg || !tu) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            err_any = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t n = start[e + 1] - start[e];
+            if (n == 0 || !tg || !tu) continue;
+            if (expert_ffn(ly, e, I, xg + start[e] * H, n, tg, tu, yg + start[e] * H)) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+                err_any = 1;
+            }
+        }
+        free(tg), free(tu);
     }
+    if (err_any) goto done;
+    /* weighted sum in a fixed order, so the result does not depend on the thread count */
+    memset(out, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t q = 0; q < P; q++)
+        for (int64_t j = 0; j < H; j++) out[prow[q] * H + j] += pw[q] * yg[q * H + j];
     if (f->n_experts_out) f->n_experts_out[il] = n_used;
     /* shared expert, gated per token by sigmoid(w . x) (spec 2.3 step 3) */
     if (matmul(c, &ly->shexp_gate, xn, T, sg) || matmul(c, &ly->gate_sh, xn, T, gt) ||
         matmul(c, &ly->up_sh, xn, T, up))
         goto done;
     for (int64_t i = 0; i < T * Is; i++) gt[i] = silu(gt[i]) * up[i];
-    if (matmul(c, &ly->down_sh, gt, T, y)) goto done;
+    if (matmul(c, &ly->down_sh, gt, T, ys)) goto done;
     for (int64_t t = 0; t < T; t++) {
         float s = sigmoidf_(sg[t]);
-        for (int64_t j = 0; j < H; j++) out[t * H + j] += s * y[t * H + j];
+        for (int64_t j = 0; j < H; j++) out[t * H + j] += s * ys[t * H + j];
     }
     rc = CLOVER_OK;
 done:
-    free(probs), free(sel), free(wsel), free(allowed), free(used), free(S), free(order), free(rows), free(rw);
-    free(xg), free(gt), free(up), free(y), free(sg);
+    free(probs), free(sel), free(wsel), free(allowed), free(start), free(fill), free(S), free(order), free(prow);
+    free(pw), free(xg), free(yg), free(gt), free(up), free(ys), free(sg);
     return rc;
 }
 

@@ -317,3 +317,17 @@ def test_model_load_errors_name_the_tensor_or_key(gguf_of, tmp_path):
     # the process is still fine and the good file still loads
     with Model(str(src), n_ctx=64) as m:
         assert m.hparams["n_layer"] == 4
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_thread_count_does_not_change_results(ref, gguf_of, outtype):
+    """Products split rows over threads and experts run as parallel tasks, but every sum is
+    formed in a fixed order: 1 and 2 threads give bit-identical logits."""
+    prompt = _prompt(ref, PROMPT_LEN, seed=7)
+    blk = _block(ref, PROMPT_LEN, seed=8)
+    out = []
+    for nth in (1, 2):
+        with Model(str(gguf_of(outtype)), n_ctx=256, n_threads=nth) as m:
+            out.append((m.prefix_logits(prompt), m.block_logits(prompt, blk, coreset_top_p=0.9)[0]))
+    assert np.array_equal(out[0][0], out[1][0])
+    assert np.array_equal(out[0][1], out[1][1])
