@@ -31,12 +31,12 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "bench"))
 
-# Runs inside the llama.cpp venv: argv = path p n reps threads seed; prints one JSON line.
+# Runs inside the llama.cpp venv: argv = path p n reps threads seed warmup; prints one JSON line.
 _LLAMA_SCRIPT = r"""
 import json, sys, time
 import numpy as np
 from llama_cpp import Llama
-path, P, N, reps, T, seed = sys.argv[1], *map(int, sys.argv[2:7])
+path, P, N, reps, T, seed, warm = sys.argv[1], *map(int, sys.argv[2:8])
 llm = Llama(model_path=path, n_ctx=max(1024, P + 1, N + 1), n_threads=T, n_threads_batch=T,
             n_batch=512, n_ubatch=512, verbose=False)
 V = llm.n_vocab()
@@ -50,17 +50,20 @@ def tg(n):
     for x in t:
         t0 = time.perf_counter(); llm.eval([x]); s += time.perf_counter() - t0
     return s
-pp(); tg(1)  # warm-up, as llama-bench
+if warm:
+    pp(); tg(1)  # warm-up, as llama-bench
 out = {"pp": [pp() for _ in range(reps)], "tg": [tg(N) for _ in range(reps)],
        "system_info": __import__("llama_cpp").llama_print_system_info().decode()}
 print(json.dumps(out))
 """
 
 
-def run_llama(python: str, path: str, P: int, N: int, reps: int, threads: int, seed: int) -> dict:
+def run_llama(python: str, path: str, P: int, N: int, reps: int, threads: int, seed: int,
+              warmup: bool = True) -> dict:
     """llama.cpp's pp/tg seconds per repetition on ``path``: ``{"pp": [s...], "tg": [s...]}``.
     Raises RuntimeError with llama.cpp's stderr tail when the subprocess fails."""
-    r = subprocess.run([python, "-c", _LLAMA_SCRIPT, path, str(P), str(N), str(reps), str(threads), str(seed)],
+    r = subprocess.run([python, "-c", _LLAMA_SCRIPT, path, str(P), str(N), str(reps), str(threads), str(seed),
+                        str(int(warmup))],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
@@ -85,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-python", default="/tmp/llama-venv/bin/python",
                     help="python of the llama-cpp-python venv (bench/build_llama_cpp.sh)")
     ap.add_argument("--bandwidth", type=float, default=None, help="read bandwidth in GB/s (measured if absent)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up run of both engines")
     ap.add_argument("--skip-llama", action="store_true", help="only our engine")
     ap.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
     a = ap.parse_args(argv)
@@ -103,14 +107,14 @@ def main(argv=None) -> int:
     for path in a.models:
         print(f"[{path}] ours ...", file=sys.stderr, flush=True)
         rep = run_bench(path, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.reps, n_threads=a.threads,
-                        seed=a.seed, block=False)
+                        seed=a.seed, block=False, commit=False, warmup=not a.no_warmup)
         s = rep["model"]
         ours_pp, ours_tg = rep["results"][0], rep["results"][1]
         entry = {"model": s, "ours": {"pp": ours_pp.seconds, "tg": ours_tg.seconds}}
         if not a.skip_llama:
             print(f"[{path}] llama.cpp ...", file=sys.stderr, flush=True)
             entry["llama"] = run_llama(a.llama_python, os.fspath(path), a.n_prompt, a.n_gen, a.reps,
-                                       a.threads, a.seed)
+                                       a.threads, a.seed, not a.no_warmup)
         raw.append(entry)
         limit = bw * 1e9 / s["bytes_per_token"]  # tokens/s if decode only streamed the weights
         o_pp = _ms([a.n_prompt / x for x in ours_pp.seconds])
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
     head = ["model", "type", f"ours pp{P}", f"llama.cpp pp{P}", "ratio", f"ours tg{N}", f"llama.cpp tg{N}",
             "ratio", f"ours tg{N} % BW limit", f"llama.cpp % BW limit", "bytes/token / limit"]
     w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    print(f"threads: {a.threads}, repetitions: {a.reps}, read bandwidth: {bw:.1f} GB/s; t/s mean ± std")
+    print(f"threads: {a.threads}, repetitions: {a.reps}, warm-up: {not a.no_warmup}, read bandwidth: {bw:.1f} GB/s; t/s mean ± std")
     print("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
     print("| " + " | ".join("-" * w[i] if i < 2 else "-" * (w[i] - 1) + ":" for i in range(len(head))) + " |")
     for r in rows:

@@ -200,18 +200,19 @@ def _check_pos(name: str, v: int) -> int:
 
 def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
-              block: bool | None = None) -> dict:
+              block: bool | None = None, commit: bool = True) -> dict:
     """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
 
     Args:
         n_prompt, n_gen, reps, block_size: positive ints (the prefix of block/commit is
             ``n_prompt`` tokens); n_threads: None or 0 = the engine's default (all cores);
-        coreset_top_p: in (0, 1]; block: None = only for clover files, False = skip.
+        coreset_top_p: in (0, 1]; block: None = only for clover files, False = skip;
+        commit: False skips the commit test.
 
     Returns a dict: ``model`` (:func:`model_summary`), ``threads`` (int, the resolved
     count), ``params`` (the arguments), ``results`` (list of :class:`BenchResult`, in order
-    pp, tg, block (clover only), commit) and ``block_vs_tg`` (block ms / one tg step ms, or
-    None). Raises ValueError for a bad argument, CloverError for an engine error.
+    pp, tg, block (clover only), commit (unless skipped)) and ``block_vs_tg`` (block ms / one
+    tg step ms, or None). Raises ValueError for a bad argument, CloverError for an engine error.
     """
     path = os.fspath(path)
     n_prompt, n_gen, reps, B = (_check_pos(k, v) for k, v in
@@ -253,7 +254,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
             if do_block:  # read-only on the caches: n_past stays n_prompt
                 blk.seconds.append(eng.block(blk_toks, B, float(coreset_top_p), blk_logits, n_exp))
                 distinct.append(float(np.mean([n_exp[i] for i in range(int(hp.n_layer))])))
-            com.seconds.append(eng.prefill(toks(B), B, last))
+            if commit:
+                com.seconds.append(eng.prefill(toks(B), B, last))
         for _ in range(reps):
             lib.clover_context_reset(eng.c)
             ids = toks(n_gen)
@@ -270,7 +272,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         ratio = blk.ms_mean / (1000.0 / tg.tps_mean)
         blk.extra["vs_tg_step"] = ratio
         results.append(blk)
-    results.append(com)
+    if commit:
+        results.append(com)
     if threads == 0:
         try:
             threads = len(os.sched_getaffinity(0))

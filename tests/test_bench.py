@@ -79,6 +79,8 @@ def test_run_bench_parent_has_no_block_row(parent_gguf_path):
     assert rep["block_vs_tg"] is None
     assert rep["model"]["arch"] == "qwen35moe"
     assert rep["model"]["type"] == "Q8_0"
+    rep = run_bench(parent_gguf_path, **dict(SMALL, reps=1), commit=False, warmup=False)
+    assert [r.name for r in rep["results"]] == ["pp12", "tg5"]
 
 
 @pytest.mark.parametrize("which", ["clover", "parent"])
