@@ -14,7 +14,8 @@ special tokens) trained here with ``tokenizers`` and padded to the model's vocab
 for real dims) by the converter's ``read_vocab``.
 
 Memory: at most ``2 * threads`` pieces of <= 4 Mi values (16 MiB as float32) are in flight, so
-the 40-layer Q4_K_M model (~21 GB) is written with a few hundred MB of RAM.
+the 40-layer Q4_K_M model (~21 GB) is written with a few hundred MB of RAM (measured: real dims,
+1 layer, Q4_K_M, ``--unique-experts 8``: 139 MB peak RSS, 82 s CPU, 1.17 GiB file).
 
 Values (sensible scales; the model is random, only its speed matters): linear weights
 N(0, 1/ne0) (ne0 = input width); token_embd N(0, 0.05^2); norm weights stored as 1 + N(0, 0.1^2);
@@ -189,8 +190,8 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
     loads it) or "clover" (adds the backward-branch tensors and diffusion keys). threads:
     generator/quantiser threads (default os.cpu_count()). unique_experts: None (every expert
     matrix drawn fresh) or K: expert e of each 3-D expert tensor repeats the bytes of expert
-    e % K (speed does not depend on the values; the 40-layer Q4_K_M model then takes minutes
-    instead of hours, since ggml's reference Q4_K quantiser runs at a few M values/s/thread).
+    e % K (speed does not depend on the values; experts are ~90% of the 35B values, and ggml's
+    reference K-quant quantisers run at only ~10 M values/s per thread).
 
     Returns a dict: path, arch, outtype, file_type, n_tensors, n_bytes, types ({name: type name}).
     Raises ValueError for a bad outtype/arch/dims.

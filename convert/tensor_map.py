@@ -89,12 +89,8 @@ FUSED_ALIASES = {
     "mlp.experts.down_proj.weight": "mlp.experts.down_proj",
 }
 
-# GGUF tensors that stay F32 whatever the outtype (contract dtype policy; 1-D tensors too).
-F32_SUFFIXES = (
-    "_norm.weight", "norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
-    "ssm_conv1d.weight", "ssm_conv1d_bwd.weight", "ssm_a", "ssm_a_bwd", "ssm_dt.bias",
-    "ssm_dt_bwd.bias", "ssm_bwd_mix",
-)
+# Per-tensor GGML types (which tensors stay F32, the quantised mixes) are decided by
+# convert/quant_plan.py, which follows llama.cpp's llama-quantize rules by tensor name.
 
 # Clover-only GGUF tensor suffixes (dropped by --arch qwen35moe).
 CLOVER_ONLY_GGUF = tuple(g for _, g, _, _, c in LAYER_MAP if c)

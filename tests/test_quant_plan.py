@@ -10,9 +10,13 @@ experts (so none of the "n_expert == 8" rules apply), every row length a multipl
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
+import subprocess
 
 import gguf
+import numpy as np
 import pytest
 
 from convert import quant_plan as QP
@@ -179,3 +183,93 @@ def test_file_types_and_errors():
     assert QP.file_type("bf16") == int(F.MOSTLY_BF16) and QP.file_type("f32") == int(F.ALL_F32)
     with pytest.raises(ValueError, match="q3_k_m"):
         QP.plan_types("qwen35moe", _small(), {}, "q3_k_m")
+
+
+# ---------------------------------------------------------------------------------------------
+# Against llama.cpp's own llama-quantize (skipped unless the binary is available: set
+# LLAMA_QUANTIZE, or build it under /tmp/lq-build from llama-cpp-python 0.3.36's llama.cpp)
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_QUANTIZE = next((p for p in (os.environ.get("LLAMA_QUANTIZE"), "/tmp/lq-build/bin/llama-quantize")
+                       if p and os.access(p, os.X_OK)), None)
+needs_lq = pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not built (set LLAMA_QUANTIZE)")
+LQ_FTYPES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_0": "Q4_0",
+             "iq4_xs": "IQ4_XS"}
+_DRY_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\S+),\s*size =.*?(?:\((\S+)\))?\s*$")
+
+
+def _bench_module():
+    import importlib.util
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_bench_model", root / "bench" / "make_bench_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sparse_bf16_skeleton(path, cfg):
+    """A BF16 qwen35moe GGUF with the converter's layout and zero data (a sparse file: ~69 GB
+    apparent size for the real 40 layers, a few MB on disk); llama-quantize --dry-run needs the
+    shapes only."""
+    from convert import convert as C
+    MB = _bench_module()
+    hp = read_hparams(cfg)
+    vdir = path.parent / "vocab"
+    vdir.mkdir(exist_ok=True)
+    MB.build_tokenizer_dir(vdir, n_tokens=512)
+    vocab = C.read_vocab(vdir, hp)
+    shapes = QP.tensor_shapes(hp)
+    types = QP.plan_types("qwen35moe", hp, dict(shapes), "bf16")
+    w = gguf.GGUFWriter(path=None, arch="qwen35moe")
+    C._add_metadata(w, C.Plan("qwen35moe", hp, [], [], {}), vocab, "bf16", "skeleton")
+    sizes = [int(np.prod(s)) * (4 if types[n] == Q.F32 else 2) for n, s in shapes]
+    for (n, s), nb in zip(shapes, sizes):
+        w.add_tensor_info(n, s, np.dtype(np.float32), nb, raw_dtype=types[n])
+    w.write_header_to_file(path=path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    off = f.tell()
+    for nb in sizes:
+        off += (-off) % 32 + nb
+    f.flush()
+    f.truncate(off)
+    w.close()
+    return hp, shapes
+
+
+@needs_lq
+def test_llama_quantize_dry_run_real_40_layers(real_hp, tmp_path):
+    """llama-quantize --dry-run on the real 40-layer shapes picks our type for every tensor."""
+    cfg = json.loads(REAL.read_text())
+    hp, shapes = _sparse_bf16_skeleton(tmp_path / "real40-bf16.gguf", cfg)
+    for ftype, name in LQ_FTYPES.items():
+        p = subprocess.run([LLAMA_QUANTIZE, "--dry-run", str(tmp_path / "real40-bf16.gguf"), name, "1"],
+                           capture_output=True, text=True, timeout=120)
+        theirs = {}
+        for line in (p.stdout + p.stderr).splitlines():
+            m = _DRY_LINE.search(line)
+            if m:
+                theirs[m.group(1)] = (m.group(3) or m.group(2)).upper()
+        assert p.returncode == 0 and len(theirs) == len(shapes), (p.stdout + p.stderr)[-2000:]
+        ours = {n: t.name for n, t in QP.plan_types("qwen35moe", hp, dict(shapes), ftype).items()}
+        assert ours == theirs, ftype
+
+
+@needs_lq
+def test_llama_quantize_on_our_bf16_equals_our_output(make_gguf, tmp_path):
+    """Acceptance check: llama-quantize on our BF16 file gives the same per-tensor types as our
+    own quantised output of the same checkpoint (and the same bytes: both use ggml's reference
+    quantisers without an imatrix)."""
+    bf16 = make_gguf("bf16", arch="qwen35moe", clover=False)
+    for ftype, name in LQ_FTYPES.items():
+        ours = gguf.GGUFReader(make_gguf(ftype, arch="qwen35moe", clover=False))
+        out = tmp_path / f"lq-{ftype}.gguf"
+        p = subprocess.run([LLAMA_QUANTIZE, str(bf16), str(out), name, "2"], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+        theirs = {t.name: t for t in gguf.GGUFReader(out).tensors}
+        assert {t.name: t.tensor_type for t in ours.tensors} == {n: t.tensor_type for n, t in theirs.items()}, ftype
+        for t in ours.tensors:
+            assert np.array_equal(np.asarray(t.data).view(np.uint8),
+                                  np.asarray(theirs[t.name].data).view(np.uint8)), (ftype, t.name)
