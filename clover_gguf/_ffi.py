@@ -76,7 +76,9 @@ def _find_library() -> str:
 
 ffi = cffi.FFI()
 ffi.cdef(_cdef_from_header(_header_text()))
-lib = ffi.dlopen(_find_library())
+# RTLD_NODELETE: the library is never unloaded, so the OpenMP runtime it pulls in is not torn
+# down under its own idle worker threads at interpreter exit (that crashed with SIGSEGV).
+lib = ffi.dlopen(_find_library(), ffi.RTLD_NOW | getattr(ffi, "RTLD_NODELETE", 0))
 
 ERR_SIZE = 512
 

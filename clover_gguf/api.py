@@ -79,7 +79,8 @@ class Model:
         err = err_buf()
         m = lib.clover_model_load(os.fsencode(path), err, len(err))
         if m == ffi.NULL:
-            raise_error(err, f"loading {path}")
+            msg = ffi.string(err).decode("utf-8", "replace")
+            raise CloverError(msg if msg.startswith(path) else f"{path}: {msg}")
         self._model = m
         try:
             hp = ffi.new("clover_hparams *")

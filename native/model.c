@@ -669,35 +669,27 @@ static void readout(const float *S, const float *q, int64_t dk, int64_t dv, floa
 #define GDN_K(d, conv, t, h) ((conv) + (t) * (d)->C + (d)->Hk * (d)->dk + ((h) % (d)->Hk) * (d)->dk)
 #define GDN_V(d, conv, t, h) ((conv) + (t) * (d)->C + 2 * (d)->Hk * (d)->dk + (h) * (d)->dv)
 
-/* Token-by-token recurrence over T rows, forward in time; o: [T, Hv*dv]. */
-static void gdn_recurrent(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
-                          float *state, float *o) {
-    float *tmp = malloc(sizeof(float) * (size_t)d->dv);
-    for (int64_t h = 0; h < d->Hv; h++) {
-        float *S = state + h * d->dk * d->dv;
-        for (int64_t t = 0; t < T; t++) {
-            delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h],
-                       d->dk, d->dv, tmp);
-            readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
-        }
+/* Token-by-token recurrence of value head h over T rows, forward in time, from state S
+ * [dk][dv]; o: [T, Hv*dv]. tmp: dv floats. */
+static void gdn_recurrent_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                               int64_t h, float *S, float *o, float *tmp) {
+    for (int64_t t = 0; t < T; t++) {
+        delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h], d->dk,
+                   d->dv, tmp);
+        readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
     }
-    free(tmp);
 }
 
-/* Backward branch (spec 3.3): reverse recurrence from S = 0 with exclusive readout. */
-static void gdn_backward(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
-                         float *o) {
-    float *S = malloc(sizeof(float) * (size_t)(d->dk * d->dv));
-    float *tmp = malloc(sizeof(float) * (size_t)d->dv);
-    for (int64_t h = 0; h < d->Hv; h++) {
-        memset(S, 0, sizeof(float) * (size_t)(d->dk * d->dv));
-        for (int64_t t = T - 1; t >= 0; t--) {
-            readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
-            delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h],
-                       d->dk, d->dv, tmp);
-        }
+/* Backward branch (spec 3.3) of value head h: reverse recurrence from S = 0 with exclusive
+ * readout. S: dk*dv scratch, tmp: dv floats. */
+static void gdn_backward_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                              int64_t h, float *S, float *o, float *tmp) {
+    memset(S, 0, sizeof(float) * (size_t)(d->dk * d->dv));
+    for (int64_t t = T - 1; t >= 0; t--) {
+        readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
+        delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h], d->dk,
+                   d->dv, tmp);
     }
-    free(S), free(tmp);
 }
 
 /* Chunked form of the same recurrence (chunk 64), the WY / UT-transform algorithm used by
@@ -707,111 +699,137 @@ static void gdn_backward(const gdn_dims *d, const float *conv, const float *beta
  *   U = A diag(beta) V;  W = A diag(beta exp(G)) K
  *   V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), j <= i) V'
  *   S <- exp(G_L) S + (K * exp(G_L - G))^T V'
- * It equals gdn_recurrent up to rounding (tested). */
+ * It equals gdn_recurrent_head up to rounding (tested). scratch: gdn_scratch_floats(). */
 #define GDN_CHUNK 64
-static int gdn_chunked(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
-                       float *state, float *o) {
+static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                             int64_t h, float *S, float *o, float *scratch) {
     const int64_t dk = d->dk, dv = d->dv, CH = GDN_CHUNK;
-    float *A = malloc(sizeof(float) * CH * CH);
-    float *U = malloc(sizeof(float) * (size_t)(CH * dv));
-    float *W = malloc(sizeof(float) * (size_t)(CH * dk));
-    float *G = malloc(sizeof(float) * CH);
-    float *row = malloc(sizeof(float) * CH);
-    if (!A || !U || !W || !G || !row) {
-        free(A), free(U), free(W), free(G), free(row);
-        return CLOVER_E_NOMEM;
-    }
-    for (int64_t h = 0; h < d->Hv; h++) {
-        float *S = state + h * dk * dv;
-        for (int64_t t0 = 0; t0 < T; t0 += CH) {
-            const int64_t L = T - t0 < CH ? T - t0 : CH;
-            double acc = 0;
-            for (int64_t i = 0; i < L; i++) {
-                acc += g[(t0 + i) * d->Hv + h];
-                G[i] = (float)acc;
-            }
-            /* A[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j), j < i */
-            for (int64_t i = 0; i < L; i++) {
-                const float *ki = GDN_K(d, conv, t0 + i, h);
-                float bi = beta[(t0 + i) * d->Hv + h];
-                for (int64_t j = 0; j < L; j++) {
-                    float a = 0;
-                    if (j < i) {
-                        const float *kj = GDN_K(d, conv, t0 + j, h);
-                        float s = 0;
-                        for (int64_t m = 0; m < dk; m++) s += ki[m] * kj[m];
-                        a = -bi * s * expf(G[i] - G[j]);
-                    }
-                    A[i * CH + j] = a;
-                }
-            }
-            /* forward substitution, row by row, using the already updated rows above */
-            for (int64_t i = 1; i < L; i++) {
-                for (int64_t j = 0; j < i; j++) row[j] = A[i * CH + j];
-                for (int64_t j = 0; j < i; j++) {
-                    float s = 0;
-                    for (int64_t m = j + 1; m < i; m++) s += row[m] * A[m * CH + j];
-                    A[i * CH + j] = row[j] + s;
-                }
-            }
-            for (int64_t i = 0; i < L; i++) A[i * CH + i] = 1.0f;
-            /* U = A diag(beta) V, W = A diag(beta exp(G)) K */
-            for (int64_t i = 0; i < L; i++) {
-                float *u = U + i * dv, *w = W + i * dk;
-                memset(u, 0, sizeof(float) * (size_t)dv);
-                memset(w, 0, sizeof(float) * (size_t)dk);
-                for (int64_t j = 0; j <= i; j++) {
-                    float a = A[i * CH + j], bj = beta[(t0 + j) * d->Hv + h];
-                    if (a == 0) continue;
-                    const float *vj = GDN_V(d, conv, t0 + j, h), *kj = GDN_K(d, conv, t0 + j, h);
-                    float av = a * bj, ak = a * bj * expf(G[j]);
-                    for (int64_t m = 0; m < dv; m++) u[m] += av * vj[m];
-                    for (int64_t m = 0; m < dk; m++) w[m] += ak * kj[m];
-                }
-            }
-            /* V' = U - W S (in U) */
-            for (int64_t i = 0; i < L; i++) {
-                float *u = U + i * dv;
-                const float *w = W + i * dk;
-                for (int64_t m = 0; m < dk; m++) {
-                    float wm = w[m];
-                    const float *Sm = S + m * dv;
-                    for (int64_t n = 0; n < dv; n++) u[n] -= wm * Sm[n];
-                }
-            }
-            /* O_i = exp(G_i) q_i S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j */
-            for (int64_t i = 0; i < L; i++) {
-                const float *qi = GDN_Q(d, conv, t0 + i, h);
-                float *oi = o + ((t0 + i) * d->Hv + h) * dv;
-                readout(S, qi, dk, dv, oi);
-                float eg = expf(G[i]);
-                for (int64_t n = 0; n < dv; n++) oi[n] *= eg;
-                for (int64_t j = 0; j <= i; j++) {
+    float *A = scratch, *U = A + CH * CH, *W = U + CH * dv, *G = W + CH * dk, *row = G + CH;
+    for (int64_t t0 = 0; t0 < T; t0 += CH) {
+        const int64_t L = T - t0 < CH ? T - t0 : CH;
+        double acc = 0;
+        for (int64_t i = 0; i < L; i++) {
+            acc += g[(t0 + i) * d->Hv + h];
+            G[i] = (float)acc;
+        }
+        /* A[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j), j < i */
+        for (int64_t i = 0; i < L; i++) {
+            const float *ki = GDN_K(d, conv, t0 + i, h);
+            float bi = beta[(t0 + i) * d->Hv + h];
+            for (int64_t j = 0; j < L; j++) {
+                float a = 0;
+                if (j < i) {
                     const float *kj = GDN_K(d, conv, t0 + j, h);
                     float s = 0;
-                    for (int64_t m = 0; m < dk; m++) s += qi[m] * kj[m];
-                    s *= expf(G[i] - G[j]);
-                    const float *uj = U + j * dv;
-                    for (int64_t n = 0; n < dv; n++) oi[n] += s * uj[n];
+                    for (int64_t m = 0; m < dk; m++) s += ki[m] * kj[m];
+                    a = -bi * s * expf(G[i] - G[j]);
                 }
+                A[i * CH + j] = a;
             }
-            /* S <- exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T */
-            float egl = expf(G[L - 1]);
-            for (int64_t m = 0; m < dk * dv; m++) S[m] *= egl;
-            for (int64_t j = 0; j < L; j++) {
+        }
+        /* forward substitution, row by row, using the already updated rows above */
+        for (int64_t i = 1; i < L; i++) {
+            for (int64_t j = 0; j < i; j++) row[j] = A[i * CH + j];
+            for (int64_t j = 0; j < i; j++) {
+                float s = 0;
+                for (int64_t m = j + 1; m < i; m++) s += row[m] * A[m * CH + j];
+                A[i * CH + j] = row[j] + s;
+            }
+        }
+        for (int64_t i = 0; i < L; i++) A[i * CH + i] = 1.0f;
+        /* U = A diag(beta) V, W = A diag(beta exp(G)) K */
+        for (int64_t i = 0; i < L; i++) {
+            float *u = U + i * dv, *w = W + i * dk;
+            memset(u, 0, sizeof(float) * (size_t)dv);
+            memset(w, 0, sizeof(float) * (size_t)dk);
+            for (int64_t j = 0; j <= i; j++) {
+                float a = A[i * CH + j], bj = beta[(t0 + j) * d->Hv + h];
+                if (a == 0) continue;
+                const float *vj = GDN_V(d, conv, t0 + j, h), *kj = GDN_K(d, conv, t0 + j, h);
+                float av = a * bj, ak = a * bj * expf(G[j]);
+                for (int64_t m = 0; m < dv; m++) u[m] += av * vj[m];
+                for (int64_t m = 0; m < dk; m++) w[m] += ak * kj[m];
+            }
+        }
+        /* V' = U - W S (in U) */
+        for (int64_t i = 0; i < L; i++) {
+            float *u = U + i * dv;
+            const float *w = W + i * dk;
+            for (int64_t m = 0; m < dk; m++) {
+                float wm = w[m];
+                const float *Sm = S + m * dv;
+                for (int64_t n = 0; n < dv; n++) u[n] -= wm * Sm[n];
+            }
+        }
+        /* O_i = exp(G_i) q_i S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j */
+        for (int64_t i = 0; i < L; i++) {
+            const float *qi = GDN_Q(d, conv, t0 + i, h);
+            float *oi = o + ((t0 + i) * d->Hv + h) * dv;
+            readout(S, qi, dk, dv, oi);
+            float eg = expf(G[i]);
+            for (int64_t n = 0; n < dv; n++) oi[n] *= eg;
+            for (int64_t j = 0; j <= i; j++) {
                 const float *kj = GDN_K(d, conv, t0 + j, h);
-                float e = expf(G[L - 1] - G[j]);
+                float s = 0;
+                for (int64_t m = 0; m < dk; m++) s += qi[m] * kj[m];
+                s *= expf(G[i] - G[j]);
                 const float *uj = U + j * dv;
-                for (int64_t m = 0; m < dk; m++) {
-                    float km = kj[m] * e;
-                    float *Sm = S + m * dv;
-                    for (int64_t n = 0; n < dv; n++) Sm[n] += km * uj[n];
-                }
+                for (int64_t n = 0; n < dv; n++) oi[n] += s * uj[n];
+            }
+        }
+        /* S <- exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T */
+        float egl = expf(G[L - 1]);
+        for (int64_t m = 0; m < dk * dv; m++) S[m] *= egl;
+        for (int64_t j = 0; j < L; j++) {
+            const float *kj = GDN_K(d, conv, t0 + j, h);
+            float e = expf(G[L - 1] - G[j]);
+            const float *uj = U + j * dv;
+            for (int64_t m = 0; m < dk; m++) {
+                float km = kj[m] * e;
+                float *Sm = S + m * dv;
+                for (int64_t n = 0; n < dv; n++) Sm[n] += km * uj[n];
             }
         }
     }
-    free(A), free(U), free(W), free(G), free(row);
-    return CLOVER_OK;
+}
+
+static int64_t gdn_scratch_floats(const gdn_dims *d) {
+    return GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (d->dv + d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv;
+}
+
+enum { GDN_FORWARD, GDN_FORWARD_CHUNKED, GDN_BACKWARD };
+
+/* Run one GDN recurrence kind over all value heads (independent, so split over threads).
+ * state: [Hv][dk][dv] (unused for GDN_BACKWARD). */
+static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+                     float *state, float *o, int nth) {
+    int err = 0;
+    const int64_t n_scratch = gdn_scratch_floats(d);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth) if (nth > 1 && d->Hv > 1)
+#endif
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)n_scratch);
+        if (!scratch) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            err = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t h = 0; h < d->Hv; h++) {
+            if (!scratch) continue;
+            float *S = state ? state + h * d->dk * d->dv : scratch + n_scratch - d->dk * d->dv - d->dv;
+            float *tmp = scratch + n_scratch - d->dv;
+            if (kind == GDN_FORWARD_CHUNKED) gdn_chunked_head(d, conv, beta, g, T, h, S, o, scratch);
+            else if (kind == GDN_FORWARD) gdn_recurrent_head(d, conv, beta, g, T, h, S, o, tmp);
+            else gdn_backward_head(d, conv, beta, g, T, h, S, o, tmp);
+        }
+        free(scratch);
+    }
+    return err ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
 static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
@@ -844,11 +862,9 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             if (src >= 0) memcpy(dst, qkv + src * C, sizeof(float) * (size_t)C);
             else memmove(dst, hist + (d.K - 1 + src) * C, sizeof(float) * (size_t)C);
         }
-        if (c->gdn_chunked && T > 1) {
-            if (gdn_chunked(&d, cv, b, a, T, state, o)) goto done;
-        } else {
-            gdn_recurrent(&d, cv, b, a, T, state, o);
-        }
+        if (gdn_heads(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T, state, o,
+                      c->n_threads))
+            goto done;
     } else {
         /* block mode: forward branch on a copy of the prefix state, then the backward branch */
         S = malloc(sizeof(float) * (size_t)gdn_state_floats(hp));
@@ -858,13 +874,13 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
         ab = malloc(sizeof(float) * (size_t)(T * d.Hv));
         if (!S || !ob || !cvb || !bb || !ab) goto done;
         memcpy(S, state, sizeof(float) * (size_t)gdn_state_floats(hp));
-        gdn_recurrent(&d, cv, b, a, T, S, o);
+        if (gdn_heads(GDN_FORWARD, &d, cv, b, a, T, S, o, c->n_threads)) goto done;
         if (hp->is_clover) {
             if (matmul(c, &ly->wbeta_bwd, xn, T, bb) || matmul(c, &ly->walpha_bwd, xn, T, ab)) goto done;
             conv_anticausal(&d, ly->conv_bwd, qkv, T, cvb);
             qk_norm(&d, cvb, T, 1e-6f);
             gates(&d, bb, ab, ly->ssm_a_bwd, ly->dt_bias_bwd, T);
-            gdn_backward(&d, cvb, bb, ab, T, ob);
+            if (gdn_heads(GDN_BACKWARD, &d, cvb, bb, ab, T, NULL, ob, c->n_threads)) goto done;
             for (int64_t t = 0; t < T; t++)
                 for (int64_t h = 0; h < d.Hv; h++) {
                     float mix = sigmoidf_(ly->bwd_mix[h]);
