@@ -368,6 +368,45 @@ static float *alloc_floats(int64_t a, int64_t b, int64_t c) {
     return calloc((size_t)n, sizeof(float));
 }
 
+/* Physical cores (distinct package/core id pairs in Linux sysfs), else the online CPU count:
+ * the default thread count, as llama.cpp's (SMT siblings share the load/store units and only
+ * add contention to bandwidth-bound products). */
+static int32_t physical_cores(void) {
+    long online = 1;
+#ifdef _SC_NPROCESSORS_ONLN
+    online = sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+    if (online < 1) online = 1;
+    if (online > 4096) online = 4096;
+    long *ids = malloc(sizeof(long) * (size_t)online);
+    int32_t n = 0;
+    for (long cpu = 0; ids && cpu < online; cpu++) {
+        long core = -1, pkg = 0;
+        char path[128];
+        FILE *fp;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%ld/topology/core_id", cpu);
+        if ((fp = fopen(path, "r"))) {
+            if (fscanf(fp, "%ld", &core) != 1) core = -1;
+            fclose(fp);
+        }
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%ld/topology/physical_package_id", cpu);
+        if ((fp = fopen(path, "r"))) {
+            if (fscanf(fp, "%ld", &pkg) != 1) pkg = 0;
+            fclose(fp);
+        }
+        if (core < 0) { /* no topology: count every CPU */
+            n = 0;
+            break;
+        }
+        long id = pkg * 65536 + core;
+        int seen = 0;
+        for (int32_t i = 0; i < n && !seen; i++) seen = ids[i] == id;
+        if (!seen) ids[n++] = id;
+    }
+    free(ids);
+    return n > 0 ? n : (int32_t)online;
+}
+
 clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, char *err,
                                    size_t err_size) {
     if (!m) {
@@ -378,13 +417,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_ctx: %d must be > 0", n_ctx);
         return NULL;
     }
-    if (n_threads <= 0) {
-        long nc = 1;
-#ifdef _SC_NPROCESSORS_ONLN
-        nc = sysconf(_SC_NPROCESSORS_ONLN);
-#endif
-        n_threads = nc > 0 ? (int32_t)nc : 1;
-    }
+    if (n_threads <= 0) n_threads = physical_cores();
     clover_context *c = calloc(1, sizeof *c);
     if (!c) {
         clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
@@ -498,6 +531,34 @@ static void rope_neox(float *v, int64_t pos, int rd, float theta) {
     }
 }
 
+/* One query row of one head (spec 2.2 steps 3-4): softmax(q K^T * scale) V over n_keys cached
+ * keys, times sigmoid of the head's output gate (stored right after q). K/V rows are kvd
+ * floats apart, this head's slice at offset off. sc: n_keys scratch. */
+static void attend_row(const float *q, const float *kc, const float *vc, int64_t kvd, int64_t off, int64_t hd,
+                       int64_t n_keys, float scale, float *sc, float *o) {
+    const float *gate = q + hd;
+    float mx = -FLT_MAX;
+    for (int64_t j = 0; j < n_keys; j++) {
+        const float *kj = kc + j * kvd + off;
+        float s = 0;
+        for (int64_t d = 0; d < hd; d++) s += q[d] * kj[d];
+        sc[j] = s * scale;
+        if (sc[j] > mx) mx = sc[j];
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < n_keys; j++) {
+        sc[j] = expf(sc[j] - mx);
+        sum += sc[j];
+    }
+    memset(o, 0, sizeof(float) * (size_t)hd);
+    for (int64_t j = 0; j < n_keys; j++) {
+        const float *vj = vc + j * kvd + off;
+        const float p = (float)(sc[j] / sum);
+        for (int64_t d = 0; d < hd; d++) o[d] += p * vj[d];
+    }
+    for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
+}
+
 static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
@@ -507,9 +568,8 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     float *k = malloc(sizeof(float) * (size_t)(T * kvd));
     float *v = malloc(sizeof(float) * (size_t)(T * kvd));
     float *att = malloc(sizeof(float) * (size_t)(T * nh * hd));
-    float *sc = malloc(sizeof(float) * (size_t)(f->pos0 + T));
     int rc = CLOVER_E_NOMEM;
-    if (!qg || !k || !v || !att || !sc) goto done;
+    if (!qg || !k || !v || !att) goto done;
     if (matmul(c, &ly->wq, xn, T, qg) || matmul(c, &ly->wk, xn, T, k) || matmul(c, &ly->wv, xn, T, v)) goto done;
     float *kc = c->k_cache + (size_t)ly->slot * c->n_ctx * kvd;
     float *vc = c->v_cache + (size_t)ly->slot * c->n_ctx * kvd;
@@ -531,39 +591,37 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
         memcpy(vc + pos * kvd, v + t * kvd, sizeof(float) * (size_t)kvd);
     }
     const float scale = 1.0f / sqrtf((float)hd);
-    for (int64_t t = 0; t < T; t++) {
-        /* prefix: causal; block: the whole prefix plus every row of the block */
-        int64_t n_keys = f->mode == MODE_PREFIX ? f->pos0 + t + 1 : f->pos0 + T;
-        for (int64_t h = 0; h < nh; h++) {
-            const float *q = qg + (t * nh + h) * 2 * hd;
-            const float *gate = q + hd;
-            int64_t kh = h / group;
-            float mx = -FLT_MAX;
-            for (int64_t j = 0; j < n_keys; j++) {
-                const float *kj = kc + j * kvd + kh * hd;
-                float s = 0;
-                for (int64_t d = 0; d < hd; d++) s += q[d] * kj[d];
-                sc[j] = s * scale;
-                if (sc[j] > mx) mx = sc[j];
-            }
-            double sum = 0;
-            for (int64_t j = 0; j < n_keys; j++) {
-                sc[j] = expf(sc[j] - mx);
-                sum += sc[j];
-            }
-            float *o = att + (t * nh + h) * hd;
-            memset(o, 0, sizeof(float) * (size_t)hd);
-            for (int64_t j = 0; j < n_keys; j++) {
-                const float *vj = vc + j * kvd + kh * hd;
-                float p = (float)(sc[j] / sum);
-                for (int64_t d = 0; d < hd; d++) o[d] += p * vj[d];
-            }
-            for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
+    const int64_t n_keys_max = f->pos0 + T;
+    int nomem = 0;
+    /* (row, head) pairs are independent: split them over the threads */
+#ifdef _OPENMP
+#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && T * nh * n_keys_max * hd >= 65536)
+#endif
+    {
+        float *scores = malloc(sizeof(float) * (size_t)n_keys_max);
+        if (!scores) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            nomem = 1;
         }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t th = 0; th < T * nh; th++) {
+            if (!scores) continue;
+            const int64_t t = th / nh, h = th % nh;
+            /* prefix: causal; block: the whole prefix plus every row of the block */
+            const int64_t n_keys = f->mode == MODE_PREFIX ? f->pos0 + t + 1 : n_keys_max;
+            attend_row(qg + (t * nh + h) * 2 * hd, kc, vc, kvd, (h / group) * hd, hd, n_keys, scale, scores,
+                       att + (t * nh + h) * hd);
+        }
+        free(scores);
     }
+    if (nomem) goto done;
     rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
-    free(qg), free(k), free(v), free(att), free(sc);
+    free(qg), free(k), free(v), free(att);
     return rc;
 }
 

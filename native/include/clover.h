@@ -9,7 +9,8 @@
  *   NUL-terminated message naming the field and value there. They return NULL or a negative
  *   CLOVER_E_* code on failure and never abort on bad input.
  * - Token ids are int32. Logits are float32, row-major [rows, n_vocab].
- * - Threads: n_threads <= 0 means "number of available cores".
+ * - Threads: n_threads <= 0 means "number of physical cores" (online CPUs where the topology
+ *   is unknown).
  */
 #ifndef CLOVER_H
 #define CLOVER_H
