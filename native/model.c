@@ -473,6 +473,17 @@ static float silu(float x) { return x / (1.0f + expf(-x)); }
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+/* Float dot product; the simd reduction lets the compiler keep vector partial sums (a fixed
+ * order for a given build, so results stay deterministic). */
+static inline float dotf(const float *a, const float *b, int64_t n) {
+    float s = 0;
+#ifdef _OPENMP
+#pragma omp simd reduction(+ : s)
+#endif
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* y = x * rsqrt(mean(x^2) + eps) * w; w already holds 1 + w_hf for N1p norms (spec 2, 4.3). */
 static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
     double ss = 0;
@@ -540,9 +551,7 @@ static void attend_row(const float *q, const float *kc, const float *vc, int64_t
     float mx = -FLT_MAX;
     for (int64_t j = 0; j < n_keys; j++) {
         const float *kj = kc + j * kvd + off;
-        float s = 0;
-        for (int64_t d = 0; d < hd; d++) s += q[d] * kj[d];
-        sc[j] = s * scale;
+        sc[j] = dotf(q, kj, hd) * scale;
         if (sc[j] > mx) mx = sc[j];
     }
     double sum = 0;
@@ -778,9 +787,7 @@ static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *
                 float a = 0;
                 if (j < i) {
                     const float *kj = GDN_K(d, conv, t0 + j, h);
-                    float s = 0;
-                    for (int64_t m = 0; m < dk; m++) s += ki[m] * kj[m];
-                    a = -bi * s * expf(G[i] - G[j]);
+                    a = -bi * dotf(ki, kj, dk) * expf(G[i] - G[j]);
                 }
                 A[i * CH + j] = a;
             }
@@ -828,9 +835,7 @@ static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *
             for (int64_t n = 0; n < dv; n++) oi[n] *= eg;
             for (int64_t j = 0; j <= i; j++) {
                 const float *kj = GDN_K(d, conv, t0 + j, h);
-                float s = 0;
-                for (int64_t m = 0; m < dk; m++) s += qi[m] * kj[m];
-                s *= expf(G[i] - G[j]);
+                const float s = dotf(qi, kj, dk) * expf(G[i] - G[j]);
                 const float *uj = U + j * dv;
                 for (int64_t n = 0; n < dv; n++) oi[n] += s * uj[n];
             }

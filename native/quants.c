@@ -282,7 +282,8 @@ static int worth_threads(int nth, int64_t n_out, int64_t n_in, int64_t T) {
 }
 
 /* Quantised weights (dot.h): every activation row is quantised once to the type's paired
- * format, then each weight row is dotted with all T rows while it sits in L1. */
+ * format; then per group of QROWS weight rows (read from memory once) every activation row is
+ * dotted with the group while the group sits in cache. */
 #define QROWS 16 /* weight rows per work item */
 static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t row_bytes, int64_t n_in,
                             int64_t n_out, const float *x, int64_t T, float *y, int nth) {
@@ -303,10 +304,12 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
 #pragma omp parallel for num_threads(nth) schedule(static) if (parallel)
 #endif
     for (int64_t item = 0; item < n_items; item++) {
-        const int64_t r1 = (item + 1) * QROWS < n_out ? (item + 1) * QROWS : n_out;
-        for (int64_t r = item * QROWS; r < r1; r++) {
-            const uint8_t *wr = wbytes + r * row_bytes;
-            for (int64_t t = 0; t < T; t++) y[t * n_out + r] = dot(n_in, wr, xq + t * act_bytes);
+        /* the item's QROWS weight rows stay in L1/L2 while each activation row passes once */
+        const int64_t r0 = item * QROWS, r1 = r0 + QROWS < n_out ? r0 + QROWS : n_out;
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t *xt = xq + t * act_bytes;
+            float *yt = y + t * n_out;
+            for (int64_t r = r0; r < r1; r++) yt[r] = dot(n_in, wbytes + r * row_bytes, xt);
         }
     }
     free(xq);
