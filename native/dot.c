@@ -159,3 +159,7 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
     if (!f) f = clover_dot_scalar(type);
     return f;
 }
+
+clover_vec_dot4_fn clover_dot4_kernel(int type) {
+    return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_dot4_avx512(type) : NULL;
+}

@@ -47,6 +47,16 @@ clover_vec_dot_fn clover_dot_scalar(int type);
 clover_vec_dot_fn clover_dot_avx2(int type);
 clover_vec_dot_fn clover_dot_avx512(int type);
 
+/* Multi-row kernels: out[i] = dot(w_row, xq + i * x_stride bytes) for i < 4, the same value as
+ * 4 calls of the single-row kernel of the same ISA up to float summation order. One weight row's
+ * unpacking and loads serve 4 activation rows (the many-row case: prefill, block forwards).
+ * NULL where a type has none; matmul then uses the single-row kernel. */
+typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
+
+/* Best multi-row kernel for `type` on this CPU, or NULL. */
+clover_vec_dot4_fn clover_dot4_kernel(int type);
+clover_vec_dot4_fn clover_dot4_avx512(int type);
+
 /* K-quant kernels (dot_k.c): Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K; NULL for other types. */
 clover_vec_dot_fn clover_dot_k_scalar(int type);
 clover_vec_dot_fn clover_dot_k_avx2(int type);

@@ -103,6 +103,69 @@ static AVX512 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
+/* Four activation rows per weight row: the weight pair's |w| and sign mask are computed once,
+ * each activation row keeps its own accumulator (four independent FMA chains). */
+#define DOT4_Q8_0_FAMILY(BYTES, GET, SCALE)                                                         \
+    const uint8_t *wb = w;                                                                          \
+    const clover_block_q8_0 *x[4];                                                                  \
+    for (int i = 0; i < 4; i++) x[i] = (const clover_block_q8_0 *)((const uint8_t *)xq + i * x_stride); \
+    const int64_t nb = n / 32;                                                                      \
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; \
+    int64_t b = 0;                                                                                  \
+    for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                 \
+        const __m512i qw = join(GET(wb), GET(wb + (BYTES)));                                        \
+        const __m512i aw = _mm512_abs_epi8(qw);                                                     \
+        const __mmask64 neg = _mm512_movepi8_mask(qw);                                              \
+        const float d0 = SCALE(wb), d1 = SCALE(wb + (BYTES));                                       \
+        for (int i = 0; i < 4; i++) {                                                               \
+            const __m512i qx = join(load32(x[i][b].qs), load32(x[i][b + 1].qs));                    \
+            const __m512i sx = _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx);           \
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);                  \
+            const __m512 d = scales2(d0 * fp16(&x[i][b].d), d1 * fp16(&x[i][b + 1].d));             \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[i]);                             \
+        }                                                                                           \
+    }                                                                                               \
+    for (int i = 0; i < 4; i++) {                                                                   \
+        float sum = _mm512_reduce_add_ps(acc[i]);                                                   \
+        if (b < nb) {                                                                               \
+            const __m256i s = isum8(GET(wb), load32(x[i][b].qs));                                   \
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));  \
+            s4 = _mm_hadd_epi32(s4, s4);                                                            \
+            s4 = _mm_hadd_epi32(s4, s4);                                                            \
+            sum += (float)_mm_cvtsi128_si32(s4) * (SCALE(wb) * fp16(&x[i][b].d));                   \
+        }                                                                                           \
+        out[i] = sum;                                                                               \
+    }
+
+static AVX512 void dot4_q8_0(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    DOT4_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16)
+}
+
+static AVX512 void dot4_q4_0(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    DOT4_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+}
+
+static AVX512 void dot4_iq4_nl(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl);
+    DOT4_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+}
+
+static AVX512 void dot4_mxfp4(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4);
+    DOT4_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
+}
+
+clover_vec_dot4_fn clover_dot4_avx512(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0: return dot4_q8_0;
+    case CLOVER_TYPE_Q4_0: return dot4_q4_0;
+    case CLOVER_TYPE_IQ4_NL: return dot4_iq4_nl;
+    case CLOVER_TYPE_MXFP4: return dot4_mxfp4;
+    default: return NULL;
+    }
+}
+
 clover_vec_dot_fn clover_dot_avx512(int type) {
     switch (type) {
     case CLOVER_TYPE_Q8_0: return dot_q8_0;
@@ -115,6 +178,10 @@ clover_vec_dot_fn clover_dot_avx512(int type) {
 
 #else
 clover_vec_dot_fn clover_dot_avx512(int type) {
+    (void)type;
+    return NULL;
+}
+clover_vec_dot4_fn clover_dot4_avx512(int type) {
     (void)type;
     return NULL;
 }

@@ -288,6 +288,7 @@ static int worth_threads(int nth, int64_t n_out, int64_t n_in, int64_t T) {
 static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t row_bytes, int64_t n_in,
                             int64_t n_out, const float *x, int64_t T, float *y, int nth) {
     const clover_vec_dot_fn dot = clover_dot_kernel(type, -1);
+    const clover_vec_dot4_fn dot4 = T >= 4 ? clover_dot4_kernel(type) : NULL;
     const int64_t act_bytes = clover_type_nbytes(act, n_in);
     if (dot == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
     uint8_t *xq = malloc((size_t)(act_bytes * T));
@@ -306,7 +307,15 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
     for (int64_t item = 0; item < n_items; item++) {
         /* the item's QROWS weight rows stay in L1/L2 while each activation row passes once */
         const int64_t r0 = item * QROWS, r1 = r0 + QROWS < n_out ? r0 + QROWS : n_out;
-        for (int64_t t = 0; t < T; t++) {
+        int64_t t = 0;
+        if (dot4) /* four activation rows per weight-row pass */
+            for (; t + 4 <= T; t += 4)
+                for (int64_t r = r0; r < r1; r++) {
+                    float o4[4];
+                    dot4(n_in, wbytes + r * row_bytes, xq + t * act_bytes, act_bytes, o4);
+                    for (int i = 0; i < 4; i++) y[(t + i) * n_out + r] = o4[i];
+                }
+        for (; t < T; t++) {
             const uint8_t *xt = xq + t * act_bytes;
             float *yt = y + t * n_out;
             for (int64_t r = r0; r < r1; r++) yt[r] = dot(n_in, wbytes + r * row_bytes, xt);

@@ -28,6 +28,9 @@ int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const fl
 int clover_to_f32(int type, const void *src, float *dst, int64_t n);
 int64_t clover_from_f32(int type, const float *src, void *dst, int64_t n);
 int64_t clover_type_nbytes(int type, int64_t n);
+typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
+clover_vec_dot4_fn clover_dot4_kernel(int type);
+clover_vec_dot4_fn clover_dot4_avx512(int type);
 """)
 L = ffi.dlopen(_find_library())
 
@@ -139,3 +142,22 @@ def test_matmul_quantised_types(name):
         scale = np.abs(xf) @ np.abs(Wf).T
         assert np.all(np.abs(outs[0] - want) <= 1e-5 * scale + 1e-6), name
         assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("name", list(Q8_0_FAMILY))
+def test_four_row_kernels_equal_single_row(name):
+    """The 4-row AVX-512 kernels give exactly the single-row AVX-512 kernel's values (the same
+    per-row operations in the same order)."""
+    t = TYPES[name]
+    if L.clover_dot_best_isa() < 2:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    dot4, dot1 = L.clover_dot4_avx512(t), L.clover_dot_avx512(t)
+    assert dot4 != ffi.NULL and L.clover_dot4_kernel(t) == dot4
+    rng = np.random.default_rng(300 + t)
+    for n in (32 * 7, 2048):  # an odd block count exercises the tail block
+        w = _quantize(t, rng.standard_normal(n).astype(np.float32))
+        xs = [_act(t, rng.standard_normal(n).astype(np.float32))[1] for _ in range(4)]
+        xq = np.concatenate(xs)
+        out = ffi.new("float[4]")
+        dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", xq.ctypes.data), xs[0].size, out)
+        assert list(out) == [_call(dot1, n, w, x) for x in xs], name
