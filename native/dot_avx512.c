@@ -111,17 +111,27 @@ static AVX512 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     for (int i = 0; i < 4; i++) x[i] = (const clover_block_q8_0 *)((const uint8_t *)xq + i * x_stride); \
     const int64_t nb = n / 32;                                                                      \
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; \
+    __m512i pick[4]; /* lanes 0-7 <- 2i, lanes 8-15 <- 2i + 1 */                                     \
+    for (int i = 0; i < 4; i++)                                                                     \
+        pick[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * i)),              \
+                                     _mm256_set1_epi32(2 * i + 1), 1);                              \
     int64_t b = 0;                                                                                  \
     for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                 \
         const __m512i qw = join(GET(wb), GET(wb + (BYTES)));                                        \
         const __m512i aw = _mm512_abs_epi8(qw);                                                     \
         const __mmask64 neg = _mm512_movepi8_mask(qw);                                              \
-        const float d0 = SCALE(wb), d1 = SCALE(wb + (BYTES));                                       \
+        /* the 8 scale products (row i, block b + j) in lanes 2i + j, converted in one go */        \
+        const __m256 dw = _mm256_setr_ps(SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb), SCALE(wb + (BYTES)), \
+                                         SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb), SCALE(wb + (BYTES))); \
+        const __m256 dx = _mm256_cvtph_ps(_mm_setr_epi16(                                           \
+            (short)x[0][b].d, (short)x[0][b + 1].d, (short)x[1][b].d, (short)x[1][b + 1].d,         \
+            (short)x[2][b].d, (short)x[2][b + 1].d, (short)x[3][b].d, (short)x[3][b + 1].d));       \
+        const __m512 dd = _mm512_castps256_ps512(_mm256_mul_ps(dw, dx));                            \
         for (int i = 0; i < 4; i++) {                                                               \
             const __m512i qx = join(load32(x[i][b].qs), load32(x[i][b + 1].qs));                    \
             const __m512i sx = _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx);           \
             const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);                  \
-            const __m512 d = scales2(d0 * fp16(&x[i][b].d), d1 * fp16(&x[i][b + 1].d));             \
+            const __m512 d = _mm512_permutexvar_ps(pick[i], dd);                                    \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[i]);                             \
         }                                                                                           \
     }                                                                                               \
