@@ -293,14 +293,18 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
     if (dot == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
     uint8_t *xq = malloc((size_t)(act_bytes * T));
     if (xq == NULL) return -1;
-    for (int64_t t = 0; t < T; t++)
-        if (clover_quantize_act(act, x + t * n_in, xq + t * act_bytes, n_in) < 0) {
-            free(xq);
-            return -1;
-        }
     const int64_t n_items = (n_out + QROWS - 1) / QROWS;
     const int parallel = worth_threads(nth, n_out, n_in, T);
     (void)parallel;
+    int bad = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nth) schedule(static) if (parallel && T > 1) reduction(| : bad)
+#endif
+    for (int64_t t = 0; t < T; t++) bad |= clover_quantize_act(act, x + t * n_in, xq + t * act_bytes, n_in) < 0;
+    if (bad) {
+        free(xq);
+        return -1;
+    }
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nth) schedule(static) if (parallel)
 #endif
