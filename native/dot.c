@@ -161,5 +161,7 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
 }
 
 clover_vec_dot4_fn clover_dot4_kernel(int type) {
-    return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_dot4_avx512(type) : NULL;
+    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) return NULL;
+    const clover_vec_dot4_fn f = clover_dot4_avx512(type);
+    return f ? f : clover_dot4_k_avx512(type);
 }

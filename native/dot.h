@@ -61,5 +61,8 @@ clover_vec_dot4_fn clover_dot4_avx512(int type);
 clover_vec_dot_fn clover_dot_k_scalar(int type);
 clover_vec_dot_fn clover_dot_k_avx2(int type);
 clover_vec_dot_fn clover_dot_k_avx512(int type);
+/* Four-row AVX-512 K-quant kernels (dot_k.c; see clover_vec_dot4_fn): each out[i] equals the
+ * single-row AVX-512 kernel's value bit for bit. NULL for other types and on non-x86 builds. */
+clover_vec_dot4_fn clover_dot4_k_avx512(int type);
 
 #endif

@@ -542,6 +542,179 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     return dk_hsum8(acc);
 }
 
+/* ---------------------------------------------------------------- AVX-512 four-row kernels */
+
+/* out[r] = dot(w_row, activation row r) for r < 4, rows x_stride bytes apart: each weight
+ * block's scales and codes are unpacked once and multiplied with the 4 rows' Q8_K blocks.
+ * Per row the integer sums are those of the single-row AVX-512 kernel and the float
+ * operations (per-block fmadd into the same lanes, the final horizontal sums) run in the
+ * same order, so each out[r] equals that kernel's value bit for bit. */
+
+#define DK_ROWS4(y, xq, x_stride)                                                                  \
+    const clover_block_q8_K *y[4];                                                                 \
+    for (int r_ = 0; r_ < 4; r_++) y[r_] = (const clover_block_q8_K *)((const uint8_t *)(xq) + r_ * (x_stride))
+
+DK_AVX512 static inline void dk_q45_vnni256_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
+                                               int64_t x_stride, float *out) {
+    DK_ROWS4(y, xq, x_stride);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    __m256 acc[4];
+    __m128 accm[4];
+    for (int r = 0; r < 4; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+    }
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
+        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
+        const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
+        uint32_t u[4];
+        dk_unpack_scales(scales, u);
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m128i mins16 = _mm256_extracti128_si256(sm16, 1);
+        const float wd = _cvtsh_ss(hd), wdmin = _cvtsh_ss(hdmin);
+        for (int r = 0; r < 4; r++) {
+            const __m128i prod = dk_mins_prod(mins16, y[r][i].bsums);
+            const float yd = y[r][i].d;
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * wdmin), _mm_cvtepi32_ps(prod), accm[r]);
+        }
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        __m256i hb = _mm256_setzero_si256();
+        if (x5) hb = _mm256_loadu_si256((const __m256i *)x5[i].qh);
+        __m256i s0[4], s1[4];
+        for (int r = 0; r < 4; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++, q += 32) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
+            __m256i lo = _mm256_and_si256(bits, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            if (x5) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
+                hb = _mm256_srli_epi16(hb, 2);
+            }
+            const __m256i sc0 = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j));
+            const __m256i sc1 = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int8_t *a = y[r][i].qs + 64 * j;
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
+                s0[r] = _mm256_dpwssd_epi32(s0[r], pl, sc0);
+                s1[r] = _mm256_dpwssd_epi32(s1[r], ph, sc1);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            const __m256 d = _mm256_set1_ps(y[r][i].d * wd);
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0[r], s1[r])), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]) + dk_hsum4(accm[r]);
+}
+
+DK_AVX512 static void dot4_q4_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    dk_q45_vnni256_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
+}
+
+DK_AVX512 static void dot4_q5_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    dk_q45_vnni256_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
+}
+
+DK_AVX512 static void dot4_q6_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    const dk_q6_K *x = (const dk_q6_K *)w_row;
+    DK_ROWS4(y, xq, x_stride);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i mlo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
+    const __m512i mhi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8((char)0xC0), 1);
+    const __m512i shl = DK_IDX2(4, 2), shr = DK_IDX2(0, 2);
+    __m512i gidx[4];
+    for (int c = 0; c < 4; c++) {
+        int16_t t[32];
+        for (int l = 0; l < 32; l++) t[l] = (int16_t)(4 * c + l / 8);
+        gidx[c] = _mm512_loadu_si512((const void *)t);
+    }
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        __m512i s[4];
+        for (int r = 0; r < 4; r++) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32) {
+            const __m512i bits = _mm512_loadu_si512((const void *)ql);
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+            const __m512i q0 = _mm512_or_si512(_mm512_and_si512(bits, m4), _mm512_sllv_epi16(_mm512_and_si512(hb, mlo), shl));
+            const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m4),
+                                               _mm512_srlv_epi16(_mm512_and_si512(hb, mhi), shr));
+            const __m512i g0 = _mm512_permutexvar_epi16(gidx[2 * h], sc);
+            const __m512i g1 = _mm512_permutexvar_epi16(gidx[2 * h + 1], sc);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int8_t *a = y[r][i].qs + 128 * h;
+                const __m512i p0 = _mm512_maddubs_epi16(q0, _mm512_loadu_si512((const void *)a));
+                const __m512i p1 = _mm512_maddubs_epi16(q1, _mm512_loadu_si512((const void *)(a + 64)));
+                s[r] = _mm512_dpwssd_epi32(s[r], p0, g0);
+                s[r] = _mm512_dpwssd_epi32(s[r], p1, g1);
+            }
+        }
+        const float wd = _cvtsh_ss(x[i].d);
+        for (int r = 0; r < 4; r++) {
+            const __m256i corr =
+                _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[r][i].bsums), sc16), 5);
+            const __m256i sumi = _mm256_sub_epi32(dk_fold512(s[r]), corr);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * wd), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]);
+}
+
+DK_AVX512 static void dot4_iq4_xs_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
+    DK_ROWS4(y, xq, x_stride);
+    int8_t tab_u[16];
+    for (int k = 0; k < 16; k++) tab_u[k] = (int8_t)(uint8_t)(dk_iq4nl[k] + 128);
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab_u));
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i gi0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i gi1 = _mm512_add_epi32(gi0, _mm512_set1_epi32(4));
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const __m256i ls = dk_iq4xs_scales(&x[i]);
+        const __m512i lsz = _mm512_castsi256_si512(ls);
+        const uint8_t *q = x[i].qs;
+        __m512i s[4];
+        for (int r = 0; r < 4; r++) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++, q += 64) {
+            const __m512i bits = _mm512_loadu_si512((const void *)q);
+            const __m512i wl = _mm512_shuffle_epi8(tab, _mm512_and_si512(bits, m4));
+            const __m512i wh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(bits, 4), m4));
+            const __m512i lsg = _mm512_permutexvar_epi32(h ? gi1 : gi0, lsz);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int8_t *a = y[r][i].qs + 128 * h;
+                const __m512i a0 = _mm512_loadu_si512((const void *)a), a1 = _mm512_loadu_si512((const void *)(a + 64));
+                const __m512i al = _mm512_shuffle_i64x2(a0, a1, 0x88), ah = _mm512_shuffle_i64x2(a0, a1, 0xDD);
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, al), wh, ah);
+                s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(d, lsg));
+            }
+        }
+        const float wd = _cvtsh_ss(x[i].d);
+        for (int r = 0; r < 4; r++) {
+            const __m256i gsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[r][i].bsums), ones16);
+            const __m256i corr = _mm256_slli_epi32(_mm256_mullo_epi32(ls, gsum), 7);
+            const __m256i sumi = _mm256_sub_epi32(dk_fold512(s[r]), corr);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * wd), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]);
+}
+
 DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
     switch (type) {
     case CLOVER_TYPE_Q4_K: return dot_q4_K_avx2;
@@ -562,6 +735,16 @@ DK_EXPORT clover_vec_dot_fn clover_dot_k_avx512(int type) {
     }
 }
 
+DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx512(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q4_K: return dot4_q4_K_avx512;
+    case CLOVER_TYPE_Q5_K: return dot4_q5_K_avx512;
+    case CLOVER_TYPE_Q6_K: return dot4_q6_K_avx512;
+    case CLOVER_TYPE_IQ4_XS: return dot4_iq4_xs_avx512;
+    default: return NULL;
+    }
+}
+
 #else /* not x86 */
 
 DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
@@ -570,6 +753,11 @@ DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
 }
 
 DK_EXPORT clover_vec_dot_fn clover_dot_k_avx512(int type) {
+    (void)type;
+    return NULL;
+}
+
+DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx512(int type) {
     (void)type;
     return NULL;
 }

@@ -10,6 +10,8 @@ Checks:
 on row lengths of 1, 3, 5, 8 and 32 blocks (256 .. 8192 values), for weight rows of random
 bytes (finite random fp16 scales) and rows quantised from random floats, and activations
 quantised from random floats or random Q8_K bytes (qs in -127..127, consistent bsums).
+- the four-row AVX-512 kernels (clover_dot4_k_avx512) equal four calls of the single-row
+  AVX-512 kernel bit for bit, with activation rows packed and at a padded stride;
 SIMD cases are skipped on CPUs without the features (read from /proc/cpuinfo).
 """
 import pathlib
@@ -34,6 +36,8 @@ typedef float (*clover_vec_dot_fn)(int64_t n, const void *w_row, const void *xq)
 clover_vec_dot_fn clover_dot_k_scalar(int type);
 clover_vec_dot_fn clover_dot_k_avx2(int type);
 clover_vec_dot_fn clover_dot_k_avx512(int type);
+typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
+clover_vec_dot4_fn clover_dot4_k_avx512(int type);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 """)
@@ -172,8 +176,53 @@ def test_simd_matches_scalar(name, isa):
     print(f"{name} {isa}: max |simd - scalar| / sum|w*x| = {worst:.2e}")
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+def test_dot4_avx512_equals_single_row_bitwise(name):
+    need, getter = ISAS["avx512"]
+    tid = TYPES[name][0]
+    fn4 = klib.clover_dot4_k_avx512(tid)
+    if fn4 == _kffi.NULL:
+        pytest.skip("avx512 kernels not built (non-x86 build)")
+    if not need <= FLAGS:
+        pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
+    fn1 = getter(tid)
+    rng = np.random.default_rng(300 + tid)
+    checked = 0
+    for n in LENGTHS:
+        for wkind in ("bytes", "quant"):
+            if wkind == "bytes":
+                w = _random_weight_bytes(rng, name, n)
+            else:
+                w = _quant(tid, (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32))
+            rows = []
+            for r in range(4):  # mix random Q8_K bytes and quantised activations
+                if r % 2 == 0:
+                    rows.append(_random_q8k_bytes(rng, n))
+                else:
+                    xf = rng.standard_normal(n).astype(np.float32) * rng.choice([1e-2, 1.0, 100.0])
+                    xf[rng.random(n) < 0.01] *= 20
+                    rows.append(_quant(Q8K, xf))
+            row_bytes = rows[0].size
+            for pad in (0, 64 + 4):  # packed rows, and rows at a larger stride
+                stride = row_bytes + pad
+                buf = np.zeros(4 * stride, np.uint8)
+                for r in range(4):
+                    buf[r * stride:r * stride + row_bytes] = rows[r]
+                out = np.full(4, np.nan, np.float32)
+                fn4(n, _ptr(w), _ptr(buf), stride, _kffi.cast("float *", out.ctypes.data))
+                want = np.array([fn1(n, _ptr(w), _ptr(rows[r])) for r in range(4)], np.float32)
+                assert np.all(np.isfinite(want))
+                assert out.view(np.uint32).tolist() == want.view(np.uint32).tolist(), (name, n, wkind, pad, out, want)
+                checked += 4
+    out = np.full(4, np.nan, np.float32)
+    fn4(0, _ptr(w), _ptr(rows[0]), 0, _kffi.cast("float *", out.ctypes.data))
+    assert out.tolist() == [0.0] * 4  # empty row
+    assert checked == len(LENGTHS) * 2 * 2 * 4
+
+
 def test_other_types_have_no_kernel():
     for t in (lib.CLOVER_TYPE_F32, lib.CLOVER_TYPE_Q8_0, lib.CLOVER_TYPE_Q4_0, Q8K,
               lib.CLOVER_TYPE_IQ4_NL, lib.CLOVER_TYPE_MXFP4, 9999, -1):
-        for getter in (klib.clover_dot_k_scalar, klib.clover_dot_k_avx2, klib.clover_dot_k_avx512):
+        for getter in (klib.clover_dot_k_scalar, klib.clover_dot_k_avx2, klib.clover_dot_k_avx512,
+                       klib.clover_dot4_k_avx512):
             assert getter(t) == _kffi.NULL
