@@ -554,7 +554,7 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     const clover_block_q8_K *y[4];                                                                 \
     for (int r_ = 0; r_ < 4; r_++) y[r_] = (const clover_block_q8_K *)((const uint8_t *)(xq) + r_ * (x_stride))
 
-DK_AVX512 static inline void dk_q45_vnni256_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
+DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_vnni256_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
                                                int64_t x_stride, float *out) {
     DK_ROWS4(y, xq, x_stride);
     const __m256i m4 = _mm256_set1_epi8(0xF);
