@@ -26,6 +26,14 @@ int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...) {
     return code;
 }
 
+/* Hot float loops (GDN recurrences, attention rows) get an AVX2+FMA clone chosen at load time
+ * where GCC supports it; the default clone stays portable. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLOVER_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLOVER_CLONES
+#endif
+
 /* ------------------------------------------------------------------ loading */
 
 typedef struct {
@@ -545,7 +553,7 @@ static void rope_neox(float *v, int64_t pos, int rd, float theta) {
 /* One query row of one head (spec 2.2 steps 3-4): softmax(q K^T * scale) V over n_keys cached
  * keys, times sigmoid of the head's output gate (stored right after q). K/V rows are kvd
  * floats apart, this head's slice at offset off. sc: n_keys scratch. */
-static void attend_row(const float *q, const float *kc, const float *vc, int64_t kvd, int64_t off, int64_t hd,
+CLOVER_CLONES static void attend_row(const float *q, const float *kc, const float *vc, int64_t kvd, int64_t off, int64_t hd,
                        int64_t n_keys, float scale, float *sc, float *o) {
     const float *gate = q + hd;
     float mx = -FLT_MAX;
@@ -738,7 +746,7 @@ static void readout(const float *S, const float *q, int64_t dk, int64_t dv, floa
 
 /* Token-by-token recurrence of value head h over T rows, forward in time, from state S
  * [dk][dv]; o: [T, Hv*dv]. tmp: dv floats. */
-static void gdn_recurrent_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+CLOVER_CLONES static void gdn_recurrent_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                                int64_t h, float *S, float *o, float *tmp) {
     for (int64_t t = 0; t < T; t++) {
         delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h], d->dk,
@@ -749,7 +757,7 @@ static void gdn_recurrent_head(const gdn_dims *d, const float *conv, const float
 
 /* Backward branch (spec 3.3) of value head h: reverse recurrence from S = 0 with exclusive
  * readout. S: dk*dv scratch, tmp: dv floats. */
-static void gdn_backward_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+CLOVER_CLONES static void gdn_backward_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                               int64_t h, float *S, float *o, float *tmp) {
     memset(S, 0, sizeof(float) * (size_t)(d->dk * d->dv));
     for (int64_t t = T - 1; t >= 0; t--) {
@@ -768,7 +776,7 @@ static void gdn_backward_head(const gdn_dims *d, const float *conv, const float 
  *   S <- exp(G_L) S + (K * exp(G_L - G))^T V'
  * It equals gdn_recurrent_head up to rounding (tested). scratch: gdn_scratch_floats(). */
 #define GDN_CHUNK 64
-static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
+CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                              int64_t h, float *S, float *o, float *scratch) {
     const int64_t dk = d->dk, dv = d->dv, CH = GDN_CHUNK;
     float *A = scratch, *U = A + CH * CH, *W = U + CH * dv, *G = W + CH * dk, *row = G + CH;
