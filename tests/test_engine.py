@@ -263,9 +263,10 @@ def test_bad_token_ids_are_errors(model_of):
     assert lib.clover_context_n_past(_ctx(m)) == 0
 
 
-def _rewrite(src, dst, drop=None, reshape=None, set_kv=None):
+def _rewrite(src, dst, drop=None, reshape=None, set_kv=None, dequantize=False):
     """Copy a GGUF, dropping tensor `drop`, giving tensor reshape[0] the numpy shape reshape[1],
-    or overriding one uint32 KV (set_kv = (key, value))."""
+    overriding one uint32 KV (set_kv = (key, value)), or (dequantize) storing every tensor as the
+    F32 values of its quantised data."""
     import gguf
 
     r = gguf.GGUFReader(str(src))
@@ -290,6 +291,10 @@ def _rewrite(src, dst, drop=None, reshape=None, set_kv=None):
         data = np.array(t.data)
         if reshape and t.name == reshape[0]:
             data = data.reshape(reshape[1])
+        if dequantize:
+            f32 = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32)
+            w.add_tensor(t.name, f32.reshape([int(d) for d in reversed(t.shape)]))
+            continue
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -331,3 +336,31 @@ def test_thread_count_does_not_change_results(ref, gguf_of, outtype):
             out.append((m.prefix_logits(prompt), m.block_logits(prompt, blk, coreset_top_p=0.9)[0]))
     assert np.array_equal(out[0][0], out[1][0])
     assert np.array_equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("outtype", ["q4_k_m", "q8_0"])
+def test_quantised_file_against_its_dequantised_f32_twin(ref, gguf_of, tmp_path, outtype):
+    """Issue 3: the engine on a Q4_K_M (Q4_K, Q5_K, Q6_K, Q8_0 mix, per llama.cpp's rules) or Q8_0
+    file against the engine on an F32 file holding exactly the dequantised weights: the only
+    difference left is the Q8_K / Q8_0 quantisation of activations inside the products. Stated
+    tolerance: top-1 agreement >= 85% of rows and max |diff| <= 15 (logits reach ~30). Measured:
+    q8_0 0.92 / 8.5 and q4_k_m 0.93 / 6.0 (AVX-512 VNNI machine): the test model's scaled-up LM head turns activation
+    rounding into ~1 logit at row 0 already, and a random tiny MoE amplifies a flipped routing
+    choice; the kernels themselves are checked to 1e-5 against dequantised dots (test_dot*.py),
+    and the Q8_0 path against an activation-quantising reference above (max 0.75)."""
+    src = gguf_of(outtype)
+    twin = tmp_path / f"{outtype}-as-f32.gguf"
+    _rewrite(src, twin, dequantize=True)
+    prompt = _prompt(ref, PROMPT_LEN, seed=11)
+    blk = _block(ref, PROMPT_LEN, seed=12)
+    res = []
+    for path in (src, twin):
+        with Model(str(path), n_ctx=256, n_threads=2) as m:
+            res.append(np.concatenate([m.prefix_logits(prompt), m.block_logits(prompt, blk, coreset_top_p=1.0)[0]]))
+    got, want = res
+    agree = float(np.mean(got.argmax(1) == want.argmax(1)))
+    d = _max_diff(got, want)
+    print(f"{outtype} vs its dequantised F32 twin: top-1 agreement {agree:.3f} over {len(got)} rows, "
+          f"max abs diff {d:.3f}, logit range {np.abs(want).max():.1f}")
+    assert agree >= 0.85
+    assert d <= 15.0
