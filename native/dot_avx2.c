@@ -49,60 +49,41 @@ static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
     return _mm256_set_m128i(hi, lo);
 }
 
-static AVX2 float dot_q8_0(int64_t n, const void *w, const void *xq) {
-    const uint8_t *wb = w;
-    const clover_block_q8_0 *x = xq;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++, wb += 34) {
-        const __m256i qw = _mm256_loadu_si256((const __m256i *)(wb + 2));
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m256 d = _mm256_set1_ps(fp16(wb) * fp16(&x[b].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
-    }
+/* The loop shared by the four types: GET(wb) unpacks a weight block's 32 codes, SCALE(wb) its
+ * scale, BYTES is the block size (a macro so each kernel inlines its own unpacking). */
+#define DOT_Q8_0_FAMILY(BYTES, GET, SCALE)                                                   \
+    const uint8_t *wb = w;                                                                   \
+    const clover_block_q8_0 *x = xq;                                                         \
+    __m256 acc = _mm256_setzero_ps();                                                        \
+    for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);                     \
+        const __m256 d = _mm256_set1_ps(SCALE(wb) * fp16(&x[b].d));                          \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(GET(wb), qx)), d, acc);              \
+    }                                                                                        \
     return hsum(acc);
-}
+
+#define GET_Q8_0(p) _mm256_loadu_si256((const __m256i *)((p) + 2))
+#define GET_TABLE2(p) nibbles_table((p) + 2, table)
+#define GET_TABLE1(p) nibbles_table((p) + 1, table)
+#define SCALE_FP16(p) fp16(p)
+#define SCALE_E8M0(p) clover_e8m0_half((p)[0])
+
+static AVX2 float dot_q8_0(int64_t n, const void *w, const void *xq) { DOT_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16) }
 
 static AVX2 float dot_q4_0(int64_t n, const void *w, const void *xq) {
-    const uint8_t *wb = w;
-    const clover_block_q8_0 *x = xq;
     /* table mapping code c to c - 8 */
     const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++, wb += 18) {
-        const __m256i qw = nibbles_table(wb + 2, table);
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m256 d = _mm256_set1_ps(fp16(wb) * fp16(&x[b].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
-    }
-    return hsum(acc);
+    DOT_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
 }
 
 static AVX2 float dot_iq4_nl(int64_t n, const void *w, const void *xq) {
-    const uint8_t *wb = w;
-    const clover_block_q8_0 *x = xq;
     const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++, wb += 18) {
-        const __m256i qw = nibbles_table(wb + 2, table);
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m256 d = _mm256_set1_ps(fp16(wb) * fp16(&x[b].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
-    }
-    return hsum(acc);
+    DOT_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
 }
 
 static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
-    const uint8_t *wb = w;
-    const clover_block_q8_0 *x = xq;
     const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++, wb += 17) {
-        const __m256i qw = nibbles_table(wb + 1, table);
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m256 d = _mm256_set1_ps(clover_e8m0_half(wb[0]) * fp16(&x[b].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(qw, qx)), d, acc);
-    }
-    return hsum(acc);
+    DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
 clover_vec_dot_fn clover_dot_avx2(int type) {
