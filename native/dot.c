@@ -12,18 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ggml's kvalues_iq4nl and kvalues_mxfp4 (doubled E2M1 codes). */
-const int8_t clover_kv_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-const int8_t clover_kv_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-/* Half of 2^(e-127): the MXFP4 scale for doubled codes (as ggml's E8M0_TO_FP32_HALF). */
-float clover_e8m0_half(uint8_t e) {
-    const uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static uint16_t load_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);

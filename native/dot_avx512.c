@@ -16,10 +16,6 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-extern const int8_t clover_kv_iq4nl[16];
-extern const int8_t clover_kv_mxfp4[16];
-float clover_e8m0_half(uint8_t e);
-
 static inline AVX512 float fp16(const void *p) {
     uint16_t h;
     memcpy(&h, p, 2);

@@ -69,9 +69,6 @@ _Static_assert(sizeof(dk_q6_K) == 210, "q6_K block size");
 _Static_assert(sizeof(dk_iq4_xs) == 136, "iq4_xs block size");
 _Static_assert(sizeof(clover_block_q8_K) == 292, "q8_K block size");
 
-static const int8_t dk_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                    1,    13,   25,  38,  53,  69,  89,  113};
-
 /* Unpack the 12-byte Q4_K/Q5_K scale field into u[0..3]: bytes 0..7 = the eight 6-bit scales,
  * bytes 8..15 = the eight 6-bit mins (sub-block j: scale at byte j, min at byte 8+j).
  * Scales 0..3 are the low 6 bits of bytes 0..3, mins 0..3 of bytes 4..7; scales/mins 4..7
@@ -186,8 +183,8 @@ static float dot_iq4_xs_scalar(int64_t n, const void *w_row, const void *xq) {
         int8_t L[CLOVER_QK_K];
         for (int g = 0; g < 8; g++) {
             for (int l = 0; l < 16; l++) {
-                L[32 * g + l] = dk_iq4nl[x[i].qs[16 * g + l] & 0xF];
-                L[32 * g + 16 + l] = dk_iq4nl[x[i].qs[16 * g + l] >> 4];
+                L[32 * g + l] = clover_kv_iq4nl[x[i].qs[16 * g + l] & 0xF];
+                L[32 * g + 16 + l] = clover_kv_iq4nl[x[i].qs[16 * g + l] >> 4];
             }
         }
         int32_t isum = 0;
@@ -371,7 +368,7 @@ DK_AVX2 static inline __m256i dk_iq4xs_scales(const dk_iq4_xs *b) {
 DK_AVX2 static float dot_iq4_xs_avx2(int64_t n, const void *w_row, const void *xq) {
     const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
     const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dk_iq4nl));
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)clover_kv_iq4nl));
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
@@ -510,7 +507,7 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     /* table + 128 as unsigned bytes: u8 x s8 products with vpdpbusd, then subtract
      * 128 * ls_g * (sum of the activations of group g) */
     int8_t tab_u[16];
-    for (int k = 0; k < 16; k++) tab_u[k] = (int8_t)(uint8_t)(dk_iq4nl[k] + 128);
+    for (int k = 0; k < 16; k++) tab_u[k] = (int8_t)(uint8_t)(clover_kv_iq4nl[k] + 128);
     const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab_u));
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i gi0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -675,7 +672,7 @@ DK_AVX512 static void dot4_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
     DK_ROWS4(y, xq, x_stride);
     int8_t tab_u[16];
-    for (int k = 0; k < 16; k++) tab_u[k] = (int8_t)(uint8_t)(dk_iq4nl[k] + 128);
+    for (int k = 0; k < 16; k++) tab_u[k] = (int8_t)(uint8_t)(clover_kv_iq4nl[k] + 128);
     const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab_u));
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i gi0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);

@@ -43,9 +43,10 @@
 #define QK_K 256
 #define GROUP_EPS 1e-15f /* groups with max |x| below this are stored as zeros */
 
-static const int8_t kv_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                    1,    13,   25,  38,  53,  69,  89,  113};
-static const int8_t kv_fp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* ggml's kvalues_iq4nl and kvalues_mxfp4 (doubled E2M1 codes); the dot kernels use them too. */
+CLOVER_INTERNAL const int8_t clover_kv_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                    1,    13,   25,  38,  53,  69,  89,  113};
+CLOVER_INTERNAL const int8_t clover_kv_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -411,23 +412,23 @@ static float iq4_group(const float *xb, uint8_t *Lb, int ntry) {
         }
     }
     if (amax < GROUP_EPS) return 0.0f;
-    float d = ntry > 0 ? -vmax / kv_iq4nl[0] : vmax / kv_iq4nl[0];
+    float d = ntry > 0 ? -vmax / clover_kv_iq4nl[0] : vmax / clover_kv_iq4nl[0];
     float id = 1 / d;
     float sqx = 0, sq2 = 0;
     for (int j = 0; j < 32; j++) {
-        const int l = nearest_index(16, kv_iq4nl, id * xb[j]);
+        const int l = nearest_index(16, clover_kv_iq4nl, id * xb[j]);
         Lb[j] = (uint8_t)l;
-        const float q = kv_iq4nl[l], w = xb[j] * xb[j];
+        const float q = clover_kv_iq4nl[l], w = xb[j] * xb[j];
         sqx += w * q * xb[j];
         sq2 += w * q * q;
     }
     d = sq2 > 0 ? sqx / sq2 : 0.f;
     float best = d * sqx;
     for (int t = -ntry; t <= ntry; t++) {
-        id = (t + kv_iq4nl[0]) / vmax;
+        id = (t + clover_kv_iq4nl[0]) / vmax;
         sqx = sq2 = 0;
         for (int j = 0; j < 32; j++) {
-            const float q = kv_iq4nl[nearest_index(16, kv_iq4nl, id * xb[j])], w = xb[j] * xb[j];
+            const float q = clover_kv_iq4nl[nearest_index(16, clover_kv_iq4nl, id * xb[j])], w = xb[j] * xb[j];
             sqx += w * q * xb[j];
             sq2 += w * q * q;
         }
@@ -454,8 +455,8 @@ static void iq4_nl_quant(const float *x, uint8_t *o) {
 static void iq4_nl_dequant(const uint8_t *b, float *y) {
     const float d = h2f(b);
     for (int j = 0; j < 16; j++) {
-        y[j] = d * kv_iq4nl[b[2 + j] & 0xF];
-        y[j + 16] = d * kv_iq4nl[b[2 + j] >> 4];
+        y[j] = d * clover_kv_iq4nl[b[2 + j] & 0xF];
+        y[j + 16] = d * clover_kv_iq4nl[b[2 + j] >> 4];
     }
 }
 
@@ -480,7 +481,7 @@ static void iq4_xs_quant(const float *x, uint8_t *o) {
         const int l = imax(-32, imin(31, round_int(id * scales[ib])));
         const float dl = d * l;
         const float idl = dl != 0.0f ? 1 / dl : 0.f;
-        for (int j = 0; j < 32; j++) L[32 * ib + j] = (uint8_t)nearest_index(16, kv_iq4nl, idl * x[32 * ib + j]);
+        for (int j = 0; j < 32; j++) L[32 * ib + j] = (uint8_t)nearest_index(16, clover_kv_iq4nl, idl * x[32 * ib + j]);
         const int u = l + 32;
         sl[ib / 2] |= (uint8_t)((u & 0xF) << (4 * (ib % 2)));
         sh |= (uint16_t)((u >> 4) << (2 * ib));
@@ -498,8 +499,8 @@ static void iq4_xs_dequant(const uint8_t *b, float *y) {
         const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
         const float dl = d * (ls - 32);
         for (int j = 0; j < 16; j++) {
-            y[j] = dl * kv_iq4nl[q[j] & 0xF];
-            y[j + 16] = dl * kv_iq4nl[q[j] >> 4];
+            y[j] = dl * clover_kv_iq4nl[q[j] & 0xF];
+            y[j + 16] = dl * clover_kv_iq4nl[q[j] >> 4];
         }
     }
 }
@@ -507,7 +508,7 @@ static void iq4_xs_dequant(const uint8_t *b, float *y) {
 /* ---------------------------------------------------------------- MXFP4 */
 
 /* Half of 2^(e-127) (the codes are doubled E2M1 values), subnormal for e < 2. */
-static inline float e8m0_half(uint8_t e) {
+CLOVER_INTERNAL float clover_e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -520,16 +521,16 @@ static void mxfp4_quant(const float *x, uint8_t *o) {
         if (fabsf(x[j]) > amax) amax = fabsf(x[j]);
     /* exponent so that amax lands in the top code range; ggml casts the float to uint8 */
     const uint8_t e = amax > 0.0f ? (uint8_t)(int)(floorf(log2f(amax)) - 2 + 127) : 0;
-    const float d = e8m0_half(e);
+    const float d = clover_e8m0_half(e);
     o[0] = e;
     for (int j = 0; j < 16; j++) {
         int q[2];
         for (int h = 0; h < 2; h++) {
             const float v = x[j + 16 * h];
             int bi = 0;
-            float be = fabsf(kv_fp4[0] * d - v);
+            float be = fabsf(clover_kv_mxfp4[0] * d - v);
             for (int i = 1; i < 16; i++) {
-                const float err = fabsf(kv_fp4[i] * d - v);
+                const float err = fabsf(clover_kv_mxfp4[i] * d - v);
                 if (err < be) {
                     bi = i;
                     be = err;
@@ -542,10 +543,10 @@ static void mxfp4_quant(const float *x, uint8_t *o) {
 }
 
 static void mxfp4_dequant(const uint8_t *b, float *y) {
-    const float d = e8m0_half(b[0]);
+    const float d = clover_e8m0_half(b[0]);
     for (int j = 0; j < 16; j++) {
-        y[j] = kv_fp4[b[1 + j] & 0xF] * d;
-        y[j + 16] = kv_fp4[b[1 + j] >> 4] * d;
+        y[j] = clover_kv_mxfp4[b[1 + j] & 0xF] * d;
+        y[j + 16] = clover_kv_mxfp4[b[1 + j] >> 4] * d;
     }
 }
 

@@ -36,6 +36,10 @@ int64_t clover_row_nbytes(int type, int64_t n_in);
  * only (CLOVER_E_ARG for any other type). These types are not engine weight types:
  * clover_row_nbytes (loader, matmul) still rejects them. */
 int64_t clover_kq_nbytes(int type, int64_t n);
+/* ggml's IQ4_NL and MXFP4 code tables and the MXFP4 block scale (half of 2^(e-127)). */
+extern const int8_t clover_kv_iq4nl[16];
+extern const int8_t clover_kv_mxfp4[16];
+float clover_e8m0_half(uint8_t e);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
 
