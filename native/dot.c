@@ -9,6 +9,7 @@
 #include "clover.h"
 #include "quants.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -104,8 +105,31 @@ int clover_dot_act_type(int type) {
     }
 }
 
+/* Q8_0 activation quantisation as llama.cpp runs it on x86 (ggml-cpu arch/x86/quants.c
+ * quantize_row_q8_0): d = amax/127 stored as fp16, q = rint(x * (127/amax)), ties to even.
+ * It differs from the reference quantiser (roundf(x * (1/d)), used for weights, where bytes
+ * must equal gguf-py's) in the last bit of x*id and in ties, which is enough to move an
+ * activation across a rounding boundary; matching it keeps us comparable with llama.cpp. */
+static int64_t quantize_act_q8_0(const float *x, void *dst, int64_t n) {
+    if (n % CLOVER_QK8_0) return -1;
+    uint8_t *o = (uint8_t *)dst;
+    for (int64_t b = 0; b < n / CLOVER_QK8_0; b++, x += CLOVER_QK8_0, o += 34) {
+        float amax = 0.0f;
+        for (int j = 0; j < CLOVER_QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const uint16_t dh = clover_fp32_to_fp16(amax / 127.0f);
+        memcpy(o, &dh, 2);
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *q = (int8_t *)(o + 2);
+        for (int j = 0; j < CLOVER_QK8_0; j++) {
+            const float r = rintf(x[j] * id);
+            q[j] = (r >= -128.0f && r <= 127.0f) ? (int8_t)r : 0;
+        }
+    }
+    return (n / CLOVER_QK8_0) * 34;
+}
+
 int64_t clover_quantize_act(int act_type, const float *x, void *dst, int64_t n) {
-    if (act_type == CLOVER_TYPE_Q8_0) return clover_from_f32(CLOVER_TYPE_Q8_0, x, dst, n);
+    if (act_type == CLOVER_TYPE_Q8_0) return quantize_act_q8_0(x, dst, n);
     if (act_type == CLOVER_TYPE_Q8_K) return clover_kq_from_f32(CLOVER_TYPE_Q8_K, x, dst, n);
     return -1;
 }

@@ -173,6 +173,8 @@ static const float *get_f32(loader *L, const char *name, int required, int64_t n
 static void read_hparams(loader *L, clover_hparams *hp) {
     memset(hp, 0, sizeof *hp);
     hp->n_layer = get_int(L, "block_count", 1, 0, 1, 4096);
+    /* llama.cpp keeps MTP layers as extra blocks after the trunk (spec 4.3) */
+    hp->n_layer_nextn = get_int(L, "nextn_predict_layers", 0, 0, 0, 4096);
     hp->n_ctx_train = get_int(L, "context_length", 0, 4096, 1, INT32_MAX);
     hp->n_embd = get_int(L, "embedding_length", 1, 0, 1, 1 << 20);
     hp->n_head = get_int(L, "attention.head_count", 1, 0, 1, 4096);
@@ -194,7 +196,8 @@ static void read_hparams(loader *L, clover_hparams *hp) {
     hp->full_attention_interval = get_int(L, "full_attention_interval", 0, 4, 1, 4096);
     if (L->failed) return;
     const char *bad = NULL;
-    if (vlen != hp->head_dim) bad = "attention.value_length != attention.key_length";
+    if (hp->n_layer_nextn >= hp->n_layer) bad = "nextn_predict_layers >= block_count (no trunk layer left)";
+    else if (vlen != hp->head_dim) bad = "attention.value_length != attention.key_length";
     else if (hp->n_head % hp->n_head_kv) bad = "attention.head_count not a multiple of head_count_kv";
     else if (hp->rope_dim > hp->head_dim || hp->rope_dim % 2) bad = "rope.dimension_count odd or > key_length";
     else if (hp->n_expert_used > hp->n_expert) bad = "expert_used_count > expert_count";
@@ -206,6 +209,7 @@ static void read_hparams(loader *L, clover_hparams *hp) {
         clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "%s: %s", L->arch, bad);
         return;
     }
+    hp->n_layer -= hp->n_layer_nextn;
     /* diffusion keys: spec 4.2 defaults when absent */
     hp->mask_token_id = get_int(L, "diffusion.mask_token_id", hp->is_clover, -1, 0, INT32_MAX);
     hp->block_size = get_int(L, "diffusion.block_size", 0, 32, 1, 1 << 16);
@@ -273,6 +277,21 @@ static void load_layer(loader *L, const clover_hparams *hp, int il, clover_layer
 #undef TN
 }
 
+/* MTP layer il (llama.cpp's NextN block after the trunk): its projection and norms must be
+ * present with the right shapes; the engine does not run it (self-speculation uses block
+ * mode, spec 5.5), so nothing is kept. */
+static void check_mtp_layer(loader *L, const clover_hparams *hp, int il) {
+    char n[128];
+    clover_tensor t;
+    const int64_t H = hp->n_embd;
+    snprintf(n, sizeof n, "blk.%d.nextn.eh_proj.weight", il);
+    get_tensor(L, n, 1, 0, 2 * H, H, 1, &t);
+    snprintf(n, sizeof n, "blk.%d.nextn.enorm.weight", il);
+    get_f32(L, n, 1, H, 1);
+    snprintf(n, sizeof n, "blk.%d.nextn.hnorm.weight", il);
+    get_f32(L, n, 1, H, 1);
+}
+
 clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
     if (!path) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "path is NULL");
@@ -337,6 +356,7 @@ clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
         ly->slot = ly->is_attn ? m->n_attn++ : m->n_gdn++;
         load_layer(&L, hp, il, ly);
     }
+    for (int il = hp->n_layer; il < hp->n_layer + hp->n_layer_nextn && !L.failed; il++) check_mtp_layer(&L, hp, il);
     if (L.failed) goto fail;
     return m;
 fail:

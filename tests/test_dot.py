@@ -161,3 +161,35 @@ def test_four_row_kernels_equal_single_row(name):
         out = ffi.new("float[4]")
         dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", xq.ctypes.data), xs[0].size, out)
         assert list(out) == [_call(dot1, n, w, x) for x in xs], name
+
+
+def _llama_cpp_x86_q8_0(x):
+    """numpy emulation of llama.cpp's x86 quantize_row_q8_0 (ggml-cpu/arch/x86/quants.c):
+    d = amax/127 as fp16, q = round-half-even(x * (127/amax)) in float32."""
+    b = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(b).max(1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint((b * iscale).astype(np.float32)).astype(np.int8)
+    d = (amax / np.float32(127.0)).astype(np.float32).astype(np.float16)
+    out = np.zeros((b.shape[0], 34), np.uint8)
+    out[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q.view(np.uint8)
+    return out.reshape(-1)
+
+
+def test_q8_0_activation_quantisation_is_llama_cpps():
+    """Activations are quantised the way llama.cpp runs on x86 (ties to even, x * 127/amax),
+    not like the reference weight quantiser (roundf, x * 1/d), so both engines see the same
+    activation bytes; a block with exact .5 ties shows the two rules apart."""
+    rng = np.random.default_rng(7)
+    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 3,
+                        np.array([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.25] * 26, np.float32),
+                        np.zeros(32, np.float32)])
+    act, buf = _act(lib.CLOVER_TYPE_Q8_0, x)
+    assert act == lib.CLOVER_TYPE_Q8_0
+    assert np.array_equal(buf, _llama_cpp_x86_q8_0(x))
+    tie = buf.reshape(-1, 34)[4096 // 32, 2:8].view(np.int8).tolist()
+    assert tie == [127, 2, -4, 0, 0, 2]
+    assert _quantize(lib.CLOVER_TYPE_Q8_0, x).reshape(-1, 34)[4096 // 32, 2:8].view(np.int8).tolist() == \
+        [127, 3, -4, 1, -1, 2]  # weights: roundf, half away from zero (gguf-py / ggml ref bytes)

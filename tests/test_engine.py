@@ -66,14 +66,15 @@ def _block(ref, prefix_len, seed=1):
 
 
 def _q8_0_act(x):
-    """Q8_0 round trip of activations along the last axis, as the engine (and llama.cpp's
-    quantize_row_q8_0_ref) does before a Q8_0 product: d = amax/127 stored as fp16, q = roundf(x/d)."""
+    """Q8_0 round trip of activations along the last axis, as the engine (and llama.cpp's x86
+    quantize_row_q8_0) does before a Q8_0 product: d = amax/127 stored as fp16,
+    q = rint(x * (127/amax)) with ties to even."""
     shape = x.shape
     b = x.float().reshape(-1, shape[-1] // 32, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    v = b * inv
-    q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # roundf: half away from zero
+    amax = b.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv)  # torch.round: half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
     return (q * d.half().float()).reshape(shape)
 
 

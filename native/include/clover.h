@@ -122,7 +122,9 @@ typedef struct {
     int32_t is_clover;          /* 1 for arch `clover` (has block mode), 0 for `qwen35moe` */
     int32_t n_vocab;
     int32_t n_embd;
-    int32_t n_layer;
+    int32_t n_layer;            /* decoder layers run by the engine: block_count - n_layer_nextn */
+    int32_t n_layer_nextn;      /* MTP (NextN) layers stored after them (nextn_predict_layers);
+                                   checked at load, not run */
     int32_t n_ctx_train;
     int32_t n_head, n_head_kv, head_dim, rope_dim;
     int32_t ssm_d_state, ssm_n_group, ssm_dt_rank, ssm_d_inner, ssm_d_conv;
