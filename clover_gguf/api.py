@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
+from .chat import ChatTemplate
 from .tokenizer import CloverTokenizer
 
 __all__ = ["Model", "CloverError"]
@@ -101,6 +102,7 @@ class Model:
         self.n_vocab = int(self.hparams["n_vocab"])
         self.end_ids = self._end_ids()
         self.last_stats: dict | None = None
+        self._chat: ChatTemplate | None = None  # compiled on first apply_chat_template
 
     # ------------------------------------------------------------------ basics
     @property
@@ -171,6 +173,19 @@ class Model:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD). Raises ValueError for an id out
         of range."""
         return self.tokenizer.decode(self._check_ids("ids", ids, allow_empty=True), skip_special)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None,
+                            **kwargs) -> str:
+        """Prompt text for ``messages`` from the GGUF's ``tokenizer.chat_template``, rendered
+        as transformers' ``apply_chat_template(..., tokenize=False)`` does (see
+        :mod:`clover_gguf.chat`; unlike transformers, ``add_generation_prompt`` defaults to
+        True). ``tools``: list of JSON-schema dicts; extra keywords (``enable_thinking=False``)
+        reach the template. Raises ValueError if the GGUF has no template, for a bad message
+        (naming the field) or for an error the template raises."""
+        if self._chat is None:
+            self._chat = ChatTemplate.for_tokenizer(self.tokenizer)
+        return self._chat.render(messages, add_generation_prompt=add_generation_prompt,
+                                 tools=tools, **kwargs)
 
     def _check_ids(self, name, ids, allow_empty=False) -> list[int]:
         if isinstance(ids, (str, bytes)):

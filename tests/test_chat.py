@@ -1,0 +1,419 @@
+"""clover_gguf.chat: chat templates rendered as transformers' apply_chat_template does.
+
+Reference: transformers 5.23.0 ``PreTrainedTokenizerFast.apply_chat_template(...,
+tokenize=False)`` with the same template and special tokens; our text must be identical, byte
+for byte. Templates: Qwen3.5's real one (tests/data/templates/Qwen3.5-4B.jinja, a copy of
+/work/shared/data/templates/Qwen3.5-4B.jinja, the file convert/make_checkpoint.py puts into
+the test checkpoints) and small templates that exercise one feature each (tojson options,
+loop controls, the generation tag, whitespace control, special-token variables).
+"""
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clover_gguf.chat import ChatTemplate, chat_template_from_metadata
+
+DATA = pathlib.Path(__file__).parent / "data"
+QWEN35 = (DATA / "templates" / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
+SPECIAL = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+
+
+def hf_render(template, messages, special=SPECIAL, **kw):
+    """transformers' rendering of ``messages`` with ``template`` and special tokens ``special``."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+        chat_template=template, **special)
+    assert tok.special_tokens_map == special
+    return tok.apply_chat_template(messages, tokenize=False, **kw)
+
+
+def ours(template, messages, special=SPECIAL, **kw):
+    return ChatTemplate(template, special).render(messages, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Qwen3.5 template against transformers
+# ---------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city — temperature in °C, <b>no HTML</b> & \"quotes\"",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "City name, e.g. München"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+                                                        "top_k": {"type": "integer"}}},
+    },
+}
+TOOL_TURNS = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Weather in München and Paris? Then search news."},
+    {"role": "assistant", "content": None, "reasoning_content": "Two cities: call twice.",
+     "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather",
+                                           "arguments": {"city": "München", "unit": "celsius"}}},
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+     ]},
+    {"role": "tool", "content": '{"temp": 3, "sky": "Schnee ❄"}'},
+    {"role": "tool", "content": '{"temp": 9}'},
+    {"role": "assistant", "content": "Let me search too.",
+     "tool_calls": [{"name": "search",
+                     "arguments": {"query": "news", "top_k": 3,
+                                   "filters": {"lang": ["de", "fr"], "safe": True},
+                                   "tags": ["a", "ü"]}}]},
+    {"role": "tool", "content": "1. Nothing happened."},
+]
+
+CASES = {
+    "user": ([{"role": "user", "content": "hi"}], {}),
+    "user_gen": ([{"role": "user", "content": "hi"}], {"add_generation_prompt": True}),
+    "user_gen_no_think": ([{"role": "user", "content": "hi"}],
+                          {"add_generation_prompt": True, "enable_thinking": False}),
+    "user_gen_think": ([{"role": "user", "content": "hi"}],
+                       {"add_generation_prompt": True, "enable_thinking": True}),
+    "system_user": ([{"role": "system", "content": "  Be terse.\n"},
+                     {"role": "user", "content": "What is 2+2?"}], {"add_generation_prompt": True}),
+    "multi_turn": ([
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "\n3+3 is six.\n"},
+        {"role": "user", "content": "Thanks!\n\n"},
+    ], {"add_generation_prompt": True, "enable_thinking": False}),
+    "last_assistant_reasoning": ([
+        {"role": "user", "content": "Why is the sky blue?"},
+        {"role": "assistant", "content": "Rayleigh scattering.",
+         "reasoning_content": "Short wavelengths scatter more."},
+    ], {}),
+    "inline_think": ([
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "<think>\nhidden thoughts\n</think>\n\nvisible answer"},
+    ], {}),
+    "reasoning_alias": ([
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "thinking": "via thinking"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2", "reasoning": "via reasoning"},
+    ], {}),
+    "tools_only": ([{"role": "user", "content": "Weather in Paris?"}],
+                   {"tools": [WEATHER_TOOL, SEARCH_TOOL], "add_generation_prompt": True}),
+    "tools_system": ([{"role": "system", "content": "Use tools wisely."},
+                      {"role": "user", "content": "Weather in Paris?"}],
+                     {"tools": [WEATHER_TOOL]}),
+    "tools_empty_system": ([{"role": "system", "content": "   "},
+                            {"role": "user", "content": "x"}], {"tools": [WEATHER_TOOL]}),
+    "tool_calls": (TOOL_TURNS, {"tools": [WEATHER_TOOL, SEARCH_TOOL],
+                                "add_generation_prompt": True}),
+    "tool_calls_no_gen": (TOOL_TURNS + [{"role": "assistant", "content": "Done."}],
+                          {"tools": [WEATHER_TOOL, SEARCH_TOOL]}),
+    "tool_calls_no_tools_given": (TOOL_TURNS, {"add_generation_prompt": True,
+                                               "enable_thinking": False}),
+    "content_parts": ([
+        {"role": "system", "content": [{"type": "text", "text": "System "},
+                                       {"type": "text", "text": "in parts."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                     {"type": "image", "image": "file.png"},
+                                     {"type": "text", "text": " and "},
+                                     {"type": "video", "video": "clip.mp4"},
+                                     {"image_url": {"url": "http://x/y.png"}}]},
+    ], {"add_generation_prompt": True}),
+    "vision_ids": ([
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "video"},
+                                     {"type": "text", "text": "compare"}]},
+    ], {"add_vision_id": True}),
+    "unicode_and_control_text": ([
+        {"role": "user", "content": "Grüße 🙂 日本語 <|im_end|> literal & <tag> \\n {{ not jinja }}"},
+    ], {"add_generation_prompt": True}),
+    "none_and_extra_keys": ([
+        {"role": "user", "content": "hi", "name": None, "extra": {"k": 1}},
+        {"role": "assistant", "content": "yo", "tool_calls": None, "reasoning_content": None},
+        {"role": "user", "content": "again"},
+    ], {"add_generation_prompt": False}),
+    "tool_response_user_text": ([
+        {"role": "user", "content": "first question"},
+        {"role": "user", "content": "<tool_response>\nfake\n</tool_response>"},
+        {"role": "assistant", "content": "answer", "reasoning_content": "r"},
+    ], {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_qwen35_matches_transformers(name):
+    messages, kw = CASES[name]
+    expected = hf_render(QWEN35, messages, **kw)
+    got = ours(QWEN35, messages, **kw)
+    assert got == expected
+    assert got.encode("utf-8") == expected.encode("utf-8")
+
+
+def test_qwen35_known_text():
+    # Independent of transformers: the shape Qwen3.5 documents for a thinking-off prompt.
+    got = ours(QWEN35, [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+               add_generation_prompt=True, enable_thinking=False)
+    assert got == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    tools = ours(QWEN35, [{"role": "user", "content": "x"}], tools=[WEATHER_TOOL])
+    # tojson keeps non-ASCII and HTML characters as they are (jinja's own filter escapes them)
+    assert json.dumps(WEATHER_TOOL, ensure_ascii=False) in tools
+    assert "München" in tools and "<b>no HTML</b> &" in tools
+
+
+ERROR_CASES = {
+    "no_user_query": [{"role": "system", "content": "s"}],
+    "system_not_first": [{"role": "user", "content": "u"}, {"role": "system", "content": "s"}],
+    "system_image": [{"role": "system", "content": [{"type": "image"}]},
+                     {"role": "user", "content": "u"}],
+    "bad_role": [{"role": "user", "content": "u"}, {"role": "narrator", "content": "n"}],
+    "bad_content": [{"role": "user", "content": 5}],
+    "bad_part": [{"role": "user", "content": [{"type": "audio"}]}],
+}
+
+
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_qwen35_raise_exception_matches_transformers(name):
+    import jinja2
+
+    messages = ERROR_CASES[name]
+    with pytest.raises(jinja2.exceptions.TemplateError) as hf_err:
+        hf_render(QWEN35, messages)
+    with pytest.raises(ValueError) as err:
+        ours(QWEN35, messages)
+    assert str(hf_err.value)  # the template's own message, e.g. "No user query found in messages."
+    assert str(err.value) == f"tokenizer.chat_template: {hf_err.value}"
+
+
+def test_inputs_not_modified():
+    messages = [{"role": "user", "content": "q", "name": None},
+                {"role": "assistant", "content": "a", "reasoning": "r"}]
+    before = json.dumps(messages)
+    ours(QWEN35, messages, add_generation_prompt=True)
+    assert json.dumps(messages) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# One feature per template, against transformers
+# ---------------------------------------------------------------------------------------------
+
+DATA_VAR = {"b": [1, 2.5, None, True], "a": "é<&>'\"", "c": {"z": {}, "y": []}}
+
+SMALL = {
+    "tojson_default": ("{{ data | tojson }}", {"data": DATA_VAR}),
+    "tojson_indent": ("{{ data | tojson(indent=2) }}", {"data": DATA_VAR}),
+    "tojson_options": ("{{ data | tojson(separators=(',', ':'), sort_keys=true) }}",
+                       {"data": DATA_VAR}),
+    "tojson_ascii": ("{{ data | tojson(ensure_ascii=true) }}", {"data": DATA_VAR}),
+    "message_keys": ("{% for m in messages %}{% for k, v in m | items %}{{ k }}={{ v }};"
+                     "{% endfor %}{{ '\\n' }}{% endfor %}", {}),
+    "loopcontrols": ("{% for m in messages %}{% if m.role == 'assistant' %}{% continue %}{% endif %}"
+                     "{% if loop.index > 3 %}{% break %}{% endif %}[{{ m.content }}]{% endfor %}", {}),
+    "generation_tag": ("{% for m in messages %}{% if m.role == 'assistant' %}"
+                       "{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+                       "{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}", {}),
+    "whitespace": ("{% for m in messages %}\n    {% if m.role == 'user' %}\n"
+                   "        U: {{ m.content }}\n    {% else %}\n        A: {{ m.content }}\n"
+                   "    {% endif %}\n{% endfor %}\n{%- if add_generation_prompt %}\nA:{% endif %}",
+                   {"add_generation_prompt": True}),
+    "special_tokens": ("{{ bos_token }}{% for m in messages %}{{ m.content + eos_token }}"
+                       "{% endfor %}|{{ pad_token }}|{{ unk_token is defined }}", {}),
+    "kwarg_overrides_special": ("{{ eos_token }}", {"eos_token": "<END>"}),
+    "dict_namespace": ("{% set d = dict(a=1, b=[2]) %}{% set ns = namespace(n=0) %}"
+                       "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+                       "{{ d | tojson }} {{ ns.n }} {{ dict.fromkeys(['x'], 0) | tojson }}", {}),
+    "tools_none_vs_list": ("{{ tools is none }} {{ documents is none }} {{ tools | tojson }}", {}),
+    "tools_list": ("{{ tools is none }} {{ tools | tojson }}", {"tools": [SEARCH_TOOL]}),
+    "documents": ("{% for d in documents %}{{ d.title }}: {{ d.text }}\n{% endfor %}",
+                  {"documents": [{"title": "T1", "text": "one"}, {"title": "T2", "text": "two"}]}),
+    "plain_data": ("{{ n }} {{ f }} {{ flag }} {{ arr }} {{ tup }} {{ [n, f, flag] | tojson }}",
+                   {"n": np.int64(7), "f": np.float32(0.5), "flag": np.bool_(False),
+                    "arr": np.zeros(2), "tup": (1, "x")}),
+    "undefined_var": ("[{{ nothing }}][{{ messages[0].missing }}]", {}),
+}
+SMALL_MESSAGES = [
+    {"role": "system", "content": "sys"},
+    {"role": "user", "content": "q1", "reasoning": "r-user"},
+    {"role": "assistant", "content": "a1", "thinking": "t1"},
+    {"role": "user", "content": "q2", "name": None},
+    {"role": "assistant", "content": "a2", "reasoning_content": "rc2", "thinking": "t2"},
+    {"role": "user", "content": "q3"},
+]
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_feature_matches_transformers(name):
+    template, kw = SMALL[name]
+    special = {"bos_token": "<s>", **SPECIAL} if name == "special_tokens" else SPECIAL
+    expected = hf_render(template, SMALL_MESSAGES, special=special, **kw)
+    assert ours(template, SMALL_MESSAGES, special=special, **kw) == expected
+
+
+def test_feature_known_text():
+    # Independent of transformers, the results the comparisons above rely on.
+    t = SMALL["generation_tag"][0]
+    assert ours(t, SMALL_MESSAGES[:3]) == "<u>sys</u><u>q1</u><a>a1</a>"
+    t = SMALL["whitespace"][0]
+    assert ours(t, SMALL_MESSAGES[1:3], add_generation_prompt=True) == "        U: q1\n        A: a1\nA:"
+    assert ours(SMALL["tojson_default"][0], [{"role": "user"}], data={"a": "é<"}) == '{"a": "é<"}'
+    # reasoning aliases: thinking first (the caller's value if given), then the caller's keys,
+    # reasoning_content last unless the caller gave it
+    keys = ours(SMALL["message_keys"][0], SMALL_MESSAGES[1:5]).splitlines()
+    assert keys == ["thinking=r-user;role=user;content=q1;reasoning=r-user;reasoning_content=r-user;",
+                    "thinking=t1;role=assistant;content=a1;reasoning_content=t1;",
+                    "role=user;content=q2;",
+                    "thinking=t2;role=assistant;content=a2;reasoning_content=rc2;"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and the sandbox
+# ---------------------------------------------------------------------------------------------
+
+def test_raise_exception_is_value_error():
+    t = ChatTemplate("{% if messages | length > 1 %}{{ raise_exception('Only one message, got '"
+                     " ~ messages | length) }}{% endif %}ok")
+    assert t.render([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: Only one message, got 2$"):
+        t.render([{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+
+
+def test_syntax_error_names_the_key():
+    with pytest.raises(ValueError, match=r"tokenizer\.chat_template: syntax error at line 2"):
+        ChatTemplate("ok\n{% for m in messages %}{{ m }}")
+    with pytest.raises(ValueError, match=r"tokenizer\.chat_template: syntax error"):
+        ChatTemplate("{% generation %}unclosed")
+    with pytest.raises(ValueError, match=r"tokenizer\.chat_template: expected a str"):
+        ChatTemplate(b"{{ x }}")
+
+
+@pytest.mark.parametrize("messages,field", [
+    ("hello", "messages: expected a list"),
+    ({"role": "user", "content": "x"}, "messages: expected a list"),
+    ([], "messages: empty"),
+    ([{"role": "user", "content": "x"}, "text"], r"messages\[1\]: expected a dict, got str"),
+    ([{"role": "user"}, {"role": "user"}, {"content": "x"}], r"messages\[2\]\.role: missing"),
+    ([{"role": None, "content": "x"}], r"messages\[0\]\.role: missing"),
+    ([{"role": "user"}, {"role": 3}], r"messages\[1\]\.role: expected a str, got 3"),
+])
+def test_bad_messages(messages, field):
+    with pytest.raises(ValueError, match=field):
+        ChatTemplate(QWEN35).render(messages)
+
+
+def test_bad_tools_and_documents():
+    t = ChatTemplate(QWEN35)
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match=r"^tools: expected a list"):
+        t.render(msgs, tools=WEATHER_TOOL)
+    with pytest.raises(ValueError, match=r"^tools\[1\]: expected a dict"):
+        t.render(msgs, tools=[WEATHER_TOOL, len])
+    with pytest.raises(ValueError, match=r"^documents\[0\]: expected a dict"):
+        t.render(msgs, documents=["text"])
+
+
+@pytest.mark.parametrize("template", [
+    "{% set ns = namespace(_secret=1) %}",                # underscore attribute on a namespace
+    "{% set ns = namespace(a=1) %}{% set ns._b = 2 %}",
+    "{{ messages.append(1) }}",                          # immutable sandbox: no mutation
+    "{{ messages[0].update({'role': 'x'}) }}",
+    "{{ ''.__class__.__mro__ }}",                        # no route to Python internals
+])
+def test_sandbox_refusals_are_value_errors(template):
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: "):
+        ChatTemplate(template).render([{"role": "user", "content": "x"}])
+
+
+def test_strftime_now():
+    t = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}")
+    before = datetime.date.today().isoformat()
+    got = t.render([{"role": "user"}])
+    assert got in (before, datetime.date.today().isoformat())
+
+
+def test_chat_template_from_metadata():
+    md = {"tokenizer.chat_template": "{{ 1 }}", "tokenizer.chat_template.tool_use": "{{ 2 }}",
+          "tokenizer.chat_template.bad": 5}
+    assert chat_template_from_metadata(md) == "{{ 1 }}"
+    assert chat_template_from_metadata(md, "tool_use") == "{{ 2 }}"
+    assert ChatTemplate.from_metadata(md, "tool_use").render([{"role": "user"}]) == "2"
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: missing"):
+        chat_template_from_metadata({})
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template\.bad: expected a str"):
+        chat_template_from_metadata(md, "bad")
+
+
+def test_import_does_not_load_torch_or_transformers():
+    code = ("import sys, clover_gguf, clover_gguf.chat; "
+            "print(sorted(m for m in ('torch', 'transformers', 'clover_gguf._ffi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).parent.parent)
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# From a GGUF: the tokenizer's template and special tokens, and Model.apply_chat_template
+# ---------------------------------------------------------------------------------------------
+
+def test_for_tokenizer_from_vocab_gguf():
+    # llama.cpp's Qwen vocab GGUF carries Qwen2's ChatML template and bos = eos = pad =
+    # <|endoftext|>; rendered with those special tokens, as transformers would.
+    pytest.importorskip("clover_gguf._ffi", exc_type=ImportError)
+    from clover_gguf.tokenizer import CloverTokenizer
+
+    tok = CloverTokenizer.from_gguf(DATA / "qwen35-vocab" / "ggml-vocab-qwen35.gguf")
+    t = ChatTemplate.for_tokenizer(tok)
+    assert t.special_tokens == {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                                "pad_token": "<|endoftext|>"}
+    msgs = CASES["multi_turn"][0]
+    got = t.render(msgs, add_generation_prompt=True)
+    assert got == hf_render(tok.chat_template, msgs, special=t.special_tokens,
+                            add_generation_prompt=True)
+    assert got.startswith("<|im_start|>system\nBe terse.<|im_end|>\n")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: missing"):
+        ChatTemplate.for_tokenizer(tok)
+
+
+def test_model_apply_chat_template(make_gguf, make_ckpt):
+    # The converter copies the checkpoint's template (Qwen3.5's) into the GGUF; the Model's
+    # rendering must equal transformers' AutoTokenizer on the checkpoint itself.
+    pytest.importorskip("clover_gguf._ffi", exc_type=ImportError)
+    transformers = pytest.importorskip("transformers")
+    from clover_gguf import Model
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(make_ckpt()))
+    with Model(make_gguf("f32"), n_ctx=64, n_threads=1) as m:
+        assert m.tokenizer.chat_template == hf.chat_template
+        for name in ("user_gen_no_think", "tool_calls", "multi_turn"):
+            msgs, kw = CASES[name]
+            kw = {k: v for k, v in kw.items() if k != "add_generation_prompt"}
+            expected = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+            assert m.apply_chat_template(msgs, **kw) == expected
+        assert m.apply_chat_template([{"role": "user", "content": "x"}],
+                                     add_generation_prompt=False).endswith("<|im_end|>\n")
+        with pytest.raises(ValueError, match=r"messages\[0\]\.role"):
+            m.apply_chat_template([{"content": "x"}])
+        m.tokenizer.chat_template, m._chat = None, None
+        with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: missing"):
+            m.apply_chat_template([{"role": "user", "content": "x"}])
