@@ -115,7 +115,10 @@ static int64_t quantize_act_q8_0(const float *x, void *dst, int64_t n) {
     uint8_t *o = (uint8_t *)dst;
     for (int64_t b = 0; b < n / CLOVER_QK8_0; b++, x += CLOVER_QK8_0, o += 34) {
         float amax = 0.0f;
-        for (int j = 0; j < CLOVER_QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
+        for (int j = 0; j < CLOVER_QK8_0; j++) {
+            const float v = fabsf(x[j]);
+            amax = amax > v ? amax : v;
+        }
         const uint16_t dh = clover_fp32_to_fp16(amax / 127.0f);
         memcpy(o, &dh, 2);
         const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
@@ -170,6 +173,26 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
     if (!f && isa >= CLOVER_ISA_AVX2) f = clover_dot_avx2(type);
     if (!f) f = clover_dot_scalar(type);
     return f;
+}
+
+int clover_dot4_packed(int type) { return clover_dot_act_type(type) == CLOVER_TYPE_Q8_0; }
+
+int64_t clover_x4_row_bytes(int64_t n) { return n + 64 * ((n / 32 + 1) / 2); }
+
+void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n) {
+    const uint8_t *in = (const uint8_t *)xq;
+    uint8_t *q = (uint8_t *)dst;
+    float *d = (float *)(q + n);
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < nb; b++, in += 34) {
+        for (int j = 0; j < 32; j++) q[32 * b + j] = (uint8_t)(in[2 + j] ^ 0x80);
+        uint16_t h;
+        memcpy(&h, in, 2);
+        const float s = clover_fp16_to_fp32(h);
+        for (int j = 0; j < 8; j++) d[8 * b + j] = s;
+    }
+    if (nb % 2)
+        for (int j = 0; j < 8; j++) d[8 * nb + j] = 0.0f;
 }
 
 clover_vec_dot4_fn clover_dot4_kernel(int type) {

@@ -55,6 +55,16 @@ typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq,
 
 /* Best multi-row kernel for `type` on this CPU, or NULL. */
 clover_vec_dot4_fn clover_dot4_kernel(int type);
+
+/* The AVX-512 4-row kernels of the Q8_0 family (Q8_0, Q4_0, IQ4_NL, MXFP4) read activation
+ * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0; the K-quant ones read
+ * Q8_K rows as they are. clover_dot4_packed(type) says which (1: packed). Packed row of n
+ * values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128 (uint8, block after block), then
+ * per pair of blocks 16 floats, 8 copies of each block's scale (a lone last block fills 8 of
+ * them): clover_x4_row_bytes(n) = n + 64 * ceil(nb / 2) bytes. */
+int clover_dot4_packed(int type);
+int64_t clover_x4_row_bytes(int64_t n);
+void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
 clover_vec_dot4_fn clover_dot4_avx512(int type);
 
 /* K-quant kernels (dot_k.c): Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K; NULL for other types. */

@@ -99,46 +99,46 @@ static AVX512 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
-/* Four activation rows per weight row: the weight pair's |w| and sign mask are computed once,
- * each activation row keeps its own accumulator (four independent FMA chains). */
+/* Four activation rows per weight row, activations in the packed layout of dot.h
+ * (clover_x4_pack_q8_0: q + 128 as unsigned bytes, contiguous; per block pair a vector of the
+ * two scales). vpdpbusd(u8 x + 128, s8 w) needs no per-pair sign fix: the accumulator starts at
+ * -128 * sum(w) of each group of four (computed once per weight pair for all four rows), so each
+ * block's int32 sum equals the single-row kernel's exactly, and the scale products d_w * d_x
+ * and the FMA order are the same as there: out[i] equals the single-row kernel bit for bit. */
 #define DOT4_Q8_0_FAMILY(BYTES, GET, SCALE)                                                         \
     const uint8_t *wb = w;                                                                          \
-    const clover_block_q8_0 *x[4];                                                                  \
-    for (int i = 0; i < 4; i++) x[i] = (const clover_block_q8_0 *)((const uint8_t *)xq + i * x_stride); \
     const int64_t nb = n / 32;                                                                      \
+    const uint8_t *xr[4];                                                                           \
+    const float *xd[4];                                                                             \
+    for (int i = 0; i < 4; i++) {                                                                   \
+        xr[i] = (const uint8_t *)xq + i * x_stride;                                                 \
+        xd[i] = (const float *)(xr[i] + n);                                                         \
+    }                                                                                               \
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; \
-    __m512i pick[4]; /* lanes 0-7 <- 2i, lanes 8-15 <- 2i + 1 */                                     \
-    for (int i = 0; i < 4; i++)                                                                     \
-        pick[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * i)),              \
-                                     _mm256_set1_epi32(2 * i + 1), 1);                              \
+    const __m512i c128 = _mm512_set1_epi8((char)0x80);                                              \
     int64_t b = 0;                                                                                  \
     for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                 \
         const __m512i qw = join(GET(wb), GET(wb + (BYTES)));                                        \
-        const __m512i aw = _mm512_abs_epi8(qw);                                                     \
-        const __mmask64 neg = _mm512_movepi8_mask(qw);                                              \
-        /* the 8 scale products (row i, block b + j) in lanes 2i + j, converted in one go */        \
-        const __m256 dw = _mm256_setr_ps(SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb), SCALE(wb + (BYTES)), \
-                                         SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb), SCALE(wb + (BYTES))); \
-        const __m256 dx = _mm256_cvtph_ps(_mm_setr_epi16(                                           \
-            (short)x[0][b].d, (short)x[0][b + 1].d, (short)x[1][b].d, (short)x[1][b + 1].d,         \
-            (short)x[2][b].d, (short)x[2][b + 1].d, (short)x[3][b].d, (short)x[3][b + 1].d));       \
-        const __m512 dd = _mm512_castps256_ps512(_mm256_mul_ps(dw, dx));                            \
+        const __m512i bias = _mm512_sub_epi32(_mm512_setzero_si512(),                               \
+                                              _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, qw)); \
+        const __m512 dw = scales2(SCALE(wb), SCALE(wb + (BYTES)));                                  \
         for (int i = 0; i < 4; i++) {                                                               \
-            const __m512i qx = join(load32(x[i][b].qs), load32(x[i][b + 1].qs));                    \
-            const __m512i sx = _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx);           \
-            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);                  \
-            const __m512 d = _mm512_permutexvar_ps(pick[i], dd);                                    \
+            const __m512i s = _mm512_dpbusd_epi32(bias, _mm512_loadu_si512((const void *)(xr[i] + 32 * b)), qw); \
+            const __m512 d = _mm512_mul_ps(dw, _mm512_loadu_ps(xd[i] + 8 * b));                      \
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[i]);                             \
         }                                                                                           \
     }                                                                                               \
     for (int i = 0; i < 4; i++) {                                                                   \
         float sum = _mm512_reduce_add_ps(acc[i]);                                                   \
         if (b < nb) {                                                                               \
-            const __m256i s = isum8(GET(wb), load32(x[i][b].qs));                                   \
+            const __m256i qw = GET(wb);                                                             \
+            const __m256i bias = _mm256_sub_epi32(_mm256_setzero_si256(),                           \
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), qw));     \
+            const __m256i s = _mm256_dpbusd_epi32(bias, load32(xr[i] + 32 * b), qw);                \
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));  \
             s4 = _mm_hadd_epi32(s4, s4);                                                            \
             s4 = _mm_hadd_epi32(s4, s4);                                                            \
-            sum += (float)_mm_cvtsi128_si32(s4) * (SCALE(wb) * fp16(&x[i][b].d));                   \
+            sum += (float)_mm_cvtsi128_si32(s4) * (SCALE(wb) * xd[i][8 * b]);                       \
         }                                                                                           \
         out[i] = sum;                                                                               \
     }

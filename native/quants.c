@@ -288,11 +288,26 @@ static int worth_threads(int nth, int64_t n_out, int64_t n_in, int64_t T) {
 static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t row_bytes, int64_t n_in,
                             int64_t n_out, const float *x, int64_t T, float *y, int nth) {
     const clover_vec_dot_fn dot = clover_dot_kernel(type, -1);
-    const clover_vec_dot4_fn dot4 = T >= 4 ? clover_dot4_kernel(type) : NULL;
+    const clover_vec_dot4_fn dot4 = T >= 3 ? clover_dot4_kernel(type) : NULL;
     const int64_t act_bytes = clover_type_nbytes(act, n_in);
     if (dot == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
-    uint8_t *xq = malloc((size_t)(act_bytes * T));
-    if (xq == NULL) return -1;
+    /* rows [0, T4) go through the 4-row kernel, in its packed layout where it has one; a tail
+     * of 3 rows is padded to 4 with a copy of the last row (one 4-row pass costs about what 3
+     * single-row passes do; the copy's outputs are dropped) */
+    const int64_t T4 = dot4 ? (T % 4 == 3 ? T + 1 : T - T % 4) : 0;
+    const int packed = T4 > 0 && clover_dot4_packed(type);
+    const int64_t x4_bytes = packed ? clover_x4_row_bytes(n_in) : act_bytes;
+    if ((packed && (uint64_t)x4_bytes > SIZE_MAX / (uint64_t)T4) || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)(T + 3))
+        return -1;
+    const int64_t TA = T4 > T ? T4 : T; /* activation rows incl. padding */
+    uint8_t *xq = malloc((size_t)(act_bytes * TA));
+    uint8_t *xp = packed ? malloc((size_t)(x4_bytes * T4)) : NULL;
+    if (xq == NULL || (packed && xp == NULL)) {
+        free(xq);
+        free(xp);
+        return -1;
+    }
+    const uint8_t *x4 = packed ? xp : xq;
     const int64_t n_items = (n_out + QROWS - 1) / QROWS;
     const int parallel = worth_threads(nth, n_out, n_in, T);
     (void)parallel;
@@ -300,9 +315,14 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nth) schedule(static) if (parallel && T > 1) reduction(| : bad)
 #endif
-    for (int64_t t = 0; t < T; t++) bad |= clover_quantize_act(act, x + t * n_in, xq + t * act_bytes, n_in) < 0;
+    for (int64_t t = 0; t < TA; t++) {
+        const int64_t src = t < T ? t : T - 1;
+        bad |= clover_quantize_act(act, x + src * n_in, xq + t * act_bytes, n_in) < 0;
+        if (packed && t < T4) clover_x4_pack_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
+    }
     if (bad) {
         free(xq);
+        free(xp);
         return -1;
     }
 #ifdef _OPENMP
@@ -311,21 +331,20 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
     for (int64_t item = 0; item < n_items; item++) {
         /* the item's QROWS weight rows stay in L1/L2 while each activation row passes once */
         const int64_t r0 = item * QROWS, r1 = r0 + QROWS < n_out ? r0 + QROWS : n_out;
-        int64_t t = 0;
-        if (dot4) /* four activation rows per weight-row pass */
-            for (; t + 4 <= T; t += 4)
-                for (int64_t r = r0; r < r1; r++) {
-                    float o4[4];
-                    dot4(n_in, wbytes + r * row_bytes, xq + t * act_bytes, act_bytes, o4);
-                    for (int i = 0; i < 4; i++) y[(t + i) * n_out + r] = o4[i];
-                }
-        for (; t < T; t++) {
+        for (int64_t t = 0; t < T4; t += 4) /* four activation rows per weight-row pass */
+            for (int64_t r = r0; r < r1; r++) {
+                float o4[4];
+                dot4(n_in, wbytes + r * row_bytes, x4 + t * x4_bytes, x4_bytes, o4);
+                for (int i = 0; i < 4 && t + i < T; i++) y[(t + i) * n_out + r] = o4[i];
+            }
+        for (int64_t t = T4; t < T; t++) {
             const uint8_t *xt = xq + t * act_bytes;
             float *yt = y + t * n_out;
             for (int64_t r = r0; r < r1; r++) yt[r] = dot(n_in, wbytes + r * row_bytes, xt);
         }
     }
     free(xq);
+    free(xp);
     return 0;
 }
 

@@ -31,6 +31,9 @@ int64_t clover_type_nbytes(int type, int64_t n);
 typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
 clover_vec_dot4_fn clover_dot4_kernel(int type);
 clover_vec_dot4_fn clover_dot4_avx512(int type);
+int clover_dot4_packed(int type);
+int64_t clover_x4_row_bytes(int64_t n);
+void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
 """)
 L = ffi.dlopen(_find_library())
 
@@ -127,7 +130,7 @@ def test_matmul_quantised_types(name):
     W = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
     Wq = np.concatenate([_quantize(t, row) for row in W])
     Wf = np.stack([_dequantize(t, _quantize(t, row), n_in) for row in W]).astype(np.float64)
-    for T in (1, 5):
+    for T in (1, 3, 5, 7):  # 3 and 7: a 3-row tail padded to a 4-row pass
         x = rng.standard_normal((T, n_in)).astype(np.float32)
         act = L.clover_dot_act_type(t)
         xf = np.stack([_dequantize(act, _act(t, row)[1], n_in) for row in x]).astype(np.float64)
@@ -146,8 +149,9 @@ def test_matmul_quantised_types(name):
 
 @pytest.mark.parametrize("name", list(Q8_0_FAMILY))
 def test_four_row_kernels_equal_single_row(name):
-    """The 4-row AVX-512 kernels give exactly the single-row AVX-512 kernel's values (the same
-    per-row operations in the same order)."""
+    """The 4-row AVX-512 kernels, on activations in their packed layout (dot.h), give exactly the
+    single-row AVX-512 kernel's values on the plain Q8_0 rows (exact int32 block sums, the same
+    scale products and FMA order)."""
     t = TYPES[name]
     if L.clover_dot_best_isa() < 2:
         pytest.skip("this CPU has no AVX-512 VNNI")
@@ -156,10 +160,20 @@ def test_four_row_kernels_equal_single_row(name):
     rng = np.random.default_rng(300 + t)
     for n in (32 * 7, 2048):  # an odd block count exercises the tail block
         w = _quantize(t, rng.standard_normal(n).astype(np.float32))
-        xs = [_act(t, rng.standard_normal(n).astype(np.float32))[1] for _ in range(4)]
-        xq = np.concatenate(xs)
+        xs = [_act(t, rng.standard_normal(n).astype(np.float32) * 4)[1] for _ in range(4)]
+        assert L.clover_dot4_packed(t) == 1
+        pb = L.clover_x4_row_bytes(n)
+        assert pb == n + 64 * ((n // 32 + 1) // 2)
+        xp = np.zeros(4 * pb, np.uint8)
+        for i, x in enumerate(xs):
+            L.clover_x4_pack_q8_0(ffi.cast("void *", x.ctypes.data), ffi.cast("void *", xp[i * pb:].ctypes.data), n)
+            q = x.reshape(-1, 34)[:, 2:].reshape(-1)
+            assert np.array_equal(xp[i * pb:i * pb + n], q ^ 0x80)  # q + 128 as uint8
+            d = xp[i * pb + n:(i + 1) * pb].view(np.float32)
+            assert np.array_equal(d[:8 * (n // 32)].reshape(-1, 8)[:, 0],
+                                  x.reshape(-1, 34)[:, :2].copy().view(np.float16).reshape(-1).astype(np.float32))
         out = ffi.new("float[4]")
-        dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", xq.ctypes.data), xs[0].size, out)
+        dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", xp.ctypes.data), pb, out)
         assert list(out) == [_call(dot1, n, w, x) for x in xs], name
 
 
