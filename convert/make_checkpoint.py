@@ -19,7 +19,7 @@ Generation streams tensor by tensor and flushes a shard when it reaches ``max_sh
 ``--dims real`` (3.2B parameters for four layers) runs in a few GB of RAM.
 
 CLI: ``python -m convert.make_checkpoint OUT [--dims tiny|real] [--layers N] [--parent]
-[--prefix model.|model.language_model.] [--per-expert] [--seed S]``.
+[--prefix model.|model.language_model.] [--per-expert] [--seed S] [--mtp [N]]``.
 """
 
 from __future__ import annotations
@@ -249,81 +249,103 @@ def _write_tokenizer(out: pathlib.Path, tok) -> dict[str, int]:
 # Parameters
 # ---------------------------------------------------------------------------------------------
 
-def param_specs(cfg: dict, clover: bool = True, fused_experts: bool = True):
-    """List the HF parameters of a Qwen3.5-MoE text model (names without the ``model.``-style
-    prefix; ``lm_head.weight`` is top level).
-
-    Returns [(name, shape tuple, kind)], kind naming the initialiser. With ``clover`` the six
-    backward-branch tensors of spec 3.3 are added to every GDN layer. Fused experts are one
-    3-D ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] (no
-    ``.weight``); otherwise ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
-    """
+def _layer_specs(cfg: dict, p: str, layer_type: str, clover: bool, fused_experts: bool) -> list:
+    """Parameters of one decoder layer whose names start with ``p`` (e.g. ``layers.3.``)."""
     H = cfg["hidden_size"]
-    V = cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     K = cfg["linear_conv_kernel_dim"]
     E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
     C = 2 * Hk * dk + Hv * dv
+    specs = [(p + "input_layernorm.weight", (H,), "norm0")]
+    if layer_type == "linear_attention":
+        a = p + "linear_attn."
+        specs += [
+            (a + "in_proj_qkv.weight", (C, H), "linear"),
+            (a + "in_proj_z.weight", (Hv * dv, H), "linear"),
+            (a + "in_proj_b.weight", (Hv, H), "linear"),
+            (a + "in_proj_a.weight", (Hv, H), "linear"),
+            (a + "conv1d.weight", (C, 1, K), "conv"),
+            (a + "dt_bias", (Hv,), "dt_bias"),
+            (a + "A_log", (Hv,), "A_log"),
+            (a + "norm.weight", (dv,), "gnorm"),
+            (a + "out_proj.weight", (H, Hv * dv), "linear"),
+        ]
+        if clover:  # spec 3.3 backward branch
+            specs += [
+                (a + "conv1d_bwd.weight", (C, 1, K), "conv"),
+                (a + "A_log_bwd", (Hv,), "A_log"),
+                (a + "dt_bias_bwd", (Hv,), "dt_bias"),
+                (a + "in_proj_b_bwd.weight", (Hv, H), "linear"),
+                (a + "in_proj_a_bwd.weight", (Hv, H), "linear"),
+                (a + "bwd_mix", (Hv,), "mix"),
+            ]
+    else:
+        a = p + "self_attn."
+        specs += [
+            (a + "q_proj.weight", (nh * hd * 2, H), "linear"),
+            (a + "k_proj.weight", (nkv * hd, H), "linear"),
+            (a + "v_proj.weight", (nkv * hd, H), "linear"),
+            (a + "o_proj.weight", (H, nh * hd), "linear"),
+            (a + "q_norm.weight", (hd,), "norm0"),
+            (a + "k_norm.weight", (hd,), "norm0"),
+        ]
+    m = p + "mlp."
+    specs.append((m + "gate.weight", (E, H), "router"))
+    if fused_experts:
+        specs += [
+            (m + "experts.gate_up_proj", (E, 2 * I, H), "experts_gate_up"),
+            (m + "experts.down_proj", (E, H, I), "experts_down"),
+        ]
+    else:
+        for e in range(E):
+            specs += [
+                (m + f"experts.{e}.gate_proj.weight", (I, H), "linear"),
+                (m + f"experts.{e}.up_proj.weight", (I, H), "linear"),
+                (m + f"experts.{e}.down_proj.weight", (H, I), "linear"),
+            ]
+    specs += [
+        (m + "shared_expert.gate_proj.weight", (Is, H), "linear"),
+        (m + "shared_expert.up_proj.weight", (Is, H), "linear"),
+        (m + "shared_expert.down_proj.weight", (H, Is), "linear"),
+        (m + "shared_expert_gate.weight", (1, H), "linear"),
+        (p + "post_attention_layernorm.weight", (H,), "norm0"),
+    ]
+    return specs
+
+
+def param_specs(cfg: dict, clover: bool = True, fused_experts: bool = True):
+    """List the HF parameters of a Qwen3.5-MoE text model (names without the ``model.``-style
+    prefix; ``lm_head.weight`` and ``mtp.*`` are top level).
+
+    Returns [(name, shape tuple, kind)], kind naming the initialiser. With ``clover`` the six
+    backward-branch tensors of spec 3.3 are added to every GDN layer. Fused experts are one
+    3-D ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] (no
+    ``.weight``); otherwise ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
+
+    With ``cfg["mtp_num_hidden_layers"]`` = n > 0, the multi-token-prediction block of
+    Qwen3.5/3.6-MoE follows, as their checkpoints store it: ``mtp.fc.weight`` [H, 2H],
+    ``mtp.pre_fc_norm_embedding.weight``, ``mtp.pre_fc_norm_hidden.weight``, ``mtp.norm.weight``
+    (zero-centred norms, [H]) and ``mtp.layers.{j}.*`` (j < n), each a full-attention MoE decoder
+    layer (experts fused or not as the trunk's; no Clover tensors: those belong to GDN layers).
+    """
+    H = cfg["hidden_size"]
+    V = cfg["vocab_size"]
     specs = [("embed_tokens.weight", (V, H), "embed")]
     for i, lt in enumerate(cfg["layer_types"]):
-        p = f"layers.{i}."
-        specs.append((p + "input_layernorm.weight", (H,), "norm0"))
-        if lt == "linear_attention":
-            a = p + "linear_attn."
-            specs += [
-                (a + "in_proj_qkv.weight", (C, H), "linear"),
-                (a + "in_proj_z.weight", (Hv * dv, H), "linear"),
-                (a + "in_proj_b.weight", (Hv, H), "linear"),
-                (a + "in_proj_a.weight", (Hv, H), "linear"),
-                (a + "conv1d.weight", (C, 1, K), "conv"),
-                (a + "dt_bias", (Hv,), "dt_bias"),
-                (a + "A_log", (Hv,), "A_log"),
-                (a + "norm.weight", (dv,), "gnorm"),
-                (a + "out_proj.weight", (H, Hv * dv), "linear"),
-            ]
-            if clover:  # spec 3.3 backward branch
-                specs += [
-                    (a + "conv1d_bwd.weight", (C, 1, K), "conv"),
-                    (a + "A_log_bwd", (Hv,), "A_log"),
-                    (a + "dt_bias_bwd", (Hv,), "dt_bias"),
-                    (a + "in_proj_b_bwd.weight", (Hv, H), "linear"),
-                    (a + "in_proj_a_bwd.weight", (Hv, H), "linear"),
-                    (a + "bwd_mix", (Hv,), "mix"),
-                ]
-        else:
-            a = p + "self_attn."
-            specs += [
-                (a + "q_proj.weight", (nh * hd * 2, H), "linear"),
-                (a + "k_proj.weight", (nkv * hd, H), "linear"),
-                (a + "v_proj.weight", (nkv * hd, H), "linear"),
-                (a + "o_proj.weight", (H, nh * hd), "linear"),
-                (a + "q_norm.weight", (hd,), "norm0"),
-                (a + "k_norm.weight", (hd,), "norm0"),
-            ]
-        m = p + "mlp."
-        specs.append((m + "gate.weight", (E, H), "router"))
-        if fused_experts:
-            specs += [
-                (m + "experts.gate_up_proj", (E, 2 * I, H), "experts_gate_up"),
-                (m + "experts.down_proj", (E, H, I), "experts_down"),
-            ]
-        else:
-            for e in range(E):
-                specs += [
-                    (m + f"experts.{e}.gate_proj.weight", (I, H), "linear"),
-                    (m + f"experts.{e}.up_proj.weight", (I, H), "linear"),
-                    (m + f"experts.{e}.down_proj.weight", (H, I), "linear"),
-                ]
-        specs += [
-            (m + "shared_expert.gate_proj.weight", (Is, H), "linear"),
-            (m + "shared_expert.up_proj.weight", (Is, H), "linear"),
-            (m + "shared_expert.down_proj.weight", (H, Is), "linear"),
-            (m + "shared_expert_gate.weight", (1, H), "linear"),
-            (p + "post_attention_layernorm.weight", (H,), "norm0"),
-        ]
+        specs += _layer_specs(cfg, f"layers.{i}.", lt, clover, fused_experts)
     specs += [("norm.weight", (H,), "norm0"), ("lm_head.weight", (V, H), "lm_head")]
+    n_mtp = int(cfg.get("mtp_num_hidden_layers") or 0)
+    if n_mtp:
+        specs += [
+            ("mtp.fc.weight", (H, 2 * H), "linear"),
+            ("mtp.pre_fc_norm_embedding.weight", (H,), "norm0"),
+            ("mtp.pre_fc_norm_hidden.weight", (H,), "norm0"),
+            ("mtp.norm.weight", (H,), "norm0"),
+        ]
+        for j in range(n_mtp):
+            specs += _layer_specs(cfg, f"mtp.layers.{j}.", "full_attention", False, fused_experts)
     return specs
 
 
@@ -395,7 +417,7 @@ def make_tensor(name: str, shape: tuple, kind: str, seed: int, dtype=torch.bfloa
 # ---------------------------------------------------------------------------------------------
 
 def _full_name(name: str, prefix: str) -> str:
-    return name if name == "lm_head.weight" else prefix + name
+    return name if name == "lm_head.weight" or name.startswith("mtp.") else prefix + name
 
 
 def make_checkpoint(
@@ -419,6 +441,7 @@ def make_checkpoint(
     lm_head_gain: float = LM_HEAD_GAIN,
     router_gain: float = ROUTER_GAIN,
     progress: bool = False,
+    mtp: int = 0,
 ) -> pathlib.Path:
     """Write a random HF checkpoint to ``out_dir`` (created if needed) and return its Path.
 
@@ -431,14 +454,19 @@ def make_checkpoint(
     max_shard_bytes: shard limit (default 2 GB; always at most half the total, so there are at
     least two shards). Weights are stored as ``dtype`` (bf16 default). lm_head_gain /
     router_gain: std * sqrt(hidden) of the LM head and router weights (defaults LM_HEAD_GAIN,
-    ROUTER_GAIN). extra_config: keys merged into config.json last. Raises ValueError on bad
-    options.
+    ROUTER_GAIN). extra_config: keys merged into config.json last. mtp: number of MTP layers
+    (``mtp_num_hidden_layers`` in config.json; True = 1): the ``mtp.*`` tensors of
+    ``param_specs`` are written after the trunk (top level, whatever ``prefix``). Adding them
+    changes no other tensor's values. Raises ValueError on bad options.
     """
     if prefix not in ("model.", "model.language_model."):
         raise ValueError(f"prefix: {prefix!r} (expected 'model.' or 'model.language_model.')")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = text_config(dims, n_layers)
+    if int(mtp) < 0:
+        raise ValueError(f"mtp: {mtp} (expected >= 0)")
+    cfg["mtp_num_hidden_layers"] = int(mtp)
     if vocab_size is not None:
         cfg["vocab_size"] = int(vocab_size)
     if cfg["vocab_size"] < tokenizer_vocab:
@@ -527,6 +555,119 @@ def make_checkpoint(
     return out
 
 
+def make_hf_saved_checkpoint(
+    out_dir,
+    seed: int = 0,
+    mtp: int = 0,
+    *,
+    n_layers: int | None = None,
+    max_shard_size: int | str = "4MB",
+    tokenizer_vocab: int = 2000,
+    dtype: torch.dtype = torch.bfloat16,
+    lm_head_gain: float = LM_HEAD_GAIN,
+    router_gain: float = ROUTER_GAIN,
+) -> pathlib.Path:
+    """Write a tiny ``Qwen3_5MoeForCausalLM`` checkpoint saved by transformers itself and return
+    its Path (``out_dir``, created if needed).
+
+    The model is built by transformers (``Qwen3_5MoeTextConfig`` from ``text_config("tiny",
+    n_layers)``), every parameter is overwritten with the value ``make_tensor`` draws for it (same
+    kinds and scales as ``make_checkpoint``: zero-centred norms, the GDN gated norm around 1,
+    ``A_log``, ``dt_bias``, conv, routers and LM head included), cast to ``dtype`` and written by
+    ``save_pretrained(out_dir, max_shard_size=...)``: transformers' own names (prefix ``model.``;
+    experts as transformers writes them: 5.23 reverses its load-time fusion and writes per-expert
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, as the released checkpoints store them),
+    sharding, index and config.json. The values therefore equal those of
+    ``make_checkpoint(clover=False, seed=seed)``. The tokenizer is ``make_checkpoint``'s
+    (``build_tokenizer(tokenizer_vocab)``); config.json's eos_token_id is ``<|endoftext|>`` as there.
+
+    mtp: number of MTP layers (True = 1). transformers has no MTP module (it ignores ``mtp.*`` on
+    load), so as in the released Qwen3.5/3.6 checkpoints the ``mtp.*`` tensors of ``param_specs``
+    (experts in the layout transformers used for the trunk) go into one more shard listed in the
+    index, and config.json gets ``mtp_num_hidden_layers``.
+
+    Raises RuntimeError when transformers' parameters differ from ``param_specs`` (names or
+    shapes), ValueError on bad options. Needs torch and transformers (5.x).
+    """
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    n_mtp = int(mtp)
+    if n_mtp < 0:
+        raise ValueError(f"mtp: {mtp} (expected >= 0)")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    cfg = text_config("tiny", n_layers)
+    if cfg["vocab_size"] < tokenizer_vocab:
+        raise ValueError(f"vocab_size {cfg['vocab_size']} < tokenizer_vocab {tokenizer_vocab}")
+    ids = _write_tokenizer(out, build_tokenizer(tokenizer_vocab))
+    cfg["eos_token_id"] = ids["<|endoftext|>"]
+    cfg["mtp_num_hidden_layers"] = n_mtp
+    specs = param_specs(cfg, clover=False, fused_experts=True)
+
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see make_checkpoint
+    try:
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**cfg))
+        params = dict(model.named_parameters())
+        want = {_full_name(n, "model."): (n, shape, kind) for n, shape, kind in specs if not n.startswith("mtp.")}
+        if set(params) != set(want):
+            raise RuntimeError(f"transformers parameters differ from param_specs: only in transformers "
+                               f"{sorted(set(params) - set(want))[:5]}, only in param_specs "
+                               f"{sorted(set(want) - set(params))[:5]}")
+        with torch.no_grad():
+            for full, p in params.items():
+                name, shape, kind = want[full]
+                if tuple(p.shape) != tuple(shape):
+                    raise RuntimeError(f"{full}: transformers shape {list(p.shape)}, param_specs {list(shape)}")
+                p.copy_(make_tensor(name, shape, kind, seed, dtype, lm_head_gain, router_gain).to(p.dtype))
+        model.to(dtype)
+        model.save_pretrained(str(out), max_shard_size=max_shard_size)
+        del model
+        saved = set()
+        for f in out.glob("model*.safetensors"):
+            from safetensors import safe_open
+            with safe_open(str(f), "pt") as st:
+                saved.update(st.keys())
+        fused = "model.layers.0.mlp.experts.gate_up_proj" in saved
+        mtp_specs = param_specs(cfg, clover=False, fused_experts=fused)
+        mtp_tensors = {n: make_tensor(n, shape, kind, seed, dtype, lm_head_gain, router_gain).contiguous()
+                       for n, shape, kind in mtp_specs if n.startswith("mtp.")}
+    finally:
+        torch.set_num_threads(n_threads)
+
+    if mtp_tensors:
+        idx_path = out / "model.safetensors.index.json"
+        if idx_path.is_file():
+            index = json.loads(idx_path.read_text())
+        else:  # one shard: give it a shard name and an index
+            (out / "model.safetensors").rename(out / "model-00001-of-00001.safetensors")
+            index = {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in saved}}
+        shards = sorted(set(index["weight_map"].values()))
+        n = len(shards) + 1
+        rename = {s: f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k, s in enumerate(shards)}
+        for s in shards:
+            (out / s).rename(out / (rename[s] + ".tmp"))
+        for s in shards:
+            (out / (rename[s] + ".tmp")).rename(out / rename[s])
+        last = f"model-{n:05d}-of-{n:05d}.safetensors"
+        save_file(mtp_tensors, str(out / last), metadata={"format": "pt"})
+        wm = {k: rename[v] for k, v in index["weight_map"].items()}
+        wm.update({k: last for k in mtp_tensors})
+        index["weight_map"] = dict(sorted(wm.items()))
+        meta = index.setdefault("metadata", {})
+        if "total_size" in meta:
+            meta["total_size"] = int(meta["total_size"]) + sum(t.numel() * t.element_size()
+                                                               for t in mtp_tensors.values())
+        idx_path.write_text(json.dumps(index, indent=2) + "\n")
+        cfg_path = out / "config.json"
+        config = json.loads(cfg_path.read_text())
+        config["mtp_num_hidden_layers"] = n_mtp
+        cfg_path.write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def main(argv=None) -> int:
     """CLI entry point (see module docstring). Returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m convert.make_checkpoint",
@@ -541,11 +682,13 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-shard-bytes", type=int, default=None)
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--mtp", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="add N multi-token-prediction layers (mtp.*; --mtp alone: 1)")
     a = ap.parse_args(argv)
     out = make_checkpoint(a.out_dir, dims=a.dims, n_layers=a.layers, clover=not a.parent,
                           prefix=a.prefix, fused_experts=not a.per_expert, seed=a.seed,
                           block_size=a.block_size, max_shard_bytes=a.max_shard_bytes,
-                          progress=a.progress)
+                          progress=a.progress, mtp=a.mtp)
     print(out)
     return 0
 

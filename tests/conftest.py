@@ -5,6 +5,12 @@
   fused_experts, seed, block_size, logits_shift, lm_head_gain, router_gain, extra_config, ...).
   Each distinct option set is written once per session under pytest's tmp dir and reused.
 - ``tiny_ckpt``: the default tiny Clover checkpoint (prefix ``model.``, fused experts, seed 0).
+- ``make_hf_ckpt(**opts) -> pathlib.Path``: session-scoped factory of tiny
+  ``Qwen3_5MoeForCausalLM`` checkpoints written by transformers' own ``save_pretrained``
+  (sharded, index, transformers' config.json; every parameter random with make_checkpoint's
+  scales, so the values equal ``make_ckpt(clover=False, seed=...)``); ``opts`` are keyword
+  arguments of ``convert.make_checkpoint.make_hf_saved_checkpoint`` (seed, mtp, n_layers,
+  max_shard_size, ...). Cached per option set (do not modify the returned directory).
 """
 
 from __future__ import annotations
@@ -76,6 +82,26 @@ def make_gguf(make_ckpt, tmp_path_factory):
             out = tmp_path_factory.mktemp("gguf") / f"{outtype}-{arch or 'auto'}.gguf"
             convert(make_ckpt(**ckpt_opts), out, outtype=outtype, arch=arch, progress=False)
             cache[key] = out
+        return cache[key]
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def make_hf_ckpt(tmp_path_factory):
+    """Factory fixture: ``make_hf_ckpt(**opts)`` returns the directory of a tiny
+    Qwen3_5MoeForCausalLM checkpoint saved by transformers
+    (``convert.make_checkpoint.make_hf_saved_checkpoint(out_dir, **opts)``), cached per option set
+    for the whole session (do not modify the returned directory)."""
+    from convert.make_checkpoint import make_hf_saved_checkpoint
+
+    cache: dict[str, pathlib.Path] = {}
+
+    def _make(**opts) -> pathlib.Path:
+        key = json.dumps(opts, sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("hfckpt")
+            cache[key] = make_hf_saved_checkpoint(out, **opts)
         return cache[key]
 
     return _make
