@@ -6,6 +6,12 @@ one GGUF file with llama.cpp's ``qwen35moe`` layout, plus the Clover diffusion k
 backward-branch tensors for ``arch="clover"``. The tensor names come from one table,
 ``convert.tensor_map``.
 
+Layouts (detected from config.json and the tensor names): ``Qwen3_5MoeForCausalLM`` (prefix
+``model.``), ``Qwen3_5MoeForConditionalGeneration`` (prefix ``model.language_model.``, text config
+under ``text_config``; ``visual.*`` / ``model.visual.*`` dropped), Clover (spec 3.4), fused 3-D
+experts or per-expert 2-D tensors, and the ``mtp.*`` multi-token-prediction block (kept as
+llama.cpp keeps it, see ``convert``; ``--no-mtp`` drops it).
+
 Design:
 
 - Everything is checked before the output is opened: the shard set against
@@ -36,6 +42,7 @@ import os
 import pathlib
 import struct
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -86,6 +93,11 @@ class ConvertError(ValueError):
 
 class MissingShardError(ConvertError, FileNotFoundError):
     """A safetensors shard listed in model.safetensors.index.json does not exist."""
+
+
+class ConvertWarning(UserWarning):
+    """Something converted as transformers / llama.cpp would, but worth telling the user: a
+    safetensors file the checkpoint does not use (ignored), or f16 output overflowing to inf."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,16 +180,33 @@ def read_safetensors_header(path: pathlib.Path) -> dict[str, SourceTensor]:
     return out
 
 
-def load_tensor_index(hf_dir: pathlib.Path) -> dict[str, SourceTensor]:
+def load_tensor_index(hf_dir: pathlib.Path, ignored: list | None = None) -> dict[str, SourceTensor]:
     """Find every tensor of the checkpoint without reading any data (spec 4.3).
 
     With ``model.safetensors.index.json``, every shard it lists must exist (MissingShardError
     naming the first missing one) and hold the tensors the index assigns to it. Without an index,
     ``model.safetensors`` or else every ``*.safetensors`` file is used. Raises ConvertError when
     no weights are found or a tensor appears twice.
+
+    Stray files: a ``*.safetensors`` file in ``hf_dir`` that the index does not list (or, without
+    an index, any other ``*.safetensors`` next to ``model.safetensors``) is not read, as
+    transformers (``from_pretrained`` loads the index's shards only) and llama.cpp's converter
+    (the index's ``weight_map`` values) do; never merged. Each one gets a ConvertWarning naming
+    it, and its name is appended to ``ignored`` when a list is given.
     """
     index_path = hf_dir / "model.safetensors.index.json"
     tensors: dict[str, SourceTensor] = {}
+
+    def warn_unused(used):
+        why = (f"not listed in {index_path.name}" if index_path.is_file()
+               else "no index, and model.safetensors is the checkpoint")
+        for p in sorted(hf_dir.glob("*.safetensors")):
+            if p.name not in used:
+                warnings.warn(f"{p.name}: {why}; ignored, not merged (as transformers and llama.cpp do)",
+                              ConvertWarning, stacklevel=3)
+                if ignored is not None:
+                    ignored.append(p.name)
+
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -188,6 +217,7 @@ def load_tensor_index(hf_dir: pathlib.Path) -> dict[str, SourceTensor]:
             if not (hf_dir / s).is_file():
                 raise MissingShardError(f"missing shard {s} (listed in {index_path.name})")
         headers = {s: read_safetensors_header(hf_dir / s) for s in shards}
+        warn_unused(set(shards))
         for name, s in weight_map.items():
             if name not in headers[s]:
                 raise ConvertError(f"tensor {name}: {index_path.name} places it in {s}, which does not contain it")
@@ -201,6 +231,7 @@ def load_tensor_index(hf_dir: pathlib.Path) -> dict[str, SourceTensor]:
         else sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ConvertError(f"{hf_dir}: no model.safetensors.index.json and no *.safetensors files")
+    warn_unused({p.name for p in files})
     for p in files:
         for name, t in read_safetensors_header(p).items():
             if name in tensors:
@@ -241,10 +272,21 @@ class HParams:
     layer_types: list
     tie: bool
     eos_token_id: int | None = None
+    mtp_config: int = 0  # mtp_num_hidden_layers in config.json (0 when absent)
+    n_mtp: int = 0  # MTP blocks written (set by build_plan from the tensors; 0 with --no-mtp)
 
     @property
     def C(self) -> int:
         return 2 * self.Hk * self.dk + self.Hv * self.dv
+
+    @property
+    def block_count(self) -> int:
+        """GGUF block_count: the trunk layers plus the MTP blocks (llama.cpp's n_layer_all)."""
+        return self.n_layer + self.n_mtp
+
+    def layer_type(self, i: int) -> str:
+        """Kind of block i; MTP blocks (i >= n_layer) are full-attention layers."""
+        return self.layer_types[i] if i < self.n_layer else TM.ATTN
 
 
 def read_hparams(config: dict) -> HParams:
@@ -306,7 +348,27 @@ def read_hparams(config: dict) -> HParams:
         ctx=int(tc.get("max_position_embeddings", 262144)), interval=interval, layer_types=lt,
         tie=bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
         eos_token_id=None if eos is None else int(eos),
+        mtp_config=int(tc.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers")) or 0),
     )
+
+
+# config.json "architectures" this converter reads (spec 3.4 and 4.3); the tensor prefix is found
+# from the tensor names, so any of these may use either prefix.
+KNOWN_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "CloverForDiffusionLM")
+
+
+def _check_architecture(config: dict) -> None:
+    """Raise ConvertError when config.json names an architecture this converter cannot read
+    (absent "architectures" is accepted; names starting with "Clover" are accepted, spec 3.4 being
+    [assumed])."""
+    archs = config.get("architectures")
+    if not archs:
+        return
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConvertError(f"config.json: architectures {archs!r} is not a list of names")
+    if not any(a in KNOWN_ARCHITECTURES or a.startswith("Clover") for a in archs):
+        raise ConvertError(f"config.json: architectures {archs} not supported (expected one of "
+                           f"{', '.join(KNOWN_ARCHITECTURES)})")
 
 
 def _hf_shapes(hp: HParams) -> dict[str, list[tuple]]:
@@ -339,6 +401,9 @@ def _hf_shapes(hp: HParams) -> dict[str, list[tuple]]:
         "mlp.shared_expert.gate_proj.weight": [(hp.Is, H)],
         "mlp.shared_expert.up_proj.weight": [(hp.Is, H)],
         "mlp.shared_expert.down_proj.weight": [(H, hp.Is)],
+        # MTP block globals (tensor_map.MTP_GLOBAL_MAP)
+        "mtp.fc.weight": [(H, 2 * H)], "mtp.pre_fc_norm_embedding.weight": [(H,)],
+        "mtp.pre_fc_norm_hidden.weight": [(H,)], "mtp.norm.weight": [(H,)],
     }
 
 
@@ -492,8 +557,12 @@ def encode(a: np.ndarray, qtype, pool=None) -> np.ndarray:
         out = to_f32(a)
     elif qtype == Q.BF16:
         out = a if a.dtype == np.uint16 else gguf.quants.quantize(to_f32(a), Q.BF16)
-    elif qtype == Q.F16:
-        out = a if a.dtype == np.float16 else to_f32(a).astype(np.float16)
+    elif qtype == Q.F16:  # beyond +-65504 rounds to +-inf, as numpy's cast in llama.cpp's converter does
+        if a.dtype == np.float16:
+            out = a
+        else:
+            with np.errstate(over="ignore"):
+                out = to_f32(a).astype(np.float16)
     elif qtype.name in _NATIVE_OK:
         out = _quantize_native(np.ascontiguousarray(to_f32(a)), qtype, pool)
     elif qtype in (Q.Q5_0, Q.Q5_1):
@@ -532,12 +601,15 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
     tensor, or the Clover/parent inconsistency (spec 3.4).
     """
     hp = read_hparams(config)
+    _check_architecture(config)
     names = sorted(sources)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
-    dropped, mtp = [], []
+    dropped: list[str] = []
     glob_src: dict[str, SourceTensor] = {}
-    layer_src: list[dict[str, SourceTensor]] = [dict() for _ in range(hp.n_layer)]
-    experts: list[dict[tuple, SourceTensor]] = [dict() for _ in range(hp.n_layer)]
+    mtp_glob: dict[str, SourceTensor] = {}  # tensor_map.MTP_GLOBAL_MAP key -> source
+    mtp_prefix = None  # the MTP prefix the checkpoint uses
+    # (HF name, block index, suffix, source): trunk layers and MTP layers (block n_layer + j)
+    entries: list[tuple[str, int, str, SourceTensor]] = []
     shapes = _hf_shapes(hp)
 
     def check_shape(name, key, shape):
@@ -549,16 +621,33 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
         if n.startswith(("visual.", "model.visual.")):
             dropped.append(n)  # spec 4.3: the vision tower is not converted
             continue
-        if n.startswith(("mtp.", "model.mtp.")):
-            mtp.append(n)
-            continue
         src = sources[n]
+        mp = next((p for p in TM.MTP_PREFIXES if n.startswith(p)), None)
+        if mp is not None:  # multi-token prediction block (tensor_map.MTP_GLOBAL_MAP)
+            if no_mtp:
+                dropped.append(n)
+                continue
+            if mtp_prefix not in (None, mp):
+                raise ConvertError(f"tensor {n}: MTP tensors under two prefixes ({mtp_prefix!r} and {mp!r})")
+            mtp_prefix = mp
+            rest = n[len(mp):]
+            if rest in TM.MTP_GLOBAL_MAP:
+                check_shape(n, "mtp." + rest, src.shape)
+                mtp_glob[rest] = src
+                continue
+            ls = _layer_and_suffix(rest)
+            if ls is None:
+                raise ConvertError(f"unrecognised tensor {n} (MTP tensors are {mp}layers.N.*, "
+                                   f"{', '.join(mp + k for k in TM.MTP_GLOBAL_MAP)})")
+            entries.append((n, hp.n_layer + ls[0], ls[1], src))
+            continue
         if n == TM.LM_HEAD[0]:
             check_shape(n, "lm_head.weight", src.shape)
             glob_src["lm_head.weight"] = src
             continue
         if not n.startswith(prefix):
-            raise ConvertError(f"unrecognised tensor {n} (expected prefix {prefix!r}, lm_head.weight, visual.*)")
+            raise ConvertError(f"unrecognised tensor {n} (expected prefix {prefix!r}, lm_head.weight, mtp.*, "
+                               f"visual.*)")
         rest = n[len(prefix):]
         if rest in TM.GLOBAL_MAP:
             check_shape(n, rest, src.shape)
@@ -567,34 +656,58 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
         ls = _layer_and_suffix(rest)
         if ls is None:
             raise ConvertError(f"unrecognised tensor {n}")
-        i, suffix = ls
-        if i >= hp.n_layer:
-            raise ConvertError(f"tensor {n}: layer {i} >= num_hidden_layers {hp.n_layer}")
+        if ls[0] >= hp.n_layer:
+            raise ConvertError(f"tensor {n}: layer {ls[0]} >= num_hidden_layers {hp.n_layer}")
+        entries.append((n, ls[0], ls[1], src))
+
+    # --- MTP blocks (llama.cpp _QwenMtpMixin): block count from the tensors, checked against config ---
+    mtp_layers = sorted({i - hp.n_layer for _, i, _, _ in entries if i >= hp.n_layer})
+    hp.n_mtp = mtp_layers[-1] + 1 if mtp_layers else 0
+    if not no_mtp:
+        if hp.n_mtp and mtp_layers != list(range(hp.n_mtp)):
+            missing = sorted(set(range(hp.n_mtp)) - set(mtp_layers))
+            raise ConvertError(f"missing tensors {mtp_prefix}layers.{missing[0]}.* (MTP layers "
+                               f"{mtp_layers} found)")
+        if mtp_glob and not hp.n_mtp:
+            raise ConvertError(f"tensor {mtp_prefix}{next(iter(mtp_glob))}: MTP tensors without any "
+                               f"{mtp_prefix}layers.N.* layer")
+        if hp.mtp_config and hp.n_mtp != hp.mtp_config:
+            have = (f"{hp.n_mtp} MTP layers ({mtp_prefix}layers.N.*)" if hp.n_mtp
+                    else "no mtp.* tensors")
+            raise ConvertError(f"config.json: mtp_num_hidden_layers {hp.mtp_config} but the checkpoint has "
+                               f"{have}; pass --no-mtp (no_mtp=True) to convert without MTP")
+        if hp.n_mtp:
+            for key, (gname, _, required) in TM.MTP_GLOBAL_MAP.items():
+                if required and key not in mtp_glob:
+                    raise ConvertError(f"missing tensor {mtp_prefix}{key} (blk.{hp.n_layer}.{gname})")
+
+    n_blocks = hp.block_count
+    layer_src: list[dict[str, SourceTensor]] = [dict() for _ in range(n_blocks)]
+    experts: list[dict[tuple, SourceTensor]] = [dict() for _ in range(n_blocks)]
+    for n, i, suffix, src in entries:
         suffix = TM.FUSED_ALIASES.get(suffix, suffix)
         m = TM.PER_EXPERT_RE.match(suffix)
         if m:
             e, which = int(m.group(1)), m.group(2)
             if e >= hp.E:
                 raise ConvertError(f"tensor {n}: expert {e} >= num_experts {hp.E}")
+            if (which, e) in experts[i]:
+                raise ConvertError(f"tensor {n} appears twice")
             check_shape(n, f"mlp.experts.{which}", src.shape)
             experts[i][(which, e)] = src
             continue
         row = TM.LAYER_BY_HF.get(suffix)
         if row is None:
             raise ConvertError(f"unrecognised tensor {n}")
-        kind = row[3]
-        if kind != TM.ANY and kind != hp.layer_types[i]:
-            raise ConvertError(f"tensor {n}: layer {i} is a {hp.layer_types[i]} layer "
-                               f"(full_attention_interval {hp.interval}), not {kind}")
+        kind, lt = row[3], hp.layer_type(i)
+        if kind != TM.ANY and kind != lt:
+            where = (f"layer {i} is a {lt} layer (full_attention_interval {hp.interval})" if i < hp.n_layer
+                     else f"MTP layer {i - hp.n_layer} is a {lt} layer")
+            raise ConvertError(f"tensor {n}: {where}, not {kind}")
         if suffix in layer_src[i]:
             raise ConvertError(f"tensor {n} appears twice")
         check_shape(n, suffix, src.shape)
         layer_src[i][suffix] = src
-
-    if mtp and not no_mtp:
-        raise ConvertError(f"checkpoint has {len(mtp)} MTP tensors ({mtp[0]}, ...); this converter does "
-                           f"not write MTP layers yet: pass --no-mtp (no_mtp=True) to drop them")
-    dropped += mtp
 
     # --- Clover or parent (spec 3.4) ---
     clover_suffixes = [r[0] for r in TM.LAYER_MAP if r[4]]
@@ -637,15 +750,16 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
 
     emb = need_global("embed_tokens.weight", "token_embd.weight")
     add("token_embd.weight", emb.shape, _row_pieces(emb), [emb])
-    for i in range(hp.n_layer):
-        ls, lt = layer_src[i], hp.layer_types[i]
+    for i in range(n_blocks):
+        ls, lt = layer_src[i], hp.layer_type(i)
         exp = experts[i]
+        hf_layer = f"{prefix}layers.{i}." if i < hp.n_layer else f"{mtp_prefix}layers.{i - hp.n_layer}."
         fused = "mlp.experts.gate_up_proj" in ls or "mlp.experts.down_proj" in ls
         if fused and exp:
-            raise ConvertError(f"layer {i}: both fused (mlp.experts.gate_up_proj) and per-expert "
-                               f"(mlp.experts.{{e}}.*) expert tensors")
+            raise ConvertError(f"{hf_layer}mlp.experts: both fused (gate_up_proj / down_proj) and per-expert "
+                               f"({{e}}.gate_proj.weight ...) expert tensors")
         for hf_suffix, gsuffix, kind, lkind, clover_only in TM.LAYER_MAP:
-            hf_name = f"{prefix}layers.{i}.{hf_suffix}"
+            hf_name = hf_layer + hf_suffix
             if lkind != TM.ANY and lkind != lt:
                 continue
             if clover_only and not clover:
@@ -660,7 +774,7 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
                         srcs = []
                         for e in range(hp.E):
                             if (which, e) not in exp:
-                                raise ConvertError(f"missing tensor {prefix}layers.{i}.mlp.experts.{e}."
+                                raise ConvertError(f"missing tensor {hf_layer}mlp.experts.{e}."
                                                    f"{which}_proj.weight (blk.{i}.{TM.PER_EXPERT_MAP[which]})")
                             srcs.append(exp[(which, e)])
                         add(f"blk.{i}.{TM.PER_EXPERT_MAP[which]}", (hp.E,) + srcs[0].shape,
@@ -678,6 +792,12 @@ def build_plan(hf_dir: pathlib.Path, config: dict, sources: dict, outtype: str, 
                 add(f"blk.{i}.{gsuffix}", src.shape, _row_pieces(src), [src])
             else:
                 add(f"blk.{i}.{gsuffix}", _out_shape(kind, src.shape, hp), _whole(src, kind, hp), [src])
+        if i == hp.n_layer:  # the MTP block's own tensors (llama.cpp nextn.*), after its layer tensors
+            for key, (gsuffix, kind, _) in TM.MTP_GLOBAL_MAP.items():
+                if key in mtp_glob:
+                    src = mtp_glob[key]
+                    pieces = _row_pieces(src) if kind == "none" else _whole(src, kind, hp)
+                    add(f"blk.{i}.{gsuffix}", src.shape, pieces, [src])
     onorm = need_global("norm.weight", "output_norm.weight")
     add("output_norm.weight", onorm.shape, _whole(onorm, "norm1p", hp), [onorm])
     if "lm_head.weight" in glob_src:
@@ -816,7 +936,7 @@ def _add_metadata(w, plan: Plan, vocab: Vocab, outtype: str, name: str) -> None:
     w.add_file_type(_file_type(outtype))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     # spec 4.2 / contract, prefix = arch
-    w.add_block_count(hp.n_layer)
+    w.add_block_count(hp.block_count)  # trunk + MTP blocks, as llama.cpp's converter writes it
     w.add_context_length(hp.ctx)
     w.add_embedding_length(hp.H)
     w.add_feed_forward_length(hp.I)
@@ -837,7 +957,13 @@ def _add_metadata(w, plan: Plan, vocab: Vocab, outtype: str, name: str) -> None:
     w.add_ssm_group_count(hp.Hk)
     w.add_ssm_time_step_rank(hp.Hv)
     w.add_ssm_inner_size(hp.Hv * hp.dv)
+    # llama.cpp (Qwen3NextModel.set_gguf_parameters): one bool per block, false for attention and
+    # for the MTP blocks (gguf-py 0.19 has no add_recurrent_layers; same key and BOOL array type)
+    w.add_array(f"{plan.arch}.attention.recurrent_layers",
+                [hp.layer_type(i) == TM.GDN for i in range(hp.block_count)])
     w.add_full_attention_interval(hp.interval)
+    if hp.n_mtp:
+        w.add_nextn_predict_layers(hp.n_mtp)
     for key, (typ, v) in plan.clover_kv.items():
         k = f"clover.diffusion.{key}"
         if typ == "uint32":
@@ -879,10 +1005,24 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
     llama.cpp LLAMA_FTYPE value, general.quantization_version 2. threads: quantiser threads
     (default os.cpu_count()). arch: None (clover when the checkpoint is Clover, else
     qwen35moe), "clover" or "qwen35moe" (drops the Clover-only tensors and keys). progress: tqdm
-    bar on stderr. no_mtp: drop ``mtp.*`` tensors (otherwise they are an error).
+    bar on stderr.
+
+    MTP (multi-token prediction, ``mtp.*``): kept as llama.cpp's converter keeps it, for both
+    arches. ``mtp.layers.j.*`` becomes block ``num_hidden_layers + j`` (a full-attention MoE layer,
+    same names and transforms as the trunk); ``mtp.fc`` -> ``blk.N.nextn.eh_proj.weight``,
+    ``mtp.pre_fc_norm_embedding`` -> ``nextn.enorm``, ``mtp.pre_fc_norm_hidden`` -> ``nextn.hnorm``,
+    ``mtp.norm`` -> ``nextn.shared_head_norm`` (N = num_hidden_layers; the three norms +1, F32);
+    ``{arch}.block_count`` counts the MTP blocks, ``{arch}.nextn_predict_layers`` is their number and
+    ``{arch}.attention.recurrent_layers`` (written for every file) is false for them. The MTP block
+    count comes from the tensors; a config ``mtp_num_hidden_layers`` that disagrees is an error.
+    no_mtp: drop the ``mtp.*`` tensors (listed in ``dropped``) and write no MTP block.
+    With f16 output, values beyond the f16 range become +-inf (llama.cpp's converter does the same),
+    with a ConvertWarning naming the tensor. A ``*.safetensors`` file the index does not list is
+    ignored with a ConvertWarning (``load_tensor_index``).
 
     Returns a dict: path, arch, outtype, file_type, n_tensors, tensors (GGUF names in file
-    order), n_bytes (file size), dropped (HF tensor names not converted).
+    order), n_bytes (file size), dropped (HF tensor names not converted), ignored (safetensors
+    files not read), n_mtp (MTP blocks written).
 
     Raises MissingShardError (a ConvertError) for a shard listed in the index but absent, and
     ConvertError for anything else the converter cannot map; in both cases before the output
@@ -898,7 +1038,8 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
     if not cfg_path.is_file():
         raise ConvertError(f"{hf_dir}: missing config.json")
     config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    sources = load_tensor_index(hf_dir)
+    ignored: list[str] = []
+    sources = load_tensor_index(hf_dir, ignored)
     plan = build_plan(hf_dir, config, sources, outtype, arch, no_mtp=no_mtp)
     vocab = read_vocab(hf_dir, plan.hp)
 
@@ -926,15 +1067,21 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
         try:
             for t in plan.tensors:
                 w.write_padding(fout, fout.tell())
-                n = 0
+                n = n_inf = 0
                 for piece in t.pieces():
                     b = encode(piece.reshape(-1, t.shape[-1]), t.qtype, pool)
+                    if t.qtype == gguf.GGMLQuantizationType.F16 and piece.dtype != np.float16:
+                        n_inf += int(np.count_nonzero(np.isinf(b) & np.isfinite(to_f32(piece).reshape(b.shape))))
                     fout.write(b.reshape(-1).view(np.uint8).data)
                     n += b.nbytes
                     if bar is not None:
                         bar.update(b.nbytes)
                 if n != t.nbytes:
                     raise ConvertError(f"internal: tensor {t.name} wrote {n} bytes, expected {t.nbytes}")
+                if n_inf:
+                    warnings.warn(f"tensor {t.name}: {n_inf} values beyond the f16 range (|x| > 65504) written "
+                                  f"as inf (as llama.cpp's converter does); --outtype bf16 or f32 keeps them",
+                                  ConvertWarning, stacklevel=2)
                 w.write_padding(fout, n)
         finally:
             if bar is not None:
@@ -956,6 +1103,8 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
         "tensors": [t.name for t in plan.tensors],
         "n_bytes": out_path.stat().st_size,
         "dropped": plan.dropped,
+        "ignored": ignored,
+        "n_mtp": plan.hp.n_mtp,
     }
 
 
@@ -973,7 +1122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", choices=ARCHES, default=None,
                     help="default: clover for a Clover checkpoint, else qwen35moe; "
                          "qwen35moe on a Clover checkpoint drops the Clover-only tensors and keys")
-    ap.add_argument("--no-mtp", action="store_true", help="drop mtp.* (multi-token prediction) tensors")
+    ap.add_argument("--no-mtp", action="store_true",
+                    help="drop mtp.* (multi-token prediction) tensors (default: kept as llama.cpp keeps them, "
+                         "as block num_hidden_layers with nextn.* tensors)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--threads", "-t", type=int, default=None, help="quantiser threads (default: all CPUs)")
     a = ap.parse_args(argv)
@@ -984,7 +1135,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     print(f"wrote {r['path']}: arch {r['arch']}, {r['outtype']}, {r['n_tensors']} tensors, "
-          f"{r['n_bytes'] / 2**20:.1f} MiB" + (f", dropped {len(r['dropped'])} tensors" if r["dropped"] else ""))
+          f"{r['n_bytes'] / 2**20:.1f} MiB" + (f", {r['n_mtp']} MTP block(s)" if r["n_mtp"] else "")
+          + (f", dropped {len(r['dropped'])} tensors" if r["dropped"] else ""))
     return 0
 
 

@@ -26,6 +26,13 @@ the file types this project writes. Summary of those rules as they apply here:
   Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; 32-block types stay; F16 when even the fallback
   does not divide ne0.
 
+MTP blocks (``nextn_predict_layers``; llama-quantize loads them, ``load_mtp = true``): their layer
+tensors take the ordinary rules with the block index from the name, and llama.cpp's layer count
+``n_layer_all`` is the GGUF ``block_count``, trunk plus MTP blocks (so the MTP layer's ``ffn_down``
+counts in ``use_more_bits`` and its ``attn_v`` in the attn_v-like counter). ``nextn.eh_proj`` is in
+no category and takes the default type (llama.cpp's Q8_0 floor for it applies to glm5-next only);
+``nextn.enorm`` / ``hnorm`` / ``shared_head_norm`` are 1-D, hence F32.
+
 Clover's extra tensors follow the same name rules, which puts them with their forward twins
 (``ssm_conv1d_bwd.weight`` contains ``ssm_conv1d``; ``ssm_a_bwd``, ``ssm_dt_bwd.bias`` and
 ``ssm_bwd_mix`` are 1-D; ``ssm_beta_bwd``/``ssm_alpha_bwd`` take the default type).
@@ -138,10 +145,11 @@ def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
     """Per-tensor GGML type for outtype ``ftype`` (llama.cpp's qwen35moe rules; module docstring).
 
     arch: "qwen35moe" or "clover" (same rules). hparams: ``convert.convert.HParams`` or a dict
-    / object with n_layer (block count), E (experts), nh (attention heads), nkv (KV heads);
-    the HF config names num_hidden_layers, num_experts, num_attention_heads,
-    num_key_value_heads are accepted too. tensors: mapping (or iterable of pairs) GGUF name ->
-    shape in numpy order (last entry = row length ne0). ftype: one of ``OUTTYPES``.
+    / object with block_count (trunk + MTP blocks; else n_layer plus an optional n_mtp),
+    E (experts), nh (attention heads), nkv (KV heads); the HF config names num_hidden_layers,
+    num_experts, num_attention_heads, num_key_value_heads are accepted too. tensors: mapping (or
+    iterable of pairs) GGUF name -> shape in numpy order (last entry = row length ne0). ftype: one
+    of ``OUTTYPES``.
 
     Returns {name: gguf.GGMLQuantizationType}. Raises ValueError for an unknown ftype.
     """
@@ -150,7 +158,14 @@ def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     ne = {name: tuple(reversed(tuple(int(s) for s in shape))) or (1,) for name, shape in items}
     default = FTYPES[ftype][1]
-    n_layer = int(_hp(hparams, "n_layer", "num_hidden_layers", "block_count"))
+    try:  # llama.cpp's n_layer_all = GGUF block_count (trunk + MTP blocks)
+        n_layer = int(_hp(hparams, "block_count"))
+    except KeyError:
+        n_layer = int(_hp(hparams, "n_layer", "num_hidden_layers"))
+        try:
+            n_layer += int(_hp(hparams, "n_mtp"))
+        except KeyError:
+            pass
     n_expert = max(1, int(_hp(hparams, "E", "num_experts", "expert_count")))
     n_head = int(_hp(hparams, "nh", "num_attention_heads"))
     n_head_kv = int(_hp(hparams, "nkv", "num_key_value_heads"))
@@ -227,15 +242,18 @@ def tensor_shapes(hparams, arch: str = "qwen35moe") -> list:
     layout), as [(name, numpy-order shape)], from hyperparameters alone (no weights).
 
     hparams: ``convert.convert.HParams`` (attributes H, n_layer, nh, nkv, hd, Hk, Hv, dk, dv, K,
-    E, I, Is, V, layer_types). arch "clover" adds the backward-branch tensors of spec 3.3.
+    E, I, Is, V, layer_types, optional n_mtp). arch "clover" adds the backward-branch tensors of
+    spec 3.3; n_mtp > 0 adds the MTP blocks (full attention, then the ``nextn.*`` tensors in the
+    first one) after the trunk, as the converter writes them.
     """
     h = hparams
     C = 2 * h.Hk * h.dk + h.Hv * h.dv
+    n_mtp = int(getattr(h, "n_mtp", 0) or 0)
     out = [("token_embd.weight", (h.V, h.H))]
-    for i in range(h.n_layer):
+    for i in range(h.n_layer + n_mtp):
         b = f"blk.{i}."
         out.append((b + "attn_norm.weight", (h.H,)))
-        if h.layer_types[i] == "linear_attention":
+        if i < h.n_layer and h.layer_types[i] == "linear_attention":
             out += [(b + "attn_qkv.weight", (C, h.H)), (b + "attn_gate.weight", (h.Hv * h.dv, h.H)),
                     (b + "ssm_beta.weight", (h.Hv, h.H)), (b + "ssm_alpha.weight", (h.Hv, h.H)),
                     (b + "ssm_conv1d.weight", (C, h.K)), (b + "ssm_a", (h.Hv,)),
@@ -254,5 +272,8 @@ def tensor_shapes(hparams, arch: str = "qwen35moe") -> list:
                 (b + "ffn_down_exps.weight", (h.E, h.H, h.I)), (b + "ffn_gate_inp_shexp.weight", (h.H,)),
                 (b + "ffn_gate_shexp.weight", (h.Is, h.H)), (b + "ffn_up_shexp.weight", (h.Is, h.H)),
                 (b + "ffn_down_shexp.weight", (h.H, h.Is))]
+        if i == h.n_layer:
+            out += [(b + "nextn.eh_proj.weight", (h.H, 2 * h.H)), (b + "nextn.enorm.weight", (h.H,)),
+                    (b + "nextn.hnorm.weight", (h.H,)), (b + "nextn.shared_head_norm.weight", (h.H,))]
     out += [("output_norm.weight", (h.H,)), ("output.weight", (h.V, h.H))]
     return out

@@ -89,6 +89,22 @@ FUSED_ALIASES = {
     "mlp.experts.down_proj.weight": "mlp.experts.down_proj",
 }
 
+# Multi-token prediction (MTP) block, kept as llama.cpp's converter keeps it (conversion/qwen.py
+# _QwenMtpMixin). HF stores it at the top level under ``mtp.`` (also seen as ``model.mtp.`` and
+# ``model.language_model.mtp.``). ``mtp.layers.{j}.*`` is an ordinary full-attention MoE decoder
+# layer, written as block ``num_hidden_layers + j`` with the LAYER_MAP names and transforms; the
+# four tensors below belong to the first MTP block (``blk.{num_hidden_layers}.``). All four
+# norms are zero-centred (llama.cpp adds 1 to every ``*norm.weight`` but the GDN gated norm).
+MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
+# HF suffix after the MTP prefix -> (GGUF suffix after "blk.{n_layer}.", transform, required)
+MTP_GLOBAL_MAP = {
+    "fc.weight": ("nextn.eh_proj.weight", "none", True),  # [H, 2H]
+    "pre_fc_norm_embedding.weight": ("nextn.enorm.weight", "norm1p", True),
+    "pre_fc_norm_hidden.weight": ("nextn.hnorm.weight", "norm1p", True),
+    # llama.cpp's loader does not require it (TENSOR_NOT_REQUIRED); Qwen3.5/3.6 checkpoints have it
+    "norm.weight": ("nextn.shared_head_norm.weight", "norm1p", False),
+}
+
 # Per-tensor GGML types (which tensors stay F32, the quantised mixes) are decided by
 # convert/quant_plan.py, which follows llama.cpp's llama-quantize rules by tensor name.
 

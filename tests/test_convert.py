@@ -15,6 +15,7 @@ rounding of the scale).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -37,17 +38,39 @@ Q = gguf.GGMLQuantizationType
 # Fixtures: tiny checkpoints (spec section 1 tiny dims, every parameter random) and conversions
 # ---------------------------------------------------------------------------------------------
 
+class _LazyCkpts(dict):
+    """name -> checkpoint directory, written on first use (the factories cache per session)."""
+
+    def __init__(self, makers):
+        super().__init__()
+        self._makers = makers
+
+    def __missing__(self, key):
+        self[key] = self._makers[key]()
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def ckpts(make_ckpt):
-    """Four tiny checkpoints with the same seed (tests/conftest.py, shared per session): Clover
-    fused/model., Clover nested prefix, Clover per-expert, and the parent (no Clover tensors or
-    keys). Never modified in place (tests copy them first)."""
-    return {
-        "clover": make_ckpt(),
-        "nested": make_ckpt(prefix="model.language_model."),
-        "perexpert": make_ckpt(fused_experts=False),
-        "parent": make_ckpt(clover=False),
+def ckpts(make_ckpt, make_hf_ckpt):
+    """Tiny checkpoints with the same seed (tests/conftest.py, shared per session), written when a
+    test first asks for them: Clover fused/model., Clover nested prefix, Clover per-expert, the
+    parent (no Clover tensors or keys), the parent and Clover with one MTP layer (``mtp.*``), the
+    MTP parent nested and per-expert, and ``hf_mtp``: the MTP parent as transformers'
+    ``save_pretrained`` writes it (convert.make_checkpoint.make_hf_saved_checkpoint; same values
+    as "mtp"). Never modified in place (tests copy them first)."""
+    opts = {
+        "clover": {},
+        "nested": {"prefix": "model.language_model."},
+        "perexpert": {"fused_experts": False},
+        "parent": {"clover": False},
+        "mtp": {"clover": False, "mtp": 1},
+        "clover_mtp": {"mtp": 1},
+        "mtp_nested_perexpert": {"clover": False, "mtp": 1, "prefix": "model.language_model.",
+                                 "fused_experts": False},
     }
+    makers = {k: (lambda o=o: make_ckpt(**o)) for k, o in opts.items()}
+    makers["hf_mtp"] = lambda: make_hf_ckpt(mtp=1)
+    return _LazyCkpts(makers)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +123,10 @@ def reorder_v(t: torch.Tensor, dim: int, hk: int, r: int, hd: int) -> torch.Tens
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def expected_tensors(ckpt: pathlib.Path, clover: bool = True) -> dict[str, torch.Tensor]:
+def expected_tensors(ckpt: pathlib.Path, clover: bool = True, mtp: bool = True) -> dict[str, torch.Tensor]:
     """GGUF name -> transformed tensor (numpy-order shape). F32 tensors as float32, the rest in
-    the checkpoint dtype (bf16)."""
+    the checkpoint dtype (bf16). With ``mtp`` the ``mtp.*`` block (when present) is expected as
+    llama.cpp writes it: ``mtp.layers.j`` is block num_hidden_layers + j, plus ``nextn.*``."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tc = cfg.get("text_config", cfg)
     hf = load_hf(ckpt)
@@ -112,18 +136,27 @@ def expected_tensors(ckpt: pathlib.Path, clover: bool = True) -> dict[str, torch
     r = hv // hk
     qk = 2 * hk * dk
     E = tc["num_experts"]
+    n_layer = tc["num_hidden_layers"]
     f32 = lambda t: t.float()  # noqa: E731
     p1 = lambda t: t.float() + 1.0  # noqa: E731  (zero-centred norm)
 
     ex = {"token_embd.weight": hf[pre + "embed_tokens.weight"],
           "output_norm.weight": p1(hf[pre + "norm.weight"]),
           "output.weight": hf["lm_head.weight"]}
-    for i in range(tc["num_hidden_layers"]):
-        L = f"{pre}layers.{i}."
+    blocks = [(f"{pre}layers.{i}.", i, (i + 1) % tc["full_attention_interval"] != 0) for i in range(n_layer)]
+    n_mtp = 1 + max((int(k.split(".")[2]) for k in hf if k.startswith("mtp.layers.")), default=-1)
+    if mtp and n_mtp:
+        blocks += [(f"mtp.layers.{j}.", n_layer + j, False) for j in range(n_mtp)]
+        b = f"blk.{n_layer}."
+        ex[b + "nextn.eh_proj.weight"] = hf["mtp.fc.weight"]
+        ex[b + "nextn.enorm.weight"] = p1(hf["mtp.pre_fc_norm_embedding.weight"])
+        ex[b + "nextn.hnorm.weight"] = p1(hf["mtp.pre_fc_norm_hidden.weight"])
+        ex[b + "nextn.shared_head_norm.weight"] = p1(hf["mtp.norm.weight"])
+    for L, i, gdn in blocks:
         b = f"blk.{i}."
         ex[b + "attn_norm.weight"] = p1(hf[L + "input_layernorm.weight"])
         ex[b + "post_attention_norm.weight"] = p1(hf[L + "post_attention_layernorm.weight"])
-        if (i + 1) % tc["full_attention_interval"]:
+        if gdn:
             a = L + "linear_attn."
             qkv = hf[a + "in_proj_qkv.weight"]
             ex[b + "attn_qkv.weight"] = torch.cat([qkv[:qk], reorder_v(qkv[qk:], 0, hk, r, dv)])
@@ -395,16 +428,292 @@ def test_misplaced_and_misshapen_tensor(ckpts, tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_mtp_and_visual(ckpts, tmp_path):
-    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
-    _add_tensor(ck, "mtp.fc.weight", torch.randn(4, 8))
+def test_visual_dropped(ckpts, converted, tmp_path):
+    """The vision tower (``model.visual.*`` and ``visual.*``) is dropped; nothing else changes
+    (nested-prefix checkpoint, as Qwen3_5MoeForConditionalGeneration saves it)."""
+    ck = _copy_ckpt(ckpts["nested"], tmp_path / "ck")
     _add_tensor(ck, "model.visual.patch_embed.proj.weight", torch.randn(4, 4))
-    with pytest.raises(C.ConvertError, match=r"MTP tensors \(mtp\.fc\.weight.*--no-mtp"):
+    _add_tensor(ck, "visual.blocks.0.attn.qkv.weight", torch.randn(4, 4))
+    res = C.convert(ck, tmp_path / "m.gguf", progress=False)
+    assert sorted(res["dropped"]) == ["model.visual.patch_embed.proj.weight", "visual.blocks.0.attn.qkv.weight"]
+    _assert_same_gguf(gguf.GGUFReader(res["path"]), converted("clover", "bf16")[1])
+
+
+def test_unknown_architecture(ckpts, tmp_path):
+    ck = _copy_ckpt(ckpts["parent"], tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3NextForCausalLM"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(C.ConvertError, match=r"architectures \['Qwen3NextForCausalLM'\] not supported"):
         C.convert(ck, tmp_path / "m.gguf", progress=False)
-    res = C.convert(ck, tmp_path / "m.gguf", progress=False, no_mtp=True)
-    assert sorted(res["dropped"]) == ["model.visual.patch_embed.proj.weight", "mtp.fc.weight"]
-    ref = C.convert(ckpts["clover"], tmp_path / "ref.gguf", progress=False)
-    _assert_same_gguf(gguf.GGUFReader(res["path"]), gguf.GGUFReader(ref["path"]))
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_stray_shard_ignored_with_warning(ckpts, converted, tmp_path):
+    """A ``*.safetensors`` file that model.safetensors.index.json does not list is ignored with a
+    ConvertWarning naming it, never merged: transformers' from_pretrained loads only the index's
+    shards and llama.cpp's convert_hf_to_gguf.py reads only the index's weight_map files, both
+    silently. Here the stray file holds a different copy of a real tensor and an unknown tensor;
+    the output is byte-identical to the clean checkpoint's. Without an index, files next to
+    model.safetensors are ignored the same way."""
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    stray = "model-00099-of-00099.safetensors"
+    save_file({"model.layers.0.input_layernorm.weight": torch.full((256,), 5.0, dtype=torch.bfloat16),
+               "model.layers.0.mystery.weight": torch.zeros(4, 4)}, str(ck / stray), metadata={"format": "pt"})
+    with pytest.warns(C.ConvertWarning, match=stray):
+        res = C.convert(ck, tmp_path / "m.gguf", progress=False)
+    assert res["ignored"] == [stray]
+    _assert_same_gguf(gguf.GGUFReader(res["path"]), converted("clover", "bf16")[1])
+
+    # no index: model.safetensors is the checkpoint; another *.safetensors next to it is ignored
+    one = tmp_path / "one"
+    one.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ck / f, one / f)
+    save_file(load_hf(ckpts["clover"]), str(one / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(ck / stray, one / "extra.safetensors")
+    with pytest.warns(C.ConvertWarning, match="extra.safetensors"):
+        res = C.convert(one, tmp_path / "one.gguf", progress=False)
+    assert res["ignored"] == ["extra.safetensors"]
+    _assert_same_gguf(gguf.GGUFReader(res["path"]), converted("clover", "bf16")[1])
+
+
+def test_bf16_beyond_f16_range(ckpts, tmp_path):
+    """BF16 values beyond the f16 range (1e5, -3e38) stay exact in bf16 (same bits) and f32 (exact
+    widening) outputs. f16 output writes them as +inf / -inf, which is what llama.cpp's converter
+    does (bf16 -> f32 -> numpy float16 cast; checked against it when its source is present), with a
+    ConvertWarning naming the tensor; every other value is the round-to-nearest-even cast."""
+    ck = _copy_ckpt(ckpts["parent"], tmp_path / "ck")
+    name = "model.layers.1.mlp.shared_expert.up_proj.weight"
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    shard = ck / idx["weight_map"][name]
+    d = load_file(str(shard))
+    w = d[name].clone()
+    w[0, 0], w[0, 1], w[5, 7] = 1e5, -3e38, 6e4  # 6e4 is inside the f16 range
+    d[name] = w
+    save_file(d, str(shard), metadata={"format": "pt"})
+    gname = "blk.1.ffn_up_shexp.weight"
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    outs = {}
+    for outtype in ("bf16", "f32", "f16"):
+        if outtype == "f16":
+            with pytest.warns(C.ConvertWarning, match=rf"{gname}: 2 values beyond the f16 range"):
+                res = C.convert(ck, tmp_path / f"{outtype}.gguf", outtype=outtype, progress=False)
+        else:
+            res = C.convert(ck, tmp_path / f"{outtype}.gguf", outtype=outtype, progress=False)
+        outs[outtype] = gguf_tensors(gguf.GGUFReader(res["path"]))[gname]
+    np.testing.assert_array_equal(np.asarray(outs["bf16"].data).view(np.uint16).reshape(w.shape), bits)
+    f32 = np.asarray(outs["f32"].data).reshape(w.shape)
+    np.testing.assert_array_equal(f32, w.float().numpy())
+    assert f32[0, 0] == w[0, 0].item() and f32[0, 1] == w[0, 1].item() < -1e38
+    f16 = np.asarray(outs["f16"].data).view(np.float16).reshape(w.shape)
+    assert f16[0, 0] == np.inf and f16[0, 1] == -np.inf and np.isfinite(f16[5, 7])
+    np.testing.assert_array_equal(f16, w.to(torch.float16).numpy())  # torch saturates to inf too
+    assert np.isfinite(f16).sum() == f16.size - 2
+    if _HAVE_LLAMA_CPP:
+        ll = _llama_convert(ck, tmp_path / "ll-f16.gguf", "f16", no_mtp=True)
+        x = gguf_tensors(ll)[gname]
+        assert x.tensor_type == Q.F16
+        assert np.array_equal(np.asarray(x.data).view(np.uint8).reshape(-1),
+                              np.asarray(outs["f16"].data).view(np.uint8).reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# MTP (multi-token prediction) kept as llama.cpp keeps it
+# ---------------------------------------------------------------------------------------------
+
+MTP_NEXTN = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
+
+
+@pytest.mark.parametrize("which,outtype", [("mtp", "f32"), ("mtp", "bf16"), ("clover_mtp", "bf16")])
+def test_mtp_kept(which, outtype, ckpts, converted):
+    """mtp.layers.0 becomes blk.4 (num_hidden_layers + 0), a full-attention MoE block with the
+    trunk's names and transforms; mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm become
+    blk.4.nextn.eh_proj / enorm / hnorm / shared_head_norm (norms +1, F32). block_count 5,
+    nextn_predict_layers 1, attention.recurrent_layers false for the MTP block; the same for
+    --arch clover under the clover. prefix. Every value equals the spec 4.3 reference."""
+    res, reader = converted(which, outtype)
+    clover = which.startswith("clover")
+    arch = "clover" if clover else "qwen35moe"
+    ex = expected_tensors(ckpts[which], clover=clover)
+    got = gguf_tensors(reader)
+    assert res["arch"] == arch and res["n_mtp"] == 1
+    assert set(got) == set(ex)
+    blk4 = sorted(n[len("blk.4."):] for n in ex if n.startswith("blk.4."))
+    assert blk4 == sorted(["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                           "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+                           "post_attention_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
+                           "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_inp_shexp.weight",
+                           "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", *MTP_NEXTN])
+    H = 256
+    assert _numpy_shape(got["blk.4.nextn.eh_proj.weight"]) == (H, 2 * H)
+    names = res["tensors"]
+    assert names[-2:] == ["output_norm.weight", "output.weight"]
+    assert [int(n.split(".")[1]) for n in names[1:-2]] == sorted(int(n.split(".")[1]) for n in names[1:-2])
+    for name, e in ex.items():
+        t = got[name]
+        assert _numpy_shape(t) == tuple(e.shape), name
+        if _f32_name(name) or outtype == "f32":
+            assert t.tensor_type == Q.F32, name
+            np.testing.assert_array_equal(np.asarray(t.data).reshape(e.shape), e.float().numpy(), err_msg=name)
+        else:
+            assert t.tensor_type == Q.BF16, name
+            np.testing.assert_array_equal(np.asarray(t.data).view(np.uint16).reshape(e.shape),
+                                          e.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                                          err_msg=name)
+    m = kv(reader)
+    assert m[f"{arch}.block_count"] == 5
+    assert m[f"{arch}.nextn_predict_layers"] == 1
+    assert m[f"{arch}.attention.recurrent_layers"] == [True, True, True, False, False]
+    f = reader.fields[f"{arch}.attention.recurrent_layers"]
+    assert f.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL]
+    # the layout the other tools derive from hyperparameters alone (convert.quant_plan.tensor_shapes)
+    from convert import quant_plan as QP
+    hp = C.read_hparams(json.loads((ckpts[which] / "config.json").read_text()))
+    hp.n_mtp = 1
+    assert [(n, tuple(s)) for n, s in QP.tensor_shapes(hp, arch)] == [(t.name, _numpy_shape(t)) for t in reader.tensors]
+
+
+def test_mtp_quant_plan():
+    """The type plan counts MTP blocks in llama.cpp's n_layer_all (block_count): with 4 trunk layers
+    and one MTP block, Q4_K_M puts Q6_K on ffn_down of layers 2 and 4 (use_more_bits(i, 5)), not 2
+    and 3 (use_more_bits(i, 4)); nextn.eh_proj takes the default type, the nextn norms stay F32.
+    (test_mtp_quantized_matches_llama_quantize checks the whole file against llama-quantize.)"""
+    from convert import quant_plan as QP
+    from convert.make_checkpoint import text_config
+    hp = C.read_hparams(text_config("tiny"))
+    plain = QP.plan_types("qwen35moe", hp, dict(QP.tensor_shapes(hp)), "q4_k_m")
+    hp.n_mtp = 1
+    shapes = dict(QP.tensor_shapes(hp))
+    plan = QP.plan_types("qwen35moe", hp, shapes, "q4_k_m")
+    assert [plain[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q6_K]
+    assert [plan[f"blk.{i}.ffn_down_exps.weight"] for i in range(5)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q6_K]
+    assert plan["blk.4.nextn.eh_proj.weight"] == Q.Q4_K and shapes["blk.4.nextn.eh_proj.weight"] == (256, 512)
+    assert all(plan[f"blk.4.{n}"] == Q.F32 for n in MTP_NEXTN[1:])
+    assert plan["blk.4.attn_v.weight"] == Q.Q8_0  # 8 experts: attn_v-like -> Q8_0, MTP block included
+    assert QP.plan_types("qwen35moe", {"block_count": 5, "E": 8, "nh": 4, "nkv": 2}, shapes, "q4_k_m") == plan
+
+
+def test_mtp_layouts_give_identical_gguf(ckpts, converted, tmp_path):
+    """MTP with the nested prefix (mtp.* stays top level) and per-expert tensors, and MTP under
+    ``model.mtp.``: the same file."""
+    _, ref = converted("mtp", "bf16")
+    _, other = converted("mtp_nested_perexpert", "bf16")
+    _assert_same_gguf(ref, other)
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "ck")
+    idx_path = ck / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    for shard in sorted(set(idx["weight_map"].values())):
+        d = load_file(str(ck / shard))
+        if any(k.startswith("mtp.") for k in d):
+            d = {("model." + k if k.startswith("mtp.") else k): v for k, v in d.items()}
+            save_file(d, str(ck / shard), metadata={"format": "pt"})
+    idx["weight_map"] = {("model." + k if k.startswith("mtp.") else k): v for k, v in idx["weight_map"].items()}
+    idx_path.write_text(json.dumps(idx))
+    res = C.convert(ck, tmp_path / "m.gguf", progress=False)
+    _assert_same_gguf(gguf.GGUFReader(res["path"]), ref)
+
+
+def test_no_mtp_drops_mtp(ckpts, converted, tmp_path):
+    """--no-mtp (no_mtp=True): every mtp.* tensor dropped, no nextn key, block_count 4: the same
+    file as the checkpoint without MTP (same seed), also through the CLI."""
+    res = C.convert(ckpts["mtp"], tmp_path / "m.gguf", progress=False, no_mtp=True)
+    assert res["n_mtp"] == 0
+    mtp_names = sorted(json.loads((ckpts["mtp"] / "model.safetensors.index.json").read_text())["weight_map"])
+    mtp_names = [n for n in mtp_names if n.startswith("mtp.")]
+    assert len(mtp_names) == 4 + 15 and sorted(res["dropped"]) == mtp_names  # fc + 3 norms, one layer
+    _assert_same_gguf(gguf.GGUFReader(res["path"]), converted("parent", "bf16")[1])
+    C.main([str(ckpts["mtp"]), "-o", str(tmp_path / "cli.gguf"), "--no-mtp", "--no-progress"])
+    _assert_same_gguf(gguf.GGUFReader(tmp_path / "cli.gguf"), converted("parent", "bf16")[1])
+
+
+def _drop_tensor(ck: pathlib.Path, name: str) -> None:
+    idx_path = ck / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    shard = idx["weight_map"].pop(name)
+    d = load_file(str(ck / shard))
+    del d[name]
+    save_file(d, str(ck / shard), metadata={"format": "pt"})
+    idx_path.write_text(json.dumps(idx))
+
+
+def test_mtp_errors(ckpts, tmp_path):
+    """Errors name the tensor or key, before any output: MTP tensors in the wrong place, a tensor
+    the MTP block does not have, a missing one, and config.json's mtp_num_hidden_layers against
+    the tensors (--no-mtp converts without MTP)."""
+    def fails(ck, pattern):
+        with pytest.raises(C.ConvertError, match=pattern):
+            C.convert(ck, tmp_path / "x.gguf", progress=False)
+        assert not list(tmp_path.glob("x.gguf*"))
+
+    # the MTP layer is a full-attention layer
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "a")
+    _add_tensor(ck, "mtp.layers.0.linear_attn.A_log", torch.randn(4))
+    fails(ck, r"mtp\.layers\.0\.linear_attn\.A_log: MTP layer 0 is a full_attention layer")
+    # not part of a Qwen3.5 MTP block (no dedicated embeddings / head)
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "b")
+    _add_tensor(ck, "mtp.embed_tokens.weight", torch.randn(2048, 256))
+    fails(ck, r"unrecognised tensor mtp\.embed_tokens\.weight")
+    # missing pieces
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "c")
+    _drop_tensor(ck, "mtp.fc.weight")
+    fails(ck, r"missing tensor mtp\.fc\.weight \(blk\.4\.nextn\.eh_proj\.weight\)")
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "d")
+    _drop_tensor(ck, "mtp.layers.0.self_attn.k_norm.weight")
+    fails(ck, r"missing tensor mtp\.layers\.0\.self_attn\.k_norm\.weight \(blk\.4\.attn_k_norm\.weight\)")
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "e")
+    _add_tensor(ck, "mtp.fc.weight.extra", torch.randn(4))
+    fails(ck, r"unrecognised tensor mtp\.fc\.weight\.extra")
+    # config says one MTP layer, the checkpoint has none (and the other way round is fine: the
+    # count comes from the tensors when config.json has no mtp_num_hidden_layers, as in llama.cpp)
+    ck = _copy_ckpt(ckpts["parent"], tmp_path / "f")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (ck / "config.json").write_text(json.dumps(cfg))
+    fails(ck, r"mtp_num_hidden_layers 1 but the checkpoint has no mtp\.\* tensors; pass --no-mtp")
+    assert C.convert(ck, tmp_path / "f.gguf", progress=False, no_mtp=True)["n_mtp"] == 0
+    ck = _copy_ckpt(ckpts["mtp"], tmp_path / "g")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 2
+    (ck / "config.json").write_text(json.dumps(cfg))
+    fails(ck, r"mtp_num_hidden_layers 2 but the checkpoint has 1 MTP layers")
+    del cfg["mtp_num_hidden_layers"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert C.convert(ck, tmp_path / "g.gguf", progress=False)["n_mtp"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint written by transformers itself
+# ---------------------------------------------------------------------------------------------
+
+def test_transformers_saved_checkpoint(ckpts, converted, tmp_path):
+    """A tiny Qwen3_5MoeForCausalLM built by transformers 5.x, every parameter random (norms,
+    gates, A_log, dt_bias included), saved with save_pretrained (sharded; its own names and expert
+    layout) plus an mtp.* shard as released checkpoints have: every GGUF tensor equals the
+    safetensors values after the spec 4.3 transforms (f32: exact), and the bf16 file is
+    byte-identical to make_checkpoint's (same values). test_matches_llama_cpp_converter["hf_mtp"]
+    compares this checkpoint with llama.cpp's converter directly."""
+    ck = ckpts["hf_mtp"]
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["mtp_num_hidden_layers"] == 1
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    assert len(set(idx["weight_map"].values())) >= 3
+    hf = load_hf(ck)
+    # transformers 5.23 writes per-expert tensors (it reverses its load-time fusion); either is read
+    assert ("model.layers.0.mlp.experts.0.gate_proj.weight" in hf) != ("model.layers.0.mlp.experts.gate_up_proj" in hf)
+    assert all(t.dtype == torch.bfloat16 for t in hf.values())
+    for k in ("model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.dt_bias", "model.norm.weight",
+              "model.layers.3.self_attn.q_norm.weight", "model.layers.0.linear_attn.norm.weight"):
+        assert hf[k].float().std() > 0.05, k  # random, not transformers' constant initialisation
+    res = C.convert(ck, tmp_path / "f32.gguf", outtype="f32", progress=False)
+    got = gguf_tensors(gguf.GGUFReader(res["path"]))
+    ex = expected_tensors(ck, clover=False)
+    assert set(got) == set(ex) and res["n_mtp"] == 1
+    for name, e in ex.items():
+        np.testing.assert_array_equal(np.asarray(got[name].data).reshape(e.shape), e.float().numpy(), err_msg=name)
+    _, a = converted("hf_mtp", "bf16")
+    _, b = converted("mtp", "bf16")
+    _assert_same_gguf(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,42 +922,89 @@ def test_v_head_perm_matches_spec():
 # ---------------------------------------------------------------------------------------------
 
 LLAMA_CPP = pathlib.Path("/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
+_HAVE_LLAMA_CPP = (LLAMA_CPP / "convert_hf_to_gguf.py").is_file()
+# a Python with llama-cpp-python (its llama_model_quantize): CLOVER_LLAMA_PYTHON, else the venv
+# that clover/notes/oracles.md builds
+LLAMA_PYTHON = os.environ.get("CLOVER_LLAMA_PYTHON") or "/tmp/llama-venv/bin/python"
 
 
-@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="llama.cpp source not present")
-@pytest.mark.parametrize("outtype", ["bf16", "q8_0"])
-def test_matches_llama_cpp_converter(outtype, ckpts, converted, tmp_path):
-    """On the parent checkpoint, every tensor equals llama.cpp's convert_hf_to_gguf.py output
-    (qwen35moe) bit for bit. Known, intended differences: ffn_gate_inp_shexp is {H} here
-    (contract) and {H, 1} there; llama.cpp adds general.size_label, attention.recurrent_layers
-    and tokenizer.ggml.mask_token_id and omits feed_forward_length."""
-    out = tmp_path / "ll.gguf"
+def _llama_convert(ckpt: pathlib.Path, out: pathlib.Path, outtype: str, no_mtp: bool) -> gguf.GGUFReader:
+    """Run llama.cpp's convert_hf_to_gguf.py (its pre-tokenizer hash check answered 'qwen35')."""
     runner = (
         "import sys, runpy; LL = sys.argv[1]; sys.path.insert(0, LL); sys.path.insert(1, LL + '/gguf-py'); "
         "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
         "sys.argv = [LL + '/convert_hf_to_gguf.py'] + sys.argv[2:]; "
         "runpy.run_path(LL + '/convert_hf_to_gguf.py', run_name='__main__')"
     )
-    p = subprocess.run([sys.executable, "-c", runner, str(LLAMA_CPP), str(ckpts["parent"]), "--outfile", str(out),
-                        "--outtype", outtype, "--no-mtp"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", runner, str(LLAMA_CPP), str(ckpt), "--outfile", str(out),
+                        "--outtype", outtype] + (["--no-mtp"] if no_mtp else []),
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    ll = gguf.GGUFReader(out)
-    _, me = converted("parent", outtype)
+    return gguf.GGUFReader(out)
+
+
+def _assert_same_tensors_as_llama(ll: gguf.GGUFReader, me: gguf.GGUFReader) -> None:
     tl, tm = gguf_tensors(ll), gguf_tensors(me)
     assert set(tl) == set(tm)
     for name, x in tl.items():
         y = tm[name]
-        assert x.tensor_type == y.tensor_type, name
-        if name.endswith("ffn_gate_inp_shexp.weight"):
-            assert list(x.shape) == list(y.shape) + [1]
+        assert x.tensor_type == y.tensor_type, (name, x.tensor_type.name, y.tensor_type.name)
+        if name.endswith("ffn_gate_inp_shexp.weight"):  # {H, 1} from the converter, {H} after llama-quantize
+            assert list(x.shape) in (list(y.shape), list(y.shape) + [1]), name
         else:
             assert list(x.shape) == list(y.shape), name
         assert np.array_equal(np.asarray(x.data).view(np.uint8).reshape(-1),
                               np.asarray(y.data).view(np.uint8).reshape(-1)), name
+
+
+@pytest.mark.skipif(not _HAVE_LLAMA_CPP, reason="llama.cpp source not present")
+@pytest.mark.parametrize("which,outtype", [("parent", "bf16"), ("parent", "q8_0"), ("mtp", "bf16"), ("mtp", "q8_0"),
+                                           ("hf_mtp", "f32")])
+def test_matches_llama_cpp_converter(which, outtype, ckpts, converted, tmp_path):
+    """Every tensor equals llama.cpp's convert_hf_to_gguf.py output (qwen35moe) bit for bit, and
+    so do the KV pairs but the known, intended differences: ffn_gate_inp_shexp is {H} here
+    (contract) and {H, 1} there; llama.cpp adds general.size_label and tokenizer.ggml.mask_token_id
+    and omits feed_forward_length. "parent" runs llama.cpp with --no-mtp (it needs it without MTP
+    layers); "mtp" and "hf_mtp" (transformers-saved) keep the MTP block on both sides: block_count,
+    nextn_predict_layers, attention.recurrent_layers and the blk.4 tensors agree."""
+    ll = _llama_convert(ckpts[which], tmp_path / "ll.gguf", outtype, no_mtp=which == "parent")
+    _, me = converted(which, outtype)
+    _assert_same_tensors_as_llama(ll, me)
     kl, km = kv(ll), kv(me)
-    for k in ("general.name", "general.size_label", "qwen35moe.attention.recurrent_layers",
-              "tokenizer.ggml.mask_token_id"):
+    for k in ("general.name", "general.size_label", "tokenizer.ggml.mask_token_id"):
         kl.pop(k, None)
     km.pop("general.name")
     assert km.pop("qwen35moe.feed_forward_length") == km["qwen35moe.expert_feed_forward_length"]
     assert kl == km
+    if which != "parent":
+        assert km["qwen35moe.nextn_predict_layers"] == 1 and km["qwen35moe.block_count"] == 5
+
+
+def _llama_quantize(src: pathlib.Path, dst: pathlib.Path, ftype: str) -> gguf.GGUFReader:
+    code = ("import ctypes, sys, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); "
+            "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3]); p.nthread = 2; "
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+    p = subprocess.run([LLAMA_PYTHON, "-c", code, str(src), str(dst), ftype], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return gguf.GGUFReader(dst)
+
+
+@pytest.mark.skipif(not (_HAVE_LLAMA_CPP and pathlib.Path(LLAMA_PYTHON).is_file()),
+                    reason="llama.cpp source or a Python with llama-cpp-python not present")
+@pytest.mark.parametrize("outtype", ["q4_k_m", "iq4_xs"])
+def test_mtp_quantized_matches_llama_quantize(outtype, ckpts, converted, tmp_path):
+    """With an MTP block, our quantised file equals llama.cpp's llama_model_quantize of its own
+    bf16 conversion bit for bit (types and bytes): the MTP tensors follow the ordinary rules with
+    llama.cpp's layer count n_layer_all = block_count (5 here, so ffn_down of layers 2 and 4 is Q6_K
+    in Q4_K_M, not 2 and 3 as without MTP), nextn.eh_proj takes the default type."""
+    if subprocess.run([LLAMA_PYTHON, "-c", "import llama_cpp"], capture_output=True).returncode:
+        pytest.skip(f"{LLAMA_PYTHON} cannot import llama_cpp")
+    _llama_convert(ckpts["mtp"], tmp_path / "ll-bf16.gguf", "bf16", no_mtp=False)
+    ll = _llama_quantize(tmp_path / "ll-bf16.gguf", tmp_path / "ll-q.gguf", outtype.upper())
+    _, me = converted("mtp", outtype)
+    _assert_same_tensors_as_llama(ll, me)
+    types = {t.name: t.tensor_type for t in me.tensors}
+    if outtype == "q4_k_m":
+        assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(5)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q6_K]
+        assert types["blk.4.nextn.eh_proj.weight"] == Q.Q4_K
