@@ -52,6 +52,7 @@ static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
     const clover_block_q8_0 *x = xq;                                                         \
     __m256 acc = _mm256_setzero_ps();                                                        \
     for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
+        CLOVER_PREFETCH(wb, 1);                                                               \
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);                     \
         const __m256 d = _mm256_set1_ps(SCALE(wb) * fp16(&x[b].d));                          \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(GET(wb), qx)), d, acc);              \

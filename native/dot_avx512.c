@@ -62,6 +62,7 @@ static inline AVX512 __m256i load32(const void *p) { return _mm256_loadu_si256((
     __m512 acc = _mm512_setzero_ps();                                                               \
     int64_t b = 0;                                                                                  \
     for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                 \
+        CLOVER_PREFETCH(wb, 2);                                                                     \
         const __m512i qw = join(GET(wb), GET(wb + (BYTES)));                                        \
         const __m512i qx = join(load32(x[b].qs), load32(x[b + 1].qs));                              \
         const __m512 d = scales2(SCALE(wb) * fp16(&x[b].d), SCALE(wb + (BYTES)) * fp16(&x[b + 1].d)); \

@@ -245,6 +245,7 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
     __m256 acc = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 3);
         uint32_t u[4];
         dk_unpack_scales(x[i].scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
@@ -279,6 +280,7 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
     __m256 acc = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 3);
         uint32_t u[4];
         dk_unpack_scales(x[i].scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
@@ -317,6 +319,7 @@ DK_AVX2 static float dot_q6_K_avx2(int64_t n, const void *w_row, const void *xq)
     const __m256i m3 = _mm256_set1_epi8(3);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 4);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
         /* levels are stored +32: subtract 32 * sum_g sc_g * bsum_g */
         const __m256i corr = _mm256_slli_epi32(
@@ -372,6 +375,7 @@ DK_AVX2 static float dot_iq4_xs_avx2(int64_t n, const void *w_row, const void *x
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 3);
         /* group scales as int16 in the low half of each 32-bit lane: broadcast with pshufb */
         const __m256i ls32 = dk_iq4xs_scales(&x[i]);
         const __m128i ls16 = _mm_packs_epi32(_mm256_castsi256_si128(ls32), _mm256_extracti128_si256(ls32, 1));
@@ -417,6 +421,8 @@ DK_AVX512 static inline float dk_q45_vnni256(int64_t n, const dk_q4_K *x4, const
     __m256 acc = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
+        else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
         const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
         const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
         const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
@@ -477,6 +483,7 @@ DK_AVX512 static float dot_q6_K_avx512(int64_t n, const void *w_row, const void 
     }
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 4); /* 210-byte blocks */
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), sc16), 5);
         const __m512i sc = _mm512_castsi256_si512(sc16);
@@ -515,6 +522,7 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     const __m256i ones16 = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 3); /* 136-byte blocks */
         const __m256i ls = dk_iq4xs_scales(&x[i]);
         const __m512i lsz = _mm512_castsi256_si512(ls);
         const __m256i gsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), ones16);
@@ -563,6 +571,8 @@ DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_vnni256_4(int
         accm[r] = _mm_setzero_ps();
     }
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
+        else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
         const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
         const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
         const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
