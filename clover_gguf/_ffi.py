@@ -2,7 +2,10 @@
 
 The declarations are read from ``clover.h`` itself (installed next to the library), with the
 preprocessor lines and the export macro removed, so the C header stays the one source of
-truth. Nothing here imports torch.
+truth. The header next to the library found is preferred (else the checkout's
+``native/include``), and the library's struct sizes are checked against the declarations, so a
+header and a library of different builds are refused with an ImportError instead of
+corrupting memory. Nothing here imports torch.
 
 Library search order: ``$CLOVER_LIB`` (a path to the shared library, for development), then
 the package directory (where ``pip install .`` puts it), then ``build/`` trees of a source
@@ -28,11 +31,13 @@ else:
     _LIBNAMES = ("libclover.so",)
 
 
-def _header_text() -> str:
-    for cand in (_PKG / "clover.h", _ROOT / "native" / "include" / "clover.h"):
+def _header_text(lib_path: str) -> str:
+    """clover.h next to the library, else the checkout's native/include, else the package's."""
+    for cand in (pathlib.Path(lib_path).resolve().parent / "clover.h", _ROOT / "native" / "include" / "clover.h",
+                 _PKG / "clover.h"):
         if cand.is_file():
             return cand.read_text()
-    raise ImportError("clover.h not found next to the package or in native/include")
+    raise ImportError("clover.h not found next to the library, in native/include or in the package")
 
 
 def _cdef_from_header(text: str) -> str:
@@ -80,11 +85,28 @@ def _find_library() -> str:
 # libgomp reads this once, when the library below pulls it in.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+_LIB_PATH = _find_library()
 ffi = cffi.FFI()
-ffi.cdef(_cdef_from_header(_header_text()))
+ffi.cdef(_cdef_from_header(_header_text(_LIB_PATH)))
 # RTLD_NODELETE: the library is never unloaded, so the OpenMP runtime it pulls in is not torn
 # down under its own idle worker threads at interpreter exit (that crashed with SIGSEGV).
-lib = ffi.dlopen(_find_library(), ffi.RTLD_NOW | getattr(ffi, "RTLD_NODELETE", 0))
+lib = ffi.dlopen(_LIB_PATH, ffi.RTLD_NOW | getattr(ffi, "RTLD_NODELETE", 0))
+
+
+def _check_abi() -> None:
+    try:
+        size = lib.clover_struct_size
+    except AttributeError:
+        raise ImportError(f"{_LIB_PATH} has no clover_struct_size (built from older sources): "
+                          "rebuild or reinstall it") from None
+    for name in ("clover_hparams", "clover_gen_params", "clover_stats"):
+        have, want = int(size(name.encode())), ffi.sizeof(name)
+        if have != want:
+            raise ImportError(f"{_LIB_PATH} was built with another clover.h ({name}: {have} bytes in the "
+                              f"library, {want} in the header): rebuild or reinstall it")
+
+
+_check_abi()
 
 ERR_SIZE = 512
 

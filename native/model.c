@@ -373,6 +373,14 @@ void clover_model_free(clover_model *m) {
 
 const clover_gguf *clover_model_gguf(const clover_model *m) { return m ? m->g : NULL; }
 
+size_t clover_struct_size(const char *name) {
+    if (!name) return 0;
+    if (strcmp(name, "clover_hparams") == 0) return sizeof(clover_hparams);
+    if (strcmp(name, "clover_gen_params") == 0) return sizeof(clover_gen_params);
+    if (strcmp(name, "clover_stats") == 0) return sizeof(clover_stats);
+    return 0;
+}
+
 void clover_model_hparams(const clover_model *m, clover_hparams *out) {
     if (m && out) *out = m->hp;
 }

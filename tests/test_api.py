@@ -5,6 +5,7 @@ logits (a greedy AR loop written here over ``prefix_logits`` must give the token
 ``generate_tokens(mode="ar")``). Engine-versus-PyTorch numerics are in test_engine.py.
 """
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -296,3 +297,49 @@ def test_parent_arch_defaults_to_ar(parent_gguf, model):
             p.generate(PROMPT, mode="diffusion")
         with pytest.raises(ValueError, match="clover"):
             p.block_logits([1], [2])
+
+
+def test_header_and_library_of_different_builds_are_refused(tmp_path):
+    """A library whose struct sizes differ from the clover.h next to it (a stale install, a
+    build of other sources) is refused at import with an ImportError naming the struct, instead
+    of corrupting memory through mismatched structs."""
+    import shutil
+    import subprocess
+    import sys
+
+    from clover_gguf import _ffi
+
+    lib = tmp_path / pathlib.Path(_ffi._LIB_PATH).name
+    shutil.copy(_ffi._LIB_PATH, lib)
+    header = pathlib.Path(_ffi.__file__).resolve().parents[1] / "native" / "include" / "clover.h"
+    if not header.is_file():
+        header = pathlib.Path(_ffi._LIB_PATH).resolve().parent / "clover.h"
+    text = header.read_text()
+    assert "} clover_hparams;" in text
+    (tmp_path / "clover.h").write_text(text.replace("} clover_hparams;", "    int32_t added_field;\n} clover_hparams;"))
+    env = dict(os.environ, CLOVER_LIB=str(lib))
+    r = subprocess.run([sys.executable, "-c", "import clover_gguf._ffi"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and "clover_hparams" in r.stderr and "rebuild or reinstall" in r.stderr
+    (tmp_path / "clover.h").write_text(text)  # the matching header loads
+    r = subprocess.run([sys.executable, "-c", "import clover_gguf._ffi"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", None])
+def test_mtp_layers_are_loaded_and_not_run(make_gguf, arch):
+    """A file with llama.cpp-style MTP (NextN) blocks after the trunk (spec 4.3) loads; the engine
+    runs the trunk only (n_layer = block_count - nextn_predict_layers), so its logits equal those
+    of the same checkpoint converted without MTP, bit for bit."""
+    clover = arch is None
+    with_mtp = make_gguf("f32", arch=arch, clover=clover, mtp=1)
+    without = make_gguf("f32", arch=arch, clover=clover)
+    ids = [5, 17, 300, 42, 1000, 7, 7, 99]
+    with Model(with_mtp, n_ctx=64, n_threads=2) as a, Model(without, n_ctx=64, n_threads=2) as b:
+        assert a.hparams["n_layer_nextn"] == 1 and b.hparams["n_layer_nextn"] == 0
+        assert a.hparams["n_layer"] == b.hparams["n_layer"]
+        np.testing.assert_array_equal(a.prefix_logits(ids), b.prefix_logits(ids))
+        if clover:
+            la, _ = a.block_logits(ids[:3], [a.hparams["mask_token_id"]] * 8)
+            lb, _ = b.block_logits(ids[:3], [b.hparams["mask_token_id"]] * 8)
+            np.testing.assert_array_equal(la, lb)

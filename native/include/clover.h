@@ -143,6 +143,12 @@ typedef struct {
 
 CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out);
 
+/* sizeof of the public struct `name` ("clover_hparams", "clover_gen_params", "clover_stats")
+ * as this library was compiled, or 0 for another name. Bindings compare it with their own
+ * declarations so that a header and a library from different builds are refused at load
+ * instead of corrupting memory. */
+CLOVER_API size_t clover_struct_size(const char *name);
+
 /* ---------------------------------------------------------------- context (model.c)
  * A context holds the per-sequence caches of spec 6: KV cache for attention layers (F32),
  * GDN state (fp32, per value head dk x dv) and conv history (last 3 qkv inputs) per GDN
