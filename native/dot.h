@@ -28,8 +28,12 @@ typedef float (*clover_vec_dot_fn)(int64_t n, const void *w_row, const void *xq)
 /* Software prefetch of the weight stream, CLOVER_PF_AHEAD bytes ahead of p, `lines` cache
  * lines (at least the bytes one loop step consumes). A single-row mat-vec streams each weight
  * byte once; one core's hardware prefetchers alone kept it at ~60% of the read bandwidth on the
- * development machine (Q6_K LM head: 23.0 ms -> 16.3 ms with 2 threads, 25.6 of 30.1 GB/s). */
-#define CLOVER_PF_AHEAD 2048
+ * development machine (Q6_K LM head, 2 threads: 23.0 ms without, 16.3 ms = 25.6 of 30.1 GB/s
+ * at 2 KiB ahead). Distance from a sweep of the real-dims 4-layer tg step (1, 2, 4, 8 KiB:
+ * Q4_K_M 32.6, 29.8, 28.9, 28.8 ms; Q8_0 -, 42.0, 39.1, 39.6 ms). */
+#ifndef CLOVER_PF_AHEAD
+#define CLOVER_PF_AHEAD 4096
+#endif
 #define CLOVER_PREFETCH(p, lines)                                                                  \
     do {                                                                                           \
         const char *pf_ = (const char *)(p) + CLOVER_PF_AHEAD;                                     \
