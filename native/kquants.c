@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "clover.h"
+#include "dot.h"
 #include "quants.h"
 
 #if defined(_WIN32)
@@ -552,7 +553,7 @@ static void mxfp4_dequant(const uint8_t *b, float *y) {
 
 /* ---------------------------------------------------------------- Q8_K */
 
-static void q8_k_quant(const float *x, uint8_t *o) {
+static void q8_k_quant_scalar(const float *x, uint8_t *o) {
     float amax = 0, vmax = 0;
     for (int j = 0; j < QK_K; j++) {
         if (fabsf(x[j]) > amax) {
@@ -574,6 +575,56 @@ static void q8_k_quant(const float *x, uint8_t *o) {
     }
     const float d = 1 / iscale;
     memcpy(o, &d, 4);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* The same bytes with AVX-512: the first element of largest |x| (vmax) found by a compare on
+ * the vector maximum; cvtps rounds to nearest, ties to even, as round_int; |q| <= 127 by
+ * construction, so the saturating narrow is exact; one 16-lane vector is one bsums group. */
+__attribute__((target("avx512f,avx512bw"))) static void q8_k_quant_avx512(const float *x, uint8_t *o) {
+    __m512 m = _mm512_setzero_ps();
+    for (int c = 0; c < 16; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * c)));
+    const float amax = _mm512_reduce_max_ps(m);
+    if (!(amax > 0.0f)) { /* zero block (NaN input keeps the scalar path's behaviour) */
+        q8_k_quant_scalar(x, o);
+        return;
+    }
+    float vmax = 0;
+    const __m512 va = _mm512_set1_ps(amax);
+    for (int c = 0; c < 16; c++) {
+        const __mmask16 k = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + 16 * c)), va, _CMP_EQ_OQ);
+        if (k) {
+            vmax = x[16 * c + __builtin_ctz(k)];
+            break;
+        }
+    }
+    const float iscale = -127.f / vmax;
+    const __m512 vs = _mm512_set1_ps(iscale);
+    int8_t *qs = (int8_t *)(o + 4);
+    for (int c = 0; c < 16; c++) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(vs, _mm512_loadu_ps(x + 16 * c)));
+        _mm_storeu_si128((__m128i *)(qs + 16 * c), _mm512_cvtsepi32_epi8(_mm512_min_epi32(q, _mm512_set1_epi32(127))));
+        const int16_t bs = (int16_t)_mm512_reduce_add_epi32(q);
+        memcpy(o + 260 + 2 * c, &bs, 2);
+    }
+    const float d = 1 / iscale;
+    memcpy(o, &d, 4);
+}
+#endif
+
+/* Q8_K (ggml quantize_row_q8_K_ref, which llama.cpp also runs on x86): d = max / -127 of the
+ * first element of largest |x|, q = nearest-even(x * -127 / max), bsums per 16. */
+static void q8_k_quant(const float *x, uint8_t *o) {
+#if defined(__x86_64__) || defined(__i386__)
+    static int use_avx512 = -1; /* benign race: every thread computes the same value */
+    if (use_avx512 < 0) use_avx512 = clover_dot_best_isa() >= CLOVER_ISA_AVX512;
+    if (use_avx512) {
+        q8_k_quant_avx512(x, o);
+        return;
+    }
+#endif
+    q8_k_quant_scalar(x, o);
 }
 
 static void q8_k_dequant(const uint8_t *b, float *y) {

@@ -803,6 +803,49 @@ CLOVER_CLONES static void gdn_backward_head(const gdn_dims *d, const float *conv
  *   V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), j <= i) V'
  *   S <- exp(G_L) S + (K * exp(G_L - G))^T V'
  * It equals gdn_recurrent_head up to rounding (tested). scratch: gdn_scratch_floats(). */
+/* C[i][n] += alpha * sum_m A[i * lda + m] * B[m * ldb + n] for i < M, n < N, m < K: the
+ * chunk-level products of the chunked GDN (V' = U - W S, the readout Q S, the state update
+ * K'^T V'). Blocks of 4 rows x 16 columns keep their sums in registers while B streams once
+ * per block (inlined into the target_clones callers, so vectorised per ISA). */
+typedef float gemm_v8 __attribute__((vector_size(32), aligned(4))); /* GCC/Clang vector extension */
+
+static inline __attribute__((always_inline)) void gemm_acc(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                            const float *B, int64_t ldb, float *C, int64_t ldc) {
+    int64_t i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) {
+        int64_t n0 = 0;
+        for (; n0 + 16 <= N; n0 += 16) {
+            gemm_v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
+            const float *a0 = A + i0 * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+            for (int64_t m = 0; m < K; m++) {
+                const gemm_v8 b0 = *(const gemm_v8 *)(B + m * ldb + n0);
+                const gemm_v8 b1 = *(const gemm_v8 *)(B + m * ldb + n0 + 8);
+                c00 += a0[m] * b0, c01 += a0[m] * b1;
+                c10 += a1[m] * b0, c11 += a1[m] * b1;
+                c20 += a2[m] * b0, c21 += a2[m] * b1;
+                c30 += a3[m] * b0, c31 += a3[m] * b1;
+            }
+            const gemm_v8 acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+            for (int r = 0; r < 4; r++)
+                for (int h = 0; h < 2; h++) {
+                    gemm_v8 *c = (gemm_v8 *)(C + (i0 + r) * ldc + n0 + 8 * h);
+                    *c += alpha * acc[r][h];
+                }
+        }
+        for (; n0 < N; n0++)
+            for (int r = 0; r < 4; r++) {
+                float acc = 0;
+                for (int64_t m = 0; m < K; m++) acc += A[(i0 + r) * lda + m] * B[m * ldb + n0];
+                C[(i0 + r) * ldc + n0] += alpha * acc;
+            }
+    }
+    for (; i0 < M; i0++)
+        for (int64_t m = 0; m < K; m++) {
+            const float a = alpha * A[i0 * lda + m];
+            for (int64_t n = 0; n < N; n++) C[i0 * ldc + n] += a * B[m * ldb + n];
+        }
+}
+
 #define GDN_CHUNK 64
 CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                              int64_t h, float *S, float *o, float *scratch) {
@@ -853,20 +896,14 @@ CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv,
             }
         }
         /* V' = U - W S (in U) */
-        for (int64_t i = 0; i < L; i++) {
-            float *u = U + i * dv;
-            const float *w = W + i * dk;
-            for (int64_t m = 0; m < dk; m++) {
-                float wm = w[m];
-                const float *Sm = S + m * dv;
-                for (int64_t n = 0; n < dv; n++) u[n] -= wm * Sm[n];
-            }
-        }
+        gemm_acc(L, dv, dk, -1.0f, W, dk, S, dv, U, dv);
         /* O_i = exp(G_i) q_i S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j */
+        float *o0 = o + (t0 * d->Hv + h) * dv;
+        for (int64_t i = 0; i < L; i++) memset(o0 + i * d->Hv * dv, 0, sizeof(float) * (size_t)dv);
+        gemm_acc(L, dv, dk, 1.0f, GDN_Q(d, conv, t0, h), d->C, S, dv, o0, d->Hv * dv);
         for (int64_t i = 0; i < L; i++) {
             const float *qi = GDN_Q(d, conv, t0 + i, h);
             float *oi = o + ((t0 + i) * d->Hv + h) * dv;
-            readout(S, qi, dk, dv, oi);
             float eg = expf(G[i]);
             for (int64_t n = 0; n < dv; n++) oi[n] *= eg;
             for (int64_t j = 0; j <= i; j++) {
@@ -879,21 +916,19 @@ CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv,
         /* S <- exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T */
         float egl = expf(G[L - 1]);
         for (int64_t m = 0; m < dk * dv; m++) S[m] *= egl;
+        float *Kt = row + CH; /* [dk][L]: K'^T with K'_j = exp(G_L - G_j) k_j */
         for (int64_t j = 0; j < L; j++) {
             const float *kj = GDN_K(d, conv, t0 + j, h);
-            float e = expf(G[L - 1] - G[j]);
-            const float *uj = U + j * dv;
-            for (int64_t m = 0; m < dk; m++) {
-                float km = kj[m] * e;
-                float *Sm = S + m * dv;
-                for (int64_t n = 0; n < dv; n++) Sm[n] += km * uj[n];
-            }
+            const float e = expf(G[L - 1] - G[j]);
+            for (int64_t m = 0; m < dk; m++) Kt[m * L + j] = kj[m] * e;
         }
+        gemm_acc(dk, dv, L, 1.0f, Kt, L, U, dv, S, dv);
     }
 }
 
 static int64_t gdn_scratch_floats(const gdn_dims *d) {
-    return GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (d->dv + d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv;
+    return GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (d->dv + d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv +
+           GDN_CHUNK * d->dk;
 }
 
 enum { GDN_FORWARD, GDN_FORWARD_CHUNKED, GDN_BACKWARD };

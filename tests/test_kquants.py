@@ -308,3 +308,35 @@ def test_bytes_equal_ggml_reference(ggml_ref, name, kind):
         np.testing.assert_array_equal(ours_b[zero, :2], 0)
         ours_b, ref_b = ours_b[~zero], ref_b[~zero]
     np.testing.assert_array_equal(ours_b, ref_b)
+
+
+def _q8_k_ggml_ref(x):
+    """numpy transcription of ggml's quantize_row_q8_K_ref (what llama.cpp runs on x86): per
+    256 values, max = the first element of largest |x|, iscale = -127/max, q = nearest_int
+    (ties to even) of iscale*x capped at 127, d = 1/iscale, bsums per 16; all-zero block -> 0."""
+    out = np.zeros((x.size // 256, 292), np.uint8)
+    for b, xb in enumerate(x.reshape(-1, 256).astype(np.float32)):
+        j = int(np.argmax(np.abs(xb)))  # argmax returns the first of equal maxima
+        if np.abs(xb[j]) == 0:
+            continue
+        iscale = np.float32(-127.0) / xb[j]
+        q = np.minimum(np.rint((iscale * xb).astype(np.float32)), 127).astype(np.int8)
+        out[b, :4] = np.array([np.float32(1.0) / iscale], np.float32).view(np.uint8)
+        out[b, 4:260] = q.view(np.uint8)
+        out[b, 260:] = q.reshape(16, 16).astype(np.int16).sum(1).astype(np.int16).view(np.uint8)
+    return out.reshape(-1)
+
+
+def test_q8_k_bytes_equal_ggml_reference():
+    """Q8_K activation bytes equal ggml's reference quantiser, on the SIMD path this CPU takes:
+    random blocks, blocks with exact .5 ties, equal-magnitude maxima of both signs (the first
+    wins) and an all-zero block."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(64 * 256) * rng.uniform(0.01, 100, 64).repeat(256)).astype(np.float32)
+    ties = np.full(256, 0.5, np.float32)
+    ties[0] = -127.0  # iscale = 1: 0.5 * 1 is an exact tie
+    ties[1::7] = 2.5
+    pm = rng.standard_normal(256).astype(np.float32)
+    pm[[3, 9]] = [-8.0, 8.0]  # |max| twice: the first (-8) sets the sign of d
+    x = np.concatenate([x, ties, pm, np.zeros(256, np.float32)])
+    assert np.array_equal(quant("Q8_K", x), _q8_k_ggml_ref(x))
