@@ -921,7 +921,8 @@ def test_v_head_perm_matches_spec():
 # llama.cpp's own converter as an oracle (when its source is present; read only)
 # ---------------------------------------------------------------------------------------------
 
-LLAMA_CPP = pathlib.Path("/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# llama.cpp source tree (bench/llama_oracle.sh unpacks it and sets the variable)
+LLAMA_CPP = pathlib.Path(os.environ.get("CLOVER_LLAMA_CPP_SRC", "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 _HAVE_LLAMA_CPP = (LLAMA_CPP / "convert_hf_to_gguf.py").is_file()
 # a Python with llama-cpp-python (its llama_model_quantize): CLOVER_LLAMA_PYTHON, else the venv
 # that clover/notes/oracles.md builds

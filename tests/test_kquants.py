@@ -15,9 +15,10 @@ References:
     Q4_0 0.090 (0.0865)  Q4_K 0.075 (0.0719)  Q5_K 0.038 (0.0363)  Q6_K 0.019 (0.0178)
     IQ4_NL 0.082 (0.0789)  IQ4_XS 0.081 (0.0769)  MXFP4 0.120 (0.1161)  Q8_K 0.0075 (0.0070)
   and Q8_K per element within half a step (|x - d*q| <= |d|/2).
-These types are not engine weight types yet: clover_row_nbytes (model loader, matmul) and
-the public clover_type_nbytes still reject them; their sizes come from clover_kq_nbytes.
+Q8_K bytes also equal a numpy transcription of ggml's quantize_row_q8_K_ref (the activation
+quantiser llama.cpp runs on x86), on the AVX-512 path and the portable one.
 """
+import os
 import pathlib
 import shutil
 import subprocess
@@ -245,7 +246,8 @@ def test_scale_invariance(name):
 
 
 # ------------------------------------------------------------------------ ggml oracle
-LLAMA_CPP = pathlib.Path("/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# llama.cpp source tree (bench/llama_oracle.sh unpacks it and sets the variable)
+LLAMA_CPP = pathlib.Path(os.environ.get("CLOVER_LLAMA_CPP_SRC", "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 GGML_QUANTS_C = LLAMA_CPP / "ggml" / "src" / "ggml-quants.c"
 _STUBS = r"""
 #include <stdio.h>
