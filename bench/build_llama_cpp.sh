@@ -21,7 +21,7 @@ JOBS="${JOBS:-$(nproc)}"
 if [ ! -f "$SDIST" ]; then
     dl="$(mktemp -d)"
     echo "downloading llama-cpp-python==${VERSION} source into $dl"
-    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==${VERSION}" -d "$dl"
+    "$PY" -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==${VERSION}" -d "$dl"
     SDIST="$(ls "$dl"/llama_cpp_python-${VERSION}.tar.gz)"
 fi
 echo "source: $SDIST"

@@ -22,7 +22,7 @@ TREE="$SRC_DIR/llama_cpp_python-${VERSION}/vendor/llama.cpp"
 
 mkdir -p "$SRC_DIR"
 if [ ! -f "$SDIST" ]; then
-    python -m pip download --no-deps --no-binary :all: "llama-cpp-python==${VERSION}" -d "$SRC_DIR"
+    python -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==${VERSION}" -d "$SRC_DIR"
 fi
 if [ ! -f "$TREE/convert_hf_to_gguf.py" ]; then
     tar -xzf "$SDIST" -C "$SRC_DIR"
