@@ -54,6 +54,17 @@ def _check_float(name, v, lo=None, hi=None, lo_open=False):
     return v
 
 
+_F32_MAX = 3.4028234663852886e38
+
+
+def _check_f32(name, v, lo=None, hi=None, lo_open=False):
+    """A finite number that stays finite as a C float."""
+    v = _check_float(name, v, lo, hi, lo_open)
+    if abs(v) > _F32_MAX:
+        raise ValueError(f"{name}: {v} overflows float32")
+    return v
+
+
 class Model:
     """A loaded GGUF model (arch ``clover`` or ``qwen35moe``) with one decoding context.
 
@@ -217,7 +228,7 @@ class Model:
         return ids
 
     def _params(self, max_tokens, mode, temperature, top_k, top_p, seed, block_size, threshold,
-                coreset_top_p, end_ids):
+                coreset_top_p, end_ids, **sampling):
         p = ffi.new("clover_gen_params *")
         lib.clover_gen_params_default(self._model, p)
         if mode is None:
@@ -244,7 +255,51 @@ class Model:
             keep[k] = t
         p.end_ids = keep
         p.n_end_ids = len(ends)
+        keep = (keep, self._set_sampling(p, **sampling))
         return p, keep, mode, ends
+
+    def _set_sampling(self, p, min_p=None, presence_penalty=None, repeat_penalty=None,
+                      frequency_penalty=None, logit_bias=None, think_close_bias_start=None,
+                      eos_bias_start=None, bias_slope=None, bias_max=None):
+        """Set the spec 5.3-5.4 fields of ``p``; None keeps clover_gen_params_default's value.
+        Returns the arrays ``p`` points to (they must live as long as ``p``)."""
+        if min_p is not None:
+            p.min_p = _check_float("min_p", min_p, lo=0.0, hi=1.0)
+        if presence_penalty is not None:
+            p.presence_penalty = _check_f32("presence_penalty", presence_penalty)
+        if repeat_penalty is not None:
+            p.repetition_penalty = _check_f32("repeat_penalty", repeat_penalty, lo=0.0, lo_open=True)
+        if frequency_penalty is not None:
+            p.frequency_penalty = _check_f32("frequency_penalty", frequency_penalty)
+        if think_close_bias_start is not None:
+            p.think_close_bias_start = _check_int("think_close_bias_start", think_close_bias_start, lo=0,
+                                                  hi=2**31 - 1)
+        if eos_bias_start is not None:
+            p.eos_bias_start = _check_int("eos_bias_start", eos_bias_start, lo=0, hi=2**31 - 1)
+        if bias_slope is not None:
+            p.bias_slope = _check_f32("bias_slope", bias_slope, lo=0.0)
+        if bias_max is not None:
+            p.bias_max = _check_f32("bias_max", bias_max, lo=0.0)
+        if logit_bias is None:
+            logit_bias = {}
+        if not hasattr(logit_bias, "items"):
+            raise ValueError(f"logit_bias: expected a dict {{token id: bias}}, got {type(logit_bias).__name__}")
+        ids, vals = [], []
+        for k, v in logit_bias.items():
+            if isinstance(k, str):  # OpenAI's JSON form: {"50256": -100}
+                try:
+                    k = int(k)
+                except ValueError:
+                    raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
+            t = _check_int("logit_bias key", k, lo=0, hi=self.n_vocab - 1)
+            ids.append(t)
+            vals.append(_check_f32(f"logit_bias[{t}]", v))
+        bias_ids = ffi.new("int32_t[]", ids or [0])
+        bias_vals = ffi.new("float[]", vals or [0.0])
+        p.logit_bias_ids = bias_ids
+        p.logit_bias_values = bias_vals
+        p.n_logit_bias = len(ids)
+        return bias_ids, bias_vals
 
     def _steps(self, prompt_ids, p, mode) -> Iterator[list[int]]:
         """Run the native decoder; yield each step's newly final tokens; set last_stats."""
@@ -316,7 +371,12 @@ class Model:
     def generate_tokens(self, prompt_ids: Sequence[int], max_tokens: int = 256, mode: str | None = None,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                         block_size: int | None = None, threshold: float | None = None,
-                        coreset_top_p: float | None = None, end_ids: Sequence[int] | None = None):
+                        coreset_top_p: float | None = None, end_ids: Sequence[int] | None = None,
+                        min_p: float | None = None, presence_penalty: float | None = None,
+                        repeat_penalty: float | None = None, frequency_penalty: float | None = None,
+                        logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
+                        eos_bias_start: int | None = None, bias_slope: float | None = None,
+                        bias_max: float | None = None):
         """Generate from token ids (spec 5.1-5.3, 5.6).
 
         Returns ``(ids, stats)``: the generated token ids (the end token included when
@@ -324,11 +384,23 @@ class Model:
         ``mode`` None means ``"diffusion"`` for a clover GGUF, ``"ar"`` for qwen35moe;
         ``block_size``/``threshold``/``coreset_top_p`` None take the GGUF defaults (spec 4.2);
         ``end_ids`` None means ``<|im_end|>``, ``<|endoftext|>`` and the GGUF eos.
+        Sampling and penalties (spec 5.3-5.4; None = the engine default): ``min_p`` (0 = off),
+        ``presence_penalty`` (GGUF default, 0.9; 0 = off), ``repeat_penalty`` (GGUF default,
+        1.05; 1 = off), ``frequency_penalty`` (0 = off), ``logit_bias`` (dict token id ->
+        additive logit), and the soft-bias ramps ``min(bias_max, bias_slope * max(0, n -
+        start))`` toward ``</think>`` (from ``think_close_bias_start``, while a thinking section
+        is open) and the end tokens (from ``eos_bias_start``) at generated index n (starts:
+        GGUF defaults 4096 / 8192; ``bias_slope`` 0.01, ``bias_max`` 10). Penalties only
+        reweight logits, they never stop generation.
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         ids = self._check_fits(self._check_ids("prompt_ids", prompt_ids))
         p, _keep, mode, _ = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
-                                         block_size, threshold, coreset_top_p, end_ids)
+                                         block_size, threshold, coreset_top_p, end_ids,
+                                         min_p=min_p, presence_penalty=presence_penalty,
+                                         repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                         logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
+                                         eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
         out: list[int] = []
         for new in self._steps(ids, p, mode):
             out.extend(new)
@@ -337,14 +409,23 @@ class Model:
     def generate_stream(self, prompt, max_tokens: int = 256, mode: str | None = None,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                         block_size: int | None = None, threshold: float | None = None,
-                        coreset_top_p: float | None = None) -> Iterator[str]:
+                        coreset_top_p: float | None = None,
+                        min_p: float | None = None, presence_penalty: float | None = None,
+                        repeat_penalty: float | None = None, frequency_penalty: float | None = None,
+                        logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
+                        eos_bias_start: int | None = None, bias_slope: float | None = None,
+                        bias_max: float | None = None) -> Iterator[str]:
         """Like :meth:`generate`, but yields text as tokens become final (per AR token or
         per committed diffusion block). Pieces never split a UTF-8 character; end tokens
         are not written. :attr:`last_stats` is set when the iterator ends (or is closed).
         Arguments are validated before the first piece is requested."""
         ids = self._check_fits(self._prompt_ids(prompt))
         p, keep, mode, ends = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
-                                           block_size, threshold, coreset_top_p, None)
+                                           block_size, threshold, coreset_top_p, None,
+                                           min_p=min_p, presence_penalty=presence_penalty,
+                                           repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                           logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
+                                           eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
         return self._stream(ids, p, keep, mode, set(ends))
 
     def _stream(self, ids, p, keep, mode, ends) -> Iterator[str]:
@@ -361,7 +442,12 @@ class Model:
     def generate(self, prompt, max_tokens: int = 256, mode: str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  block_size: int | None = None, threshold: float | None = None,
-                 coreset_top_p: float | None = None) -> str:
+                 coreset_top_p: float | None = None,
+                 min_p: float | None = None, presence_penalty: float | None = None,
+                 repeat_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
+                 eos_bias_start: int | None = None, bias_slope: float | None = None,
+                 bias_max: float | None = None) -> str:
         """Generate text after ``prompt`` (a str, tokenized with special tokens recognised,
         or a sequence of token ids) and return it, without the end token.
 
@@ -369,10 +455,22 @@ class Model:
         sampling reproducible. Statistics of the run are in :attr:`last_stats`
         (``n_forward``, ``tokens_per_forward``, ``seconds``, ``tokens_per_second``,
         ``finish_reason`` ``"stop"``/``"length"``, ``tokens``...).
+        Sampling and penalties (spec 5.3-5.4; None = the engine default): ``min_p`` (0 = off),
+        ``presence_penalty`` (GGUF default, 0.9; 0 = off), ``repeat_penalty`` (GGUF default,
+        1.05; 1 = off), ``frequency_penalty`` (0 = off), ``logit_bias`` (dict token id ->
+        additive logit), and the soft-bias ramps ``min(bias_max, bias_slope * max(0, n -
+        start))`` toward ``</think>`` (from ``think_close_bias_start``, while a thinking section
+        is open) and the end tokens (from ``eos_bias_start``) at generated index n (starts:
+        GGUF defaults 4096 / 8192; ``bias_slope`` 0.01, ``bias_max`` 10). Penalties only
+        reweight logits, they never stop generation.
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         return "".join(self.generate_stream(prompt, max_tokens, mode, temperature, top_k, top_p,
-                                            seed, block_size, threshold, coreset_top_p))
+                                            seed, block_size, threshold, coreset_top_p,
+                                            min_p=min_p, presence_penalty=presence_penalty,
+                                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                            logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
+                                            eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max))
 
     # ------------------------------------------------------------------ logits (tests)
     def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:

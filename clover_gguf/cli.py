@@ -47,7 +47,10 @@ def cmd_run(a) -> int:
     with m:
         kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
                   top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
-                  coreset_top_p=a.coreset_top_p)
+                  coreset_top_p=a.coreset_top_p, min_p=a.min_p, presence_penalty=a.presence_penalty,
+                  repeat_penalty=a.repeat_penalty, frequency_penalty=a.frequency_penalty,
+                  logit_bias=dict(a.logit_bias or []) or None, think_close_bias_start=a.think_close_bias_start,
+                  eos_bias_start=a.eos_bias_start, bias_slope=a.bias_slope, bias_max=a.bias_max)
         try:
             stream = m.generate_stream(a.prompt, **kw)
         except ValueError as e:
@@ -233,6 +236,17 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _logit_bias(s: str) -> tuple[int, float]:
+    """``ID=BIAS`` (also ``ID:BIAS``), e.g. ``151645=-100``."""
+    k, sep, v = s.replace(":", "=", 1).partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(k), float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (token id, logit), got {s!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -253,6 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temp", type=float, default=0.0, help="temperature, 0 = greedy (0)")
     r.add_argument("--top-k", type=_nonneg_int, default=0, help="top-k, 0 = off (0)")
     r.add_argument("--top-p", type=float, default=1.0, help="top-p, 1 = off (1.0)")
+    r.add_argument("--min-p", type=float, default=None, help="min-p, applied after top-p, 0 = off (0)")
+    r.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtracted from already generated tokens, 0 = off (GGUF default, 0.9)")
+    r.add_argument("--repeat-penalty", type=float, default=None,
+                   help="divides positive / multiplies negative logits of prompt and generated tokens, "
+                        "1 = off (GGUF default, 1.05)")
+    r.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtracted per occurrence among generated tokens, 0 = off (0)")
+    r.add_argument("--logit-bias", type=_logit_bias, action="append", metavar="ID=BIAS",
+                   help="add BIAS to the logit of token ID (repeatable; the last value of an ID wins)")
+    r.add_argument("--think-close-bias-start", type=_nonneg_int, default=None,
+                   help="generated token from which a ramp favours </think> in an open thinking section "
+                        "(GGUF default, 4096)")
+    r.add_argument("--eos-bias-start", type=_nonneg_int, default=None,
+                   help="generated token from which a ramp favours the end tokens (GGUF default, 8192)")
+    r.add_argument("--bias-slope", type=float, default=None,
+                   help="ramp slope in logits per generated token, 0 = ramps off (0.01)")
+    r.add_argument("--bias-max", type=float, default=None, help="ramp cap in logits (10)")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (0)")
     r.add_argument("--block-size", type=_positive_int, default=None, help="diffusion block size (GGUF default)")
     r.add_argument("--threshold", type=float, default=None, help="diffusion confidence threshold (GGUF default)")

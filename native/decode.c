@@ -24,9 +24,24 @@ struct clover_decoder {
     int32_t *cand;     /* [block_size] */
     int32_t *nexp;     /* [n_layer] distinct experts per layer of the last denoising pass */
     float *scratch;    /* [n_vocab] */
+    float *proc;       /* [n_vocab] a row after penalties and soft biases (spec 5.4) */
+    int32_t *bias_ids; /* copies of the caller's logit_bias arrays */
+    float *bias_values;
+    clover_history hist; /* prompt and generated tokens (spec 5.4) */
     clover_stats st;
     int done;
 };
+
+/* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
+static int32_t vocab_id(const clover_model *m, const char *s) {
+    const int64_t k = m ? clover_gguf_find_key(m->g, "tokenizer.ggml.tokens") : -1;
+    const int64_t n = k >= 0 ? clover_gguf_arr_n(m->g, k) : 0;
+    for (int64_t i = 0; i < n && i < m->hp.n_vocab; i++) {
+        const char *t = clover_gguf_get_str(m->g, k, i, NULL);
+        if (t && strcmp(t, s) == 0) return (int32_t)i;
+    }
+    return -1;
+}
 
 void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     memset(p, 0, sizeof *p);
@@ -39,6 +54,19 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     p->block_size = m ? m->hp.block_size : 32;
     p->threshold = m ? m->hp.threshold : 0.95f;
     p->coreset_top_p = m ? m->hp.coreset_top_p : 0.9f;
+    /* spec 5.3-5.4 */
+    p->min_p = 0.0f;
+    p->presence_penalty = m ? m->hp.presence_penalty : 0.9f;
+    p->repetition_penalty = m ? m->hp.repetition_penalty : 1.05f;
+    p->frequency_penalty = 0.0f;
+    p->think_open_id = vocab_id(m, "<think>");
+    p->think_close_id = vocab_id(m, "</think>");
+    p->think_close_bias_start = m ? m->hp.think_close_bias_start : 4096;
+    p->eos_bias_start = m ? m->hp.eos_bias_start : 8192;
+    /* Ramp slope and cap are runtime options of spec 5.4 [assumed form, no published values]:
+     * 0.01 logit per token reaches the cap of 10 logits 1000 tokens after the start. */
+    p->bias_slope = 0.01f;
+    p->bias_max = 10.0f;
 }
 
 static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
@@ -50,11 +78,10 @@ static int check_params(const clover_model *m, const clover_gen_params *p, char 
     if (p->mode == CLOVER_MODE_DIFFUSION && hp->mask_token_id < 0)
         return clover_set_err(err, n, CLOVER_E_ARG, "mode: diffusion needs clover.diffusion.mask_token_id");
     if (p->max_tokens <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "max_tokens: %d must be > 0", p->max_tokens);
-    if (!(p->temperature >= 0.0f) || isinf(p->temperature))
-        return clover_set_err(err, n, CLOVER_E_ARG, "temperature: %g must be finite and >= 0", p->temperature);
-    if (p->top_k < 0) return clover_set_err(err, n, CLOVER_E_ARG, "top_k: %d must be >= 0", p->top_k);
-    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
-        return clover_set_err(err, n, CLOVER_E_ARG, "top_p: %g outside (0, 1]", p->top_p);
+    /* temperature, top_k, top_p, min_p, penalties, logit_bias, think ids, ramps (sampler.c,
+     * shared with clover_sample_logits) */
+    int rc = clover_check_sampling(p, hp->n_vocab, err, n);
+    if (rc) return rc;
     if (p->block_size <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "block_size: %d must be > 0", p->block_size);
     if (!(p->threshold > 0.0f && p->threshold <= 1.0f))
         return clover_set_err(err, n, CLOVER_E_ARG, "threshold: %g outside (0, 1]", p->threshold);
@@ -73,6 +100,8 @@ void clover_decoder_free(clover_decoder *d) {
     if (!d) return;
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch);
+    free(d->proc), free(d->bias_ids), free(d->bias_values);
+    clover_history_free(&d->hist);
     free(d);
 }
 
@@ -103,6 +132,15 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
         memcpy(d->end_ids, p->end_ids, sizeof(int32_t) * (size_t)p->n_end_ids);
     }
     d->p.end_ids = d->end_ids;
+    if (p->n_logit_bias > 0) {
+        d->bias_ids = malloc(sizeof(int32_t) * (size_t)p->n_logit_bias);
+        d->bias_values = malloc(sizeof(float) * (size_t)p->n_logit_bias);
+        if (!d->bias_ids || !d->bias_values) goto nomem;
+        memcpy(d->bias_ids, p->logit_bias_ids, sizeof(int32_t) * (size_t)p->n_logit_bias);
+        memcpy(d->bias_values, p->logit_bias_values, sizeof(float) * (size_t)p->n_logit_bias);
+    }
+    d->p.logit_bias_ids = d->bias_ids;
+    d->p.logit_bias_values = d->bias_values;
     if ((uint64_t)B * (uint64_t)V > SIZE_MAX / sizeof(float)) goto nomem;
     d->causal = malloc(sizeof(float) * (size_t)V);
     d->logits = malloc(sizeof(float) * (size_t)(B * V));
@@ -112,10 +150,13 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     d->cand = malloc(sizeof(int32_t) * (size_t)B);
     d->nexp = calloc((size_t)m->hp.n_layer, sizeof(int32_t));
     d->scratch = malloc(sizeof(float) * (size_t)V);
-    if (!d->causal || !d->logits || !d->block || !d->filled || !d->conf || !d->cand || !d->nexp || !d->scratch)
+    d->proc = malloc(sizeof(float) * (size_t)V);
+    if (!d->causal || !d->logits || !d->block || !d->filled || !d->conf || !d->cand || !d->nexp || !d->scratch ||
+        !d->proc || clover_history_init(&d->hist, (int32_t)V, p->think_open_id, p->think_close_id))
         goto nomem;
+    clover_history_prompt(&d->hist, prompt, n_prompt);
     clover_rng_seed(&d->rng, p->seed);
-    d->sp = (clover_sampler_params){p->temperature, p->top_k, p->top_p, m->hp.mask_token_id};
+    clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
     clover_context_reset(c);
     if (clover_prefill(c, prompt, n_prompt, d->causal, 0, err, err_size)) {
         clover_decoder_free(d);
@@ -147,12 +188,32 @@ static int32_t emit(clover_decoder *d, const int32_t *tokens, int32_t n, int32_t
     }
     memcpy(out, tokens, sizeof(int32_t) * (size_t)n);
     d->st.n_generated += n;
+    for (int32_t i = 0; i < n; i++) clover_history_add(&d->hist, tokens[i]); /* spec 5.4 history */
     return n;
+}
+
+/* Candidate and confidence for the slot at generated index n_generated + j (spec 5.3-5.4): the
+ * penalties count the emitted tokens plus pend[k] (k < n_pend, where on[k] when on is given:
+ * the tokens already in the current block), the </think> ramp applies while a thinking section
+ * is open at the slot (emitted tokens, then pend[k] for k < j), then the sampler. */
+static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const int32_t *pend,
+                           const unsigned char *on, int32_t n_pend, float *conf) {
+    clover_history *h = &d->hist;
+    int think = h->think_open;
+    for (int32_t k = 0; k < n_pend; k++) {
+        if (on && !on[k]) continue;
+        clover_history_push(h, pend[k]);
+        if (k < j) think = clover_think_state(h, think, pend[k]);
+    }
+    clover_process_logits(row, d->proc, h->n_vocab, &d->sp, h, d->st.n_generated + j, think);
+    for (int32_t k = n_pend - 1; k >= 0; k--)
+        if (!on || on[k]) clover_history_pop(h, pend[k]);
+    return clover_sample(d->proc, h->n_vocab, &d->sp, &d->rng, conf, d->scratch, NULL);
 }
 
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
     float conf;
-    int32_t t = clover_sample(d->causal, d->c->m->hp.n_vocab, &d->sp, &d->rng, &conf, d->scratch, NULL);
+    int32_t t = sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
     *n_out = emit(d, &t, 1, out);
     if (is_end(d, t) && *n_out == 1) {
         d->done = 1;
@@ -194,7 +255,7 @@ static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char 
     int32_t n_masked = B;
     if (shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
         float conf;
-        d->block[0] = clover_sample(d->causal, V, &d->sp, &d->rng, &conf, d->scratch, NULL);
+        d->block[0] = sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
         d->filled[0] = 1;
         n_masked--;
     }
@@ -208,7 +269,7 @@ static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char 
         for (int32_t j = 0; j < B; j++) {
             if (d->filled[j]) continue;
             const float *row = d->logits + (int64_t)(shift ? j - 1 : j) * V;
-            d->cand[j] = clover_sample(row, V, &d->sp, &d->rng, &d->conf[j], d->scratch, NULL);
+            d->cand[j] = sample_slot(d, row, j, d->block, d->filled, B, &d->conf[j]);
             if (best < 0 || d->conf[j] > d->conf[best]) best = j;
         }
         for (int32_t j = 0; j < B; j++) {

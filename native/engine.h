@@ -57,13 +57,61 @@ struct clover_context {
 /* Write a formatted message into err (may be NULL) and return code. */
 int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...);
 
-/* sampler.c: one candidate per logits row (spec 5.3). */
+/* sampler.c: one candidate per logits row (spec 5.3) after penalties and soft biases (5.4). */
 typedef struct {
     float temperature;
     int32_t top_k;
     float top_p;
     int32_t mask_token_id; /* never a candidate; -1 for none */
+    float min_p;
+    /* spec 5.4 (borrowed from the clover_gen_params they were made from) */
+    float presence_penalty, repetition_penalty, frequency_penalty;
+    const int32_t *bias_ids;
+    const float *bias_values;
+    int32_t n_bias;
+    int32_t think_close_id;
+    const int32_t *end_ids;
+    int32_t n_end_ids;
+    int32_t think_close_bias_start, eos_bias_start;
+    float bias_slope, bias_max;
 } clover_sampler_params;
+
+/* The sampling fields of p (pointers borrowed, so p's arrays must outlive sp). */
+void clover_sampler_params_init(clover_sampler_params *sp, const clover_gen_params *p, int32_t mask_token_id);
+/* Validate the sampling fields of p (temperature, top_k, top_p, min_p, penalties, logit_bias,
+ * think ids, ramps); the error names the field. */
+int clover_check_sampling(const clover_gen_params *p, int32_t n_vocab, char *err, size_t err_size);
+
+/* Token history of spec 5.4: which tokens the prompt holds and how often each was generated.
+ * seen lists the distinct ids with in_prompt or count > 0 (first-seen order), so penalties cost
+ * O(distinct tokens) per row. */
+typedef struct {
+    int32_t n_vocab;
+    int32_t *count;           /* [n_vocab] generated occurrences */
+    unsigned char *in_prompt; /* [n_vocab] */
+    int32_t *seen;            /* [n_vocab], n_seen used */
+    int32_t n_seen;
+    int32_t think_open_id, think_close_id; /* -1 = none */
+    int think_open;           /* the last of <think> / </think> in prompt + added tokens is <think> */
+} clover_history;
+
+int clover_history_init(clover_history *h, int32_t n_vocab, int32_t think_open_id, int32_t think_close_id);
+void clover_history_free(clover_history *h);
+/* Mark the prompt tokens (repetition penalty history; think state). */
+void clover_history_prompt(clover_history *h, const int32_t *tokens, int32_t n);
+/* A generated token, for good: count and think state. */
+void clover_history_add(clover_history *h, int32_t t);
+/* Count t as generated / undo the last push of t (strict LIFO); the think state is untouched.
+ * The decoder pushes the filled slots of a block for one row and pops them in reverse. */
+void clover_history_push(clover_history *h, int32_t t);
+void clover_history_pop(clover_history *h, int32_t t);
+/* Think state after token t given the state before it. */
+int clover_think_state(const clover_history *h, int open, int32_t t);
+/* Spec 5.4 on a copy: out = logits with penalties over h (may be NULL: none), then logit_bias and
+ * the ramps for generated index n (the </think> ramp only if think_open); the mask token gets
+ * -inf. logits is not modified. */
+void clover_process_logits(const float *logits, float *out, int32_t n_vocab, const clover_sampler_params *sp,
+                           const clover_history *h, int64_t n, int think_open);
 
 typedef struct {
     uint64_t s[2];
@@ -72,9 +120,9 @@ typedef struct {
 void clover_rng_seed(clover_rng *r, uint64_t seed);
 /* Uniform float in [0, 1). */
 float clover_rng_uniform(clover_rng *r);
-/* Pick a candidate from logits[n_vocab] (not modified); *confidence in [0, 1]. Greedy at
- * temperature 0 (confidence = softmax probability of the argmax). scratch: n_vocab floats
- * plus n_vocab ints (caller provides). */
+/* Pick a candidate from processed logits[n_vocab] (not modified): temperature, top-k, top-p,
+ * min-p (spec 5.3); *confidence in [0, 1]. Greedy at temperature 0 (confidence = softmax
+ * probability of the argmax). scratch: n_vocab floats (caller provides); iscratch unused. */
 int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler_params *sp,
                       clover_rng *rng, float *confidence, float *scratch, int32_t *iscratch);
 

@@ -1,16 +1,18 @@
-/* sampler.c: one candidate token and its confidence per logits row (clover-spec 5.3).
+/* sampler.c: one candidate token and its confidence per logits row (clover-spec 5.3-5.4).
  *
- * Order: temperature, top-k, top-p (penalties and biases come first, in the decoder; min-p is
- * a later issue). At temperature 0 the candidate is the argmax and its confidence the softmax
- * probability. Above 0 the candidate is drawn from the processed distribution and its
- * confidence is min(p_argmax, exp((z_drawn - z_max) / T)), so an unlikely draw waits.
- * The mask token is never a candidate.
+ * Processing order (spec 5.3): penalties, soft biases (clover_process_logits, on a copy of the
+ * row), then temperature, top-k, top-p, min-p (clover_sample). At temperature 0 the candidate
+ * is the argmax and its confidence its softmax probability. Above 0 the candidate is drawn from
+ * the processed distribution and its confidence is min(p_argmax, exp((z_drawn - z_max) / T)),
+ * so an unlikely draw waits. The mask token is never a candidate. A seeded RNG makes every run
+ * reproducible.
  */
 #include "engine.h"
 
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* splitmix64 seeding of xoroshiro128+ (Blackman and Vigna). */
 static uint64_t splitmix64(uint64_t *x) {
@@ -34,6 +36,158 @@ float clover_rng_uniform(clover_rng *r) {
     r->s[1] = rotl(s1, 37);
     return (float)(out >> 40) * (1.0f / 16777216.0f); /* 24 random bits */
 }
+
+/* ---------------------------------------------------------------- parameters */
+
+void clover_sampler_params_init(clover_sampler_params *sp, const clover_gen_params *p, int32_t mask_token_id) {
+    memset(sp, 0, sizeof *sp);
+    sp->temperature = p->temperature;
+    sp->top_k = p->top_k;
+    sp->top_p = p->top_p;
+    sp->mask_token_id = mask_token_id;
+    sp->min_p = p->min_p;
+    sp->presence_penalty = p->presence_penalty;
+    sp->repetition_penalty = p->repetition_penalty;
+    sp->frequency_penalty = p->frequency_penalty;
+    sp->bias_ids = p->logit_bias_ids;
+    sp->bias_values = p->logit_bias_values;
+    sp->n_bias = p->n_logit_bias;
+    sp->think_close_id = p->think_close_id;
+    sp->end_ids = p->end_ids;
+    sp->n_end_ids = p->n_end_ids;
+    sp->think_close_bias_start = p->think_close_bias_start;
+    sp->eos_bias_start = p->eos_bias_start;
+    sp->bias_slope = p->bias_slope;
+    sp->bias_max = p->bias_max;
+}
+
+#define BAD(...) return clover_set_err(err, n, CLOVER_E_ARG, __VA_ARGS__)
+
+int clover_check_sampling(const clover_gen_params *p, int32_t n_vocab, char *err, size_t n) {
+    if (!(p->temperature >= 0.0f) || isinf(p->temperature))
+        BAD("temperature: %g must be finite and >= 0", p->temperature);
+    if (p->top_k < 0) BAD("top_k: %d must be >= 0", p->top_k);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f)) BAD("top_p: %g outside (0, 1]", p->top_p);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f)) BAD("min_p: %g outside [0, 1]", p->min_p);
+    if (!isfinite(p->presence_penalty)) BAD("presence_penalty: %g must be finite", p->presence_penalty);
+    if (!(p->repetition_penalty > 0.0f) || isinf(p->repetition_penalty))
+        BAD("repetition_penalty: %g must be finite and > 0 (1 = off)", p->repetition_penalty);
+    if (!isfinite(p->frequency_penalty)) BAD("frequency_penalty: %g must be finite", p->frequency_penalty);
+    if (p->n_logit_bias < 0) BAD("n_logit_bias: %d must be >= 0", p->n_logit_bias);
+    if (p->n_logit_bias > 0 && (!p->logit_bias_ids || !p->logit_bias_values))
+        BAD("logit_bias: %d entries but no ids or values array", p->n_logit_bias);
+    for (int32_t i = 0; i < p->n_logit_bias; i++) {
+        if (p->logit_bias_ids[i] < 0 || p->logit_bias_ids[i] >= n_vocab)
+            BAD("logit_bias_ids[%d]: id %d outside [0, %d)", i, p->logit_bias_ids[i], n_vocab);
+        if (!isfinite(p->logit_bias_values[i]))
+            BAD("logit_bias_values[%d]: %g (token %d) must be finite", i, p->logit_bias_values[i], p->logit_bias_ids[i]);
+    }
+    if (p->think_open_id < -1 || p->think_open_id >= n_vocab)
+        BAD("think_open_id: %d outside [-1, %d)", p->think_open_id, n_vocab);
+    if (p->think_close_id < -1 || p->think_close_id >= n_vocab)
+        BAD("think_close_id: %d outside [-1, %d)", p->think_close_id, n_vocab);
+    if (p->think_close_bias_start < 0) BAD("think_close_bias_start: %d must be >= 0", p->think_close_bias_start);
+    if (p->eos_bias_start < 0) BAD("eos_bias_start: %d must be >= 0", p->eos_bias_start);
+    if (!(p->bias_slope >= 0.0f) || isinf(p->bias_slope)) BAD("bias_slope: %g must be finite and >= 0", p->bias_slope);
+    if (!(p->bias_max >= 0.0f) || isinf(p->bias_max)) BAD("bias_max: %g must be finite and >= 0", p->bias_max);
+    return CLOVER_OK;
+}
+
+/* ---------------------------------------------------------------- token history (spec 5.4) */
+
+int clover_history_init(clover_history *h, int32_t n_vocab, int32_t think_open_id, int32_t think_close_id) {
+    memset(h, 0, sizeof *h);
+    h->n_vocab = n_vocab;
+    h->think_open_id = think_open_id;
+    h->think_close_id = think_close_id;
+    h->count = calloc((size_t)n_vocab, sizeof(int32_t));
+    h->in_prompt = calloc((size_t)n_vocab, 1);
+    h->seen = malloc(sizeof(int32_t) * (size_t)n_vocab);
+    if (!h->count || !h->in_prompt || !h->seen) {
+        clover_history_free(h);
+        return CLOVER_E_NOMEM;
+    }
+    return CLOVER_OK;
+}
+
+void clover_history_free(clover_history *h) {
+    free(h->count), free(h->in_prompt), free(h->seen);
+    h->count = NULL, h->in_prompt = NULL, h->seen = NULL;
+}
+
+int clover_think_state(const clover_history *h, int open, int32_t t) {
+    if (t >= 0 && t == h->think_close_id) return 0;
+    if (t >= 0 && t == h->think_open_id) return 1;
+    return open;
+}
+
+void clover_history_prompt(clover_history *h, const int32_t *tokens, int32_t n) {
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t t = tokens[i];
+        if (t < 0 || t >= h->n_vocab) continue;
+        if (!h->in_prompt[t] && !h->count[t]) h->seen[h->n_seen++] = t;
+        h->in_prompt[t] = 1;
+        h->think_open = clover_think_state(h, h->think_open, t);
+    }
+}
+
+void clover_history_push(clover_history *h, int32_t t) {
+    if (t < 0 || t >= h->n_vocab) return;
+    if (!h->in_prompt[t] && !h->count[t]) h->seen[h->n_seen++] = t;
+    h->count[t]++;
+}
+
+void clover_history_pop(clover_history *h, int32_t t) {
+    if (t < 0 || t >= h->n_vocab || h->count[t] <= 0) return;
+    if (--h->count[t] == 0 && !h->in_prompt[t]) h->n_seen--; /* LIFO: t was the last one seen */
+}
+
+void clover_history_add(clover_history *h, int32_t t) {
+    clover_history_push(h, t);
+    h->think_open = clover_think_state(h, h->think_open, t);
+}
+
+/* ---------------------------------------------------------------- penalties and biases */
+
+/* Soft bias ramp of spec 5.4 at generated index n: min(b_max, alpha * max(0, n - start)). */
+static float ramp(const clover_sampler_params *sp, int64_t n, int32_t start) {
+    const double x = (double)sp->bias_slope * (double)(n > start ? n - start : 0);
+    return (float)(x < sp->bias_max ? x : sp->bias_max);
+}
+
+void clover_process_logits(const float *logits, float *out, int32_t n_vocab, const clover_sampler_params *sp,
+                           const clover_history *h, int64_t n, int think_open) {
+    memcpy(out, logits, sizeof(float) * (size_t)n_vocab);
+    /* penalties (spec 5.4), in llama.cpp's order: repetition (CTRL: over prompt + generated,
+     * positive logits divided, others multiplied), then frequency and presence over the generated
+     * tokens (committed plus filled in the current block); frequency is OpenAI's, the spec is
+     * silent on it, and counts the same history as presence. */
+    const float rep = sp->repetition_penalty, pres = sp->presence_penalty, freq = sp->frequency_penalty;
+    if (h && (rep != 1.0f || pres != 0.0f || freq != 0.0f)) {
+        for (int32_t k = 0; k < h->n_seen; k++) {
+            const int32_t i = h->seen[k], c = h->count[i];
+            float z = out[i];
+            if (rep != 1.0f) z = z > 0.0f ? z / rep : z * rep;
+            if (c > 0) z -= (float)c * freq + pres;
+            out[i] = z;
+        }
+    }
+    /* soft biases: the caller's logit_bias (repeated ids add up), then the ramps of spec 5.4 */
+    for (int32_t k = 0; k < sp->n_bias; k++) out[sp->bias_ids[k]] += sp->bias_values[k];
+    if (sp->bias_slope > 0.0f && sp->bias_max > 0.0f) {
+        if (think_open && sp->think_close_id >= 0)
+            out[sp->think_close_id] += ramp(sp, n, sp->think_close_bias_start);
+        const float b = ramp(sp, n, sp->eos_bias_start);
+        for (int32_t k = 0; k < sp->n_end_ids && b > 0.0f; k++) {
+            int dup = 0; /* an id listed twice gets the ramp once */
+            for (int32_t q = 0; q < k && !dup; q++) dup = sp->end_ids[q] == sp->end_ids[k];
+            if (!dup) out[sp->end_ids[k]] += b;
+        }
+    }
+    if (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab) out[sp->mask_token_id] = -INFINITY;
+}
+
+/* ---------------------------------------------------------------- sampling (spec 5.3) */
 
 typedef struct {
     float z;
@@ -62,7 +216,7 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
         *confidence = 0;
         return -1;
     }
-    if (!(sp->temperature > 0.0f)) {
+    if (!(sp->temperature > 0.0f)) { /* greedy: top-k, top-p and min-p cannot change the argmax */
         double sum = 0;
         for (int32_t i = 0; i < n_vocab; i++)
             if (i != sp->mask_token_id) sum += exp((double)logits[i] - zmax);
@@ -70,10 +224,11 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
         return best;
     }
     const float T = sp->temperature;
-    const int filter = (sp->top_k > 0 && sp->top_k < n_vocab) || sp->top_p < 1.0f;
+    const double min_p = sp->min_p > 0.0f ? sp->min_p : 0.0;
+    const int sorted = (sp->top_k > 0 && sp->top_k < n_vocab) || sp->top_p < 1.0f;
     int32_t n = 0;
     zid *cand = NULL;
-    if (filter) {
+    if (sorted) {
         cand = malloc(sizeof(zid) * (size_t)n_vocab);
         if (!cand) { /* no memory: fall back to the greedy candidate */
             *confidence = 1.0f;
@@ -82,31 +237,40 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
         for (int32_t i = 0; i < n_vocab; i++)
             if (i != sp->mask_token_id) cand[n++] = (zid){logits[i], i};
         qsort(cand, (size_t)n, sizeof(zid), by_z_desc);
+        /* top-k */
         if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
-        /* top-p over the tempered distribution of the kept tokens */
+        /* tempered weights relative to the argmax (cand[0], weight 1) */
         double sum = 0;
         for (int32_t j = 0; j < n; j++) sum += (scratch[j] = (float)exp((double)(cand[j].z - zmax) / T));
+        /* top-p: the shortest prefix whose mass (renormalised over the top-k) reaches top_p */
         if (sp->top_p < 1.0f) {
             double cum = 0;
-            int32_t keep = n;
             for (int32_t j = 0; j < n; j++) {
                 cum += scratch[j] / sum;
                 if (cum >= sp->top_p) {
-                    keep = j + 1;
+                    n = j + 1;
                     break;
                 }
             }
-            n = keep;
         }
+        /* min-p: keep p_j >= min_p * p_max; p_j / p_max is the weight, so the kept set is a prefix */
+        if (min_p > 0.0)
+            for (int32_t j = 1; j < n; j++)
+                if (scratch[j] < min_p) {
+                    n = j;
+                    break;
+                }
     } else {
-        for (int32_t i = 0; i < n_vocab; i++)
-            scratch[i] = i == sp->mask_token_id ? 0.0f : (float)exp((double)(logits[i] - zmax) / T);
+        for (int32_t i = 0; i < n_vocab; i++) {
+            float w = i == sp->mask_token_id ? 0.0f : (float)exp((double)(logits[i] - zmax) / T);
+            scratch[i] = w < min_p && i != best ? 0.0f : w; /* min-p without sorting */
+        }
         n = n_vocab;
     }
     double sum = 0;
     for (int32_t j = 0; j < n; j++) sum += scratch[j];
     double u = (double)clover_rng_uniform(rng) * sum, cum = 0;
-    int32_t pick = n - 1;
+    int32_t pick = -1;
     for (int32_t j = 0; j < n; j++) {
         cum += scratch[j];
         if (u < cum && scratch[j] > 0) {
@@ -114,11 +278,60 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
             break;
         }
     }
-    int32_t id = filter ? cand[pick].id : pick;
-    if (!filter && id == sp->mask_token_id) id = best;
+    int32_t id = pick < 0 ? best : sorted ? cand[pick].id : pick; /* rounding at the end: the argmax */
     float p_argmax = (float)(1.0 / sum); /* the argmax has weight exp(0) = 1 */
     float ratio = expf((logits[id] - zmax) / T);
     *confidence = ratio < p_argmax ? ratio : p_argmax;
     free(cand);
     return id;
+}
+
+/* ---------------------------------------------------------------- one row, public (clover.h) */
+
+int32_t clover_sample_logits(const float *logits, int32_t n_vocab, int32_t mask_token_id, const clover_gen_params *p,
+                             const int32_t *prompt, int32_t n_prompt, const int32_t *generated, int32_t n_generated,
+                             float *processed, float *confidence, char *err, size_t err_size) {
+    if (!logits || !p || !confidence)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "logits, params or confidence is NULL");
+    if (n_vocab <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_vocab: %d must be > 0", n_vocab);
+    if (mask_token_id < -1 || mask_token_id >= n_vocab)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "mask_token_id: %d outside [-1, %d)", mask_token_id, n_vocab);
+    if (n_prompt < 0 || (n_prompt > 0 && !prompt))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "prompt: %d tokens but no array", n_prompt);
+    if (n_generated < 0 || (n_generated > 0 && !generated))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "generated: %d tokens but no array", n_generated);
+    int rc = clover_check_sampling(p, n_vocab, err, err_size);
+    if (rc) return rc;
+    if (p->n_end_ids < 0 || (p->n_end_ids > 0 && !p->end_ids))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "end_ids: %d ids but no array", p->n_end_ids);
+    for (int32_t i = 0; i < p->n_end_ids; i++)
+        if (p->end_ids[i] < 0 || p->end_ids[i] >= n_vocab)
+            return clover_set_err(err, err_size, CLOVER_E_ARG, "end_ids[%d]: id %d outside [0, %d)", i, p->end_ids[i],
+                                  n_vocab);
+    for (int32_t i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= n_vocab)
+            return clover_set_err(err, err_size, CLOVER_E_ARG, "prompt[%d]: id %d outside [0, %d)", i, prompt[i], n_vocab);
+    for (int32_t i = 0; i < n_generated; i++)
+        if (generated[i] < 0 || generated[i] >= n_vocab)
+            return clover_set_err(err, err_size, CLOVER_E_ARG, "generated[%d]: id %d outside [0, %d)", i,
+                                  generated[i], n_vocab);
+    clover_history h;
+    float *out = malloc(sizeof(float) * (size_t)n_vocab), *scratch = malloc(sizeof(float) * (size_t)n_vocab);
+    if (!out || !scratch || clover_history_init(&h, n_vocab, p->think_open_id, p->think_close_id)) {
+        free(out), free(scratch);
+        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for %d logits", n_vocab);
+    }
+    clover_history_prompt(&h, prompt, n_prompt);
+    for (int32_t i = 0; i < n_generated; i++) clover_history_add(&h, generated[i]);
+    clover_sampler_params sp;
+    clover_sampler_params_init(&sp, p, mask_token_id);
+    clover_process_logits(logits, out, n_vocab, &sp, &h, n_generated, h.think_open);
+    if (processed) memcpy(processed, out, sizeof(float) * (size_t)n_vocab);
+    clover_rng rng;
+    clover_rng_seed(&rng, p->seed);
+    int32_t t = clover_sample(out, n_vocab, &sp, &rng, confidence, scratch, NULL);
+    clover_history_free(&h);
+    free(out), free(scratch);
+    if (t < 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "no candidate: every token is the mask token");
+    return t;
 }

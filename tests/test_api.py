@@ -116,7 +116,9 @@ def _greedy_ar(model, prompt, n):
 
 def test_generate_tokens_ar_equals_greedy_loop_over_prefix_logits(model):
     prompt = model.tokenize(PROMPT)
-    ids, st = model.generate_tokens(prompt, max_tokens=12, mode="ar")
+    # penalties off (the GGUF defaults 0.9 / 1.05 are on): the plain greedy loop; the loop with
+    # penalties is in test_sampler.py
+    ids, st = model.generate_tokens(prompt, max_tokens=12, mode="ar", presence_penalty=0.0, repeat_penalty=1.0)
     assert ids == _greedy_ar(model, prompt, 12)
     assert st["mode"] == "ar" and st["tokens"] == ids
     assert st["n_prompt"] == len(prompt) and st["n_generated"] == len(ids)
@@ -176,6 +178,24 @@ def test_seeded_sampling_is_reproducible(model):
     assert len(runs) > 1  # the seed matters
 
 
+def test_sampling_defaults_and_logit_bias_forms(model):
+    """None takes clover_gen_params_default (the GGUF's penalties and ramp starts); logit_bias
+    accepts OpenAI's string keys; the ramps use the vocabulary's <think> / </think>."""
+    hp = model.hparams
+    p, _keep, _, _ = model._params(4, "ar", 0.0, 0, 1.0, 0, None, None, None, None)
+    assert p.presence_penalty == pytest.approx(hp["presence_penalty"])
+    assert p.repetition_penalty == pytest.approx(hp["repetition_penalty"])
+    assert p.think_close_bias_start == hp["think_close_bias_start"] and p.eos_bias_start == hp["eos_bias_start"]
+    assert p.min_p == 0 and p.frequency_penalty == 0 and p.n_logit_bias == 0
+    assert p.bias_slope == pytest.approx(0.01) and p.bias_max == pytest.approx(10.0)
+    assert p.think_open_id == model.tokenizer.token_to_id("<think>")
+    assert p.think_close_id == model.tokenizer.token_to_id("</think>")
+    prompt = model.tokenize(PROMPT)
+    a, _ = model.generate_tokens(prompt, max_tokens=4, mode="ar", logit_bias={7: 60.0})
+    b, _ = model.generate_tokens(prompt, max_tokens=4, mode="ar", logit_bias={"7": 60.0})
+    assert a == b and a[0] == 7
+
+
 def test_block_logits(model):
     hp = model.hparams
     mask = hp["mask_token_id"]
@@ -213,6 +233,21 @@ def test_block_logits(model):
         (dict(threshold=1.1), "threshold"),
         (dict(coreset_top_p=0.0), "coreset_top_p"),
         (dict(mode="beam"), "mode"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(presence_penalty=1e39), "presence_penalty"),
+        (dict(repeat_penalty=0.0), "repeat_penalty"),
+        (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(logit_bias={10**9: 1.0}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias"),
+        (dict(logit_bias={3: float("nan")}), r"logit_bias\[3\]"),
+        (dict(think_close_bias_start=-1), "think_close_bias_start"),
+        (dict(eos_bias_start=1.5), "eos_bias_start"),
+        (dict(bias_slope=-0.5), "bias_slope"),
+        (dict(bias_max=float("nan")), "bias_max"),
     ],
 )
 def test_argument_errors_name_the_field(model, kw, field):

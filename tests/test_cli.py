@@ -88,6 +88,25 @@ def test_run_json_matches_api(gguf_path, model, mode):
         assert obj["tokens_per_forward"] == pytest.approx(1.0)
 
 
+def test_run_sampling_and_penalty_flags_map_to_the_api(gguf_path, model):
+    """--min-p, --presence-penalty, --repeat-penalty, --frequency-penalty, --logit-bias ID=BIAS
+    (repeatable) and the ramp flags reach the API arguments of the same names."""
+    flags = ["--temp", 0.9, "--top-k", 40, "--min-p", 0.05, "--seed", 3, "--presence-penalty", 0.5,
+             "--repeat-penalty", 1.2, "--frequency-penalty", 0.3, "--logit-bias", "7=4.5",
+             "--logit-bias", "11:-2", "--eos-bias-start", 3, "--bias-slope", 0.5, "--bias-max", 6,
+             "--think-close-bias-start", 2]
+    r = cli("run", "-m", gguf_path, "-p", PROMPT, "-n", 10, "--mode", "ar", "-t", 2, "--json", *flags)
+    assert r.returncode == 0, r.stderr
+    kw = dict(temperature=0.9, top_k=40, min_p=0.05, seed=3, presence_penalty=0.5, repeat_penalty=1.2,
+              frequency_penalty=0.3, logit_bias={7: 4.5, 11: -2.0}, eos_bias_start=3, bias_slope=0.5, bias_max=6.0,
+              think_close_bias_start=2)
+    ids, _ = model.generate_tokens(model.tokenize(PROMPT), max_tokens=10, mode="ar", **kw)
+    assert json.loads(r.stdout)["tokens"] == ids
+    other, _ = model.generate_tokens(model.tokenize(PROMPT), max_tokens=10, mode="ar", temperature=0.9, top_k=40,
+                                     seed=3)
+    assert other != ids  # the flags did something
+
+
 def test_run_streams_text_then_stats(gguf_path, model):
     r = cli("run", "-m", gguf_path, "-p", PROMPT, "-n", 8, "--mode", "ar")
     assert r.returncode == 0, r.stderr
@@ -138,6 +157,13 @@ def test_logits_writes_prefix_logits(gguf_path, model, tmp_path):
         (["run", "-m", "{gguf}", "-p", "x", "--temp", "-1"], "temperature"),
         (["run", "-m", "{gguf}", "-p", "x", "--threshold", "2"], "threshold"),
         (["run", "-m", "{gguf}", "-p", "x", "-n", "0"], "n-predict"),
+        (["run", "-m", "{gguf}", "-p", "x", "--min-p", "2"], "min_p"),
+        (["run", "-m", "{gguf}", "-p", "x", "--repeat-penalty", "0"], "repeat_penalty"),
+        (["run", "-m", "{gguf}", "-p", "x", "--presence-penalty", "nan"], "presence_penalty"),
+        (["run", "-m", "{gguf}", "-p", "x", "--logit-bias", "7"], "ID=BIAS"),
+        (["run", "-m", "{gguf}", "-p", "x", "--logit-bias", "x=1"], "ID=BIAS"),
+        (["run", "-m", "{gguf}", "-p", "x", "--logit-bias", "999999=1"], "logit_bias"),
+        (["run", "-m", "{gguf}", "-p", "x", "--bias-slope", "-1"], "bias_slope"),
         (["run", "-m", "{gguf}", "-p", ""], "prompt"),
         (["run", "-m", "{garbage}", "-p", "x"], "garbage.gguf"),
         (["info", "{garbage}"], "garbage.gguf"),

@@ -238,6 +238,11 @@ def test_coreset_counts_and_full_top_p(ref, model_of):
 PROMPTS = ["def fibonacci(n):\n", "The quick brown fox", "import os\nimport sys\n\nclass "]
 
 
+# The reference decoder has no penalties (spec 5.4): they are turned off here (the GGUF defaults
+# are 0.9 / 1.05); test_sampler.py tests them.
+NO_PEN = dict(presence_penalty=0.0, repeat_penalty=1.0)
+
+
 @pytest.mark.parametrize("mode,threshold", [("ar", None), ("diffusion", 0.95), ("diffusion", 0.3)])
 def test_greedy_generation_matches_reference_decoder(ref, model_of, mode, threshold):
     m = model_of("f32")
@@ -247,11 +252,11 @@ def test_greedy_generation_matches_reference_decoder(ref, model_of, mode, thresh
         prompt = m.tokenize(text)
         if mode == "ar":
             want, n_fwd = reference.generate_ar(ref, prompt, 64, end_ids)
-            got, stats = m.generate_tokens(prompt, max_tokens=64, mode="ar")
+            got, stats = m.generate_tokens(prompt, max_tokens=64, mode="ar", **NO_PEN)
         else:
             want, n_fwd = reference.generate_diffusion(ref, prompt, 64, 32, threshold, 1.0, end_ids)
             got, stats = m.generate_tokens(prompt, max_tokens=64, mode="diffusion", threshold=threshold,
-                                           block_size=32, coreset_top_p=1.0)
+                                           block_size=32, coreset_top_p=1.0, **NO_PEN)
         assert list(got) == list(want), f"{mode} threshold={threshold} prompt={text!r}"
         assert stats["n_forward"] == n_fwd
         per_forward.append(len(got) / stats["n_forward"])
@@ -265,7 +270,7 @@ def test_diffusion_with_coreset_matches_reference(ref, model_of):
     prompt = m.tokenize(PROMPTS[0])
     want, n_fwd = reference.generate_diffusion(ref, prompt, 64, 32, 0.3, 0.5, m.end_ids)
     got, stats = m.generate_tokens(prompt, max_tokens=64, mode="diffusion", threshold=0.3, block_size=32,
-                                   coreset_top_p=0.5)
+                                   coreset_top_p=0.5, **NO_PEN)
     assert list(got) == list(want)
     assert stats["n_forward"] == n_fwd
 

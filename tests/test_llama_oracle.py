@@ -136,7 +136,9 @@ def _compare(path: pathlib.Path, outtype: str) -> dict:
             agree += int(a.sum())
             if strict:
                 assert a.all(), f"prompt {k}: top-1 differs at positions {np.flatnonzero(~a).tolist()}"
-            gen, _ = m.generate_tokens(ids, max_tokens=N_GREEDY, mode="ar", temperature=0.0, end_ids=[])
+            # llama.cpp's greedy run has no penalties; ours are on by default (spec 5.4)
+            gen, _ = m.generate_tokens(ids, max_tokens=N_GREEDY, mode="ar", temperature=0.0, end_ids=[],
+                                       presence_penalty=0.0, repeat_penalty=1.0)
             same.append(_greedy_check(gen, ref[f"greedy{k}"].tolist(), ref[f"glogits{k}"], strict))
     d = np.concatenate(diffs)
     n = d.size

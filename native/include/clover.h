@@ -198,10 +198,49 @@ typedef struct {
     float coreset_top_p;     /* diffusion: (0, 1] */
     const int32_t *end_ids;  /* tokens that end generation (e.g. <|im_end|>, <|endoftext|>) */
     int32_t n_end_ids;
+    /* Sampling and penalties (spec 5.3-5.4). Each logits row is processed in this order:
+     * penalties, soft biases, temperature, top-k, top-p, min-p. Penalties only reweight logits;
+     * they never stop generation. */
+    float min_p;             /* [0, 1]; after top-p keep tokens with p >= min_p * p_max; 0 = off */
+    float presence_penalty;  /* logits, finite (may be < 0): subtracted once from every token
+                                already generated (committed or filled in the current block);
+                                0 = off; default: the GGUF's (0.9) */
+    float repetition_penalty;/* > 0: over prompt + generated tokens, a logit > 0 is divided by it,
+                                one <= 0 multiplied (CTRL, as llama.cpp); 1 = off; default: the
+                                GGUF's (1.05). Applied before presence and frequency. */
+    float frequency_penalty; /* logits per occurrence among generated tokens, finite; 0 = off */
+    const int32_t *logit_bias_ids;   /* [n_logit_bias] token ids in [0, n_vocab); a repeated id
+                                        gets the sum of its values */
+    const float *logit_bias_values;  /* [n_logit_bias] finite logits added after the penalties */
+    int32_t n_logit_bias;            /* >= 0 */
+    /* Soft bias ramps (spec 5.4): at generated index n (0 = the first generated token) add
+     * min(bias_max, bias_slope * max(0, n - start)) to think_close_id while a thinking section
+     * is open (the last of think_open_id / think_close_id in prompt + generated tokens is
+     * think_open_id), and the same ramp from eos_bias_start to every end_ids token. */
+    int32_t think_open_id, think_close_id; /* <think>, </think> in [0, n_vocab), -1 = none;
+                                              default: looked up in the GGUF vocabulary */
+    int32_t think_close_bias_start;  /* >= 0, generated tokens; default: the GGUF's (4096) */
+    int32_t eos_bias_start;          /* >= 0, generated tokens; default: the GGUF's (8192) */
+    float bias_slope;        /* alpha, logits per generated token, >= 0; 0 = ramps off; default 0.01 */
+    float bias_max;          /* b_max, cap in logits, >= 0; default 10 */
 } clover_gen_params;
 
-/* Fill p with the model's defaults (spec 4.2 values from the GGUF). */
+/* Fill p with the model's defaults (spec 4.2 values from the GGUF; ramp slope and cap: the
+ * engine's defaults above). */
 CLOVER_API void clover_gen_params_default(const clover_model *m, clover_gen_params *p);
+
+/* One sampling decision of spec 5.3-5.4 on a caller's logits row, made as the decoder makes
+ * it: the row predicts generated index n_generated after prompt[0..n_prompt) and
+ * generated[0..n_generated) (the penalty history and the think state), the sampler's RNG is
+ * seeded with p->seed and draws once. mask_token_id (-1 = none) is never a candidate. p's
+ * sampling fields and end_ids are used (mode, max_tokens and the diffusion fields are not).
+ * processed (may be NULL) receives [n_vocab] logits after penalties and soft biases, before
+ * temperature (the mask token -inf). Returns the token id and *confidence (in [0, 1]), or a
+ * negative CLOVER_E_* code with the field named in err. */
+CLOVER_API int32_t clover_sample_logits(const float *logits, int32_t n_vocab, int32_t mask_token_id,
+                                        const clover_gen_params *p, const int32_t *prompt, int32_t n_prompt,
+                                        const int32_t *generated, int32_t n_generated, float *processed,
+                                        float *confidence, char *err, size_t err_size);
 
 typedef struct {
     int64_t n_prompt;
