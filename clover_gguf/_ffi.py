@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 
 import cffi
@@ -41,13 +42,15 @@ def _header_text(lib_path: str) -> str:
 
 
 def _cdef_from_header(text: str) -> str:
-    """Strip what cffi's cdef cannot parse: preprocessor lines, the export macro and the
-    ``extern "C"`` wrapper."""
+    """Strip what cffi's cdef cannot parse: preprocessor lines other than integer constants
+    (``#define NAME 65``, which cffi understands), the export macro and the ``extern "C"``
+    wrapper."""
     out = []
     for line in text.splitlines():
         s = line.strip()
         # a lone "}" only closes the extern "C" wrapper (structs close with "} name;")
-        if s.startswith("#") or s.startswith('extern "C"') or s == "}":
+        if (s.startswith("#") and not re.fullmatch(r"#define\s+[A-Z_][A-Z0-9_]*\s+\d+", s)) \
+                or s.startswith('extern "C"') or s == "}":
             continue
         out.append(line.replace("CLOVER_API ", ""))
     return "\n".join(out)

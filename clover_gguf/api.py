@@ -20,7 +20,7 @@ from .tokenizer import CloverTokenizer
 
 __all__ = ["Model", "CloverError"]
 
-_MODES = {"ar": lib.CLOVER_MODE_AR, "diffusion": lib.CLOVER_MODE_DIFFUSION}
+_MODES = {"ar": lib.CLOVER_MODE_AR, "diffusion": lib.CLOVER_MODE_DIFFUSION, "spec": lib.CLOVER_MODE_SPEC}
 _FINISH = {
     lib.CLOVER_FINISH_NONE: None,
     lib.CLOVER_FINISH_STOP: "stop",
@@ -235,8 +235,8 @@ class Model:
             mode = "diffusion" if self.is_clover else "ar"
         if mode not in _MODES:
             raise ValueError(f"mode: {mode!r} not one of {sorted(_MODES)}")
-        if mode == "diffusion" and not self.is_clover:
-            raise ValueError("mode: 'diffusion' needs a clover model (this GGUF is qwen35moe); use 'ar'")
+        if mode in ("diffusion", "spec") and not self.is_clover:
+            raise ValueError(f"mode: {mode!r} needs a clover model (this GGUF is qwen35moe); use 'ar'")
         p.mode = _MODES[mode]
         p.max_tokens = _check_int("max_tokens", max_tokens, lo=1, hi=2**31 - 1)
         p.temperature = _check_float("temperature", temperature, lo=0.0)
@@ -344,10 +344,13 @@ class Model:
 
     def _stats_dict(self, st, mode, seconds, t_prefill, tokens) -> dict:
         n_forward = int(st.n_forward_prefill + st.n_forward_denoise + st.n_forward_commit
-                        + st.n_forward_decode)
+                        + st.n_forward_decode + st.n_forward_draft + st.n_forward_verify)
         n_gen = int(st.n_generated)
         n_layer = int(self.hparams["n_layer"])
-        den = int(st.n_forward_denoise)
+        den = int(st.n_forward_denoise + st.n_forward_draft)  # block-mode (coreset) passes
+        hist = [int(st.accept_hist[i]) for i in range(lib.CLOVER_ACCEPT_HIST)]
+        while hist and hist[-1] == 0:
+            hist.pop()
         return {
             "mode": mode,
             "n_prompt": int(st.n_prompt),
@@ -357,6 +360,9 @@ class Model:
             "n_forward_denoise": den,
             "n_forward_commit": int(st.n_forward_commit),
             "n_forward_decode": int(st.n_forward_decode),
+            "n_forward_draft": int(st.n_forward_draft),
+            "n_forward_verify": int(st.n_forward_verify),
+            "accept_hist": hist,  # spec: verifies that accepted 0, 1, 2, ... drafted tokens
             "n_blocks": int(st.n_blocks),
             "sum_distinct_experts": int(st.sum_distinct_experts),
             "mean_distinct_experts": (st.sum_distinct_experts / (den * n_layer)) if den and n_layer else None,

@@ -262,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-m", "--model", required=True, help="GGUF file")
     r.add_argument("-p", "--prompt", required=True, help="prompt text (special tokens recognised)")
     r.add_argument("-n", "--n-predict", type=_positive_int, default=256, help="max tokens to generate (256)")
-    r.add_argument("--mode", choices=["diffusion", "ar"], default=None,
-                   help="decoding mode (default: diffusion for clover, ar for qwen35moe)")
+    r.add_argument("--mode", choices=["diffusion", "ar", "spec"], default=None,
+                   help="decoding mode (default: diffusion for clover, ar for qwen35moe; spec: "
+                        "self-speculative, the output of greedy ar in fewer forwards)")
     r.add_argument("--temp", type=float, default=0.0, help="temperature, 0 = greedy (0)")
     r.add_argument("--top-k", type=_nonneg_int, default=0, help="top-k, 0 = off (0)")
     r.add_argument("--top-p", type=float, default=1.0, help="top-p, 1 = off (1.0)")

@@ -1,5 +1,6 @@
-/* decode.c: the decoding loops of clover-spec 5.1-5.2: `ar` (autoregressive, prefix mode) and
- * `diffusion` (threshold block decoding with a commit pass and end-token stop).
+/* decode.c: the decoding loops of clover-spec 5.1-5.2 and 5.5: `ar` (autoregressive, prefix
+ * mode), `diffusion` (threshold block decoding with a commit pass and end-token stop) and `spec`
+ * (self-speculative: block-mode draft, prefix-mode verify, rollback by GDN replay).
  *
  * A decoder advances one unit per clover_decoder_step (ar: one token; diffusion: one block,
  * denoised and committed) and hands back the tokens that became final, so callers can stream.
@@ -30,6 +31,8 @@ struct clover_decoder {
     clover_history hist; /* prompt and generated tokens (spec 5.4) */
     clover_stats st;
     int done;
+    int32_t seed_tok; /* spec: the next block's first token, chosen by the last verify */
+    int have_seed;
 };
 
 /* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
@@ -56,8 +59,11 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     p->coreset_top_p = m ? m->hp.coreset_top_p : 0.9f;
     /* spec 5.3-5.4 */
     p->min_p = 0.0f;
-    p->presence_penalty = m ? m->hp.presence_penalty : 0.9f;
-    p->repetition_penalty = m ? m->hp.repetition_penalty : 1.05f;
+    /* the model card's repetition controls are Clover's (spec 4.2); a parent (qwen35moe) file
+     * decodes without penalties by default, as llama.cpp does */
+    const int clover = m && m->hp.is_clover;
+    p->presence_penalty = clover ? m->hp.presence_penalty : 0.0f;
+    p->repetition_penalty = clover ? m->hp.repetition_penalty : 1.0f;
     p->frequency_penalty = 0.0f;
     p->think_open_id = vocab_id(m, "<think>");
     p->think_close_id = vocab_id(m, "</think>");
@@ -71,8 +77,14 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
 
 static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
     const clover_hparams *hp = &m->hp;
-    if (p->mode != CLOVER_MODE_AR && p->mode != CLOVER_MODE_DIFFUSION)
-        return clover_set_err(err, n, CLOVER_E_ARG, "mode: %d is not ar (0) or diffusion (1)", p->mode);
+    if (p->mode != CLOVER_MODE_AR && p->mode != CLOVER_MODE_DIFFUSION && p->mode != CLOVER_MODE_SPEC)
+        return clover_set_err(err, n, CLOVER_E_ARG, "mode: %d is not ar (0), diffusion (1) or spec (2)", p->mode);
+    if (p->mode == CLOVER_MODE_SPEC && !hp->is_clover)
+        return clover_set_err(err, n, CLOVER_E_ARG, "mode: spec drafts in block mode and needs a clover model "
+                              "(this file is qwen35moe)");
+    if (p->mode == CLOVER_MODE_SPEC && (hp->mask_token_id < 0 || !hp->logits_shift))
+        return clover_set_err(err, n, CLOVER_E_ARG, "mode: spec needs clover.diffusion.mask_token_id and "
+                              "logits_shift = true (spec 5.5)");
     if (p->mode == CLOVER_MODE_DIFFUSION && !hp->is_clover)
         return clover_set_err(err, n, CLOVER_E_ARG, "mode: diffusion needs a clover model (this file is qwen35moe)");
     if (p->mode == CLOVER_MODE_DIFFUSION && hp->mask_token_id < 0)
@@ -121,7 +133,7 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
         clover_set_err(err, err_size, CLOVER_E_ARG, "prompt: %d tokens exceed n_ctx %d", n_prompt, c->n_ctx);
         return NULL;
     }
-    const int64_t V = m->hp.n_vocab, B = p->mode == CLOVER_MODE_DIFFUSION ? p->block_size : 1;
+    const int64_t V = m->hp.n_vocab, B = p->mode == CLOVER_MODE_AR ? 1 : p->block_size;
     clover_decoder *d = calloc(1, sizeof *d);
     if (!d) goto nomem;
     d->c = c;
@@ -304,15 +316,94 @@ static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char 
     return 1;
 }
 
+/* Emit block[0..n) (cut after the first end token, which stops generation). */
+static int32_t emit_until_end(clover_decoder *d, const int32_t *block, int32_t n, int32_t *out) {
+    int32_t e = -1;
+    for (int32_t j = 0; j < n && e < 0; j++)
+        if (is_end(d, block[j])) e = j;
+    const int32_t want = e >= 0 ? e + 1 : n;
+    const int32_t got = emit(d, block, want, out);
+    if (e >= 0 && got == want) {
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_STOP;
+    }
+    return got;
+}
+
+/* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...],
+ * verify [s, d_1..] in one prefix-mode forward giving a_0..a_{B-1}; accept the longest run
+ * d_i == a_{i-1}, emit s, d_1..d_c, roll the caches back to the kept tokens and seed the next
+ * block with a_c. The verify runs the GDN token by token (as ar's decode steps do) so its logits,
+ * and hence the output, equal ar's; rollback replays the recurrence over the kept tokens. */
+static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
+    clover_context *c = d->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int32_t V = hp->n_vocab;
+    int32_t B = d->p.block_size;
+    if ((int64_t)c->n_past + B > c->n_ctx) B = c->n_ctx - c->n_past;
+    if (B < 1) {
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_LENGTH;
+        return 0;
+    }
+    float conf;
+    d->block[0] = d->have_seed ? d->seed_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    d->have_seed = 0;
+    if (B == 1 || is_end(d, d->block[0])) { /* nothing to draft: one ar step */
+        *n_out = emit_until_end(d, d->block, 1, out);
+        if (d->done) return 0;
+        int rc = clover_prefill(c, d->block, 1, d->causal, 0, err, err_size);
+        if (rc) return rc;
+        d->st.n_forward_decode++;
+        return 1;
+    }
+    for (int32_t j = 1; j < B; j++) d->block[j] = hp->mask_token_id;
+    int rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
+    if (rc) return rc;
+    d->st.n_forward_draft++;
+    for (int il = 0; il < hp->n_layer; il++) d->st.sum_distinct_experts += d->nexp[il];
+    for (int32_t j = 1; j < B; j++) /* slot j is predicted by row j - 1 (logits_shift) */
+        d->block[j] = sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
+    rc = clover_context_checkpoint(c, B, err, err_size);
+    if (rc) return rc;
+    const int chunked = c->gdn_chunked;
+    c->gdn_chunked = 0;
+    rc = clover_prefill(c, d->block, B, d->logits, 1, err, err_size);
+    c->gdn_chunked = chunked;
+    if (rc) return rc;
+    d->st.n_forward_verify++;
+    int32_t acc = 0, next = -1;
+    for (int32_t i = 0; i < B; i++) {
+        /* a_i predicts slot i + 1 after block[0..i] (spec 5.4 history as ar would have it) */
+        const int32_t a = sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf);
+        if (i + 1 < B && d->block[i + 1] == a) {
+            acc++;
+            continue;
+        }
+        next = a;
+        break;
+    }
+    d->st.accept_hist[acc < CLOVER_ACCEPT_HIST - 1 ? acc : CLOVER_ACCEPT_HIST - 1]++;
+    rc = clover_context_rollback(c, acc + 1, err, err_size);
+    if (rc) return rc;
+    *n_out = emit_until_end(d, d->block, acc + 1, out);
+    d->st.n_blocks++;
+    if (d->done) return 0;
+    d->seed_tok = next;
+    d->have_seed = 1;
+    return 1;
+}
+
 int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n_out, char *err,
                         size_t err_size) {
     if (!d || !out || !n_out) return clover_set_err(err, err_size, CLOVER_E_ARG, "decoder, out or n_out is NULL");
     *n_out = 0;
     if (d->done) return 0;
-    int32_t need = d->p.mode == CLOVER_MODE_DIFFUSION ? d->p.block_size : 1;
+    int32_t need = d->p.mode == CLOVER_MODE_AR ? 1 : d->p.block_size;
     if (cap < need) return clover_set_err(err, err_size, CLOVER_E_ARG, "cap: %d < %d tokens per step", cap, need);
-    int rc = d->p.mode == CLOVER_MODE_AR ? step_ar(d, out, n_out, err, err_size)
-                                         : step_diffusion(d, out, n_out, err, err_size);
+    int rc = d->p.mode == CLOVER_MODE_AR    ? step_ar(d, out, n_out, err, err_size)
+             : d->p.mode == CLOVER_MODE_SPEC ? step_spec(d, out, n_out, err, err_size)
+                                             : step_diffusion(d, out, n_out, err, err_size);
     if (rc < 0) d->done = 1;
     return rc;
 }

@@ -52,7 +52,24 @@ struct clover_context {
     float *k_cache, *v_cache;  /* [n_attn][n_ctx][n_head_kv*head_dim] */
     float *gdn_state;          /* [n_gdn][Hv][dk][dv] */
     float *conv_state;         /* [n_gdn][d_conv-1][conv channels], oldest first */
+    /* speculative verify (spec 5.5): GDN and conv state at the checkpoint and the per-token GDN
+     * inputs of the recorded prefill, so that clover_context_rollback can replay them */
+    int rec_on;                /* the next prefill records (set by clover_context_checkpoint) */
+    int32_t rec_cap, rec_n, rec_p0; /* capacity (tokens), tokens recorded, n_past at the checkpoint */
+    float *snap_state, *snap_conv;  /* copies of gdn_state, conv_state */
+    float *rec_qkv, *rec_cv;        /* [n_gdn][rec_cap][conv channels]: conv inputs, conv outputs */
+    float *rec_b, *rec_a;           /* [n_gdn][rec_cap][Hv]: beta and log-decay g */
 };
+
+/* Checkpoint for speculative verification (spec 5.5): remember the GDN and conv state and
+ * make the next clover_prefill of at most n_max tokens record its per-token GDN inputs.
+ * Returns CLOVER_OK or CLOVER_E_NOMEM / CLOVER_E_ARG. */
+int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_t err_size);
+/* After the recorded prefill of n tokens at position P, keep its first n_keep (1 <= n_keep <=
+ * n): n_past = P + n_keep, KV entries beyond are dropped (overwritten later), GDN and conv
+ * state are restored from the checkpoint and the recurrence is replayed over the n_keep
+ * recorded tokens (token by token, as a decode step computes it). Ends the recording. */
+int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t err_size);
 
 /* Write a formatted message into err (may be NULL) and return code. */
 int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...);

@@ -485,6 +485,8 @@ void clover_context_free(clover_context *c) {
     free(c->v_cache);
     free(c->gdn_state);
     free(c->conv_state);
+    free(c->snap_state), free(c->snap_conv);
+    free(c->rec_qkv), free(c->rec_cv), free(c->rec_b), free(c->rec_a);
     free(c);
 }
 
@@ -498,6 +500,8 @@ void clover_context_reset(clover_context *c) {
     if (!c) return;
     const clover_hparams *hp = &c->m->hp;
     c->n_past = 0;
+    c->rec_on = 0;
+    c->rec_n = 0;
     memset(c->gdn_state, 0, sizeof(float) * (size_t)(c->m->n_gdn * gdn_state_floats(hp)));
     memset(c->conv_state, 0,
            sizeof(float) * (size_t)(c->m->n_gdn * (hp->ssm_d_conv - 1) * conv_channels(hp)));
@@ -988,6 +992,13 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
     conv_causal(&d, ly->conv, hist, qkv, T, cv);
     qk_norm(&d, cv, T, 1e-6f);
     gates(&d, b, a, ly->ssm_a, ly->dt_bias, T);
+    if (f->mode == MODE_PREFIX && c->rec_on) { /* speculative verify: keep the replay inputs */
+        const size_t slot = (size_t)ly->slot * (size_t)c->rec_cap;
+        memcpy(c->rec_qkv + slot * C, qkv, sizeof(float) * (size_t)(T * C));
+        memcpy(c->rec_cv + slot * C, cv, sizeof(float) * (size_t)(T * C));
+        memcpy(c->rec_b + slot * d.Hv, b, sizeof(float) * (size_t)(T * d.Hv));
+        memcpy(c->rec_a + slot * d.Hv, a, sizeof(float) * (size_t)(T * d.Hv));
+    }
     if (f->mode == MODE_PREFIX) {
         /* new conv history: the last K-1 inputs of (history ++ qkv rows) */
         for (int64_t j = 0; j < d.K - 1; j++) {
@@ -1232,7 +1243,9 @@ static int check_tokens(const clover_model *m, const int32_t *tokens, int32_t n,
 }
 
 /* embed -> layers -> N1p -> lm_head on rows [logit_row0, T). */
-static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0) {
+/* rows: when not NULL, the LM head runs only on rows t with rows[t] != 0 (row t of logits is
+ * written, others are left as they are); else on rows logit_row0.. (written from row 0). */
+static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
     const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
@@ -1255,7 +1268,17 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
         if ((rc = moe_layer(f, ly, il, xn, o))) goto done;
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     }
-    if (logits) {
+    if (logits && rows) { /* gather the needed rows, one LM head pass, scatter */
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; t++)
+            if (rows[t]) rmsnorm(xn + n++ * H, x + t * H, m->output_norm, H, hp->rms_eps);
+        float *lg = n ? malloc(sizeof(float) * (size_t)(n * hp->n_vocab)) : NULL;
+        rc = n && !lg ? CLOVER_E_NOMEM : CLOVER_OK;
+        if (n && lg && matmul(c, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
+        for (int64_t t = 0, k = 0; t < T && rc == CLOVER_OK; t++)
+            if (rows[t]) memcpy(logits + t * hp->n_vocab, lg + k++ * hp->n_vocab, sizeof(float) * (size_t)hp->n_vocab);
+        free(lg);
+    } else if (logits) {
         for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
         rc = matmul(c, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
     }
@@ -1274,15 +1297,88 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
                               c->n_past, c->n_ctx);
     int rc = check_tokens(c->m, tokens, n, err, err_size);
     if (rc) return rc;
+    if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
+                              "at most %d tokens", n, c->rec_cap);
     fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size};
-    rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1);
-    if (rc == CLOVER_OK) c->n_past += n;
-    else clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
+    rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
+    if (rc == CLOVER_OK) {
+        c->n_past += n;
+        if (c->rec_on) c->rec_n = n;
+    } else {
+        clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
+    }
+    return rc;
+}
+
+int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_t err_size) {
+    if (!c) return clover_set_err(err, err_size, CLOVER_E_ARG, "context is NULL");
+    if (n_max <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_max: %d must be > 0", n_max);
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t G = c->m->n_gdn, C = conv_channels(hp), Hv = hp->ssm_dt_rank;
+    const int64_t state_n = G * gdn_state_floats(hp), conv_n = G * (hp->ssm_d_conv - 1) * C;
+    if (n_max > c->rec_cap) {
+        if ((uint64_t)n_max * (uint64_t)(G ? G : 1) * (uint64_t)C > SIZE_MAX / sizeof(float) / 2)
+            return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_max: %d tokens of recording overflow", n_max);
+        free(c->rec_qkv), free(c->rec_cv), free(c->rec_b), free(c->rec_a);
+        c->rec_qkv = malloc(sizeof(float) * (size_t)(G * n_max * C) + 1);
+        c->rec_cv = malloc(sizeof(float) * (size_t)(G * n_max * C) + 1);
+        c->rec_b = malloc(sizeof(float) * (size_t)(G * n_max * Hv) + 1);
+        c->rec_a = malloc(sizeof(float) * (size_t)(G * n_max * Hv) + 1);
+        c->rec_cap = c->rec_qkv && c->rec_cv && c->rec_b && c->rec_a ? n_max : 0;
+        if (!c->rec_cap) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the verify record");
+    }
+    if (!c->snap_state) c->snap_state = malloc(sizeof(float) * (size_t)state_n + 1);
+    if (!c->snap_conv) c->snap_conv = malloc(sizeof(float) * (size_t)conv_n + 1);
+    if (!c->snap_state || !c->snap_conv) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the checkpoint");
+    memcpy(c->snap_state, c->gdn_state, sizeof(float) * (size_t)state_n);
+    memcpy(c->snap_conv, c->conv_state, sizeof(float) * (size_t)conv_n);
+    c->rec_on = 1;
+    c->rec_n = 0;
+    c->rec_p0 = c->n_past;
+    return CLOVER_OK;
+}
+
+int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t err_size) {
+    if (!c) return clover_set_err(err, err_size, CLOVER_E_ARG, "context is NULL");
+    if (!c->rec_on || c->rec_n == 0)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "rollback without a recorded prefill after a checkpoint");
+    if (n_keep < 1 || n_keep > c->rec_n)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "n_keep: %d outside [1, %d]", n_keep, c->rec_n);
+    c->rec_on = 0;
+    if (n_keep == c->rec_n) return CLOVER_OK; /* everything accepted: the caches are right */
+    const clover_hparams *hp = &c->m->hp;
+    const gdn_dims d = gdn_dims_of(hp);
+    const int64_t C = d.C, K1 = d.K - 1, S_n = gdn_state_floats(hp);
+    float *o = malloc(sizeof(float) * (size_t)(n_keep * d.Hv * d.dv) + 1);
+    float *cat = malloc(sizeof(float) * (size_t)((K1 + n_keep) * C) + 1);
+    int rc = o && cat ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
+    for (int64_t g = 0; g < c->m->n_gdn && rc == CLOVER_OK; g++) {
+        float *state = c->gdn_state + g * S_n, *hist = c->conv_state + g * K1 * C;
+        const size_t slot = (size_t)g * (size_t)c->rec_cap;
+        memcpy(state, c->snap_state + g * S_n, sizeof(float) * (size_t)S_n);
+        /* conv history: the last K-1 rows of (checkpoint history ++ kept inputs) */
+        memcpy(cat, c->snap_conv + g * K1 * C, sizeof(float) * (size_t)(K1 * C));
+        memcpy(cat + K1 * C, c->rec_qkv + slot * C, sizeof(float) * (size_t)(n_keep * C));
+        memcpy(hist, cat + n_keep * C, sizeof(float) * (size_t)(K1 * C));
+        if (gdn_heads(GDN_FORWARD, &d, c->rec_cv + slot * C, c->rec_b + slot * d.Hv, c->rec_a + slot * d.Hv, n_keep,
+                      state, o, c->n_threads))
+            rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
+    }
+    free(o), free(cat);
+    if (rc == CLOVER_OK) c->n_past = c->rec_p0 + n_keep;
+    else clover_context_reset(c);
     return rc;
 }
 
 int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
                          int32_t *n_experts_out, char *err, size_t err_size) {
+    return clover_block_forward_rows(c, tokens, B, coreset_top_p, logits, NULL, n_experts_out, err, err_size);
+}
+
+int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+                              float *logits, const uint8_t *rows, int32_t *n_experts_out, char *err,
+                              size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (!c->m->hp.is_clover)
         return clover_set_err(err, err_size, CLOVER_E_STATE,
@@ -1296,5 +1392,5 @@ int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B, fl
     int rc = check_tokens(c->m, tokens, B, err, err_size);
     if (rc) return rc;
     fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size};
-    return forward(&f, tokens, logits, 0);
+    return forward(&f, tokens, logits, 0, rows);
 }

@@ -181,9 +181,22 @@ CLOVER_API int clover_prefill(clover_context *c, const int32_t *tokens, int32_t 
 CLOVER_API int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B,
                                     float coreset_top_p, float *logits, int32_t *n_experts_out,
                                     char *err, size_t err_size);
+/* As clover_block_forward, with the LM head only on rows j where rows[j] != 0 (rows: B bytes,
+ * NULL = all): logits row j is written for those rows and left untouched for the others, the
+ * rest of the pass is unchanged, so the written rows equal clover_block_forward's (spec 5.2:
+ * "logits only for masked rows"). */
+CLOVER_API int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t B,
+                                         float coreset_top_p, float *logits, const uint8_t *rows,
+                                         int32_t *n_experts_out, char *err, size_t err_size);
 
 /* ---------------------------------------------------------------- decoding (decode.c, sampler.c) */
-enum { CLOVER_MODE_AR = 0, CLOVER_MODE_DIFFUSION = 1 };
+/* ar: one token per prefix-mode forward; diffusion: threshold block decoding (spec 5.2);
+ * spec: self-speculative, a block-mode draft verified by one prefix-mode forward, output
+ * identical to greedy ar (spec 5.5; needs a clover model with logits_shift). */
+enum { CLOVER_MODE_AR = 0, CLOVER_MODE_DIFFUSION = 1, CLOVER_MODE_SPEC = 2 };
+/* Buckets of clover_stats.accept_hist: accepted draft tokens 0 .. CLOVER_ACCEPT_HIST - 2, the
+ * last bucket counts CLOVER_ACCEPT_HIST - 1 or more. */
+#define CLOVER_ACCEPT_HIST 65
 enum { CLOVER_FINISH_NONE = 0, CLOVER_FINISH_STOP = 1, CLOVER_FINISH_LENGTH = 2 };
 
 typedef struct {
@@ -246,6 +259,8 @@ typedef struct {
     int64_t n_prompt;
     int64_t n_generated;     /* tokens emitted so far (end token included when it stopped) */
     int64_t n_forward_prefill, n_forward_denoise, n_forward_commit, n_forward_decode;
+    int64_t n_forward_draft, n_forward_verify; /* spec mode */
+    int64_t accept_hist[CLOVER_ACCEPT_HIST];    /* spec mode: drafts accepted per verify */
     int64_t n_blocks;
     int64_t sum_distinct_experts; /* over denoising passes and MoE layers */
     int32_t finish_reason;   /* CLOVER_FINISH_* */

@@ -1,0 +1,116 @@
+"""Self-speculative decoding (spec 5.5): `spec` mode gives greedy `ar`'s tokens exactly, and
+the cache rollback (clover_context_checkpoint / _rollback: truncate KV, replay the GDN and conv
+recurrence over the kept tokens) leaves the caches a fresh prefill of the same tokens would."""
+import cffi
+import numpy as np
+import pytest
+
+from clover_gguf import Model
+from clover_gguf._ffi import _find_library, err_buf, lib
+
+ffi = cffi.FFI()
+ffi.cdef("""
+int clover_context_checkpoint(void *c, int32_t n_max, char *err, size_t err_size);
+int clover_context_rollback(void *c, int32_t n_keep, char *err, size_t err_size);
+int clover_prefill(void *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   char *err, size_t err_size);
+void clover_context_reset(void *c);
+int32_t clover_context_n_past(const void *c);
+""")
+L = ffi.dlopen(_find_library())
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n", "class Config:\n    ",
+           "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def files(make_gguf):
+    return {"f32": make_gguf("f32"), "q8_0": make_gguf("q8_0")}
+
+
+@pytest.mark.parametrize("kind,n", [("f32", 256), ("q8_0", 96)])
+def test_spec_equals_greedy_ar(files, kind, n):
+    """n greedy tokens on 5 prompts: spec == ar token for token (no end-token stop)."""
+    with Model(files[kind], n_ctx=1024, n_threads=2) as m:
+        for p in PROMPTS:
+            ids = m.tokenize(p)
+            a, _ = m.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[])
+            b, st = m.generate_tokens(ids, max_tokens=n, mode="spec", end_ids=[])
+            assert b == a, p
+            assert st["mode"] == "spec" and st["n_forward_verify"] >= 1 and st["n_forward_draft"] >= 1
+            assert sum(st["accept_hist"]) == st["n_forward_verify"]
+            # every verify emits 1 + accepted tokens; steps without a draft emit 1 each
+            emitted = sum((k + 1) * n for k, n in enumerate(st["accept_hist"])) + st["n_forward_decode"]
+            assert emitted >= len(b) and st["finish_reason"] == "length"
+
+
+def test_spec_with_end_tokens_and_short_context(files):
+    """End tokens stop spec at the same place as ar; a context too short for a whole block
+    drafts shorter blocks and still matches ar."""
+    with Model(files["f32"], n_ctx=64, n_threads=2) as m:
+        ids = m.tokenize(PROMPTS[0])
+        a, sa = m.generate_tokens(ids, max_tokens=200, mode="ar")
+        b, sb = m.generate_tokens(ids, max_tokens=200, mode="spec")
+        assert b == a and sb["finish_reason"] == sa["finish_reason"]
+
+
+def test_spec_refused_for_qwen35moe(make_gguf):
+    with Model(make_gguf("f32", arch="qwen35moe", clover=False), n_ctx=128, n_threads=2) as m:
+        with pytest.raises(ValueError, match="spec.*clover"):
+            m.generate_tokens(m.tokenize("hi"), max_tokens=4, mode="spec")
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+@pytest.mark.parametrize("n_keep", [1, 5, 15, 16])
+def test_rollback_equals_fresh_prefill(files, kind, n_keep):
+    """Partial acceptance forced by hand: after prefix P, verify 16 tokens of which only the
+    first n_keep are kept; the next logits after rollback equal those of a fresh prefill of
+    P + kept tokens (exactly: the verify runs the GDN token by token like the fresh prefill
+    of single tokens below, and replay repeats the same recurrence)."""
+    rng = np.random.default_rng(n_keep)
+    with Model(files[kind], n_ctx=256, n_threads=2) as m:
+        c = ffi.cast("void *", m._ctx)
+        lib.clover_context_set_gdn_chunked(m._ctx, 0)  # token-by-token GDN in every prefill below
+        V = m.n_vocab
+        prefix = rng.integers(0, 1500, 20).tolist()
+        block = rng.integers(0, 1500, 16).tolist()
+        nxt = int(rng.integers(0, 1500))
+        err = err_buf()
+        out_a = np.zeros(V, np.float32)
+        out_b = np.zeros(V, np.float32)
+        scratch = np.zeros(16 * V, np.float32)
+
+        def prefill(toks, out, all_rows=0):
+            t = ffi.new("int32_t[]", toks)
+            rc = L.clover_prefill(c, t, len(toks), ffi.cast("float *", out.ctypes.data), all_rows, err, len(err))
+            assert rc == 0, ffi.string(err)
+
+        L.clover_context_reset(c)
+        prefill(prefix, out_a)
+        assert L.clover_context_checkpoint(c, 16, err, len(err)) == 0
+        prefill(block, scratch, 1)
+        assert L.clover_context_n_past(c) == 36
+        assert L.clover_context_rollback(c, n_keep, err, len(err)) == 0, ffi.string(err)
+        assert L.clover_context_n_past(c) == 20 + n_keep
+        prefill([nxt], out_a)
+        L.clover_context_reset(c)
+        prefill(prefix, out_b)
+        for t in block[:n_keep]:
+            prefill([t], out_b)
+        prefill([nxt], out_b)
+        np.testing.assert_array_equal(out_a, out_b)
+        # rollback misuse is an error, not a crash
+        assert L.clover_context_rollback(c, 1, err, len(err)) != 0
+        assert b"rollback without a recorded prefill" in ffi.string(err)
+
+
+def test_penalty_defaults_by_architecture(make_gguf):
+    """The model card's repetition controls (presence 0.9, repetition 1.05; spec 4.2) are the
+    defaults for clover files; parent qwen35moe files decode without penalties by default, as
+    llama.cpp does."""
+    from clover_gguf._ffi import ffi as cffi_ffi
+    for path, want in ((make_gguf("f32"), (0.9, 1.05)), (make_gguf("f32", arch="qwen35moe", clover=False), (0.0, 1.0))):
+        with Model(path, n_ctx=64, n_threads=2) as m:
+            p = cffi_ffi.new("clover_gen_params *")
+            lib.clover_gen_params_default(m._model, p)
+            assert (round(p.presence_penalty, 6), round(p.repetition_penalty, 6)) == want, path
