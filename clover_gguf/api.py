@@ -366,6 +366,10 @@ class Model:
             "n_blocks": int(st.n_blocks),
             "sum_distinct_experts": int(st.sum_distinct_experts),
             "mean_distinct_experts": (st.sum_distinct_experts / (den * n_layer)) if den and n_layer else None,
+            "max_distinct_experts": int(st.max_distinct_experts) if den else None,
+            # the same passes without the coreset restriction (spec 5.6)
+            "mean_distinct_experts_full": (st.sum_distinct_experts_full / (den * n_layer)) if den and n_layer else None,
+            "max_distinct_experts_full": int(st.max_distinct_experts_full) if den else None,
             "tokens_per_forward": n_gen / n_forward if n_forward else 0.0,
             "seconds": seconds,
             "prefill_seconds": t_prefill,

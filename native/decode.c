@@ -2,8 +2,11 @@
  * mode), `diffusion` (threshold block decoding with a commit pass and end-token stop) and `spec`
  * (self-speculative: block-mode draft, prefix-mode verify, rollback by GDN replay).
  *
- * A decoder advances one unit per clover_decoder_step (ar: one token; diffusion: one block,
- * denoised and committed) and hands back the tokens that became final, so callers can stream.
+ * A decoder advances one forward per clover_decoder_step (ar: one token; diffusion: one
+ * denoising forward, plus the commit when the block is complete; spec: one draft + verify)
+ * and hands back the tokens that became final, so callers can stream: in diffusion these are
+ * the newly filled slots contiguous with the block's already final start (spec 5.2: filled
+ * slots are never remasked), not only whole blocks.
  */
 #include "engine.h"
 
@@ -33,6 +36,10 @@ struct clover_decoder {
     int done;
     int32_t seed_tok; /* spec: the next block's first token, chosen by the last verify */
     int have_seed;
+    int in_block;      /* diffusion: a block is being denoised */
+    int32_t n_masked;  /* diffusion: its slots still masked */
+    int32_t n_streamed; /* diffusion: its leading slots already handed out */
+    uint8_t *need;     /* [block_size] LM-head rows the next denoising pass needs */
 };
 
 /* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
@@ -111,7 +118,7 @@ static int check_params(const clover_model *m, const clover_gen_params *p, char 
 void clover_decoder_free(clover_decoder *d) {
     if (!d) return;
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
-    free(d->conf), free(d->cand), free(d->nexp), free(d->scratch);
+    free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
     free(d->proc), free(d->bias_ids), free(d->bias_values);
     clover_history_free(&d->hist);
     free(d);
@@ -163,8 +170,9 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     d->nexp = calloc((size_t)m->hp.n_layer, sizeof(int32_t));
     d->scratch = malloc(sizeof(float) * (size_t)V);
     d->proc = malloc(sizeof(float) * (size_t)V);
+    d->need = malloc((size_t)B);
     if (!d->causal || !d->logits || !d->block || !d->filled || !d->conf || !d->cand || !d->nexp || !d->scratch ||
-        !d->proc || clover_history_init(&d->hist, (int32_t)V, p->think_open_id, p->think_close_id))
+        !d->proc || !d->need || clover_history_init(&d->hist, (int32_t)V, p->think_open_id, p->think_close_id))
         goto nomem;
     clover_history_prompt(&d->hist, prompt, n_prompt);
     clover_rng_seed(&d->rng, p->seed);
@@ -243,71 +251,123 @@ static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, s
     return 1;
 }
 
-/* Index of the first end token preceded only by filled slots, or -1 (spec 5.2 early stop). */
-static int32_t end_in_block(const clover_decoder *d, int32_t B) {
-    for (int32_t e = 0; e < B && d->filled[e]; e++)
-        if (is_end(d, d->block[e])) return e;
-    return -1;
+/* Per-layer distinct experts of the last block-mode pass, with and without the coreset. */
+static void count_experts(clover_decoder *d) {
+    const clover_context *c = d->c;
+    for (int il = 0; il < c->m->hp.n_layer; il++) {
+        const int64_t n = d->nexp[il], nf = c->nexp_full[il];
+        d->st.sum_distinct_experts += n;
+        d->st.sum_distinct_experts_full += nf;
+        if (n > d->st.max_distinct_experts) d->st.max_distinct_experts = n;
+        if (nf > d->st.max_distinct_experts_full) d->st.max_distinct_experts_full = nf;
+    }
 }
 
-static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
-    clover_context *c = d->c;
-    const clover_hparams *hp = &c->m->hp;
-    const int32_t B = d->p.block_size, V = hp->n_vocab;
-    const int shift = hp->logits_shift;
-    if ((int64_t)c->n_past + B > c->n_ctx) {
-        d->done = 1;
-        d->st.finish_reason = CLOVER_FINISH_LENGTH;
-        return 0;
-    }
+/* Start a diffusion block: all slots masked, slot 0 the causal prediction with logits_shift. */
+static void start_block(clover_decoder *d) {
+    const clover_hparams *hp = &d->c->m->hp;
+    const int32_t B = d->p.block_size;
     for (int32_t j = 0; j < B; j++) {
         d->block[j] = hp->mask_token_id;
         d->filled[j] = 0;
     }
-    int32_t n_masked = B;
-    if (shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
+    d->n_masked = B;
+    d->n_streamed = 0;
+    d->in_block = 1;
+    if (hp->logits_shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
         float conf;
         d->block[0] = sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
         d->filled[0] = 1;
-        n_masked--;
+        d->n_masked--;
     }
-    int32_t e = end_in_block(d, B);
-    while (e < 0 && n_masked > 0) {
-        int rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
-        if (rc) return rc;
-        d->st.n_forward_denoise++;
-        for (int il = 0; il < hp->n_layer; il++) d->st.sum_distinct_experts += d->nexp[il];
-        int32_t best = -1, n_fill = 0;
-        for (int32_t j = 0; j < B; j++) {
-            if (d->filled[j]) continue;
-            const float *row = d->logits + (int64_t)(shift ? j - 1 : j) * V;
-            d->cand[j] = sample_slot(d, row, j, d->block, d->filled, B, &d->conf[j]);
-            if (best < 0 || d->conf[j] > d->conf[best]) best = j;
-        }
-        for (int32_t j = 0; j < B; j++) {
-            if (!d->filled[j] && d->conf[j] > d->p.threshold) {
-                d->block[j] = d->cand[j];
-                d->filled[j] = 1;
-                n_fill++;
-            }
-        }
-        if (n_fill == 0) { /* none clears the threshold: the single most confident */
-            d->block[best] = d->cand[best];
-            d->filled[best] = 1;
-            n_fill = 1;
-        }
-        n_masked -= n_fill;
-        e = end_in_block(d, B);
+}
+
+/* One denoising pass over the current block (spec 5.2): the LM head only on the rows that
+ * predict masked slots, then fill every slot above the threshold, else the most confident. */
+static int denoise(clover_decoder *d, char *err, size_t err_size) {
+    clover_context *c = d->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int32_t B = d->p.block_size, V = hp->n_vocab, shift = hp->logits_shift;
+    for (int32_t r = 0; r < B; r++) d->need[r] = 0;
+    for (int32_t j = 0; j < B; j++)
+        if (!d->filled[j]) d->need[shift ? j - 1 : j] = 1; /* shift: slot 0 is always filled */
+    int rc = clover_block_forward_rows(c, d->block, B, d->p.coreset_top_p, d->logits, d->need, d->nexp, err,
+                                       err_size);
+    if (rc) return rc;
+    d->st.n_forward_denoise++;
+    count_experts(d);
+    int32_t best = -1, n_fill = 0;
+    for (int32_t j = 0; j < B; j++) {
+        if (d->filled[j]) continue;
+        const float *row = d->logits + (int64_t)(shift ? j - 1 : j) * V;
+        d->cand[j] = sample_slot(d, row, j, d->block, d->filled, B, &d->conf[j]);
+        if (best < 0 || d->conf[j] > d->conf[best]) best = j;
     }
-    if (e >= 0) {
-        *n_out = emit(d, d->block, e + 1, out);
+    for (int32_t j = 0; j < B; j++) {
+        if (!d->filled[j] && d->conf[j] > d->p.threshold) {
+            d->block[j] = d->cand[j];
+            d->filled[j] = 1;
+            n_fill++;
+        }
+    }
+    if (n_fill == 0) { /* none clears the threshold: the single most confident */
+        d->block[best] = d->cand[best];
+        d->filled[best] = 1;
+        n_fill = 1;
+    }
+    d->n_masked -= n_fill;
+    return CLOVER_OK;
+}
+
+/* Hand out the block's filled slots contiguous with what was already handed out, within the
+ * max_tokens budget and up to the first end token; finishing the block (end token, budget)
+ * sets done. The handed-out slots join the history (emit) when the block ends. */
+static int32_t stream_block(clover_decoder *d, int32_t *out) {
+    const int32_t B = d->p.block_size;
+    int32_t n = 0, e = -1;
+    for (int32_t j = d->n_streamed; j < B && d->filled[j] && e < 0; j++, n++)
+        if (is_end(d, d->block[j])) e = j;
+    const int64_t left = d->p.max_tokens - d->st.n_generated - d->n_streamed;
+    if (n >= left) {
+        n = (int32_t)left;
         d->done = 1;
-        if (*n_out == e + 1) d->st.finish_reason = CLOVER_FINISH_STOP;
-        d->st.n_blocks++;
-        return 0;
+        d->st.finish_reason = CLOVER_FINISH_LENGTH;
     }
-    *n_out = emit(d, d->block, B, out);
+    memcpy(out, d->block + d->n_streamed, sizeof(int32_t) * (size_t)n);
+    d->n_streamed += n;
+    if (e >= 0 && d->n_streamed == e + 1) {
+        d->done = 1;
+        d->st.finish_reason = CLOVER_FINISH_STOP;
+    }
+    return n;
+}
+
+/* diffusion (spec 5.2): one denoising pass per call; when the block is complete (or generation
+ * ends in it) its tokens join the history and, unless done, a commit pass writes the caches. */
+static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
+    clover_context *c = d->c;
+    const int32_t B = d->p.block_size;
+    if (!d->in_block) {
+        if ((int64_t)c->n_past + B > c->n_ctx) {
+            d->done = 1;
+            d->st.finish_reason = CLOVER_FINISH_LENGTH;
+            return 0;
+        }
+        start_block(d);
+    }
+    *n_out = stream_block(d, out); /* slot 0 may already be final, or end the generation */
+    if (!d->done && d->n_masked > 0) {
+        int rc = denoise(d, err, err_size);
+        if (rc) return rc;
+        *n_out += stream_block(d, out + *n_out);
+    }
+    if (!d->done && d->n_masked > 0) return 1;
+    /* the block is complete or generation ended inside it */
+    const int32_t n_final = d->n_streamed;
+    d->in_block = 0;
     d->st.n_blocks++;
+    for (int32_t i = 0; i < n_final; i++) clover_history_add(&d->hist, d->block[i]); /* spec 5.4 history */
+    d->st.n_generated += n_final;
     if (d->done) return 0;
     /* commit: prefix-mode forward of the block writes the caches and gives the next slot 0 */
     int rc = clover_prefill(c, d->block, B, d->causal, 0, err, err_size);
@@ -361,7 +421,7 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     int rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
     if (rc) return rc;
     d->st.n_forward_draft++;
-    for (int il = 0; il < hp->n_layer; il++) d->st.sum_distinct_experts += d->nexp[il];
+    count_experts(d);
     for (int32_t j = 1; j < B; j++) /* slot j is predicted by row j - 1 (logits_shift) */
         d->block[j] = sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);

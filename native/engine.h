@@ -59,6 +59,8 @@ struct clover_context {
     float *snap_state, *snap_conv;  /* copies of gdn_state, conv_state */
     float *rec_qkv, *rec_cv;        /* [n_gdn][rec_cap][conv channels]: conv inputs, conv outputs */
     float *rec_b, *rec_a;           /* [n_gdn][rec_cap][Hv]: beta and log-decay g */
+    int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
+                           without the coreset (the union of their own top-k; spec 5.6) */
 };
 
 /* Checkpoint for speculative verification (spec 5.5): remember the GDN and conv state and

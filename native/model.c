@@ -469,7 +469,8 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->v_cache = alloc_floats(m->n_attn, n_ctx, kv);
     c->gdn_state = alloc_floats(m->n_gdn, gdn_state_floats(hp), 1);
     c->conv_state = alloc_floats(m->n_gdn, hp->ssm_d_conv - 1, conv_channels(hp));
-    if (!c->k_cache || !c->v_cache || !c->gdn_state || !c->conv_state) {
+    c->nexp_full = calloc((size_t)hp->n_layer, sizeof(int32_t));
+    if (!c->k_cache || !c->v_cache || !c->gdn_state || !c->conv_state || !c->nexp_full) {
         clover_context_free(c);
         clover_set_err(err, err_size, CLOVER_E_NOMEM,
                        "n_ctx: %d needs a KV cache of %lld floats per layer, allocation failed", n_ctx,
@@ -487,6 +488,7 @@ void clover_context_free(clover_context *c) {
     free(c->conv_state);
     free(c->snap_state), free(c->snap_conv);
     free(c->rec_qkv), free(c->rec_cv), free(c->rec_b), free(c->rec_a);
+    free(c->nexp_full);
     free(c);
 }
 
@@ -1154,7 +1156,12 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
         for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
     }
     const int use_coreset = f->mode == MODE_BLOCK;
-    if (use_coreset) coreset(probs, T, E, k, f->coreset_top_p, allowed, S, order, sel);
+    if (use_coreset) {
+        coreset(probs, T, E, k, f->coreset_top_p, allowed, S, order, sel);
+        int32_t n_full = 0; /* S[e] > 0: e is in some row's own top-k */
+        for (int64_t e = 0; e < E; e++) n_full += S[e] > 0;
+        c->nexp_full[il] = n_full;
+    }
     for (int64_t t = 0; t < T; t++) {
         int32_t *st = sel + t * k;
         topk(probs + t * E, E, use_coreset ? allowed : NULL, k, st);

@@ -150,8 +150,23 @@ def test_generate_diffusion_text_stream_and_stats(model):
     pieces = list(model.generate_stream(PROMPT, **kw))
     assert "".join(pieces) == text
     assert all(pieces)  # no empty pieces
-    # block-wise streaming: at most one piece per committed block (plus a flushed tail)
-    assert len(pieces) <= st["n_blocks"] + 1
+    # at most one piece per forward (plus a flushed tail)
+    assert len(pieces) <= st["n_forward_denoise"] + st["n_blocks"] + 1
+
+
+def test_diffusion_streams_final_tokens_before_the_block_ends(model):
+    """Filled slots are final (spec 5.2), so a step hands out the newly filled slots contiguous
+    with the block's final start as soon as they are filled: with one slot filled per pass
+    (threshold 1.0), blocks of 8 arrive in several pieces, and the pieces concatenate to the
+    block-at-once result of the same decoding (the tokens are those of full blocks, in order)."""
+    p, _, mode, _ = model._params(24, "diffusion", 0.0, 0, 1.0, 0, 8, 1.0, None, [])
+    steps = list(model._steps(model.tokenize(PROMPT), p, mode))
+    st = model.last_stats
+    assert sum(len(x) for x in steps) == st["n_generated"] == 24
+    assert st["n_blocks"] == 3 and len(steps) > st["n_blocks"]  # pieces smaller than blocks
+    assert all(len(x) <= 8 for x in steps)
+    ids, _ = model.generate_tokens(model.tokenize(PROMPT), max_tokens=24, block_size=8, threshold=1.0, end_ids=[])
+    assert [t for x in steps for t in x] == ids
 
 
 def test_generate_accepts_token_ids_and_threshold_changes_forwards(model):

@@ -7,6 +7,7 @@ import pytest
 
 from clover_gguf import Model
 from clover_gguf._ffi import _find_library, err_buf, lib
+from clover_gguf._ffi import ffi as _ffi_main
 
 ffi = cffi.FFI()
 ffi.cdef("""
@@ -114,3 +115,26 @@ def test_penalty_defaults_by_architecture(make_gguf):
             p = cffi_ffi.new("clover_gen_params *")
             lib.clover_gen_params_default(m._model, p)
             assert (round(p.presence_penalty, 6), round(p.repetition_penalty, 6)) == want, path
+
+
+def test_block_forward_rows_equals_full_on_chosen_rows(files):
+    """clover_block_forward_rows (the LM head only on rows whose logits are used, spec 5.2
+    cost saver) writes exactly clover_block_forward's values on the chosen rows, leaves the
+    others untouched, and reports the same experts per layer."""
+    with Model(files["q8_0"], n_ctx=128, n_threads=2) as m:
+        mask = m.hparams["mask_token_id"]
+        full, nexp = m.block_logits(m.tokenize("def fib(n):"), [5, 9] + [mask] * 6, coreset_top_p=0.9)
+        lib.clover_context_reset(m._ctx)
+        prefix = m.tokenize("def fib(n):")
+        err = err_buf()
+        assert lib.clover_prefill(m._ctx, _ffi_main.new("int32_t[]", prefix), len(prefix), _ffi_main.NULL, 0, err, len(err)) == 0
+        rows = np.array([0, 1, 0, 0, 1, 1, 0, 1], np.uint8)
+        out = np.full((8, m.n_vocab), 7.0, np.float32)
+        ne = _ffi_main.new("int32_t[]", m.hparams["n_layer"])
+        toks = _ffi_main.new("int32_t[]", [5, 9] + [mask] * 6)
+        rc = lib.clover_block_forward_rows(m._ctx, toks, 8, 0.9, _ffi_main.cast("float *", out.ctypes.data),
+                                           _ffi_main.cast("uint8_t *", rows.ctypes.data), ne, err, len(err))
+        assert rc == 0, _ffi_main.string(err)
+        np.testing.assert_array_equal(out[rows == 1], full[rows == 1])
+        assert (out[rows == 0] == 7.0).all()
+        assert list(ne) == list(nexp)

@@ -262,7 +262,10 @@ typedef struct {
     int64_t n_forward_draft, n_forward_verify; /* spec mode */
     int64_t accept_hist[CLOVER_ACCEPT_HIST];    /* spec mode: drafts accepted per verify */
     int64_t n_blocks;
-    int64_t sum_distinct_experts; /* over denoising passes and MoE layers */
+    int64_t sum_distinct_experts; /* over block-mode passes (denoise, draft) and MoE layers */
+    int64_t max_distinct_experts; /* largest per-layer count of one block-mode pass */
+    /* the same without the coreset: the union of the rows' own top-k (spec 5.6) */
+    int64_t sum_distinct_experts_full, max_distinct_experts_full;
     int32_t finish_reason;   /* CLOVER_FINISH_* */
 } clover_stats;
 
@@ -272,9 +275,11 @@ typedef struct clover_decoder clover_decoder;
 CLOVER_API clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p,
                                               const int32_t *prompt, int32_t n_prompt,
                                               char *err, size_t err_size);
-/* Advance by one unit (ar: one token; diffusion: one block, denoised and committed) and
- * write the newly final tokens to out (capacity cap >= block_size). Returns 1 while more
- * can follow, 0 when finished (finish_reason set), < 0 on error. */
+/* Advance by one forward (ar: one token; diffusion: one denoising pass, plus the commit pass
+ * when the block is complete; spec: one draft and one verify) and write the tokens that became
+ * final to out (capacity cap >= block_size): in diffusion the newly filled slots contiguous with
+ * the block's final start, possibly none. Returns 1 while more can follow, 0 when finished
+ * (finish_reason set), < 0 on error. */
 CLOVER_API int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n_out,
                                    char *err, size_t err_size);
 CLOVER_API void clover_decoder_stats(const clover_decoder *d, clover_stats *out);
