@@ -357,7 +357,7 @@ class Model:
             "n_generated": n_gen,
             "n_forward": n_forward,
             "n_forward_prefill": int(st.n_forward_prefill),
-            "n_forward_denoise": den,
+            "n_forward_denoise": int(st.n_forward_denoise),
             "n_forward_commit": int(st.n_forward_commit),
             "n_forward_decode": int(st.n_forward_decode),
             "n_forward_draft": int(st.n_forward_draft),

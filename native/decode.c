@@ -468,6 +468,15 @@ int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n
     return rc;
 }
 
+int32_t clover_decoder_block(const clover_decoder *d, int32_t *tokens, uint8_t *filled, int32_t cap) {
+    if (!d || !tokens || !filled || !d->in_block || d->p.mode != CLOVER_MODE_DIFFUSION) return 0;
+    const int32_t B = d->p.block_size;
+    if (cap < B) return 0;
+    memcpy(tokens, d->block, sizeof(int32_t) * (size_t)B);
+    for (int32_t j = 0; j < B; j++) filled[j] = d->filled[j] != 0;
+    return B;
+}
+
 void clover_decoder_stats(const clover_decoder *d, clover_stats *out) {
     if (d && out) *out = d->st;
 }

@@ -40,6 +40,13 @@ def test_spec_equals_greedy_ar(files, kind, n):
             assert b == a, p
             assert st["mode"] == "spec" and st["n_forward_verify"] >= 1 and st["n_forward_draft"] >= 1
             assert sum(st["accept_hist"]) == st["n_forward_verify"]
+            assert st["n_forward_denoise"] == 0 and st["n_forward_commit"] == 0
+            assert st["n_forward"] == (st["n_forward_prefill"] + st["n_forward_draft"] + st["n_forward_verify"]
+                                       + st["n_forward_decode"])
+            assert st["mean_distinct_experts"] is not None  # drafts are block-mode (coreset) passes
+            # the coreset's experts are a subset of the union of the rows' own top-k (spec 5.6)
+            assert st["mean_distinct_experts"] <= st["mean_distinct_experts_full"]
+            assert st["max_distinct_experts"] <= st["max_distinct_experts_full"]
             # every verify emits 1 + accepted tokens; steps without a draft emit 1 each
             emitted = sum((k + 1) * n for k, n in enumerate(st["accept_hist"])) + st["n_forward_decode"]
             assert emitted >= len(b) and st["finish_reason"] == "length"

@@ -283,6 +283,10 @@ CLOVER_API clover_decoder *clover_decoder_new(clover_context *c, const clover_ge
 CLOVER_API int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n_out,
                                    char *err, size_t err_size);
 CLOVER_API void clover_decoder_stats(const clover_decoder *d, clover_stats *out);
+/* The diffusion block being denoised, for display: copies its block_size slots to tokens and
+ * filled (1 = final, 0 = still the mask token) when cap >= block_size and returns block_size;
+ * returns 0 between blocks and in the other modes. */
+CLOVER_API int32_t clover_decoder_block(const clover_decoder *d, int32_t *tokens, uint8_t *filled, int32_t cap);
 CLOVER_API void clover_decoder_free(clover_decoder *d);
 
 #ifdef __cplusplus
