@@ -16,6 +16,7 @@ import numpy as np
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 from .chat import ChatTemplate
+from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
 
 __all__ = ["Model", "CloverError"]
@@ -386,7 +387,7 @@ class Model:
                         repeat_penalty: float | None = None, frequency_penalty: float | None = None,
                         logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
                         eos_bias_start: int | None = None, bias_slope: float | None = None,
-                        bias_max: float | None = None):
+                        bias_max: float | None = None, stop: str | Sequence[str] | None = None):
         """Generate from token ids (spec 5.1-5.3, 5.6).
 
         Returns ``(ids, stats)``: the generated token ids (the end token included when
@@ -402,17 +403,26 @@ class Model:
         is open) and the end tokens (from ``eos_bias_start``) at generated index n (starts:
         GGUF defaults 4096 / 8192; ``bias_slope`` 0.01, ``bias_max`` 10). Penalties only
         reweight logits, they never stop generation.
+        ``stop``: stop strings as in :meth:`generate`, matched on the text of the ids (end
+        tokens not written). Tokens cannot be cut inside, so on a match ``ids`` end with the
+        token that completes the stop string: ``detokenize(ids)`` is the text :meth:`generate`
+        returns, then the stop string, then whatever else that last token spells;
+        ``stats["stop_string"]`` is the matched string, ``stats["finish_reason"]`` ``"stop"``
+        and ``stats["tokens"]`` equals ``ids`` (``stats["n_generated"]`` stays the decoder's
+        own count of committed tokens: in diffusion mode it may include the rest of the
+        block that holds the stop string).
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         ids = self._check_fits(self._check_ids("prompt_ids", prompt_ids))
-        p, _keep, mode, _ = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
-                                         block_size, threshold, coreset_top_p, end_ids,
-                                         min_p=min_p, presence_penalty=presence_penalty,
-                                         repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                         logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
-                                         eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
+        stops = check_stop(stop)
+        p, keep, mode, ends = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
+                                           block_size, threshold, coreset_top_p, end_ids,
+                                           min_p=min_p, presence_penalty=presence_penalty,
+                                           repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                           logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
+                                           eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
         out: list[int] = []
-        for new in self._steps(ids, p, mode):
+        for _, new in self._run(ids, p, keep, mode, set(ends), stops, text=bool(stops)):
             out.extend(new)
         return out, dict(self.last_stats)
 
@@ -424,30 +434,79 @@ class Model:
                         repeat_penalty: float | None = None, frequency_penalty: float | None = None,
                         logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
                         eos_bias_start: int | None = None, bias_slope: float | None = None,
-                        bias_max: float | None = None) -> Iterator[str]:
+                        bias_max: float | None = None, stop: str | Sequence[str] | None = None) -> Iterator[str]:
         """Like :meth:`generate`, but yields text as tokens become final (per AR token or
         per committed diffusion block). Pieces never split a UTF-8 character; end tokens
-        are not written. :attr:`last_stats` is set when the iterator ends (or is closed).
+        are not written. With ``stop``, text that could still be the start of a stop string
+        is held back until it can no longer match, so no piece ever holds any part of the
+        stop string; the pieces concatenate to what :meth:`generate` returns.
+        :attr:`last_stats` is set when the iterator ends (or is closed).
         Arguments are validated before the first piece is requested."""
         ids = self._check_fits(self._prompt_ids(prompt))
+        stops = check_stop(stop)
         p, keep, mode, ends = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
                                            block_size, threshold, coreset_top_p, None,
                                            min_p=min_p, presence_penalty=presence_penalty,
                                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                                            logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
                                            eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
-        return self._stream(ids, p, keep, mode, set(ends))
+        return self._stream(ids, p, keep, mode, set(ends), stops)
 
-    def _stream(self, ids, p, keep, mode, ends) -> Iterator[str]:
-        det = self.tokenizer.stream()
-        for new in self._steps(ids, p, mode):
-            piece = det.add([t for t in new if t not in ends])
+    def _stream(self, ids, p, keep, mode, ends, stops=()) -> Iterator[str]:
+        for piece, _ in self._run(ids, p, keep, mode, ends, stops):
             if piece:
                 yield piece
-        tail = det.flush()
-        if tail:
-            yield tail
-        del keep  # the end-id array must live as long as the decoder
+
+    def _run(self, ids, p, keep, mode, ends, stops, text=True) -> Iterator[tuple[str, list[int]]]:
+        """Drive :meth:`_steps` and apply the stop strings (see :mod:`clover_gguf.stops`).
+
+        Yields ``(piece, tokens)`` per decoder step (``piece`` is "" when ``text`` is False
+        and there are no stops) and a last ``(tail, tokens)`` for text held back until the
+        end (and, on a stop string, the tokens of the step that completed it).
+        On a stop string the decoder is freed at once (no further blocks or tokens) and
+        ``tokens`` end with the token that completed it. Afterwards :attr:`last_stats` has
+        ``stop_string`` (the matched string or None); on a match ``finish_reason`` is
+        ``"stop"`` and ``tokens`` the kept ids."""
+        det = self.tokenizer.stream() if (text or stops) else None
+        filt = StopFilter(stops) if stops else None
+        kept: list[int] = []
+        before = self.last_stats
+        steps = self._steps(ids, p, mode)
+        tail, tail_ids = "", []
+        try:
+            for new in steps:
+                if filt is None:
+                    piece = det.add([t for t in new if t not in ends]) if det is not None else ""
+                else:
+                    # token by token, so that the token completing a stop string is known
+                    for k, t in enumerate(new):
+                        if t not in ends and filt.push(det.add([t])):
+                            new = new[:k + 1]
+                            break
+                    piece = filt.take()
+                kept.extend(new)
+                if filt is not None and filt.matched is not None:
+                    tail, tail_ids = piece, new  # handed out once the decoder is freed
+                    break
+                yield piece, new
+            else:
+                if det is not None:
+                    tail = det.flush()
+                if filt is not None:
+                    filt.push(tail)
+                    tail = filt.flush()
+        finally:
+            steps.close()  # frees the decoder now when a stop string ended generation
+            st = self.last_stats
+            if st is not None and st is not before:  # this run's stats (not an interrupting call's)
+                matched = filt.matched if filt is not None else None
+                st["stop_string"] = matched
+                if matched is not None:
+                    st["finish_reason"] = "stop"
+                    st["tokens"] = list(kept)
+        if tail or tail_ids:
+            yield tail, tail_ids
+        del keep  # the end-id and bias arrays must live as long as the decoder
 
     def generate(self, prompt, max_tokens: int = 256, mode: str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -457,14 +516,14 @@ class Model:
                  repeat_penalty: float | None = None, frequency_penalty: float | None = None,
                  logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
                  eos_bias_start: int | None = None, bias_slope: float | None = None,
-                 bias_max: float | None = None) -> str:
+                 bias_max: float | None = None, stop: str | Sequence[str] | None = None) -> str:
         """Generate text after ``prompt`` (a str, tokenized with special tokens recognised,
         or a sequence of token ids) and return it, without the end token.
 
         Spec 5.2 (diffusion) / 5.1 (ar); greedy at ``temperature=0``; a ``seed`` makes
         sampling reproducible. Statistics of the run are in :attr:`last_stats`
         (``n_forward``, ``tokens_per_forward``, ``seconds``, ``tokens_per_second``,
-        ``finish_reason`` ``"stop"``/``"length"``, ``tokens``...).
+        ``finish_reason`` ``"stop"``/``"length"``, ``stop_string``, ``tokens``...).
         Sampling and penalties (spec 5.3-5.4; None = the engine default): ``min_p`` (0 = off),
         ``presence_penalty`` (GGUF default, 0.9; 0 = off), ``repeat_penalty`` (GGUF default,
         1.05; 1 = off), ``frequency_penalty`` (0 = off), ``logit_bias`` (dict token id ->
@@ -473,6 +532,14 @@ class Model:
         is open) and the end tokens (from ``eos_bias_start``) at generated index n (starts:
         GGUF defaults 4096 / 8192; ``bias_slope`` 0.01, ``bias_max`` 10). Penalties only
         reweight logits, they never stop generation.
+        ``stop``: a str or a list of at most 16 non-empty str (OpenAI / llama-cpp-python
+        semantics). Matched on the final text only, across decoder steps (a stop string may
+        span two diffusion blocks); generation ends as soon as one is complete (the decoder
+        stops, no further block is generated) and the text is cut right before it. The
+        first stop string to be completed wins (on a tie, the longer one). Then
+        ``last_stats["finish_reason"]`` is ``"stop"`` and ``last_stats["stop_string"]`` the
+        matched string (None otherwise); ``"length"`` means max_tokens or the context ended
+        it; an end token also gives ``"stop"``.
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         return "".join(self.generate_stream(prompt, max_tokens, mode, temperature, top_k, top_p,
@@ -480,7 +547,8 @@ class Model:
                                             min_p=min_p, presence_penalty=presence_penalty,
                                             repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                                             logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
-                                            eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max))
+                                            eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max,
+                                            stop=stop))
 
     # ------------------------------------------------------------------ logits (tests)
     def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:

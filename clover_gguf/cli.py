@@ -50,7 +50,8 @@ def cmd_run(a) -> int:
                   coreset_top_p=a.coreset_top_p, min_p=a.min_p, presence_penalty=a.presence_penalty,
                   repeat_penalty=a.repeat_penalty, frequency_penalty=a.frequency_penalty,
                   logit_bias=dict(a.logit_bias or []) or None, think_close_bias_start=a.think_close_bias_start,
-                  eos_bias_start=a.eos_bias_start, bias_slope=a.bias_slope, bias_max=a.bias_max)
+                  eos_bias_start=a.eos_bias_start, bias_slope=a.bias_slope, bias_max=a.bias_max,
+                  stop=a.stop)
         try:
             stream = m.generate_stream(a.prompt, **kw)
         except ValueError as e:
@@ -75,6 +76,7 @@ def cmd_run(a) -> int:
                 "tokens_per_second": st["tokens_per_second"],
                 "mode": st["mode"],
                 "finish_reason": st["finish_reason"],
+                "stop_string": st.get("stop_string"),
             }
             print(json.dumps(obj, ensure_ascii=False))
         else:
@@ -286,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bias-slope", type=float, default=None,
                    help="ramp slope in logits per generated token, 0 = ramps off (0.01)")
     r.add_argument("--bias-max", type=float, default=None, help="ramp cap in logits (10)")
+    r.add_argument("--stop", action="append", metavar="STR",
+                   help="stop string (repeatable, at most 16): generation ends as soon as one appears in "
+                        "the text, which is cut right before it")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (0)")
     r.add_argument("--block-size", type=_positive_int, default=None, help="diffusion block size (GGUF default)")
     r.add_argument("--threshold", type=float, default=None, help="diffusion confidence threshold (GGUF default)")
