@@ -302,7 +302,15 @@ class Model:
         p.n_logit_bias = len(ids)
         return bias_ids, bias_vals
 
-    def _steps(self, prompt_ids, p, mode) -> Iterator[list[int]]:
+    @staticmethod
+    def _block_state(d, cap):
+        """(block_ids, filled) of the diffusion block being denoised, or None."""
+        bt = ffi.new("int32_t[]", cap)
+        bf = ffi.new("uint8_t[]", cap)
+        n = lib.clover_decoder_block(d, bt, bf, cap)
+        return ([int(bt[k]) for k in range(n)], [bool(bf[k]) for k in range(n)]) if n else None
+
+    def _steps(self, prompt_ids, p, mode, on_step=None) -> Iterator[list[int]]:
         """Run the native decoder; yield each step's newly final tokens; set last_stats."""
         n = len(prompt_ids)
         err = err_buf()
@@ -330,6 +338,8 @@ class Model:
                     raise_error(err, "generate")
                 new = [int(out[k]) for k in range(n_out[0])]
                 tokens.extend(new)
+                if on_step is not None:
+                    on_step(new, self._block_state(d, cap))
                 if new:
                     yield new
                 if rc == 0:
@@ -434,13 +444,19 @@ class Model:
                         repeat_penalty: float | None = None, frequency_penalty: float | None = None,
                         logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
                         eos_bias_start: int | None = None, bias_slope: float | None = None,
-                        bias_max: float | None = None, stop: str | Sequence[str] | None = None) -> Iterator[str]:
-        """Like :meth:`generate`, but yields text as tokens become final (per AR token or
-        per committed diffusion block). Pieces never split a UTF-8 character; end tokens
+                        bias_max: float | None = None, stop: str | Sequence[str] | None = None,
+                        on_step=None) -> Iterator[str]:
+        """Like :meth:`generate`, but yields text as tokens become final (per AR token, per
+        diffusion denoising pass: the filled slots contiguous with the block's final start, per
+        spec verify). Pieces never split a UTF-8 character; end tokens
         are not written. With ``stop``, text that could still be the start of a stop string
         is held back until it can no longer match, so no piece ever holds any part of the
         stop string; the pieces concatenate to what :meth:`generate` returns.
         :attr:`last_stats` is set when the iterator ends (or is closed).
+        ``on_step`` (optional) is called after every decoder step with ``(new_ids, block)``:
+        the step's final token ids and, in diffusion mode while a block is being denoised,
+        ``(block_ids, filled)`` (lists of block_size; unfilled slots hold the mask id), else
+        None; it is how ``clover-gguf run --visual`` draws the block.
         Arguments are validated before the first piece is requested."""
         ids = self._check_fits(self._prompt_ids(prompt))
         stops = check_stop(stop)
@@ -450,14 +466,14 @@ class Model:
                                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                                            logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
                                            eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
-        return self._stream(ids, p, keep, mode, set(ends), stops)
+        return self._stream(ids, p, keep, mode, set(ends), stops, on_step)
 
-    def _stream(self, ids, p, keep, mode, ends, stops=()) -> Iterator[str]:
-        for piece, _ in self._run(ids, p, keep, mode, ends, stops):
+    def _stream(self, ids, p, keep, mode, ends, stops=(), on_step=None) -> Iterator[str]:
+        for piece, _ in self._run(ids, p, keep, mode, ends, stops, on_step=on_step):
             if piece:
                 yield piece
 
-    def _run(self, ids, p, keep, mode, ends, stops, text=True) -> Iterator[tuple[str, list[int]]]:
+    def _run(self, ids, p, keep, mode, ends, stops, text=True, on_step=None) -> Iterator[tuple[str, list[int]]]:
         """Drive :meth:`_steps` and apply the stop strings (see :mod:`clover_gguf.stops`).
 
         Yields ``(piece, tokens)`` per decoder step (``piece`` is "" when ``text`` is False
@@ -471,7 +487,7 @@ class Model:
         filt = StopFilter(stops) if stops else None
         kept: list[int] = []
         before = self.last_stats
-        steps = self._steps(ids, p, mode)
+        steps = self._steps(ids, p, mode, on_step)
         tail, tail_ids = "", []
         try:
             for new in steps:

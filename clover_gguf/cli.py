@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
@@ -42,6 +43,60 @@ def _load(path: str, n_ctx: int, n_threads):
 
 
 # ---------------------------------------------------------------------------- run
+class _BlockView:
+    """`run --visual`: the diffusion block being denoised is drawn right after the committed
+    text, on the rest of the current terminal line (masked slots as a dim dot, slots filled by
+    the last pass highlighted, newlines as \u23ce), and redrawn in place: the cursor always goes
+    back to the end of the committed text, so that text is written exactly as without --visual."""
+
+    DIM, NEW, OFF, CLEAR = "\033[2m", "\033[1;32m", "\033[0m", "\033[K"
+
+    def __init__(self, model, out) -> None:
+        self.tok, self.out = model.tokenizer, out
+        self.block, self.prev = None, None
+        self.width = max(shutil.get_terminal_size((80, 24)).columns, 20)
+        self.col = 0  # column of the cursor at the end of the committed text
+
+    def _slot(self, t: int) -> str:
+        s = self.tok.token_bytes(t).decode("utf-8", "replace")
+        return s.replace("\n", "\u23ce").replace("\r", "").replace("\t", " ")
+
+    def _draw(self) -> None:
+        """Clear to the end of the line, draw the block into the room left, step back."""
+        self.out.write(self.CLEAR)
+        room, n, parts = self.width - self.col - 2, 0, []
+        if self.block and room > 0:
+            ids, filled = self.block
+            for j, (t, f) in enumerate(zip(ids, filled)):
+                s = self._slot(t) if f else "\u00b7"
+                if n + len(s) > room:
+                    break
+                n += len(s)
+                if not f:
+                    parts.append(self.DIM + s + self.OFF)
+                elif not (self.prev and self.prev[1][j]):
+                    parts.append(self.NEW + s + self.OFF)
+                else:
+                    parts.append(s)
+        if n:
+            self.out.write(" " + "".join(parts) + f"\033[{n + 1}D")
+        self.out.flush()
+
+    def step(self, new_ids, block) -> None:
+        self.prev, self.block = self.block, block
+        self._draw()
+
+    def text(self, piece: str) -> None:
+        self.out.write(self.CLEAR + piece)
+        tail = piece.rsplit("\n", 1)
+        self.col = (len(tail[-1]) if len(tail) > 1 else self.col + len(piece)) % self.width
+        self._draw()
+
+    def finish(self) -> None:
+        self.out.write(self.CLEAR)
+        self.out.flush()
+
+
 def cmd_run(a) -> int:
     m = _load(a.model, a.ctx_size, a.threads)
     with m:
@@ -52,16 +107,21 @@ def cmd_run(a) -> int:
                   logit_bias=dict(a.logit_bias or []) or None, think_close_bias_start=a.think_close_bias_start,
                   eos_bias_start=a.eos_bias_start, bias_slope=a.bias_slope, bias_max=a.bias_max,
                   stop=a.stop)
+        view = _BlockView(m, sys.stdout) if a.visual and not a.json and sys.stdout.isatty() else None
         try:
-            stream = m.generate_stream(a.prompt, **kw)
+            stream = m.generate_stream(a.prompt, on_step=view.step if view else None, **kw)
         except ValueError as e:
             raise _UsageError(str(e)) from None
         pieces = []
         for piece in stream:
             pieces.append(piece)
-            if not a.json:
+            if view:
+                view.text(piece)
+            elif not a.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
+        if view:
+            view.finish()
         st = m.last_stats
         text = "".join(pieces)
         if a.json:
@@ -288,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bias-slope", type=float, default=None,
                    help="ramp slope in logits per generated token, 0 = ramps off (0.01)")
     r.add_argument("--bias-max", type=float, default=None, help="ramp cap in logits (10)")
+    r.add_argument("--visual", action="store_true",
+                   help="diffusion: redraw the block being denoised in place on a terminal (masked slots "
+                        "dim, newly filled ones highlighted); plain output when stdout is not a terminal")
     r.add_argument("--stop", action="append", metavar="STR",
                    help="stop string (repeatable, at most 16): generation ends as soon as one appears in "
                         "the text, which is cut right before it")

@@ -230,3 +230,32 @@ def test_parent_comparison_under_identical_prompts(make_gguf):
     assert a["tokens"] == b["tokens"] and a["text"] == b["text"] and len(a["tokens"]) > 0
     rd = cli("run", "-m", clover, "-p", PROMPT, "-n", 16, "-t", 2, "--json")
     assert json.loads(rd.stdout)["mode"] == "diffusion"  # a Clover file's default
+
+
+def test_run_visual_on_a_terminal_and_plain_otherwise(gguf_path):
+    """--visual redraws the block in place on a terminal (ANSI sequences, a dim dot for masked
+    slots) and prints plain text when stdout is not a terminal; the text is the same."""
+    import pty
+    import re
+
+    args = ["run", "-m", str(gguf_path), "-p", PROMPT, "-n", 24, "--mode", "diffusion", "--block-size", 8,
+            "--threshold", 1.0, "-t", 2]
+    plain = cli(*args)
+    assert plain.returncode == 0, plain.stderr
+    piped = cli(*args, "--visual")
+    assert piped.returncode == 0 and piped.stdout == plain.stdout and "\x1b[" not in piped.stdout
+    exe = [sys.executable, "-m", "clover_gguf"] + [str(x) for x in args] + ["--visual"]
+    out = []
+
+    def read(fd):
+        data = os.read(fd, 65536)
+        out.append(data)
+        return data
+
+    status = pty.spawn(exe, read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tty = b"".join(out).decode("utf-8", "replace")
+    assert "\x1b[2m\u00b7" in tty and "\x1b[1;32m" in tty  # masked slots and newly filled slots drawn
+    # without the cursor moves and the drawn blocks, the terminal shows the plain text
+    text_written = re.sub(r"\x1b\[K|\x1b\[\d+D", "", re.sub(r" (?:\x1b\[[0-9;]*m|[^\x1b\r\n])*?\x1b\[\d+D", "", tty))
+    assert text_written.replace("\r\n", "\n").startswith(plain.stdout.rstrip("\n"))
