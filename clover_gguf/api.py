@@ -405,14 +405,7 @@ class Model:
         ``mode`` None means ``"diffusion"`` for a clover GGUF, ``"ar"`` for qwen35moe;
         ``block_size``/``threshold``/``coreset_top_p`` None take the GGUF defaults (spec 4.2);
         ``end_ids`` None means ``<|im_end|>``, ``<|endoftext|>`` and the GGUF eos.
-        Sampling and penalties (spec 5.3-5.4; None = the engine default): ``min_p`` (0 = off),
-        ``presence_penalty`` (GGUF default, 0.9; 0 = off), ``repeat_penalty`` (GGUF default,
-        1.05; 1 = off), ``frequency_penalty`` (0 = off), ``logit_bias`` (dict token id ->
-        additive logit), and the soft-bias ramps ``min(bias_max, bias_slope * max(0, n -
-        start))`` toward ``</think>`` (from ``think_close_bias_start``, while a thinking section
-        is open) and the end tokens (from ``eos_bias_start``) at generated index n (starts:
-        GGUF defaults 4096 / 8192; ``bias_slope`` 0.01, ``bias_max`` 10). Penalties only
-        reweight logits, they never stop generation.
+        Sampling and penalties (spec 5.3-5.4): as :meth:`generate`.
         ``stop``: stop strings as in :meth:`generate`, matched on the text of the ids (end
         tokens not written). Tokens cannot be cut inside, so on a match ``ids`` end with the
         token that completes the stop string: ``detokenize(ids)`` is the text :meth:`generate`

@@ -15,7 +15,6 @@ rounding of the scale).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -24,6 +23,8 @@ import sys
 import gguf
 import numpy as np
 import pytest
+
+from llamacpp import LLAMA_CPP_SRC, llama_python, run_llama_converter
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -921,27 +922,16 @@ def test_v_head_perm_matches_spec():
 # llama.cpp's own converter as an oracle (when its source is present; read only)
 # ---------------------------------------------------------------------------------------------
 
-# llama.cpp source tree (bench/llama_oracle.sh unpacks it and sets the variable)
-LLAMA_CPP = pathlib.Path(os.environ.get("CLOVER_LLAMA_CPP_SRC", "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP = LLAMA_CPP_SRC
 _HAVE_LLAMA_CPP = (LLAMA_CPP / "convert_hf_to_gguf.py").is_file()
 # a Python with llama-cpp-python (its llama_model_quantize): CLOVER_LLAMA_PYTHON, else the venv
 # that clover/notes/oracles.md builds
-LLAMA_PYTHON = os.environ.get("CLOVER_LLAMA_PYTHON") or "/tmp/llama-venv/bin/python"
+LLAMA_PYTHON = llama_python() or "/tmp/llama-venv/bin/python"
 
 
 def _llama_convert(ckpt: pathlib.Path, out: pathlib.Path, outtype: str, no_mtp: bool) -> gguf.GGUFReader:
-    """Run llama.cpp's convert_hf_to_gguf.py (its pre-tokenizer hash check answered 'qwen35')."""
-    runner = (
-        "import sys, runpy; LL = sys.argv[1]; sys.path.insert(0, LL); sys.path.insert(1, LL + '/gguf-py'); "
-        "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
-        "sys.argv = [LL + '/convert_hf_to_gguf.py'] + sys.argv[2:]; "
-        "runpy.run_path(LL + '/convert_hf_to_gguf.py', run_name='__main__')"
-    )
-    p = subprocess.run([sys.executable, "-c", runner, str(LLAMA_CPP), str(ckpt), "--outfile", str(out),
-                        "--outtype", outtype] + (["--no-mtp"] if no_mtp else []),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return gguf.GGUFReader(out)
+    """llama.cpp's convert_hf_to_gguf.py on ``ckpt`` (tests/llamacpp.py), read back."""
+    return gguf.GGUFReader(run_llama_converter(ckpt, out, outtype, no_mtp=no_mtp, timeout=300))
 
 
 def _assert_same_tensors_as_llama(ll: gguf.GGUFReader, me: gguf.GGUFReader) -> None:

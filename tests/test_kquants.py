@@ -18,8 +18,6 @@ References:
 Q8_K bytes also equal a numpy transcription of ggml's quantize_row_q8_K_ref (the activation
 quantiser llama.cpp runs on x86), on the AVX-512 path and the portable one.
 """
-import os
-import pathlib
 import shutil
 import subprocess
 
@@ -246,8 +244,7 @@ def test_scale_invariance(name):
 
 
 # ------------------------------------------------------------------------ ggml oracle
-# llama.cpp source tree (bench/llama_oracle.sh unpacks it and sets the variable)
-LLAMA_CPP = pathlib.Path(os.environ.get("CLOVER_LLAMA_CPP_SRC", "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+from llamacpp import LLAMA_CPP_SRC as LLAMA_CPP  # noqa: E402  (llama.cpp source tree, read only)
 GGML_QUANTS_C = LLAMA_CPP / "ggml" / "src" / "ggml-quants.c"
 _STUBS = r"""
 #include <stdio.h>

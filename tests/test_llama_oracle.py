@@ -17,17 +17,15 @@ same bytes, activations quantised to Q8_0 / Q8_K by both engines.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from llamacpp import LLAMA_CPP_SRC, llama_python, run_llama_converter
+
 HERE = pathlib.Path(__file__).resolve().parent
-LLAMA_CPP_SRC = pathlib.Path(os.environ.get(
-    "CLOVER_LLAMA_CPP_SRC", "/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "The quick brown fox jumps over the lazy dog. Block diffusion fills many tokens at once.",
@@ -48,17 +46,7 @@ F32_TOL = 1e-3
 Q_TOL, Q_TOP1, Q_TIE = 1.5, 0.95, 0.5
 
 
-def _llama_python() -> str | None:
-    try:
-        import llama_cpp  # noqa: F401
-        return sys.executable
-    except ImportError:
-        pass
-    p = os.environ.get("CLOVER_LLAMA_PYTHON")
-    return p if p and pathlib.Path(p).is_file() else None
-
-
-LLAMA_PY = _llama_python()
+LLAMA_PY = llama_python()
 pytestmark = pytest.mark.skipif(
     LLAMA_PY is None, reason="llama-cpp-python not importable and CLOVER_LLAMA_PYTHON not set "
                              "(bench/llama_oracle.sh builds it and runs these tests)")
@@ -77,17 +65,8 @@ def _llama_outputs(path: pathlib.Path, prompts: list[list[int]]) -> dict:
 
 
 def _llama_convert(hf_dir: pathlib.Path, out: pathlib.Path, outtype: str) -> pathlib.Path:
-    """llama.cpp's own converter (qwen35 pre-tokenizer forced, oracles.md)."""
-    runner = (
-        "import sys, runpy; LL = sys.argv[1]; sys.path.insert(0, LL); sys.path.insert(1, LL + '/gguf-py'); "
-        "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
-        "sys.argv = [LL + '/convert_hf_to_gguf.py'] + sys.argv[2:]; "
-        "runpy.run_path(LL + '/convert_hf_to_gguf.py', run_name='__main__')"
-    )
-    p = subprocess.run([sys.executable, "-c", runner, str(LLAMA_CPP_SRC), str(hf_dir), "--outfile", str(out),
-                        "--outtype", outtype, "--no-mtp"], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return out
+    """llama.cpp's own converter (tests/llamacpp.py)."""
+    return run_llama_converter(hf_dir, out, outtype)
 
 
 @pytest.fixture(scope="module")
