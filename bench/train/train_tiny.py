@@ -1,0 +1,781 @@
+#!/usr/bin/env python3
+"""Train the embedded default model: a small Clover (clover-spec 1-3) on Python's own sources.
+
+One command, from a clean checkout (torch, tokenizers and safetensors: ``pip install ".[test]"``)::
+
+    python bench/train/train_tiny.py --out /tmp/clover-tiny-train      # full run, ~45 min on 2 cores
+    python bench/train/train_tiny.py --out DIR --smoke                  # seconds: tiny dims, a few steps
+    cp /tmp/clover-tiny-train/clover-tiny-q8_0.gguf clover_gguf/models/ # ship it (see README)
+
+Data. The ``.py`` files of the running Python's standard library (``sysconfig.get_paths()
+["stdlib"]``): present on every machine that runs this package, freely licensed (PSF License
+Version 2), real text of one kind (code, comments and docstrings in English), about 12 MB.
+Left out: ``site-packages`` (third-party licences), the test suites (``test/``, ``*/tests/``,
+``idle_test``: huge, repetitive, generated cases), ``encodings/`` (generated code-page
+tables), and files over 400 kB (``pydoc_data/topics.py``: one giant string). The files are
+sorted by path; ``crc32(path) % 16 == 0`` (about 6%) is the held-out set, the rest is
+training text. Files are joined with ``<|endoftext|>``. The data therefore depends on the
+Python version (the committed model: CPython 3.11.7).
+
+Tokenizer. A byte-level BPE like ``convert/make_checkpoint.py``'s (qwen35 pre-tokenizer regex,
+Qwen's added tokens and ``<|mask|>`` after the BPE vocabulary, Qwen3.5 chat template), trained
+on the training files only; 4096 tokens.
+
+Model. The Clover architecture with every part present: ``make_checkpoint``'s tiny text config
+(hidden 256, 4 layers = 3 Gated DeltaNet with the backward branch + 1 gated attention, 4/2
+heads of 64, GDN 2 key / 4 value heads of 64, 8 experts of 256 with top-2 routing and a
+shared expert of 256), vocab 4096: 10.1 M parameters, about 11 MB as Q8_0.
+
+Training. Each step takes ``batch`` windows of ``seq`` tokens from the training stream.
+One network, two losses (spec 3.2-3.5):
+
+- ``ar``: next-token cross-entropy of the prefix (causal) mode on every position;
+- ``diffusion``: every window is cut into blocks of ``block`` tokens at their absolute
+  positions. In each block slot 0 stays clean (with ``logits_shift`` the decoder fills it from
+  the causal logits), slots 1..B-1 are replaced by ``<|mask|>`` with probability t ~ U(0, 1)
+  drawn per block (at least one masked), and the block runs in block mode against the clean
+  prefix of its window: attention rows see the clean prefix plus every row of the block, GDN
+  layers start the forward branch from the prefix state and conv history and add the backward
+  branch (anti-causal conv, reverse recurrence with exclusive readout, ``sigmoid(bwd_mix)``).
+  The loss is the cross-entropy of each masked slot j predicted by row j-1 (logits_shift).
+  All blocks of a batch run at once: one causal pass over the clean windows gives every
+  block's prefix state (the GDN chunk states at block boundaries, the attention keys and
+  values), then one block-mode pass over all noisy blocks.
+
+Phase 1 (``--ar-frac`` of the steps) trains ``ar`` only, phase 2 trains ``ar + diffusion``.
+Plus a small Switch-style load-balancing loss on the routers. AdamW, warm-up then cosine decay.
+
+The training forward is a batched restatement of ``clover_gguf.reference`` (the chunked
+GDN form of spec 2.1 step 6, blocks batched): it uses the reference's config class, parameter
+names and kernels (``rmsnorm``, ``l2norm``, the N1p norm, the GDN gates), and
+tests/test_train.py checks its logits and gradients against ``CloverReference`` itself.
+
+Outputs under ``--out``: ``hf/`` (the HF checkpoint: config.json with the Clover keys,
+tokenizer files, model.safetensors), ``clover-tiny-q8_0.gguf`` (``clover-gguf convert hf
+--outtype q8_0``), ``log.jsonl`` (one line per logged step and per evaluation), ``loss.png``
+(loss curves), ``report.json`` (settings, timings, held-out losses and perplexities of the
+trained model and of the same shape at initialisation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import sysconfig
+import time
+import zlib
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from clover_gguf.reference import (CloverReference, GatedDeltaNet, ReferenceConfig,  # noqa: E402
+                                   RMSNorm1p, l2norm, rmsnorm)
+from convert.make_checkpoint import (ADDED_TOKENS, QWEN35_PRETOKENIZER_REGEX,  # noqa: E402
+                                     param_specs, text_config)
+
+# ---------------------------------------------------------------------------------------------
+# Data: the standard library's own sources
+# ---------------------------------------------------------------------------------------------
+
+_EXCLUDE_PARTS = ("site-packages", "test", "tests", "idle_test", "encodings")
+MAX_FILE_BYTES = 400_000
+HELDOUT_MOD = 16
+
+
+def stdlib_files(root=None) -> list[pathlib.Path]:
+    """The training/evaluation files (see module docstring), sorted by relative path."""
+    root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if any(part in _EXCLUDE_PARTS for part in rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        if p.stat().st_size > MAX_FILE_BYTES:
+            continue
+        out.append(p)
+    return out
+
+
+def is_heldout(rel: str) -> bool:
+    """Deterministic split by path: crc32(relative path) % HELDOUT_MOD == 0."""
+    return zlib.crc32(rel.encode()) % HELDOUT_MOD == 0
+
+
+def load_texts(root=None, limit_bytes=None):
+    """Returns (train_texts, heldout_texts, train_names, heldout_names)."""
+    root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    tr, ho, trn, hon = [], [], [], []
+    total = 0
+    for p in stdlib_files(root):
+        rel = p.relative_to(root).as_posix()
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if is_heldout(rel):
+            ho.append(text)
+            hon.append(rel)
+        else:
+            tr.append(text)
+            trn.append(rel)
+        total += len(text)
+        if limit_bytes and total >= limit_bytes and ho and tr:
+            break
+    return tr, ho, trn, hon
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE with the qwen35 pre-tokenizer and ADDED_TOKENS appended, exactly
+    ``vocab_size`` tokens (as convert/make_checkpoint.build_tokenizer, on ``texts``)."""
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic word counts
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZER_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    n_bpe = vocab_size - len(ADDED_TOKENS)
+    trainer = trainers.BpeTrainer(vocab_size=n_bpe, min_frequency=2, show_progress=False,
+                                  special_tokens=[], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    if tok.get_vocab_size() != n_bpe:
+        raise RuntimeError(f"tokenizer: trained {tok.get_vocab_size()} tokens, expected {n_bpe}")
+    for content, special in ADDED_TOKENS:
+        at = AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False,
+                        single_word=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([at])
+    return tok
+
+
+def encode_stream(tok, texts: list[str]) -> torch.Tensor:
+    """All texts as one int64 token stream, each followed by <|endoftext|>."""
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: HF config, initial parameters
+# ---------------------------------------------------------------------------------------------
+
+def model_config(vocab_size: int, mask_id: int, eos_id: int, block_size: int, smoke: bool = False) -> dict:
+    """config.json of the Clover checkpoint (spec 3.4): make_checkpoint's tiny text config
+    (hidden 256, 4 layers, 8 experts top-2) with our vocab and the diffusion keys."""
+    cfg = text_config("tiny")
+    cfg["vocab_size"] = int(vocab_size)
+    if smoke:  # the test-suite run: the same architecture, fewer experts
+        cfg["num_experts"] = 4
+    cfg["eos_token_id"] = int(eos_id)
+    cfg["dtype"] = "float32"
+    cfg.update(model_type="clover", architectures=["CloverForDiffusionLM"])
+    cfg.update({
+        "mask_token_id": int(mask_id), "block_size": int(block_size), "threshold": 0.95,
+        "moe_block_coreset_top_p": 0.9, "presence_penalty": 0.9, "repetition_penalty": 1.05,
+        "think_close_bias_start": 4096, "eos_bias_start": 8192, "logits_shift": True,
+    })
+    return cfg
+
+
+def init_params(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Initial float32 parameters by prefix-free HF name (the names of make_checkpoint's
+    param_specs, fused experts): N(0, 1/fan_in) matrices with the residual-output projections
+    scaled by 1/sqrt(2 * layers), zero-centred norms at 0, the GDN gated norm at 1, A_log and
+    dt_bias as FLA / Mamba-2 (A ~ U(1, 16), dt ~ logU(1e-3, 1e-1)), bwd_mix 0 (mix 0.5)."""
+    g = torch.Generator().manual_seed(seed)
+    L = config["num_hidden_layers"]
+    out_scale = 1.0 / math.sqrt(2 * L)
+    P = {}
+    for name, shape, kind in param_specs(config, clover=True, fused_experts=True):
+        fan_in = shape[-1]
+        if kind in ("linear", "experts_gate_up", "experts_down"):
+            std = 1.0 / math.sqrt(fan_in)
+            if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                std *= out_scale
+            t = torch.randn(shape, generator=g) * std
+        elif kind == "embed":
+            t = torch.randn(shape, generator=g)
+        elif kind == "lm_head":
+            t = torch.randn(shape, generator=g) * (0.5 / math.sqrt(fan_in))
+        elif kind == "router":
+            t = torch.randn(shape, generator=g) * (0.1 / math.sqrt(fan_in))
+        elif kind == "norm0":
+            t = torch.zeros(shape)
+        elif kind == "gnorm":
+            t = torch.ones(shape)
+        elif kind == "conv":
+            t = torch.randn(shape, generator=g) * 0.3
+        elif kind == "A_log":
+            t = torch.log(1.0 + 15.0 * torch.rand(shape, generator=g))
+        elif kind == "dt_bias":
+            dt = torch.exp(torch.rand(shape, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            t = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+        elif kind == "mix":
+            t = torch.zeros(shape)
+        else:
+            raise ValueError(f"tensor {name}: unknown init kind {kind!r}")
+        P[name] = t.float().contiguous()
+    return P
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched training forward (a restatement of clover_gguf.reference; tests/test_train.py)
+# ---------------------------------------------------------------------------------------------
+
+def gdn_chunked(q, k, v, g, beta, S0, C: int, exclusive: bool = False):
+    """Chunked gated delta rule (spec 2.1 step 6; the WY form of FLA / transformers'
+    torch_chunk_gated_delta_rule) with chunk C.
+
+    q, k [N, Hv, T, dk] (q already scaled, heads already expanded to value heads), v
+    [N, Hv, T, dv], g, beta [N, Hv, T], S0 [N, Hv, dk, dv]; T a multiple of C. ``exclusive``:
+    o_t reads the state before token t (the backward branch of spec 3.3), else after it.
+    Returns (o [N, Hv, T, dv], state before each chunk [N, T // C, Hv, dk, dv])."""
+    N, Hh, T, dk = k.shape
+    nc = T // C
+    q, k, v = (t.reshape(N, Hh, nc, C, t.shape[-1]) for t in (q, k, v))
+    g = g.reshape(N, Hh, nc, C)
+    G = g.cumsum(-1)                                  # G_t = g_0 + ... + g_t inside the chunk
+    beta = beta.reshape(N, Hh, nc, C)
+    incl = torch.ones(C, C, dtype=torch.bool).tril()
+    strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, 0.0).exp() * incl   # e^(G_i - G_j), j <= i
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * D * strict
+    eye = torch.eye(C, dtype=q.dtype)
+    Tm = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    u = Tm @ (v * beta[..., None])                    # delta = u - w S0
+    w = Tm @ (kb * G.exp()[..., None])
+    if exclusive:
+        Gq = G - g                                    # G_{t-1}
+        Dq = (Gq[..., :, None] - G[..., None, :]).masked_fill(~strict, 0.0).exp() * strict
+        qk = (q @ k.transpose(-1, -2)) * Dq
+        q_in = q * Gq.exp()[..., None]
+    else:
+        qk = (q @ k.transpose(-1, -2)) * D
+        q_in = q * G.exp()[..., None]
+    k_end = k * (G[..., -1:] - G).exp()[..., None]    # e^(G_last - G_s) k_s
+    S, outs, starts = S0, [], []
+    for c in range(nc):
+        starts.append(S)
+        delta = u[:, :, c] - w[:, :, c] @ S
+        outs.append(q_in[:, :, c] @ S + qk[:, :, c] @ delta)
+        S = S * G[:, :, c, -1].exp()[..., None, None] + k_end[:, :, c].transpose(-1, -2) @ delta
+    return torch.stack(outs, 2).reshape(N, Hh, T, -1), torch.stack(starts, 1)
+
+
+class TrainForward:
+    """Batched prefix mode and block mode over the parameters ``P`` (HF names)."""
+
+    def __init__(self, P: dict, config: dict):
+        self.P = P
+        self.cfg = ReferenceConfig.from_hf(config)
+        c = self.cfg
+        self.eps = c.rms_norm_eps
+        rd = c.rotary_dim
+        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+
+    def n1p(self, name, x):
+        return RMSNorm1p(self.P[name], self.eps)(x)
+
+    # -- 2.1 / 3.3 Gated DeltaNet -------------------------------------------------------------
+    def _qkv_heads(self, c, lead):
+        """Conv output c [..., T, C] -> q, k (expanded to value heads), v as [*lead, Hv, T, d]."""
+        cf = self.cfg
+        Hk, Hv, dk, dv = cf.linear_num_key_heads, cf.linear_num_value_heads, cf.linear_key_head_dim, cf.linear_value_head_dim
+        T = c.shape[-2]
+        kd = Hk * dk
+        q = l2norm(c[..., :kd].reshape(*lead, T, Hk, dk)) / math.sqrt(dk)
+        k = l2norm(c[..., kd:2 * kd].reshape(*lead, T, Hk, dk))
+        v = c[..., 2 * kd:].reshape(*lead, T, Hv, dv)
+        key_head = torch.arange(Hv) // (Hv // Hk)    # value head h reads key head h // r (HF order)
+        return (q[..., key_head, :].transpose(-2, -3), k[..., key_head, :].transpose(-2, -3),
+                v.transpose(-2, -3))
+
+    def _gdn_out(self, p, o, x):
+        """Gated RMSNorm per head (plain weight) and W_out; o [N, Hv, T, dv], x [N, T, H]."""
+        cf = self.cfg
+        N, T = x.shape[:2]
+        z = (x @ self.P[p + "in_proj_z.weight"].T).reshape(N, T, cf.linear_num_value_heads, -1)
+        y = self.P[p + "norm.weight"] * rmsnorm(o.transpose(1, 2), self.eps) * F.silu(z)
+        return y.reshape(N, T, -1) @ self.P[p + "out_proj.weight"].T
+
+    def gdn(self, p, x, xn, B):
+        """x [N, T, H] clean rows (prefix mode from an empty state); xn [N, T, H] noisy rows run
+        as T // B blocks in block mode after the clean prefix of their window, or None."""
+        P, cf = self.P, self.cfg
+        K = cf.linear_conv_kernel_dim
+        N, T, _ = x.shape
+        w = P[p + "conv1d.weight"][:, 0, :]
+        qkv = x @ P[p + "in_proj_qkv.weight"].T
+        xp = F.pad(qkv, (0, 0, K - 1, 0))
+        c = F.silu(sum(w[:, j] * xp[:, j:j + T] for j in range(K)))
+        q, k, v = self._qkv_heads(c, (N,))
+        beta, g = GatedDeltaNet._gates(x, P[p + "in_proj_b.weight"], P[p + "in_proj_a.weight"],
+                                       P[p + "A_log"], P[p + "dt_bias"])
+        S0 = q.new_zeros(N, cf.linear_num_value_heads, cf.linear_key_head_dim, cf.linear_value_head_dim)
+        C = B if xn is not None else min(T, 64)
+        o, starts = gdn_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), S0, C)
+        y = self._gdn_out(p, o, x)
+        if xn is None:
+            return y, None
+        nb = T // B
+        # Forward branch from each block's prefix state and its last K-1 clean conv inputs.
+        qn = (xn @ P[p + "in_proj_qkv.weight"].T).reshape(N, nb, B, -1)
+        hist = xp[:, (torch.arange(nb)[:, None] * B + torch.arange(K - 1)[None, :])]  # [N, nb, K-1, C]
+        xb = torch.cat([hist, qn], 2)
+        cfw = F.silu(sum(w[:, j] * xb[:, :, j:j + B] for j in range(K)))
+        qf, kf, vf = (t.reshape(N * nb, *t.shape[2:]) for t in self._qkv_heads(cfw, (N, nb)))
+        bf, gf = GatedDeltaNet._gates(xn, P[p + "in_proj_b.weight"], P[p + "in_proj_a.weight"],
+                                      P[p + "A_log"], P[p + "dt_bias"])
+        bf, gf = (t.reshape(N * nb, B, -1).transpose(1, 2) for t in (bf, gf))
+        o_f, _ = gdn_chunked(qf, kf, vf, gf, bf, starts.reshape(N * nb, *starts.shape[2:]), B)
+        # Backward branch: anti-causal conv (zeros past the block end), reverse recurrence from
+        # a zero state with exclusive readout (run on the time-reversed block).
+        wb = P[p + "conv1d_bwd.weight"][:, 0, :]
+        xa = F.pad(qn, (0, 0, 0, K - 1))
+        cbw = F.silu(sum(wb[:, j] * xa[:, :, K - 1 - j:K - 1 - j + B] for j in range(K)))
+        qb, kb, vb = (t.reshape(N * nb, *t.shape[2:]).flip(2) for t in self._qkv_heads(cbw, (N, nb)))
+        bb, gb = GatedDeltaNet._gates(xn, P[p + "in_proj_b_bwd.weight"], P[p + "in_proj_a_bwd.weight"],
+                                      P[p + "A_log_bwd"], P[p + "dt_bias_bwd"])
+        bb, gb = (t.reshape(N * nb, B, -1).transpose(1, 2).flip(2) for t in (bb, gb))
+        o_b, _ = gdn_chunked(qb, kb, vb, gb, bb, torch.zeros_like(S0[:1]).expand(N * nb, -1, -1, -1), B,
+                             exclusive=True)
+        o_n = o_f + torch.sigmoid(P[p + "bwd_mix"])[None, :, None, None] * o_b.flip(2)
+        o_n = o_n.reshape(N, nb, *o_n.shape[1:]).permute(0, 2, 1, 3, 4).reshape(N, o_n.shape[1], T, -1)
+        return y, self._gdn_out(p, o_n, xn)
+
+    # -- 2.2 gated attention --------------------------------------------------------------------
+    def _rope(self, x, pos):
+        rd = self.cfg.rotary_dim
+        ang = pos.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+        xr, xp = x[..., :rd], x[..., rd:]
+        rot = torch.cat([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
+        return torch.cat([xr * cos + rot * sin, xp], -1)
+
+    def _project(self, p, x):
+        cf, P = self.cfg, self.P
+        N, T, _ = x.shape
+        nh, nkv, hd = cf.num_attention_heads, cf.num_key_value_heads, cf.head_dim
+        qg = (x @ P[p + "q_proj.weight"].T).view(N, T, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(N, T, nh * hd)
+        q = self.n1p(p + "q_norm.weight", q).transpose(1, 2)
+        k = self.n1p(p + "k_norm.weight", (x @ P[p + "k_proj.weight"].T).view(N, T, nkv, hd)).transpose(1, 2)
+        v = (x @ P[p + "v_proj.weight"].T).view(N, T, nkv, hd).transpose(1, 2)
+        pos = torch.arange(T)
+        rep = nh // nkv                              # query head h uses KV head h // rep
+        return (self._rope(q, pos), self._rope(k, pos).repeat_interleave(rep, 1),
+                v.repeat_interleave(rep, 1), gate)
+
+    def _attend(self, p, q, k, v, gate, mask):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        N, _, T, _ = q.shape
+        a = a.transpose(1, 2).reshape(N, T, -1)
+        return (a * torch.sigmoid(gate)) @ self.P[p + "o_proj.weight"].T
+
+    def attn(self, p, x, xn, B):
+        T = x.shape[1]
+        q, k, v, gate = self._project(p, x)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        y = self._attend(p, q, k, v, gate, causal)
+        if xn is None:
+            return y, None
+        # Noisy row i of block b sees clean keys before the block and every noisy key of b.
+        qn, kn, vn, gn = self._project(p, xn)
+        blk = torch.arange(T) // B
+        mask = torch.cat([torch.arange(T)[None, :] < (blk * B)[:, None], blk[None, :] == blk[:, None]], 1)
+        return y, self._attend(p, qn, torch.cat([k, kn], 2), torch.cat([v, vn], 2), gn, mask)
+
+    # -- 2.3 MoE ----------------------------------------------------------------------------------
+    def moe(self, p, x):
+        """x [M, H] -> (out [M, H], load-balancing loss)."""
+        P, cf = self.P, self.cfg
+        probs = torch.softmax(x @ P[p + "gate.weight"].T, -1)
+        w, ids = torch.topk(probs, cf.num_experts_per_tok, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        gu_all, dn_all = P[p + "experts.gate_up_proj"], P[p + "experts.down_proj"]
+        for e in range(cf.num_experts):
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            gg, uu = (x[rows] @ gu_all[e].T).chunk(2, dim=-1)
+            out = out.index_add(0, rows, ((F.silu(gg) * uu) @ dn_all[e].T) * w[rows, slot, None])
+        ys = (F.silu(x @ P[p + "shared_expert.gate_proj.weight"].T) * (x @ P[p + "shared_expert.up_proj.weight"].T)) \
+            @ P[p + "shared_expert.down_proj.weight"].T
+        out = out + torch.sigmoid(x @ P[p + "shared_expert_gate.weight"].T) * ys
+        frac = torch.bincount(ids.reshape(-1), minlength=cf.num_experts).to(x.dtype) / ids.numel()
+        aux = cf.num_experts * (frac * probs.mean(0)).sum()
+        return out, aux
+
+    # -- model --------------------------------------------------------------------------------
+    def hidden(self, tokens, noisy=None, B=None):
+        """tokens [N, T] clean; noisy [N, T] (blocks of B, masks included) or None.
+        Returns (final-normed clean rows [N, T, H], noisy rows or None, mean router loss)."""
+        P, cf = self.P, self.cfg
+        x = P["embed_tokens.weight"][tokens]
+        xn = None if noisy is None else P["embed_tokens.weight"][noisy]
+        aux = 0.0
+        for i, lt in enumerate(cf.layer_types):
+            p = f"layers.{i}."
+            a = self.n1p(p + "input_layernorm.weight", x)
+            an = None if xn is None else self.n1p(p + "input_layernorm.weight", xn)
+            if lt == "linear_attention":
+                m, mn = self.gdn(p + "linear_attn.", a, an, B)
+            else:
+                m, mn = self.attn(p + "self_attn.", a, an, B)
+            h = x + m
+            hn = None if xn is None else xn + mn
+            both = h if hn is None else torch.cat([h, hn], 0)
+            N, T, H = both.shape
+            mo, la = self.moe(p + "mlp.", self.n1p(p + "post_attention_layernorm.weight", both).reshape(-1, H))
+            both = both + mo.reshape(N, T, H)
+            aux = aux + la
+            x, xn = (both, None) if hn is None else (both[:h.shape[0]], both[h.shape[0]:])
+        fx = self.n1p("norm.weight", x)
+        return fx, None if xn is None else self.n1p("norm.weight", xn), aux / len(cf.layer_types)
+
+    def logits(self, h):
+        return h @ self.P["lm_head.weight"].T
+
+
+def to_reference(P: dict, config: dict) -> CloverReference:
+    """The reference model (clover_gguf.reference) on a detached copy of the parameters."""
+    return CloverReference(ReferenceConfig.from_hf(config), {n: t.detach().clone() for n, t in P.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses, batches, evaluation
+# ---------------------------------------------------------------------------------------------
+
+def mask_blocks(tok: torch.Tensor, B: int, mask_id: int, g: torch.Generator, t=None):
+    """Noisy copy of tok [N, T]: per block t ~ U(0, 1) (or the given t), slots 1..B-1 masked
+    with probability t, at least one per block; slot 0 stays clean. Returns (noisy, mask)."""
+    N, T = tok.shape
+    nb = T // B
+    tt_ = torch.rand(N, nb, 1, generator=g) if t is None else torch.full((N, nb, 1), float(t))
+    m = torch.rand(N, nb, B, generator=g) < tt_
+    m[..., 0] = False
+    none = ~m[..., 1:].any(-1)
+    pick = torch.randint(1, B, (N, nb), generator=g)
+    m[none, pick[none]] = True
+    m = m.reshape(N, T)
+    return tok.masked_fill(m, mask_id), m
+
+
+def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None):
+    """(ar loss, diffusion loss or None, router loss) on the windows tok [N, T]."""
+    V = fw.cfg.vocab_size
+    if diffusion:
+        noisy, m = mask_blocks(tok, B, mask_id, g, t)
+        hc, hn, aux = fw.hidden(tok, noisy, B)
+    else:
+        hc, hn, aux = fw.hidden(tok)
+    ar = F.cross_entropy(fw.logits(hc[:, :-1]).reshape(-1, V), tok[:, 1:].reshape(-1))
+    if not diffusion:
+        return ar, None, aux
+    n, j = m.nonzero(as_tuple=True)              # masked slot j is predicted by row j - 1
+    dl = F.cross_entropy(fw.logits(hn[n, j - 1]), tok[n, j])
+    return ar, dl, aux
+
+
+def eval_windows(stream: torch.Tensor, T: int, n: int) -> torch.Tensor:
+    """n fixed windows of T tokens spread evenly over the stream."""
+    starts = torch.linspace(0, len(stream) - T - 1, n).long()
+    return torch.stack([stream[s:s + T] for s in starts])
+
+
+@torch.no_grad()
+def evaluate(fw: TrainForward, windows, B, mask_id, batch=8) -> dict:
+    """Held-out ar loss, diffusion loss (t ~ U(0,1) per block, fixed seed) and diffusion loss
+    with every slot 1..B-1 masked (a block's first denoising step), with perplexities."""
+    g = torch.Generator().manual_seed(1234)
+    sums = {"ar": 0.0, "diffusion": 0.0, "diffusion_all_masked": 0.0}
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch]
+        ar, dl, _ = losses(fw, w, B, mask_id, g)
+        _, dl1, _ = losses(fw, w, B, mask_id, g, t=1.0)
+        k = len(w) / len(windows)
+        sums["ar"] += ar.item() * k
+        sums["diffusion"] += dl.item() * k
+        sums["diffusion_all_masked"] += dl1.item() * k
+    out = {}
+    for name, v in sums.items():
+        out[f"{name}_loss"] = round(v, 4)
+        out[f"{name}_ppl"] = round(math.exp(v), 2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: HF checkpoint -> GGUF (the real path)
+# ---------------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = _ROOT / "tests" / "data" / "templates" / "Qwen3.5-4B.jinja"
+
+
+def export_hf(out_dir, P: dict, config: dict, tok) -> pathlib.Path:
+    """Write the HF checkpoint: config.json, tokenizer.json, tokenizer_config.json (Qwen3.5
+    chat template), model.safetensors (float32, prefix ``model.``)."""
+    from safetensors.torch import save_file
+
+    from convert.make_checkpoint import _write_tokenizer
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(out, tok)
+    if CHAT_TEMPLATE.is_file():  # the copy in this repository, so a clean checkout gives the same file
+        tc = json.loads((out / "tokenizer_config.json").read_text())
+        tc["chat_template"] = CHAT_TEMPLATE.read_text()
+        (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+    cfg = dict(config, transformers_version="5.23.0")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tensors = {(n if n == "lm_head.weight" else "model." + n): t.detach().float().contiguous()
+               for n, t in P.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def export_gguf(hf_dir, gguf_path, outtype="q8_0") -> pathlib.Path:
+    """``clover-gguf convert HF_DIR -o GGUF --outtype q8_0``."""
+    from convert.convert import main as convert_main
+
+    rc = convert_main([str(hf_dir), "-o", str(gguf_path), "--outtype", outtype, "--no-progress"])
+    if rc not in (0, None):
+        raise RuntimeError(f"convert {hf_dir}: exit status {rc}")
+    return pathlib.Path(gguf_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss curves as a PNG (no plotting library needed)
+# ---------------------------------------------------------------------------------------------
+
+_DIGITS = {  # 3x5 bitmap font for axis labels
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
+    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
+    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "k": "100101110101101",
+}
+
+
+def write_png(path, series, width=800, height=480):
+    """Line plot: series = [(points [(x, y)], (r, g, b), dots?)]; y axis from 0, labelled ticks."""
+    import struct
+
+    img = [[(255, 255, 255)] * width for _ in range(height)]
+    L, R, Tm, Bm = 50, 15, 15, 30
+    xs = [x for s in series for x, _ in s[0]] or [0, 1]
+    ys = [y for s in series for _, y in s[0]] or [0, 1]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y1 = max(ys) * 1.05 or 1.0
+
+    def px(x, y):
+        return (L + (x - x0) / (x1 - x0) * (width - L - R), height - Bm - y / y1 * (height - Tm - Bm))
+
+    def put(x, y, c):
+        if 0 <= x < width and 0 <= y < height:
+            img[int(y)][int(x)] = c
+
+    def line(a, b, c):
+        n = int(max(abs(b[0] - a[0]), abs(b[1] - a[1]))) + 1
+        for i in range(n + 1):
+            put(a[0] + (b[0] - a[0]) * i / n, a[1] + (b[1] - a[1]) * i / n, c)
+
+    def text(s, x, y, c=(0, 0, 0)):
+        for k, ch in enumerate(s):
+            bits = _DIGITS.get(ch)
+            for i, b in enumerate(bits or ""):
+                if b == "1":
+                    for dy in range(2):
+                        for dx in range(2):
+                            put(x + k * 8 + (i % 3) * 2 + dx, y + (i // 3) * 2 + dy, c)
+
+    grey = (200, 200, 200)
+    for i in range(6):  # y ticks
+        yv = y1 * i / 5
+        a, b = px(x0, yv), px(x1, yv)
+        line(a, b, grey)
+        text(f"{yv:.1f}", 4, a[1] - 5)
+    for i in range(6):  # x ticks
+        xv = x0 + (x1 - x0) * i / 5
+        a = px(xv, 0)
+        line(a, px(xv, y1), grey)
+        text(f"{xv / 1000:.1f}k" if x1 >= 1000 else f"{xv:.0f}", a[0] - 12, height - Bm + 8)
+    for pts, c, dots in series:
+        q = [px(x, y) for x, y in pts]
+        if dots:
+            for x, y in q:
+                for dx in range(-3, 4):
+                    for dy in range(-3, 4):
+                        put(x + dx, y + dy, c)
+        else:
+            for a, b in zip(q, q[1:]):
+                line(a, b, c)
+    raw = b"".join(b"\x00" + bytes(v for p in row for v in p) for row in img)
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) \
+        + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    pathlib.Path(path).write_bytes(png)
+
+
+def _smooth(pts, k=20):
+    out = []
+    for i in range(len(pts)):
+        w = pts[max(0, i - k + 1):i + 1]
+        out.append((pts[i][0], sum(y for _, y in w) / len(w)))
+    return out
+
+
+def plot_log(log_path, png_path):
+    """Loss curves from log.jsonl: train ar (blue) and diffusion (red), smoothed over 20 logged
+    steps; held-out ar (blue dots) and diffusion (red dots)."""
+    rows = [json.loads(l) for l in pathlib.Path(log_path).read_text().splitlines() if l.strip()]
+    tr = [r for r in rows if r.get("kind") == "train"]
+    ev = [r for r in rows if r.get("kind") == "eval"]
+    blue, red = (30, 90, 200), (210, 40, 40)
+    series = [
+        (_smooth([(r["step"], r["ar"]) for r in tr]), blue, False),
+        (_smooth([(r["step"], r["diffusion"]) for r in tr if r.get("diffusion") is not None]), red, False),
+        ([(r["step"], r["ar_loss"]) for r in ev], blue, True),
+        ([(r["step"], r["diffusion_loss"]) for r in ev], red, True),
+    ]
+    write_png(png_path, [s for s in series if s[0]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+FULL = dict(vocab=4096, steps=1400, ar_frac=0.35, batch=8, seq=256, block=32, lr=2e-3, warmup=50,
+            eval_every=200, n_eval=48, seed=0, aux_coef=0.01, weight_decay=0.1, limit_bytes=None)
+SMOKE = dict(vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, lr=2e-3, warmup=2,
+             eval_every=3, n_eval=4, seed=0, aux_coef=0.01, weight_decay=0.1, limit_bytes=300_000)
+
+
+def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
+    """Run the whole recipe (data, tokenizer, training, evaluation, export); returns the report."""
+    s = dict(settings)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(s["seed"])
+    t_start = time.time()
+    tr, ho, trn, hon = load_texts(limit_bytes=s["limit_bytes"])
+    tok = train_tokenizer(tr, s["vocab"])
+    train_ids, held_ids = encode_stream(tok, tr), encode_stream(tok, ho)
+    mask_id, eos_id = tok.token_to_id("<|mask|>"), tok.token_to_id("<|endoftext|>")
+    log(f"data: {len(tr)} train files ({len(train_ids)} tokens), {len(ho)} held-out ({len(held_ids)} tokens), "
+        f"{time.time() - t_start:.1f} s")
+    config = model_config(s["vocab"], mask_id, eos_id, s["block"], smoke=smoke)
+    P = {n: t.requires_grad_() for n, t in init_params(config, s["seed"]).items()}
+    fw = TrainForward(P, config)
+    B, T, N = s["block"], s["seq"], s["batch"]
+    windows = eval_windows(held_ids, T, s["n_eval"])
+    decay = [t for n, t in P.items() if t.ndim >= 2 and "embed" not in n]
+    no_decay = [t for n, t in P.items() if not (t.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s["lr"], betas=(0.9, 0.95))
+    n_ar = int(s["ar_frac"] * s["steps"])
+
+    def lr_at(step):
+        if step < s["warmup"]:
+            return s["lr"] * (step + 1) / s["warmup"]
+        f = (step - s["warmup"]) / max(1, s["steps"] - s["warmup"])
+        return s["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * f)))
+
+    log_path = out / "log.jsonl"
+    logf = open(log_path, "w")
+    ev0 = evaluate(fw, windows, B, mask_id)
+    logf.write(json.dumps({"kind": "eval", "step": 0, **ev0}) + "\n")
+    log(f"eval step 0 (random init): {ev0}")
+    g = torch.Generator().manual_seed(s["seed"] + 1)
+    t_train = time.time()
+    evals = [{"step": 0, **ev0}]
+    for step in range(1, s["steps"] + 1):
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step - 1)
+        starts = torch.randint(0, len(train_ids) - T, (N,), generator=g)
+        batch = torch.stack([train_ids[i:i + T] for i in starts])
+        diffusion = step > n_ar
+        ar, dl, aux = losses(fw, batch, B, mask_id, g, diffusion=diffusion)
+        loss = ar + (dl if dl is not None else 0.0) + s["aux_coef"] * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(P.values(), 1.0)
+        opt.step()
+        rec = {"kind": "train", "step": step, "ar": round(ar.item(), 4),
+               "diffusion": None if dl is None else round(dl.item(), 4), "aux": round(float(aux.detach()), 4),
+               "grad_norm": round(gn.item(), 3), "lr": lr_at(step - 1), "seconds": round(time.time() - t_train, 1)}
+        logf.write(json.dumps(rec) + "\n")
+        if step % 10 == 0 or step == 1:
+            logf.flush()
+            log(f"step {step}/{s['steps']} ar {rec['ar']:.3f} diffusion {rec['diffusion']} aux {rec['aux']:.3f} "
+                f"|g| {rec['grad_norm']:.2f} lr {rec['lr']:.2e} {rec['seconds']:.0f} s")
+        if step % s["eval_every"] == 0 or step == s["steps"]:
+            ev = evaluate(fw, windows, B, mask_id)
+            evals.append({"step": step, **ev})
+            logf.write(json.dumps({"kind": "eval", "step": step, **ev}) + "\n")
+            logf.flush()
+            log(f"eval step {step}: {ev}")
+            torch.save({"step": step, "params": {n: t.detach() for n, t in P.items()}, "config": config},
+                       out / "ckpt.pt")
+    logf.close()
+    train_seconds = time.time() - t_train
+    hf = export_hf(out / "hf", P, config, tok)
+    gguf_path = export_gguf(hf, out / "clover-tiny-q8_0.gguf")
+    plot_log(log_path, out / "loss.png")
+    report = {
+        "settings": s, "config": {k: config[k] for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "block_size", "mask_token_id")},
+        "n_params": sum(t.numel() for t in P.values()),
+        "data": {"stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version.split()[0],
+                 "train_files": len(tr), "train_tokens": len(train_ids), "heldout_files": hon,
+                 "heldout_tokens": len(held_ids), "eval_windows": len(windows), "eval_tokens": windows.numel()},
+        "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
+        "torch_threads": torch.get_num_threads(),
+        "random_init": ev0, "trained": evals[-1], "evals": evals,
+        "gguf": {"path": str(gguf_path), "bytes": gguf_path.stat().st_size},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--smoke", action="store_true", help="a few steps on a small vocabulary (tests)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a busy 2-core machine torch's pool spin-waits)")
+    for k, v in FULL.items():
+        if k != "limit_bytes":
+            ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None, help=f"(full run: {v})")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    s = dict(SMOKE if a.smoke else FULL)
+    for k in FULL:
+        v = getattr(a, k, None)
+        if v is not None:
+            s[k] = v
+
+    def log(msg):
+        print(msg, flush=True)
+
+    rep = train(a.out, s, smoke=a.smoke, log=log)
+    log(json.dumps({k: rep[k] for k in ("random_init", "trained", "train_seconds", "gguf")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
