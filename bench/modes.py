@@ -45,8 +45,9 @@ def run(path: str, n: int, threads: int, **kw) -> dict:
                 agg["forwards"] += st["n_forward"] - st["n_forward_prefill"]
                 for k in KINDS:
                     agg[k] += st[f"n_forward_{k}"]
-                h = st["accept_hist"]
-                agg["accept_hist"] = [a + b for a, b in zip(agg["accept_hist"] + [0] * len(h), h + [0] * len(agg["accept_hist"]))]
+                h, acc = st["accept_hist"], agg["accept_hist"]
+                n_b = max(len(h), len(acc))
+                agg["accept_hist"] = [(acc[i] if i < len(acc) else 0) + (h[i] if i < len(h) else 0) for i in range(n_b)]
                 if st["mean_distinct_experts"] is not None:
                     agg["experts"].append(st["mean_distinct_experts"])
                     agg["experts_full"].append(st["mean_distinct_experts_full"])
