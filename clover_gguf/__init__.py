@@ -1,8 +1,10 @@
 """clover-gguf: a local runtime for the Clover block-diffusion LLM from GGUF files.
 
 Public names: :class:`Model` (load a GGUF, tokenize, generate in ``diffusion`` or ``ar``
-mode, read logits), :class:`CloverError` (errors reported by the native engine) and
-``__version__``. ``Model`` and ``CloverError`` are loaded on first use, so reading
+mode, read logits), :class:`Clover` (the llama-cpp-python-style face over it: OpenAI-shaped
+completions and chat, streaming, ``cancel()``, thread-safe), :class:`CloverError` (errors
+reported by the native engine) and
+``__version__``. ``Model``, ``Clover`` and ``CloverError`` are loaded on first use, so reading
 ``clover_gguf.__version__`` works even before the native library is built. Nothing here
 imports torch.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Model", "CloverError", "__version__"]
+__all__ = ["Model", "Clover", "CloverError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,6 +21,10 @@ def __getattr__(name: str):
         from .api import Model
 
         return Model
+    if name == "Clover":
+        from .llama import Clover
+
+        return Clover
     if name == "CloverError":
         from ._ffi import CloverError
 
@@ -27,4 +33,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(list(globals()) + ["Model", "CloverError"])
+    return sorted(list(globals()) + ["Model", "Clover", "CloverError"])

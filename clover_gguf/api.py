@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -29,6 +30,15 @@ _FINISH = {
 }
 # Tokens that end generation besides the GGUF eos (Qwen chat / document ends).
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+class _Run:
+    """A generation in progress; ``cancelled`` is set by :meth:`Model.cancel`."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
 
 
 def _check_int(name, v, lo=None, hi=None):
@@ -85,6 +95,8 @@ class Model:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         self._active = None  # the native decoder of a generation in progress
+        self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
+        self._cancel_lock = threading.Lock()
         path = os.fspath(path)
         n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
@@ -154,8 +166,9 @@ class Model:
         iterator of this model raises CloverError if resumed afterwards."""
         self._abort_active()
         if getattr(self, "_ctx", ffi.NULL) != ffi.NULL:
-            lib.clover_context_free(self._ctx)
-            self._ctx = ffi.NULL
+            with self._cancel_lock:  # cancel() never aborts a freed context
+                lib.clover_context_free(self._ctx)
+                self._ctx = ffi.NULL
         if getattr(self, "_model", ffi.NULL) != ffi.NULL:
             lib.clover_model_free(self._model)
             self._model = ffi.NULL
@@ -311,47 +324,90 @@ class Model:
         return ([int(bt[k]) for k in range(n)], [bool(bf[k]) for k in range(n)]) if n else None
 
     def _steps(self, prompt_ids, p, mode, on_step=None) -> Iterator[list[int]]:
-        """Run the native decoder; yield each step's newly final tokens; set last_stats."""
+        """Run the native decoder; yield each step's newly final tokens; set last_stats.
+        A :meth:`cancel` (or an aborted forward) ends it early with ``finish_reason``
+        ``"cancelled"``; the tokens final by then stay in the stats."""
         n = len(prompt_ids)
         err = err_buf()
         prompt = ffi.new("int32_t[]", prompt_ids)
         self._live()
         self._abort_active()
-        t0 = time.perf_counter()
-        d = lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
-        if d == ffi.NULL:
-            raise_error(err, "generate")
-        self._active = d
-        t_prefill = time.perf_counter() - t0
-        cap = max(int(p.block_size), 1)  # a step yields at most one block
-        out = ffi.new("int32_t[]", cap)
-        n_out = ffi.new("int32_t *")
-        tokens: list[int] = []
+        run = _Run()
+        with self._cancel_lock:
+            self._running = run
         try:
-            while True:
-                if self._active is not d:
-                    raise CloverError("generation interrupted: another call on this model "
-                                      "(generate, prefix_logits, block_logits or close) reset its context")
-                n_out[0] = 0
-                rc = lib.clover_decoder_step(d, out, cap, n_out, err, len(err))
-                if rc < 0:
-                    raise_error(err, "generate")
-                new = [int(out[k]) for k in range(n_out[0])]
-                tokens.extend(new)
-                if on_step is not None:
-                    on_step(new, self._block_state(d, cap))
-                if new:
-                    yield new
-                if rc == 0:
-                    break
+            t0 = time.perf_counter()
+            d = lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
+            if d == ffi.NULL:
+                if run.cancelled:  # the prefill was aborted: no forward completed
+                    st = ffi.new("clover_stats *")
+                    st.n_prompt = n
+                    seconds = time.perf_counter() - t0
+                    self.last_stats = self._stats_dict(st, mode, seconds, seconds, [])
+                    self.last_stats["finish_reason"] = "cancelled"
+                    return
+                raise_error(err, "generate")
+            self._active = d
+            t_prefill = time.perf_counter() - t0
+            cap = max(int(p.block_size), 1)  # a step yields at most one block
+            out = ffi.new("int32_t[]", cap)
+            n_out = ffi.new("int32_t *")
+            tokens: list[int] = []
+            cancelled = False
+            try:
+                while True:
+                    if self._active is not d:
+                        raise CloverError("generation interrupted: another call on this model "
+                                          "(generate, prefix_logits, block_logits or close) reset its context")
+                    if run.cancelled:
+                        cancelled = True
+                        break
+                    n_out[0] = 0
+                    rc = lib.clover_decoder_step(d, out, cap, n_out, err, len(err))
+                    if rc < 0:
+                        if rc == lib.CLOVER_E_ABORTED or run.cancelled:
+                            cancelled = True  # the step's tokens are dropped with the decoder
+                            break
+                        raise_error(err, "generate")
+                    new = [int(out[k]) for k in range(n_out[0])]
+                    tokens.extend(new)
+                    if on_step is not None:
+                        on_step(new, self._block_state(d, cap))
+                    if new:
+                        yield new
+                    if rc == 0:
+                        break
+            finally:
+                if self._active is d:
+                    seconds = time.perf_counter() - t0
+                    st = ffi.new("clover_stats *")
+                    lib.clover_decoder_stats(d, st)
+                    self._active = None
+                    lib.clover_decoder_free(d)
+                    self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
+                    if cancelled:
+                        self.last_stats["finish_reason"] = "cancelled"
         finally:
-            if self._active is d:
-                seconds = time.perf_counter() - t0
-                st = ffi.new("clover_stats *")
-                lib.clover_decoder_stats(d, st)
-                self._active = None
-                lib.clover_decoder_free(d)
-                self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
+            with self._cancel_lock:
+                if self._running is run:
+                    self._running = None
+
+    def cancel(self) -> bool:
+        """Stop the generation in progress (``generate``, ``generate_tokens``, or a started
+        ``generate_stream`` iterator) from another thread; the one thread-safe method.
+
+        The native forward running now (prompt prefill, denoising pass, commit or decode step)
+        stops before its next layer (``clover_context_abort``), and the generation returns
+        what was final before it, with ``last_stats["finish_reason"]`` ``"cancelled"``. The
+        context is left clean for the next call. Returns True if a generation was running,
+        False (and does nothing) otherwise: it never affects a later call."""
+        with self._cancel_lock:
+            run = self._running
+            if run is None or self._ctx == ffi.NULL:
+                return False
+            run.cancelled = True
+            lib.clover_context_abort(self._ctx)
+            return True
 
     def _stats_dict(self, st, mode, seconds, t_prefill, tokens) -> dict:
         n_forward = int(st.n_forward_prefill + st.n_forward_denoise + st.n_forward_commit
@@ -548,7 +604,8 @@ class Model:
         first stop string to be completed wins (on a tie, the longer one). Then
         ``last_stats["finish_reason"]`` is ``"stop"`` and ``last_stats["stop_string"]`` the
         matched string (None otherwise); ``"length"`` means max_tokens or the context ended
-        it; an end token also gives ``"stop"``.
+        it; an end token also gives ``"stop"``; ``"cancelled"`` means :meth:`cancel` stopped it
+        (the text is what was final before).
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         return "".join(self.generate_stream(prompt, max_tokens, mode, temperature, top_k, top_p,

@@ -10,6 +10,7 @@
 #include "quants.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 /* A weight view: ggml type, mapped data, ne in ggml order. */
@@ -61,6 +62,7 @@ struct clover_context {
     float *rec_b, *rec_a;           /* [n_gdn][rec_cap][Hv]: beta and log-decay g */
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
                            without the coreset (the union of their own top-k; spec 5.6) */
+    atomic_int abort_req; /* set by clover_context_abort (any thread), consumed by forward() */
 };
 
 /* Checkpoint for speculative verification (spec 5.5): remember the GDN and conv state and

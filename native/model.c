@@ -464,6 +464,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->n_ctx = n_ctx;
     c->n_threads = n_threads;
     c->gdn_chunked = 1;
+    atomic_init(&c->abort_req, 0);
     int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
     c->k_cache = alloc_floats(m->n_attn, n_ctx, kv);
     c->v_cache = alloc_floats(m->n_attn, n_ctx, kv);
@@ -494,6 +495,10 @@ void clover_context_free(clover_context *c) {
 
 int32_t clover_context_n_past(const clover_context *c) { return c ? c->n_past : 0; }
 int32_t clover_context_n_ctx(const clover_context *c) { return c ? c->n_ctx : 0; }
+void clover_context_abort(clover_context *c) {
+    if (c) atomic_store(&c->abort_req, 1);
+}
+
 void clover_context_set_gdn_chunked(clover_context *c, int chunked) {
     if (c) c->gdn_chunked = chunked != 0;
 }
@@ -501,6 +506,7 @@ void clover_context_set_gdn_chunked(clover_context *c, int chunked) {
 void clover_context_reset(clover_context *c) {
     if (!c) return;
     const clover_hparams *hp = &c->m->hp;
+    atomic_store(&c->abort_req, 0);
     c->n_past = 0;
     c->rec_on = 0;
     c->rec_n = 0;
@@ -1249,6 +1255,20 @@ static int check_tokens(const clover_model *m, const int32_t *tokens, int32_t n,
     return CLOVER_OK;
 }
 
+/* A clover_context_abort request, checked between layers (on this thread, outside the OpenMP
+ * regions inside them): consume it and return CLOVER_E_ABORTED, else CLOVER_OK. */
+static int check_abort(fwd *f, int il) {
+    clover_context *c = f->c;
+    const int n_layer = c->m->hp.n_layer;
+    if (!atomic_load_explicit(&c->abort_req, memory_order_relaxed) || !atomic_exchange(&c->abort_req, 0))
+        return CLOVER_OK;
+    if (il < n_layer)
+        return clover_set_err(f->err, f->err_size, CLOVER_E_ABORTED, "aborted by clover_context_abort before layer "
+                              "%d of %d (%lld rows)", il, n_layer, (long long)f->T);
+    return clover_set_err(f->err, f->err_size, CLOVER_E_ABORTED, "aborted by clover_context_abort before the LM head "
+                          "(%lld rows)", (long long)f->T);
+}
+
 /* embed -> layers -> N1p -> lm_head on rows [logit_row0, T). */
 /* rows: when not NULL, the LM head runs only on rows t with rows[t] != 0 (row t of logits is
  * written, others are left as they are); else on rows logit_row0.. (written from row 0). */
@@ -1267,6 +1287,7 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
     for (int il = 0; il < hp->n_layer; il++) {
         const clover_layer *ly = &m->layers[il];
+        if ((rc = check_abort(f, il))) goto done;
         for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->attn_norm, H, hp->rms_eps);
         rc = ly->is_attn ? attention_layer(f, ly, xn, o) : gdn_layer(f, ly, xn, o);
         if (rc) goto done;
@@ -1275,6 +1296,7 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
         if ((rc = moe_layer(f, ly, il, xn, o))) goto done;
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     }
+    if (logits && (rc = check_abort(f, hp->n_layer))) goto done;
     if (logits && rows) { /* gather the needed rows, one LM head pass, scatter */
         int64_t n = 0;
         for (int64_t t = 0; t < T; t++)

@@ -35,6 +35,7 @@ enum {
     CLOVER_E_ARG = -3,       /* bad argument (token id, size, parameter value) */
     CLOVER_E_NOMEM = -4,     /* allocation failed or size overflow */
     CLOVER_E_STATE = -5,     /* call not valid in the current state (e.g. context full) */
+    CLOVER_E_ABORTED = -6,   /* stopped by clover_context_abort */
 };
 
 /* ---------------------------------------------------------------- GGUF reader (gguf.c)
@@ -161,8 +162,19 @@ CLOVER_API void clover_context_free(clover_context *c);
 /* Number of tokens committed to the caches. */
 CLOVER_API int32_t clover_context_n_past(const clover_context *c);
 CLOVER_API int32_t clover_context_n_ctx(const clover_context *c);
-/* Drop all cached tokens. */
+/* Drop all cached tokens (and a pending clover_context_abort request). */
 CLOVER_API void clover_context_reset(clover_context *c);
+/* Ask the forward pass running on c to stop: the one thread-safe call on a context, meant to be
+ * made from another thread while clover_prefill, clover_block_forward(_rows), clover_decoder_new
+ * or clover_decoder_step runs. The forward checks the request before each layer and before the
+ * LM head, so it stops within one layer (no layer is interrupted halfway), and returns
+ * CLOVER_E_ABORTED with a message in err. The request is one-shot: the forward that stops
+ * consumes it; if none is running it stops the next one, unless clover_context_reset (which
+ * clover_decoder_new starts with) discards it first. An aborted prefill leaves empty caches (as
+ * any failed prefill); an aborted block forward leaves them unchanged; a decoder whose step or
+ * prefill was aborted is finished (free it). c must stay valid during the call: do not race it
+ * with clover_context_free. */
+CLOVER_API void clover_context_abort(clover_context *c);
 /* GDN prefill algorithm: 1 = chunked (chunk 64, default), 0 = token-by-token recurrence.
  * Both compute spec 2.1 step 6; the switch exists for tests. */
 CLOVER_API void clover_context_set_gdn_chunked(clover_context *c, int chunked);

@@ -1,0 +1,628 @@
+"""llama-cpp-python-style API: :class:`Clover` (issue 9, item 1).
+
+``Clover`` is to :class:`~clover_gguf.api.Model` what llama-cpp-python's ``Llama`` is to
+llama.cpp: keyword arguments named as there (``model_path, n_ctx, n_threads, n_gpu_layers,
+seed, verbose``) plus the diffusion settings (``mode, block_size, threshold, coreset_top_p``),
+``create_completion`` / ``__call__`` and ``create_chat_completion`` returning OpenAI-shaped
+dicts (or, with ``stream=True``, iterators of OpenAI-shaped chunks), ``tokenize`` /
+``detokenize``, ``close`` and the context manager. Additions for this runtime:
+
+- ``timings`` in every response (and in the last chunk of a stream): the diffusion statistics
+  of :attr:`Model.last_stats <clover_gguf.api.Model.last_stats>` (forward passes by kind,
+  tokens per forward, seconds, tokens/s) plus llama.cpp server's ``prompt_n``,
+  ``prompt_ms``, ``predicted_n``, ... names;
+- chat answers split ``<think>...</think>`` into ``message.reasoning_content`` (streaming:
+  ``delta.reasoning_content``) and ``content``;
+- :meth:`Clover.cancel` stops the running call from another thread within one layer of the
+  forward pass in progress (``clover_context_abort``); that call then ends with
+  ``finish_reason`` ``"cancelled"`` and the text final so far;
+- one lock per object serialises calls from several threads (a call waits for the one
+  running); a streaming iterator holds it from its first ``next()`` until it ends.
+
+Defaults differ from llama-cpp-python's on purpose: sampling parameters left at None take the
+engine's defaults (greedy decoding, the GGUF's presence / repetition penalties; clover-spec
+4.2, 5.3-5.4), not llama-cpp-python's ``temperature=0.8, top_k=40, ...``.
+"""
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from typing import Any, Iterator, Sequence
+
+from ._ffi import CloverError, ffi
+from .api import Model
+
+__all__ = ["Clover", "ReasoningSplitter"]
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningSplitter:
+    """Split generated chat text into reasoning (inside ``<think>...</think>``) and content,
+    incrementally, so that streamed and whole-text results are identical.
+
+    ``push(text)`` and ``flush()`` return ``[(kind, text), ...]`` with kind ``"reasoning"`` or
+    ``"content"``. ``think_open=True`` means the prompt's generation header already opened
+    ``<think>`` (Qwen3.5's template does unless ``enable_thinking=False``), so the answer starts
+    inside the thinking section. Every ``<think>...</think>`` block is reasoning (an unclosed
+    one runs to the end); the tags themselves are dropped. Whitespace at the edges of a
+    reasoning block and at the start of the content (and after each ``</think>``) is dropped,
+    as llama.cpp's server trims them. Text that may be the start of a tag is held back until
+    it can no longer be one.
+    """
+
+    def __init__(self, think_open: bool = False) -> None:
+        self.in_think = bool(think_open)
+        self._buf = ""
+        self._lead = True   # strip leading whitespace of the current section
+        self._ws = ""       # reasoning: trailing whitespace held back (dropped before </think>)
+
+    def _emit(self, text: str, out: list) -> None:
+        if self._lead:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lead = False
+        if self.in_think:
+            text = self._ws + text
+            core = text.rstrip()
+            self._ws = text[len(core):]
+            if core:
+                out.append(("reasoning", core))
+        else:
+            out.append(("content", text))
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self._buf += text
+        while True:
+            tag = _THINK_CLOSE if self.in_think else _THINK_OPEN
+            i = self._buf.find(tag)
+            if i >= 0:
+                self._emit(self._buf[:i], out)
+                self._buf = self._buf[i + len(tag):]
+                self.in_think = not self.in_think
+                self._ws, self._lead = "", True
+                continue
+            keep = 0  # longest suffix that is a proper prefix of the tag
+            for k in range(min(len(tag) - 1, len(self._buf)), 0, -1):
+                if self._buf.endswith(tag[:k]):
+                    keep = k
+                    break
+            cut = len(self._buf) - keep
+            if cut:
+                self._emit(self._buf[:cut], out)
+                self._buf = self._buf[cut:]
+            return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self._buf:
+            self._emit(self._buf, out)
+            self._buf = ""
+        self._ws = ""  # trailing whitespace of an unclosed reasoning block
+        return out
+
+
+class _Holder:
+    """Who holds the call lock: the thread that last ran under it, whether it is running now,
+    for a streaming iterator a weak reference to it (so close() can end it), and whether
+    cancel() was called for it (``cancellable``: a generation, not argument checking)."""
+
+    __slots__ = ("thread", "executing", "gen", "cancellable", "cancelled")
+
+    def __init__(self, stream: bool = False, cancellable: bool = True) -> None:
+        self.thread = threading.get_ident()
+        self.executing = True
+        self.gen = None if not stream else (lambda: None)
+        self.cancellable = cancellable
+        self.cancelled = False
+
+
+def _usage(n_prompt: int, n_completion: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+            "total_tokens": n_prompt + n_completion}
+
+
+class Clover:
+    """A Clover (or Qwen3.5/3.6-MoE parent) GGUF with a llama-cpp-python-style API.
+
+    Args:
+        model_path: the GGUF file.
+        n_ctx: context length in tokens (prompt + generated + one diffusion block), > 0.
+        n_threads: CPU threads; None or 0 = the physical cores.
+        n_gpu_layers: accepted for llama-cpp-python compatibility. This runtime computes on the
+            CPU only: 0 is the only value with a meaning; any other value (-1 = "all layers"
+            included) gives a ``UserWarning`` and is otherwise ignored.
+        seed: default sampling seed of calls without ``seed`` (it only matters at
+            ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
+            "random seed").
+        verbose: print a load line and, after every call, a timings line to stderr.
+        mode: ``"diffusion"`` (the default for clover files), ``"ar"`` (the default and the
+            only mode for qwen35moe files) or ``"spec"``.
+        block_size, threshold, coreset_top_p: diffusion settings; None = the GGUF's
+            (clover-spec 4.2). Calls may override all four.
+
+    Raises:
+        CloverError: the native loader's message (bad file, missing tensor, ...).
+        ValueError: a bad argument, naming it.
+
+    Thread safety: calls on one object are serialised by a lock (a call from another thread
+    waits for the running one); :meth:`cancel` does not take it. A ``stream=True`` iterator
+    holds the lock from its first ``next()`` until it is exhausted, closed or garbage
+    collected; a call from the thread that last advanced such an unfinished iterator raises
+    ``RuntimeError`` instead of waiting for it forever.
+    """
+
+    def __init__(self, model_path, *, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, seed: int = 0, verbose: bool = False,
+                 mode: str | None = None, block_size: int | None = None,
+                 threshold: float | None = None, coreset_top_p: float | None = None) -> None:
+        self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
+        self._state = threading.Lock()  # guards _closed
+        self._lock = threading.Lock()   # the call lock
+        self._holder: _Holder | None = None
+        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int):
+            raise ValueError(f"n_gpu_layers: expected an integer, got {n_gpu_layers!r}")
+        if n_gpu_layers != 0:
+            warnings.warn(f"n_gpu_layers={n_gpu_layers}: clover-gguf runs on the CPU only; ignored",
+                          UserWarning, stacklevel=2)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed < 2**64:
+            raise ValueError(f"seed: expected -1 or an integer in [0, 2**64), got {seed!r}")
+        self.model_path = str(model_path)
+        self.n_gpu_layers = n_gpu_layers
+        self.seed = seed
+        self.verbose = bool(verbose)
+        t0 = time.perf_counter()
+        self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads)
+        try:
+            self.mode = mode if mode is not None else ("diffusion" if self._model.is_clover else "ar")
+            self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p
+            # validate the diffusion settings now (the same checks as every call's)
+            self._model._params(1, self.mode, 0.0, 0, 1.0, 0, block_size, threshold, coreset_top_p, None)
+        except BaseException:
+            self._model.close()
+            raise
+        self._closed = False
+        if self.verbose:
+            hp = self._model.hparams
+            print(f"clover: loaded {self.model_path} ({self._model.arch}, {hp['n_layer']} layers, "
+                  f"n_vocab {hp['n_vocab']}, n_ctx {self._model.n_ctx}, mode {self.mode}) in "
+                  f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free the model. A second call does nothing. The call running in another thread is
+        cancelled and waited for; an unfinished streaming iterator is closed (it ends without
+        more chunks). Every later call raises :class:`CloverError`."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        self._cancel_current()
+        while not self._lock.acquire(timeout=0.05):
+            h = self._holder
+            g = h.gen() if h is not None and h.gen is not None and not h.executing else None
+            if g is not None:
+                try:
+                    g.close()  # runs its finally: frees the decoder, releases the lock
+                except ValueError:  # it is running in another thread right now: wait
+                    pass
+            self._cancel_current()
+        try:
+            self._model.close()
+        finally:
+            self._lock.release()
+
+    def __enter__(self) -> "Clover":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"n_ctx={self._model.n_ctx}, mode={self.mode!r}"
+        return f"Clover({self.model_path!r}, {state})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CloverError(f"{self.model_path}: this Clover object is closed (close() was called); "
+                              "create a new one")
+
+    def _acquire(self, holder: _Holder) -> None:
+        self._check_open()
+        if not self._lock.acquire(blocking=False):
+            h = self._holder
+            if (h is not None and h.gen is not None and not h.executing
+                    and h.thread == threading.get_ident()):
+                raise RuntimeError("Clover: an unfinished stream=True iterator of this object, last advanced "
+                                   "by this thread, holds its lock: exhaust or close() it before another call")
+            self._lock.acquire()
+        if self._closed:
+            self._lock.release()
+            self._check_open()
+        with self._state:
+            self._holder = holder
+
+    def _release(self) -> None:
+        with self._state:
+            self._holder = None
+        self._lock.release()
+
+    def _cancel_current(self) -> bool:
+        # Under _state the holder cannot change, and a Model generation only runs inside its
+        # holder's time with the lock, so model.cancel() reaches this holder's generation only.
+        with self._state:
+            h = self._holder
+            if h is None or not h.cancellable:
+                return False
+            h.cancelled = True
+            self._model.cancel()
+            return True
+
+    def cancel(self) -> bool:
+        """Stop the call in progress (prompt prefill or decoding) from any thread, without
+        waiting for the call lock.
+
+        The forward pass running now stops before its next layer (``clover_context_abort``);
+        the call returns normally with ``finish_reason`` ``"cancelled"`` and the text that was
+        final before it (a stream yields its last chunk with that reason; a call cancelled
+        while it was still rendering or tokenizing its prompt does not start the prefill). The
+        object stays usable: the next call starts from a clean context. Returns True if a call
+        was running (a started streaming iterator counts, also between chunks), False
+        otherwise (then nothing happens: it never cancels a later call, nor a call still
+        waiting for the lock, nor a streaming iterator not yet started)."""
+        if self._closed:
+            return False
+        return self._cancel_current()
+
+    # ------------------------------------------------------------------ info
+    def n_ctx(self) -> int:
+        return self._model.n_ctx
+
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    def token_eos(self) -> int | None:
+        return self._model.tokenizer.eos_token_id
+
+    # ------------------------------------------------------------------ tokens
+    def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text`` (bytes as UTF-8, or str), as llama-cpp-python's ``tokenize``:
+        ``special=True`` recognises control tokens such as ``<|im_start|>`` written in the text.
+        ``add_bos`` is accepted for compatibility: Clover / Qwen vocabularies add no BOS token
+        (their GGUFs say ``tokenizer.ggml.add_bos_token = false``), so it changes nothing."""
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected bytes or str, got {type(text).__name__}")
+        self._check_open()
+        return self._model.tokenize(text, special=bool(special))
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """The bytes of ``tokens`` (llama-cpp-python returns bytes too: a token may end inside a
+        UTF-8 character). Control tokens are written only with ``special=True``.
+        ``prev_tokens`` is accepted for compatibility and ignored (byte-level BPE pieces do not
+        depend on the previous tokens)."""
+        self._check_open()
+        ids = self._model._check_ids("tokens", tokens, allow_empty=True)
+        return self._model.tokenizer.decode_bytes(ids, skip_special=not special)
+
+    # ------------------------------------------------------------------ generation core
+    def _gen_kwargs(self, n_prompt_max: int, max_tokens, temperature, top_p, top_k, min_p, seed,
+                    presence_penalty, frequency_penalty, repeat_penalty, logit_bias, stop, mode,
+                    block_size, threshold, coreset_top_p) -> dict:
+        if max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+                                  and max_tokens <= 0):
+            max_tokens = max(1, self._model.n_ctx - n_prompt_max)  # until the context is full
+        if seed is None:
+            seed = self.seed
+        if seed == -1:
+            seed = secrets.randbits(63)
+        return dict(max_tokens=max_tokens,
+                    mode=self.mode if mode is None else mode,
+                    temperature=0.0 if temperature is None else temperature,
+                    top_k=0 if top_k is None else top_k,
+                    top_p=1.0 if top_p is None else top_p,
+                    seed=seed,
+                    block_size=self.block_size if block_size is None else block_size,
+                    threshold=self.threshold if threshold is None else threshold,
+                    coreset_top_p=self.coreset_top_p if coreset_top_p is None else coreset_top_p,
+                    min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                    repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop)
+
+    def _start(self, prompt, kw: dict) -> tuple[Iterator[str], int, str]:
+        """Validate and tokenize (under the lock): (a Model text stream not yet started,
+        prompt tokens, mode)."""
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
+        ids = self._model._prompt_ids(prompt)
+        kw = self._gen_kwargs(len(ids), **kw)
+        return self._model.generate_stream(ids, **kw), len(ids), kw["mode"]
+
+    def _pieces(self, holder: _Holder, started) -> Iterator[str]:
+        """The text pieces of a generation (``started``: :meth:`_start`'s result), honouring a
+        cancel() that came before the generation started (no prefill then) or in the moment
+        before the Model registered it (it is repeated at the next piece)."""
+        pieces, n_prompt, mode = started
+        try:
+            if holder.cancelled:
+                st = ffi.new("clover_stats *")
+                st.n_prompt = n_prompt
+                self._model.last_stats = self._model._stats_dict(st, mode, 0.0, 0.0, [])
+                self._model.last_stats.update(finish_reason="cancelled", stop_string=None)
+                return
+            for piece in pieces:
+                yield piece
+                if holder.cancelled:
+                    self._model.cancel()
+        finally:
+            pieces.close()  # an abandoned stream frees its decoder now
+
+    def _finish(self, end_ids) -> tuple[str, dict, dict]:
+        """finish_reason, usage and timings of the generation that just ended."""
+        st = self._model.last_stats or {}
+        ends = set(end_ids)
+        n_completion = sum(1 for t in st.get("tokens", []) if t not in ends)
+        usage = _usage(int(st.get("n_prompt", 0)), n_completion)
+        seconds = float(st.get("seconds", 0.0))
+        t_prompt = float(st.get("prefill_seconds", 0.0))
+        t_pred = max(seconds - t_prompt, 0.0)
+        prefilled = st.get("n_forward_prefill", 0) > 0  # not when a cancel stopped the prefill
+        timings = {
+            # llama.cpp server's names
+            "prompt_n": usage["prompt_tokens"],
+            "prompt_ms": t_prompt * 1e3,
+            "prompt_per_second": usage["prompt_tokens"] / t_prompt if prefilled and t_prompt > 0 else 0.0,
+            "predicted_n": n_completion,
+            "predicted_ms": t_pred * 1e3,
+            "predicted_per_second": n_completion / t_pred if t_pred > 0 else 0.0,
+        }
+        # the diffusion statistics (Model.last_stats): forwards by kind, tokens per forward, ...
+        timings.update({k: v for k, v in st.items() if k not in ("tokens", "finish_reason", "stop_string")})
+        finish = st.get("finish_reason") or "stop"
+        if self.verbose:
+            print(f"clover: [ prompt: {timings['prompt_per_second']:.1f} t/s | generation: "
+                  f"{timings['predicted_per_second']:.1f} t/s | tokens/forward: "
+                  f"{timings.get('tokens_per_forward', 0.0):.2f} ] {usage['prompt_tokens']} + "
+                  f"{n_completion} tokens, {timings.get('n_forward', 0)} forwards, finish {finish}",
+                  file=sys.stderr)
+        return finish, usage, timings
+
+    def _locked_iter(self, holder: _Holder, make_inner) -> Iterator[dict]:
+        """Run ``make_inner()`` (a generator of chunks whose return value is the list of final
+        chunks) holding the call lock; the final chunks are yielded after the lock is
+        released, so a finished stream never blocks other calls."""
+        holder.thread = threading.get_ident()
+        holder.executing = True
+        self._acquire(holder)
+        tail: list = []
+        try:
+            inner = make_inner(holder)
+            try:
+                while True:
+                    try:
+                        chunk = next(inner)
+                    except StopIteration as e:
+                        tail = e.value or []
+                        break
+                    holder.executing = False
+                    yield chunk
+                    holder.executing = True
+                    holder.thread = threading.get_ident()
+            finally:
+                inner.close()  # an abandoned stream frees its decoder now (see _pieces)
+        finally:
+            self._release()
+        yield from tail
+
+    def _stream(self, make_inner) -> Iterator[dict]:
+        holder = _Holder(stream=True)
+        g = self._locked_iter(holder, make_inner)
+        holder.gen = weakref.ref(g)
+        return g
+
+    def _run_locked(self, make_inner) -> list[dict]:
+        """All chunks of ``make_inner()`` (non-streaming calls), under the lock."""
+        holder = _Holder()
+        self._acquire(holder)
+        try:
+            inner = make_inner(holder)
+            chunks = []
+            try:
+                while True:
+                    chunks.append(next(inner))
+            except StopIteration as e:
+                chunks.extend(e.value or [])
+            return chunks
+        finally:
+            self._release()
+
+    def _prepare(self, fn):
+        """Run ``fn`` (argument validation, tokenizing) under the call lock."""
+        holder = _Holder(cancellable=False)
+        self._acquire(holder)
+        try:
+            return fn()
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------------ completion
+    def create_completion(self, prompt: str | Sequence[int], *, suffix: str | None = None,
+                          max_tokens: int | None = 16, temperature: float | None = None,
+                          top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                          echo: bool = False, stop: str | Sequence[str] | None = None,
+                          seed: int | None = None, presence_penalty: float | None = None,
+                          frequency_penalty: float | None = None, repeat_penalty: float | None = None,
+                          logit_bias: dict | None = None, logprobs: int | None = None,
+                          stream: bool = False, model: str | None = None, mode: str | None = None,
+                          block_size: int | None = None, threshold: float | None = None,
+                          coreset_top_p: float | None = None):
+        """Complete ``prompt`` (a str, tokenized with control tokens recognised, or a list of
+        token ids) as OpenAI's ``/v1/completions`` / llama-cpp-python's ``create_completion``.
+
+        Returns ``{"id", "object": "text_completion", "created", "model", "choices": [{"text",
+        "index", "logprobs": None, "finish_reason"}], "usage": {"prompt_tokens",
+        "completion_tokens", "total_tokens"}, "timings": {...}}``; with ``stream=True`` an
+        iterator of chunks of the same shape, each ``choices[0]["text"]`` a piece of final
+        text (``finish_reason`` None), the last one with ``text`` "" and the
+        ``finish_reason``, ``usage`` and ``timings``. The pieces concatenate to the
+        non-streamed text.
+
+        ``finish_reason``: ``"stop"`` (an end token or a ``stop`` string), ``"length"``
+        (``max_tokens`` or the context) or ``"cancelled"`` (:meth:`cancel`).
+        ``max_tokens``: default 16 as llama-cpp-python; None or <= 0 = until the context is full.
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``presence_penalty``,
+        ``frequency_penalty``, ``repeat_penalty``, ``logit_bias`` (``{token id: bias}``, keys
+        may be str as in OpenAI's JSON), ``stop``, ``seed``: as :meth:`Model.generate
+        <clover_gguf.api.Model.generate>`; None = the engine default (greedy, GGUF penalties).
+        ``mode``, ``block_size``, ``threshold``, ``coreset_top_p``: None = the constructor's.
+        ``echo``: prepend the prompt text. ``suffix`` and ``logprobs`` are not supported (a
+        value other than None raises ValueError). ``model``: the name written in the
+        response (default: ``model_path``).
+
+        Raises ValueError for a bad argument (naming it, at call time also for streams),
+        CloverError for an engine error or a closed object.
+        """
+        if suffix is not None:
+            raise ValueError("suffix: not supported (no fill-in-the-middle)")
+        if logprobs not in (None, False, 0):
+            raise ValueError("logprobs: not supported by this runtime")
+        kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                  seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                  repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
+                  block_size=block_size, threshold=threshold, coreset_top_p=coreset_top_p)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model if model is not None else self.model_path}
+        end_ids = list(self._model.end_ids)
+
+        def chunk(text, finish=None):
+            return {**meta, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+        def inner(holder, started, echo_text):
+            if echo_text:
+                yield chunk(echo_text)
+            for piece in self._pieces(holder, started):
+                yield chunk(piece)
+            finish, usage, timings = self._finish(end_ids)
+            return [{**chunk("", finish), "usage": usage, "timings": timings}]
+
+        def prepare():
+            started = self._start(prompt, kw)
+            echo_text = ""
+            if echo:
+                echo_text = prompt if isinstance(prompt, str) else self._model.detokenize(prompt)
+            return started, echo_text
+
+        if stream:
+            started, echo_text = self._prepare(prepare)
+            return self._stream(lambda holder: inner(holder, started, echo_text))
+        chunks = self._run_locked(lambda holder: inner(holder, *prepare()))
+        last = chunks[-1]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        return {**meta, "choices": [{"text": text, "index": 0, "logprobs": None,
+                                     "finish_reason": last["choices"][0]["finish_reason"]}],
+                "usage": last["usage"], "timings": last["timings"]}
+
+    def __call__(self, prompt, **kwargs):
+        """Same as :meth:`create_completion`."""
+        return self.create_completion(prompt, **kwargs)
+
+    # ------------------------------------------------------------------ chat
+    def _chat_prompt(self, messages, tools, enable_thinking, chat_template_kwargs) -> tuple[str, bool]:
+        """(prompt text, whether its generation header left a <think> section open)."""
+        extra = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            extra["enable_thinking"] = bool(enable_thinking)
+        full = self._model.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **extra)
+        base = self._model.apply_chat_template(messages, add_generation_prompt=False, tools=tools, **extra)
+        header = full[len(base):] if full.startswith(base) else full
+        return full, header.rfind(_THINK_OPEN) > header.rfind(_THINK_CLOSE)
+
+    def create_chat_completion(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                               enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
+                               max_tokens: int | None = None, temperature: float | None = None,
+                               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                               stop: str | Sequence[str] | None = None, seed: int | None = None,
+                               presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                               repeat_penalty: float | None = None, logit_bias: dict | None = None,
+                               logprobs: bool | None = None, stream: bool = False, model: str | None = None,
+                               mode: str | None = None, block_size: int | None = None,
+                               threshold: float | None = None, coreset_top_p: float | None = None):
+        """Answer ``messages`` (OpenAI chat messages) as ``/v1/chat/completions`` /
+        llama-cpp-python's ``create_chat_completion``.
+
+        The prompt is the GGUF's ``tokenizer.chat_template`` rendered with
+        ``add_generation_prompt=True`` (:meth:`Model.apply_chat_template
+        <clover_gguf.api.Model.apply_chat_template>`; ``tools`` and ``chat_template_kwargs``
+        reach the template). ``enable_thinking``: None leaves the template's default (Qwen3.5's
+        template thinks unless told ``False``); True / False is passed to the template.
+
+        Returns ``{"id", "object": "chat.completion", "created", "model", "choices": [{"index",
+        "message": {"role": "assistant", "content", "reasoning_content"}, "logprobs": None,
+        "finish_reason"}], "usage", "timings"}``: ``reasoning_content`` is the text inside
+        ``<think>...</think>`` of the answer (also when the template's generation header already
+        opened ``<think>``), None if there is none; ``content`` the rest (see
+        :class:`ReasoningSplitter` for the whitespace rules). With ``stream=True``: an iterator
+        of ``chat.completion.chunk`` dicts, the first with ``delta`` ``{"role": "assistant",
+        "content": ""}``, then ``delta`` ``{"reasoning_content": ...}`` or ``{"content": ...}``,
+        the last with ``delta`` {} and the ``finish_reason``, ``usage`` and ``timings``; the
+        deltas concatenate to the non-streamed fields.
+        ``max_tokens``: None = until the context is full (generation normally ends at
+        ``<|im_end|>``). The other arguments are those of :meth:`create_completion`.
+        """
+        if logprobs not in (None, False):
+            raise ValueError("logprobs: not supported by this runtime")
+        kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                  seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                  repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
+                  block_size=block_size, threshold=threshold, coreset_top_p=coreset_top_p)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": model if model is not None else self.model_path}
+        end_ids = list(self._model.end_ids)
+
+        def chunk(delta, finish=None):
+            return {**meta, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def deltas(parts):
+            for kind, text in parts:
+                yield chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text})
+
+        def inner(holder, started, think_open):
+            split = ReasoningSplitter(think_open)
+            yield chunk({"role": "assistant", "content": ""})
+            for piece in self._pieces(holder, started):
+                yield from deltas(split.push(piece))
+            yield from deltas(split.flush())
+            finish, usage, timings = self._finish(end_ids)
+            return [{**chunk({}, finish), "usage": usage, "timings": timings}]
+
+        def prepare():
+            text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
+            return self._start(text, kw), think_open
+
+        if stream:
+            started, think_open = self._prepare(prepare)
+            return self._stream(lambda holder: inner(holder, started, think_open))
+        chunks = self._run_locked(lambda holder: inner(holder, *prepare()))
+        last = chunks[-1]
+        content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks)
+        message: dict[str, Any] = {"role": "assistant", "content": content,
+                                   "reasoning_content": reasoning or None}
+        return {**meta, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": last["choices"][0]["finish_reason"]}],
+                "usage": last["usage"], "timings": last["timings"]}
