@@ -321,14 +321,23 @@ def test_cancel_a_stream_between_chunks_keeps_the_text(llm):
 
 
 def test_cancel_during_decoding(llm):
-    full = llm(PROMPT, max_tokens=200, mode="ar", logit_bias={t: -100.0 for t in llm._model.end_ids})
+    kw = dict(max_tokens=200, mode="ar", logit_bias={t: -100.0 for t in llm._model.end_ids})
+    full = llm(PROMPT, **kw)
     assert _finish(full) == "length"
-    timer = threading.Timer(0.5 * full["timings"]["seconds"], llm.cancel)
-    timer.start()
-    r = llm(PROMPT, max_tokens=200, mode="ar", logit_bias={t: -100.0 for t in llm._model.end_ids})
-    timer.join()
+    answered = []
+
+    def cancel_once_decoding():  # (the tiny model decodes 200 tokens in well under a second)
+        while llm._model._active is None:  # the prompt prefill is done once the decoder exists
+            time.sleep(0.001)
+        answered.append(llm.cancel())
+
+    th = threading.Thread(target=cancel_once_decoding)
+    th.start()
+    r = llm(PROMPT, **kw)
+    th.join()
+    assert answered == [True]
     assert _finish(r) == "cancelled"
-    assert 0 < r["usage"]["completion_tokens"] < 200
+    assert r["usage"]["completion_tokens"] < 200 and r["timings"]["n_forward_prefill"] == 1
     assert _text(full).startswith(_text(r))
 
 
