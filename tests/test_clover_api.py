@@ -278,23 +278,20 @@ def _long_prompt(c, n):
 def test_cancel_during_a_long_prompt(gguf_path):
     with Clover(gguf_path, n_ctx=4096, n_threads=N_THREADS) as c:
         ids = _long_prompt(c, 3000)
-        t = time.perf_counter()
         full = c(ids, max_tokens=1)
-        t_full = time.perf_counter() - t
         assert _finish(full) == "length"
         answered = []
         timer = threading.Timer(0.05, lambda: answered.append(c.cancel()))
-        t = time.perf_counter()
         timer.start()
         r = c(ids, max_tokens=1)
-        t_cancel = time.perf_counter() - t
         timer.join()
         assert answered == [True]
         assert _finish(r) == "cancelled" and _text(r) == ""
         assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 3000
         assert r["timings"]["n_forward_prefill"] == 0
-        # the prefill stops at the next layer boundary: far sooner than the whole forward
-        assert t_cancel < 0.6 * t_full, (t_cancel, t_full)
+        # the prefill stopped at a layer boundary: no prefill forward completed (counts, not
+        # wall time: no timing asserts on shared machines)
+        assert r["timings"]["n_forward"] == 0
         # the object works afterwards, with the output of a fresh object
         after = c(PROMPT, max_tokens=24)
         assert _finish(after) != "cancelled"
@@ -424,10 +421,9 @@ def test_close_from_another_thread_cancels_the_running_call(gguf_path):
     th = threading.Thread(target=lambda: out.append(c(ids, max_tokens=1)))
     th.start()
     time.sleep(0.1)
-    t = time.perf_counter()
     c.close()
     th.join(60)
-    assert time.perf_counter() - t < 30
+    assert not th.is_alive()  # a hang guard, not a timing measurement
     assert len(out) == 1 and _finish(out[0]) == "cancelled"
 
 
