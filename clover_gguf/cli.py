@@ -268,6 +268,17 @@ def cmd_bench(a) -> int:
     return _EXIT_OK
 
 
+# ---------------------------------------------------------------------------- serve
+def cmd_serve(a) -> int:
+    _check_model_path(a.model)
+    try:  # fastapi / uvicorn are imported only here (the "server" extra)
+        from .server import serve
+    except ImportError as e:
+        raise _UsageError(f"serve needs fastapi and uvicorn ({e}): pip install 'clover-gguf[server]'") from None
+    return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, n_ctx=a.ctx_size,
+                 n_threads=a.threads, mode=a.mode)
+
+
 # ---------------------------------------------------------------------------- convert
 def cmd_convert(argv: list[str]) -> int:
     # Imported lazily: the converter is only needed here.
@@ -389,6 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics)")
+    sv.add_argument("-m", "--model", required=True, help="GGUF file")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_nonneg_int, default=8080, help="port (8080)")
+    sv.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"),
+                    help="require Authorization: Bearer KEY on /v1 (default: $CLOVER_API_KEY, else none)")
+    sv.add_argument("--mode", choices=["diffusion", "ar", "spec"], default=None,
+                    help="default decoding mode of requests (diffusion for clover, ar for qwen35moe)")
+    sv.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
+    sv.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
+    sv.set_defaults(func=cmd_serve)
 
     # Parsed by the converter itself (see main); listed here for --help.
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF "

@@ -1,0 +1,347 @@
+"""``clover-gguf serve`` (clover_gguf/server.py, issue 9 item 3) through the official ``openai``
+client: a server started in a subprocess on a free loopback port with the tiny random model.
+
+Reference: :class:`clover_gguf.Clover` in this process (the same model, greedy settings), and
+for streams the non-streamed answer of the same request. Skipped when fastapi, uvicorn,
+or openai are not installed (``pip install -e '.[test]'``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "openai"):
+    pytest.importorskip(_mod, reason=f"the server tests need {_mod} (pip install -e '.[test]')")
+
+import asyncio  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+import openai  # noqa: E402
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+KEY = "test-key-123"
+N_CTX = 4096
+HANG = 120  # seconds: generous guard against hangs, not a speed check
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Resp:
+    def __init__(self, status: int, text: str) -> None:
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _http(method: str, url: str, body=None, headers=None, timeout: float = 30) -> _Resp:
+    """A plain HTTP request (urllib: no client library between the test and the server);
+    ``body``: bytes as they are, anything else as JSON."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return _Resp(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return _Resp(e.code, e.read().decode())
+
+
+def _metrics(base: str) -> dict[str, float]:
+    r = _http("GET", f"{base}/metrics", timeout=10)
+    assert r.status_code == 200
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_path(make_gguf):
+    return str(make_gguf("f32"))
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path, tmp_path_factory):
+    """Base URL of a server with --api-key KEY; the log goes to a file shown on failure."""
+    port = _free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "clover_gguf.cli", "serve", "-m", gguf_path,
+                                 "--port", str(port), "--api-key", KEY, "-c", str(N_CTX), "-t", "1"],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(_ROOT))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + HANG
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
+            try:
+                if _http("GET", f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except OSError:  # not listening yet
+                pass
+            assert time.monotonic() < deadline, f"server not healthy after {HANG} s:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=HANG, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(gguf_path):
+    """The same model in this process: the reference answers."""
+    from clover_gguf import Clover
+
+    with Clover(gguf_path, n_ctx=N_CTX, n_threads=1) as c:
+        yield c
+
+
+def _model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_and_health(server, client, gguf_path):
+    assert _http("GET", f"{server}/health").json() == {"status": "ok"}
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [os.path.basename(gguf_path)]
+
+
+def test_completion_equals_api(client, local):
+    r = client.completions.create(model=_model_id(client), prompt="def f(", max_tokens=24, temperature=0)
+    ref = local.create_completion("def f(", max_tokens=24, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == ref["choices"][0]["text"]
+    assert r.choices[0].text  # the tiny model writes something in 24 tokens
+    assert r.choices[0].finish_reason == ref["choices"][0]["finish_reason"]
+    assert r.usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+    assert r.usage.completion_tokens == ref["usage"]["completion_tokens"]
+
+
+def test_chat_equals_api(client, local):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+    r = client.chat.completions.create(model=_model_id(client), messages=msgs, max_tokens=24, temperature=0,
+                                       extra_body={"enable_thinking": False})
+    ref = local.create_chat_completion(msgs, max_tokens=24, temperature=0, enable_thinking=False)
+    assert r.object == "chat.completion"
+    m = r.choices[0].message
+    assert m.role == "assistant"
+    assert m.content == ref["choices"][0]["message"]["content"]
+    assert getattr(m, "reasoning_content", None) == ref["choices"][0]["message"]["reasoning_content"]
+    assert r.choices[0].finish_reason == ref["choices"][0]["finish_reason"]
+    assert r.usage.completion_tokens == ref["usage"]["completion_tokens"] > 0
+
+
+def test_completion_stream(client):
+    kw = dict(model=_model_id(client), prompt="import os\n", max_tokens=64, temperature=0)
+    whole = client.completions.create(**kw)
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(stream=True, **kw):
+        c = chunk.choices[0]
+        if c.text:
+            pieces.append(c.text)
+        if c.finish_reason is not None:
+            finish = c.finish_reason
+            usage = chunk.usage
+    assert len(pieces) >= 2, pieces  # committed text arrives in several chunks before the end
+    assert "".join(pieces) == whole.choices[0].text
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_stream(client):
+    kw = dict(model=_model_id(client), messages=[{"role": "user", "content": "Write a loop."}],
+              max_tokens=64, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    content, reasoning, n_text, finish = [], [], 0, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        d = chunk.choices[0].delta
+        content.append(d.content or "")
+        reasoning.append(getattr(d, "reasoning_content", None) or "")
+        n_text += bool(d.content or getattr(d, "reasoning_content", None))
+        finish = chunk.choices[0].finish_reason or finish
+    m = whole.choices[0].message
+    assert n_text >= 2
+    assert "".join(content) == m.content
+    assert "".join(reasoning) == (getattr(m, "reasoning_content", None) or "")
+    assert finish == whole.choices[0].finish_reason
+
+
+def test_stop_string(client):
+    kw = dict(model=_model_id(client), prompt="class A:\n", max_tokens=48, temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    # a printable 3-character substring from inside the greedy answer (not its start)
+    i = next((i for i in range(1, len(text) - 2) if text[i:i + 3].isascii() and text[i:i + 3].isprintable()), None)
+    assert i is not None, text
+    stop = text[i:i + 3]
+    cut = text[:text.find(stop)]
+    r = client.completions.create(stop=[stop], **kw)
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kw))
+    assert streamed == cut
+
+
+def test_api_key_rejected(server, client):
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", timeout=HANG, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as ei:
+        bad.completions.create(model="x", prompt="a", max_tokens=2)
+    assert ei.value.status_code == 401
+    r = _http("POST", f"{server}/v1/chat/completions",
+              {"messages": [{"role": "user", "content": "a"}]})  # no key at all
+    assert r.status_code == 401
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+    assert _http("GET", f"{server}/v1/models").status_code == 401
+    # health and metrics stay open (as llama.cpp's server)
+    assert _http("GET", f"{server}/health").status_code == 200
+
+
+def test_malformed_requests_400(server, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = _http("POST", f"{server}/v1/completions", b'{"prompt": "a", ', h)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
+
+    cases = [("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
+             ("/v1/completions", {"prompt": "a", "max_tokens": 4, "top_p": 7}, "top_p"),
+             ("/v1/completions", {"max_tokens": 4}, "prompt"),
+             ("/v1/completions", {"prompt": [1, 2, 10**9], "max_tokens": 4}, "prompt"),
+             ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
+             ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 3}, "n")]
+    for path, body, field in cases:
+        r = _http("POST", f"{server}{path}", body, h)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == field, (body, r.text)
+        assert field in r.json()["error"]["message"]
+    # a bad value in a streamed request is still a plain 400, not a broken stream
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="x", prompt="a", max_tokens=4, stream=True, temperature=-1)
+    assert ei.value.status_code == 400
+    r = _http("GET", f"{server}/v1/nothing", headers=h)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_disconnect_mid_stream_frees_slot(server, client):
+    before = _metrics(server)
+    body = {"model": "x", "prompt": "def main():\n", "max_tokens": N_CTX - 64, "temperature": 0, "stream": True}
+    req = urllib.request.Request(f"{server}/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    got = []
+    with urllib.request.urlopen(req, timeout=HANG) as r:
+        assert r.status == 200
+        for line in r:
+            if line.startswith(b"data: "):
+                got.append(json.loads(line[6:]))
+                if len(got) == 2:
+                    break
+        assert len(got) == 2 and got[0]["object"] == "text_completion"
+        assert _metrics(server)["clover_requests_active"] == 1  # still generating
+    # leaving the block closed the connection mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        m = _metrics(server)
+        if m["clover_requests_active"] == 0:
+            break
+        assert time.monotonic() < deadline, f"slot still busy 30 s after the disconnect: {m}"
+        time.sleep(0.1)
+    assert m["clover_requests_cancelled_total"] == before.get("clover_requests_cancelled_total", 0) + 1
+    # the generation stopped early: far fewer tokens than the ~4000 it was allowed
+    assert m["clover_tokens_generated_total"] - before["clover_tokens_generated_total"] < N_CTX // 2
+    r = client.completions.create(model="x", prompt="a", max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens > 0
+
+
+def test_requests_queue(client, local):
+    ref = local.create_completion("x = ", max_tokens=16, temperature=0)["choices"][0]["text"]
+    out, errs = [None] * 3, []
+
+    def go(i):
+        try:
+            out[i] = client.completions.create(model="x", prompt="x = ", max_tokens=16, temperature=0)
+        except Exception as e:  # reported below
+            errs.append(e)
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(HANG)
+    assert not errs, errs
+    assert [r.choices[0].text for r in out] == [ref] * 3
+
+
+def test_metrics_counts(server):
+    m = _metrics(server)
+    assert m['clover_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert m['clover_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+    assert m["clover_tokens_generated_total"] > 0
+    assert m["clover_requests_queued"] == 0 and m["clover_slots_total"] == 1
+
+
+def test_health_503_while_loading(gguf_path):
+    """Before the lifespan has loaded the model: /health 503, /v1 503 OpenAI-shaped."""
+    from clover_gguf.server import create_app
+
+    app = create_app(gguf_path)  # called as plain ASGI: the lifespan (the loader) does not run
+
+    def call(method, path, body=b""):
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        msgs = [{"type": "http.request", "body": body, "more_body": False}]
+        sent = []
+
+        async def receive():
+            return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+        async def send(m):
+            sent.append(m)
+
+        asyncio.run(app(scope, receive, send))
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+    status, obj = call("GET", "/health")
+    assert status == 503 and obj["status"] == "loading model"
+    status, obj = call("POST", "/v1/completions", b'{"prompt": "a"}')
+    assert status == 503 and obj["error"]["type"] == "unavailable_error"
+
+
+def test_cli_imports_no_fastapi_no_torch():
+    code = ("import sys, clover_gguf, clover_gguf.cli, clover_gguf.llama; clover_gguf.cli.build_parser(); "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG)
+    assert r.returncode == 0, r.stderr
