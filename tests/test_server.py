@@ -22,6 +22,7 @@ for _mod in ("fastapi", "uvicorn", "openai"):
     pytest.importorskip(_mod, reason=f"the server tests need {_mod} (pip install -e '.[test]')")
 
 import asyncio  # noqa: E402
+import http.client  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 
@@ -276,6 +277,30 @@ def test_disconnect_mid_stream_frees_slot(server, client):
         time.sleep(0.1)
     assert m["clover_requests_cancelled_total"] == before.get("clover_requests_cancelled_total", 0) + 1
     # the generation stopped early: far fewer tokens than the ~4000 it was allowed
+    assert m["clover_tokens_generated_total"] - before["clover_tokens_generated_total"] < N_CTX // 2
+    r = client.completions.create(model="x", prompt="a", max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens > 0
+
+
+def test_disconnect_while_waiting_for_whole_answer(server, client):
+    """A non-streamed request whose client leaves before the answer: cancelled too."""
+    before = _metrics(server)
+    host, port = server.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG)
+    body = {"model": "x", "prompt": "def main():\n", "max_tokens": N_CTX - 64, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while _metrics(server)["clover_requests_active"] != 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    time.sleep(0.5)  # into the generation
+    conn.close()
+    deadline = time.monotonic() + 30
+    while (m := _metrics(server))["clover_requests_active"] != 0:
+        assert time.monotonic() < deadline, f"slot still busy 30 s after the disconnect: {m}"
+        time.sleep(0.1)
+    assert m["clover_requests_cancelled_total"] == before["clover_requests_cancelled_total"] + 1
     assert m["clover_tokens_generated_total"] - before["clover_tokens_generated_total"] < N_CTX // 2
     r = client.completions.create(model="x", prompt="a", max_tokens=8, temperature=0)
     assert r.usage.completion_tokens > 0
