@@ -456,7 +456,8 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, api_key
 
     app = create_app(model_path, api_key=api_key, **clover_kwargs)
     st: _State = app.state.clover
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    # Ctrl+C: open streams get 5 s, then the lifespan's close() cancels the running generation
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
     def stop_on_load_error():
