@@ -13,6 +13,9 @@ import os
 import shutil
 import sys
 
+from .cli_chat import DIM, OFF, add_chat_parser, add_compare_parser, model_stats_timings, stats_line, \
+    stream_interruptibly
+
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
 
 
@@ -98,6 +101,12 @@ class _BlockView:
 
 
 def cmd_run(a) -> int:
+    if a.prompt is None:  # `echo PROMPT | clover-gguf run`: the prompt from stdin
+        if sys.stdin is None or sys.stdin.isatty():
+            raise _UsageError("--prompt: required (or pipe the prompt on stdin)")
+        a.prompt = sys.stdin.read()
+        if a.prompt.endswith("\n"):  # the newline echo and editors add, as $(...) drops it
+            a.prompt = a.prompt[:-1]
     m = _load(a.model, a.ctx_size, a.threads)
     with m:
         kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
@@ -113,13 +122,17 @@ def cmd_run(a) -> int:
         except ValueError as e:
             raise _UsageError(str(e)) from None
         pieces = []
-        for piece in stream:
+
+        def show(piece):
             pieces.append(piece)
             if view:
                 view.text(piece)
             elif not a.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
+
+        # the first Ctrl+C stops the answer (the text final so far is kept), a second exits 130
+        interrupted = stream_interruptibly(lambda: stream, m.cancel, show)
         if view:
             view.finish()
         st = m.last_stats
@@ -142,13 +155,15 @@ def cmd_run(a) -> int:
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
+            line = stats_line(model_stats_timings(st))
+            print(DIM + line + OFF if sys.stderr.isatty() else line, file=sys.stderr)
             print(
                 f"[{st['mode']}] {st['n_generated']} tokens in {st['seconds']:.3f} s "
                 f"({st['tokens_per_second']:.2f} tokens/s), {st['n_forward']} forward passes, "
                 f"{st['tokens_per_forward']:.2f} tokens/forward, finish: {st['finish_reason']}",
                 file=sys.stderr,
             )
-    return _EXIT_OK
+    return 130 if interrupted else _EXIT_OK
 
 
 # ---------------------------------------------------------------------------- info
@@ -333,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="generate text from a prompt")
     r.add_argument("-m", "--model", required=True, help="GGUF file")
-    r.add_argument("-p", "--prompt", required=True, help="prompt text (special tokens recognised)")
+    r.add_argument("-p", "--prompt", default=None,
+                   help="prompt text (special tokens recognised); default: read from stdin when it is piped")
     r.add_argument("-n", "--n-predict", type=_positive_int, default=256, help="max tokens to generate (256)")
     r.add_argument("--mode", choices=["diffusion", "ar", "spec"], default=None,
                    help="decoding mode (default: diffusion for clover, ar for qwen35moe; spec: "
@@ -387,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
     lg.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
     lg.set_defaults(func=cmd_logits)
+
+    add_chat_parser(sub)     # clover_gguf/cli_chat.py
+    add_compare_parser(sub)
 
     b = sub.add_parser("bench", help="llama-bench-style speed table: pp, tg, block and commit forwards")
     b.add_argument("-m", "--model", required=True, help="GGUF file")
