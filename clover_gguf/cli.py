@@ -1,4 +1,4 @@
-"""``clover-gguf`` command line: run, info, logits, bench, convert.
+"""``clover-gguf`` command line: run, chat, compare, info, logits, bench, serve, convert.
 
 A thin shell over :class:`clover_gguf.Model` (flags map one to one onto API arguments) and
 over ``convert.convert.main`` (imported only by ``convert``). Never imports torch.
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run Clover block-diffusion (and Qwen3.5/3.6-MoE) models from GGUF files.",
     )
     p.add_argument("--version", action="version", version=f"clover-gguf {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{run,info,logits,bench,convert}")
+    sub = p.add_subparsers(dest="command", metavar="{run,chat,compare,info,logits,bench,serve,convert}")
     sub.required = True
 
     r = sub.add_parser("run", help="generate text from a prompt")

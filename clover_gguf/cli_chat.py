@@ -277,8 +277,8 @@ def cmd_chat(a) -> int:
             try:
                 interrupted = stream_interruptibly(
                     lambda: llm.create_chat_completion(msgs, stream=True, **call_kw), llm.cancel, printer)
-            except ValueError as e:
-                print(f"error: {e}", file=err, flush=True)
+            except ValueError as e:  # e.g. the conversation no longer fits --ctx-size
+                print(f"error: {e} (/clear starts a new conversation)", file=err, flush=True)
                 msgs.pop()  # the user message that could not be answered
                 continue
             printer.finish()

@@ -270,3 +270,21 @@ def test_compare_same_mode_of_clover_and_parent_gives_the_same_answers(clover_pa
     assert res[0]["text"] == res[1]["text"] and res[0]["text"]
     bad = cli("compare", "-m", clover_path, "-p", "x")
     assert bad.returncode == 2 and "two" in bad.stderr
+
+
+def test_chat_message_that_does_not_fit_is_refused_and_the_chat_goes_on(clover_path):
+    r = cli("chat", "-m", clover_path, "-n", 4, "-c", 96, "--mode", "ar", "-t", 2,
+            input="hello\n" + "word " * 200 + "\nhi\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "error:" in r.stderr and "/clear" in r.stderr and "Traceback" not in r.stderr
+    assert len(re.findall(STATS, r.stderr)) == 2  # hello and hi answered, the long one refused
+
+
+def test_help_lists_chat_and_compare():
+    r = cli("--help")
+    assert r.returncode == 0
+    assert "chat" in r.stdout and "compare" in r.stdout
+    r = cli("chat", "--help")
+    assert r.returncode == 0 and "--hide-thinking" in r.stdout and "-sys" in r.stdout
+    r = cli("compare", "--help")
+    assert r.returncode == 0 and "--mode-a" in r.stdout and "--json" in r.stdout
