@@ -83,6 +83,10 @@ class Model:
         path: GGUF file.
         n_ctx: context length in tokens (prompt + generated + one block), > 0.
         n_threads: CPU threads; None or 0 = all available cores.
+        prefix_reuse: a generation whose prompt extends exactly the tokens the caches hold
+            after the previous generation (its prompt and committed tokens) prefills only the
+            new tokens (``last_stats["n_prompt_reused"]``); off by default, so every call
+            starts from a full prefill (bit-reproducible).
 
     Raises:
         CloverError: the native loader's message (bad file, missing/mis-shaped tensor, ...).
@@ -91,9 +95,13 @@ class Model:
     Use as a context manager or call :meth:`close` to free the native memory.
     """
 
-    def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+    def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
+        # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
+        # a prompt that extends them prefills only its new tokens (chat turns, server requests)
+        self.prefix_reuse = bool(prefix_reuse)
+        self._cached: list[int] = []
         self._active = None  # the native decoder of a generation in progress
         self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
         self._cancel_lock = threading.Lock()
@@ -332,6 +340,10 @@ class Model:
         prompt = ffi.new("int32_t[]", prompt_ids)
         self._live()
         self._abort_active()
+        cached, self._cached = self._cached, []
+        k = len(cached)
+        p.n_reuse = k if (self.prefix_reuse and 0 < k < n and lib.clover_context_n_past(self._ctx) == k
+                          and list(prompt_ids[:k]) == cached) else 0
         run = _Run()
         with self._cancel_lock:
             self._running = run
@@ -384,6 +396,8 @@ class Model:
                     lib.clover_decoder_stats(d, st)
                     self._active = None
                     lib.clover_decoder_free(d)
+                    if not cancelled:  # the caches hold the prompt and the committed tokens
+                        self._cached = (list(prompt_ids) + tokens)[:lib.clover_context_n_past(self._ctx)]
                     self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
                     if cancelled:
                         self.last_stats["finish_reason"] = "cancelled"
@@ -421,6 +435,7 @@ class Model:
         return {
             "mode": mode,
             "n_prompt": int(st.n_prompt),
+            "n_prompt_reused": int(st.n_prompt_reused),  # prefix reuse: prompt tokens not prefilled
             "n_generated": n_gen,
             "n_forward": n_forward,
             "n_forward_prefill": int(st.n_forward_prefill),
@@ -627,6 +642,7 @@ class Model:
             raise ValueError(f"ids: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
         self._abort_active()
         lib.clover_context_reset(self._ctx)
+        self._cached = []
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
         err = err_buf()
         toks = ffi.new("int32_t[]", ids)
@@ -657,6 +673,7 @@ class Model:
         err = err_buf()
         self._abort_active()
         lib.clover_context_reset(self._ctx)
+        self._cached = []
         if prefix:
             toks = ffi.new("int32_t[]", prefix)
             if lib.clover_prefill(self._ctx, toks, len(prefix), ffi.NULL, 0, err, len(err)) < 0:

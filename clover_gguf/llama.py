@@ -147,6 +147,10 @@ class Clover:
             only mode for qwen35moe files) or ``"spec"``.
         block_size, threshold, coreset_top_p: diffusion settings; None = the GGUF's
             (clover-spec 4.2). Calls may override all four.
+        prefix_reuse: when a prompt extends exactly what the caches hold after the last call
+            (the previous prompt and its committed answer: the next chat turn), prefill only the
+            new tokens (``timings["n_prompt_reused"]``). True by default; the output then equals
+            a full prefill's up to float rounding (summation order).
 
     Raises:
         CloverError: the native loader's message (bad file, missing tensor, ...).
@@ -162,7 +166,8 @@ class Clover:
     def __init__(self, model_path, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, seed: int = 0, verbose: bool = False,
                  mode: str | None = None, block_size: int | None = None,
-                 threshold: float | None = None, coreset_top_p: float | None = None) -> None:
+                 threshold: float | None = None, coreset_top_p: float | None = None,
+                 prefix_reuse: bool = True) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
         self._state = threading.Lock()  # guards _closed
         self._lock = threading.Lock()   # the call lock
@@ -179,7 +184,7 @@ class Clover:
         self.seed = seed
         self.verbose = bool(verbose)
         t0 = time.perf_counter()
-        self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads)
+        self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse)
         try:
             self.mode = mode if mode is not None else ("diffusion" if self._model.is_clover else "ar")
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p

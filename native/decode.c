@@ -177,12 +177,20 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     clover_history_prompt(&d->hist, prompt, n_prompt);
     clover_rng_seed(&d->rng, p->seed);
     clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
-    clover_context_reset(c);
-    if (clover_prefill(c, prompt, n_prompt, d->causal, 0, err, err_size)) {
+    if (p->n_reuse != 0 && (p->n_reuse < 0 || p->n_reuse != c->n_past || p->n_reuse >= n_prompt)) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "n_reuse: %d must be 0 or the %d cached tokens (< n_prompt %d)",
+                       p->n_reuse, c->n_past, n_prompt);
+        clover_decoder_free(d);
+        return NULL;
+    }
+    if (p->n_reuse == 0) clover_context_reset(c);
+    else atomic_store(&c->abort_req, 0); /* as the reset would: no stale cancel */
+    if (clover_prefill(c, prompt + p->n_reuse, n_prompt - p->n_reuse, d->causal, 0, err, err_size)) {
         clover_decoder_free(d);
         return NULL;
     }
     d->st.n_prompt = n_prompt;
+    d->st.n_prompt_reused = p->n_reuse;
     d->st.n_forward_prefill = 1;
     return d;
 nomem:

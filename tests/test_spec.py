@@ -145,3 +145,28 @@ def test_block_forward_rows_equals_full_on_chosen_rows(files):
         np.testing.assert_array_equal(out[rows == 1], full[rows == 1])
         assert (out[rows == 0] == 7.0).all()
         assert list(ne) == list(nexp)
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion", "spec"])
+def test_prefix_reuse_prefills_only_the_new_tokens(files, mode):
+    """With prefix_reuse, a prompt extending the previous prompt + committed answer (the next
+    chat turn) prefills only its new tokens, and the answer equals a fresh full prefill's."""
+    turn = [11, 12, 13]
+    with Model(files["f32"], n_ctx=512, n_threads=2, prefix_reuse=True) as m, \
+            Model(files["f32"], n_ctx=512, n_threads=2) as fresh:
+        first = m.tokenize(PROMPTS[0])
+        a, st = m.generate_tokens(first, max_tokens=40, mode=mode, end_ids=[])
+        assert st["n_prompt_reused"] == 0
+        second = first + a + turn
+        b, st2 = m.generate_tokens(second, max_tokens=24, mode=mode, end_ids=[])
+        cached = lib.clover_context_n_past(m._ctx)
+        assert 0 < st2["n_prompt_reused"] <= len(first) + len(a) and cached >= len(second)
+        want, st3 = fresh.generate_tokens(second, max_tokens=24, mode=mode, end_ids=[])
+        assert st3["n_prompt_reused"] == 0 and b == want
+        # a prompt that does not extend the cache is prefilled whole; so is any call after
+        # prefix_logits, which resets the context
+        m.generate_tokens(first[:-1], max_tokens=4, mode=mode, end_ids=[])
+        assert m.last_stats["n_prompt_reused"] == 0
+        m.prefix_logits(first)
+        m.generate_tokens(first + [5], max_tokens=4, mode=mode, end_ids=[])
+        assert m.last_stats["n_prompt_reused"] == 0

@@ -248,6 +248,11 @@ typedef struct {
     int32_t eos_bias_start;          /* >= 0, generated tokens; default: the GGUF's (8192) */
     float bias_slope;        /* alpha, logits per generated token, >= 0; 0 = ramps off; default 0.01 */
     float bias_max;          /* b_max, cap in logits, >= 0; default 10 */
+    /* Prefix reuse: the context's cached tokens are prompt[0..n_reuse) (the caller knows what it
+     * put there): 0 = reset the context and prefill the whole prompt (default); else n_reuse must
+     * equal the context's n_past and be < n_prompt, and only prompt[n_reuse..] is prefilled
+     * (GDN and conv state cannot be rewound, so only the whole cache can be reused). */
+    int32_t n_reuse;
 } clover_gen_params;
 
 /* Fill p with the model's defaults (spec 4.2 values from the GGUF; ramp slope and cap: the
@@ -269,6 +274,7 @@ CLOVER_API int32_t clover_sample_logits(const float *logits, int32_t n_vocab, in
 
 typedef struct {
     int64_t n_prompt;
+    int64_t n_prompt_reused; /* prompt tokens taken from the cache instead of prefilled */
     int64_t n_generated;     /* tokens emitted so far (end token included when it stopped) */
     int64_t n_forward_prefill, n_forward_denoise, n_forward_commit, n_forward_decode;
     int64_t n_forward_draft, n_forward_verify; /* spec mode */
