@@ -13,8 +13,8 @@ import os
 import shutil
 import sys
 
-from .cli_chat import DIM, OFF, add_chat_parser, add_compare_parser, model_stats_timings, stats_line, \
-    stream_interruptibly
+from .cli_chat import DIM, OFF, _logit_bias, add_chat_parser, add_compare_parser, model_stats_timings, \
+    stats_line, stream_interruptibly
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
 
@@ -322,17 +322,6 @@ def _nonneg_int(s: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"{v} must be >= 0")
     return v
-
-
-def _logit_bias(s: str) -> tuple[int, float]:
-    """``ID=BIAS`` (also ``ID:BIAS``), e.g. ``151645=-100``."""
-    k, sep, v = s.replace(":", "=", 1).partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return int(k), float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ID=BIAS (token id, logit), got {s!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

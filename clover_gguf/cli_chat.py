@@ -109,6 +109,8 @@ def _dim(text: str, f) -> str:
 
 
 def _logit_bias(s: str) -> tuple[int, float]:
+    """``ID=BIAS`` (also ``ID:BIAS``), e.g. ``151645=-100`` (the --logit-bias option of run,
+    chat and compare)."""
     k, sep, v = s.replace(":", "=", 1).partition("=")
     try:
         if not sep:
