@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -42,9 +43,27 @@ def cli(*args, input=None, timeout=300, **env):
                           stdin=None if input is not None else subprocess.DEVNULL)
 
 
+_CHILDREN = []
+
+
 def spawn(*args):
-    return pexpect.spawn(sys.executable, ["-m", "clover_gguf", *map(str, args)], env=_env(), encoding="utf-8",
-                         codec_errors="replace", timeout=TIMEOUT, dimensions=(24, 200))
+    # SIGINT back to the default in the child: a test run started from a non-interactive shell in
+    # the background inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    ch = pexpect.spawn(sys.executable, ["-m", "clover_gguf", *map(str, args)], env=_env(), encoding="utf-8",
+                       codec_errors="replace", timeout=TIMEOUT, dimensions=(24, 200),
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _CHILDREN.append(ch)
+    return ch
+
+
+@pytest.fixture(autouse=True)
+def _kill_children():
+    """A failed expectation must not leave a 60000-token answer running on the machine."""
+    yield
+    while _CHILDREN:
+        ch = _CHILDREN.pop()
+        if ch.isalive():
+            ch.terminate(force=True)
 
 
 @pytest.fixture(scope="module")
