@@ -3,16 +3,22 @@
 Public names: :class:`Model` (load a GGUF, tokenize, generate in ``diffusion`` or ``ar``
 mode, read logits), :class:`Clover` (the llama-cpp-python-style face over it: OpenAI-shaped
 completions and chat, streaming, ``cancel()``, thread-safe), :class:`CloverError` (errors
-reported by the native engine) and
+reported by the native engine),
+``DEFAULT_MODEL`` (path of the small trained Clover shipped inside the package, which
+``clover-gguf run`` uses when ``-m`` is absent; bench/train/train_tiny.py makes it) and
 ``__version__``. ``Model``, ``Clover`` and ``CloverError`` are loaded on first use, so reading
 ``clover_gguf.__version__`` works even before the native library is built. Nothing here
 imports torch.
 """
 from __future__ import annotations
 
+import os as _os
+
 __version__ = "0.1.0"
 
-__all__ = ["Model", "Clover", "CloverError", "__version__"]
+DEFAULT_MODEL = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "models", "clover-tiny-q8_0.gguf")
+
+__all__ = ["Model", "Clover", "CloverError", "DEFAULT_MODEL", "__version__"]
 
 
 def __getattr__(name: str):

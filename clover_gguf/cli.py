@@ -107,6 +107,10 @@ def cmd_run(a) -> int:
         a.prompt = sys.stdin.read()
         if a.prompt.endswith("\n"):  # the newline echo and editors add, as $(...) drops it
             a.prompt = a.prompt[:-1]
+    if a.model is None:  # the small trained Clover shipped in the package
+        from . import DEFAULT_MODEL
+
+        a.model = DEFAULT_MODEL
     m = _load(a.model, a.ctx_size, a.threads)
     with m:
         kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
@@ -336,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     r = sub.add_parser("run", help="generate text from a prompt")
-    r.add_argument("-m", "--model", required=True, help="GGUF file")
+    r.add_argument("-m", "--model", default=None,
+                   help="GGUF file (default: the small Clover trained on Python's sources shipped in the package)")
     r.add_argument("-p", "--prompt", default=None,
                    help="prompt text (special tokens recognised); default: read from stdin when it is piped")
     r.add_argument("-n", "--n-predict", type=_positive_int, default=256, help="max tokens to generate (256)")

@@ -44,7 +44,7 @@ def _random_model(tt, seed=0):
 def _batch(tt, N=2, T=24, B=8, seed=3):
     g = torch.Generator().manual_seed(seed)
     tok = torch.randint(0, 290, (N, T), generator=g)
-    noisy, m = tt.mask_blocks(tok, B, 299, g)
+    noisy, m, _ = tt.mask_blocks(tok, B, 299, g)
     return tok, noisy, m
 
 
@@ -95,6 +95,21 @@ def test_train_gradients_equal_reference(tt):
         torch.testing.assert_close(P[n].grad, R[n].grad, rtol=1e-3, atol=1e-4, msg=n)
 
 
+def test_mask_blocks(tt):
+    g = torch.Generator().manual_seed(0)
+    tok = torch.arange(2 * 64).reshape(2, 64) % 290
+    noisy, m, sel = tt.mask_blocks(tok, 16, 299, g)
+    mb = m.reshape(2, 4, 16)
+    assert not mb[..., 0].any() and mb[..., 1:].any(-1).all() and (sel == m).all()
+    assert ((noisy == 299) == m).all() and (noisy[~m] == tok[~m]).all()
+    # Cut blocks: a clean prefix, masks after it, loss on the first `near` masked slots.
+    noisy, m, sel = tt.mask_blocks(tok, 16, 299, g, p_cut=1.0, near=4)
+    for row_m, row_s in zip(m.reshape(-1, 16), sel.reshape(-1, 16)):
+        c = int(row_m.int().argmax())
+        assert c >= 1 and row_m[c:].all() and not row_m[:c].any()
+        assert row_s.nonzero().flatten().tolist() == list(range(c, min(c + 4, 16)))
+
+
 def test_heldout_split_is_deterministic(tt):
     files = tt.stdlib_files()
     assert len(files) > 50
@@ -109,7 +124,8 @@ def test_short_training_run(tt, tmp_path):
     assert rep["trained"]["ar_loss"] < rep["random_init"]["ar_loss"]
     assert rep["trained"]["diffusion_loss"] < rep["random_init"]["diffusion_loss"] + 0.5
     rows = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, tt.SMOKE["steps"] + 1))
+    n_steps = tt.SMOKE["steps"] + tt.SMOKE["stage2_steps"]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, n_steps + 1))
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["CloverForDiffusionLM"] and cfg["logits_shift"] is True
