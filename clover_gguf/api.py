@@ -224,9 +224,13 @@ class Model:
         if isinstance(ids, (str, bytes)):
             raise ValueError(f"{name}: expected a sequence of token ids, got {type(ids).__name__}")
         try:
-            out = [int(i) for i in ids]
-        except (TypeError, ValueError):
+            out = list(ids)
+        except TypeError:
             raise ValueError(f"{name}: expected a sequence of integer token ids") from None
+        for k, i in enumerate(out):  # no silent int() of 1.5, "7" or True
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                raise ValueError(f"{name}[{k}]: expected an integer token id, got {i!r}")
+        out = [int(i) for i in out]
         if not out and not allow_empty:
             raise ValueError(f"{name}: empty")
         for k, i in enumerate(out):
@@ -313,7 +317,9 @@ class Model:
                     k = int(k)
                 except ValueError:
                     raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
-            t = _check_int("logit_bias key", k, lo=0, hi=self.n_vocab - 1)
+            t = _check_int("logit_bias key", k)
+            if not 0 <= t < self.n_vocab:
+                raise ValueError(f"logit_bias: token id {t} out of range [0, {self.n_vocab})")
             ids.append(t)
             vals.append(_check_f32(f"logit_bias[{t}]", v))
         bias_ids = ffi.new("int32_t[]", ids or [0])
@@ -322,6 +328,20 @@ class Model:
         p.logit_bias_values = bias_vals
         p.n_logit_bias = len(ids)
         return bias_ids, bias_vals
+
+    def check_generate_args(self, max_tokens: int = 256, mode: str | None = None, temperature: float = 0.0,
+                            top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
+                            threshold: float | None = None, coreset_top_p: float | None = None,
+                            end_ids: Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+                            **sampling) -> None:
+        """Validate the arguments of :meth:`generate` / :meth:`generate_tokens` (all but the
+        prompt) without generating: the same checks a call makes, so a front end (``chat``)
+        can refuse bad settings before its first prompt. ``sampling``: ``min_p``,
+        ``presence_penalty``, ... as :meth:`generate`. Raises ValueError naming the field."""
+        self._live()
+        check_stop(stop)
+        self._params(max_tokens, mode, temperature, top_k, top_p, seed, block_size, threshold,
+                     coreset_top_p, end_ids, **sampling)
 
     @staticmethod
     def _block_state(d, cap):

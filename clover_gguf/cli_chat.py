@@ -227,13 +227,19 @@ def cmd_chat(a) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    kw = sampling_kwargs(a)
+    try:  # bad sampling flags exit 2 now, not at the first answer
+        llm.check_args(**kw)
+    except ValueError as e:
+        llm.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out, err = sys.stdout, sys.stderr
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:
             pass
-    kw = sampling_kwargs(a)
     system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
     msgs = list(system)
     with llm:

@@ -329,8 +329,10 @@ class Clover:
     def _gen_kwargs(self, n_prompt_max: int, max_tokens, temperature, top_p, top_k, min_p, seed,
                     presence_penalty, frequency_penalty, repeat_penalty, logit_bias, stop, mode,
                     block_size, threshold, coreset_top_p) -> dict:
-        if max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
-                                  and max_tokens <= 0):
+        is_int = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+        if is_int and max_tokens < 0:  # OpenAI refuses it too; None or 0 is the "no limit"
+            raise ValueError(f"max_tokens: {max_tokens} must be >= 0 (0 or None = until the context is full)")
+        if max_tokens is None or (is_int and max_tokens == 0):
             max_tokens = max(1, self._model.n_ctx - n_prompt_max)  # until the context is full
         if seed is None:
             seed = self.seed
@@ -347,6 +349,23 @@ class Clover:
                     coreset_top_p=self.coreset_top_p if coreset_top_p is None else coreset_top_p,
                     min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                     repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop)
+
+    def check_args(self, max_tokens: int | None = 16, **kwargs) -> None:
+        """Validate the generation arguments of :meth:`create_completion` /
+        :meth:`create_chat_completion` (``max_tokens, temperature, top_p, top_k, min_p, seed,
+        presence_penalty, frequency_penalty, repeat_penalty, logit_bias, stop, mode, block_size,
+        threshold, coreset_top_p``; None = the default) without generating, as a call would.
+        Raises ValueError naming the field (``clover-gguf chat`` checks its flags with it)."""
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repeat_penalty", "logit_bias", "stop", "mode", "block_size", "threshold", "coreset_top_p")
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"check_args: unexpected argument {unknown[0]!r}")
+        kw = {k: kwargs.get(k) for k in names}
+
+        def check():
+            self._model.check_generate_args(**self._gen_kwargs(1, max_tokens=max_tokens, **kw))
+        self._prepare(check)
 
     def _start(self, prompt, kw: dict) -> tuple[Iterator[str], int, str]:
         """Validate and tokenize (under the lock): (a Model text stream not yet started,
@@ -488,7 +507,8 @@ class Clover:
 
         ``finish_reason``: ``"stop"`` (an end token or a ``stop`` string), ``"length"``
         (``max_tokens`` or the context) or ``"cancelled"`` (:meth:`cancel`).
-        ``max_tokens``: default 16 as llama-cpp-python; None or <= 0 = until the context is full.
+        ``max_tokens``: default 16 as llama-cpp-python; None or 0 = until the context is full
+        (a negative value raises ValueError, as OpenAI refuses it).
         ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``presence_penalty``,
         ``frequency_penalty``, ``repeat_penalty``, ``logit_bias`` (``{token id: bias}``, keys
         may be str as in OpenAI's JSON), ``stop``, ``seed``: as :meth:`Model.generate
