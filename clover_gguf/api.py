@@ -240,6 +240,10 @@ class Model:
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
+                raise ValueError(f"prompt: not valid Unicode ({e.reason} at index {e.start})") from None
             ids = self.tokenize(prompt)
             if not ids:
                 raise ValueError("prompt: empty (at least one token is needed)")
@@ -259,7 +263,7 @@ class Model:
         lib.clover_gen_params_default(self._model, p)
         if mode is None:
             mode = "diffusion" if self.is_clover else "ar"
-        if mode not in _MODES:
+        if not isinstance(mode, str) or mode not in _MODES:
             raise ValueError(f"mode: {mode!r} not one of {sorted(_MODES)}")
         if mode in ("diffusion", "spec") and not self.is_clover:
             raise ValueError(f"mode: {mode!r} needs a clover model (this GGUF is qwen35moe); use 'ar'")

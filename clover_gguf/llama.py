@@ -568,6 +568,8 @@ class Clover:
     # ------------------------------------------------------------------ chat
     def _chat_prompt(self, messages, tools, enable_thinking, chat_template_kwargs) -> tuple[str, bool]:
         """(prompt text, whether its generation header left a <think> section open)."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs: expected a dict, got {type(chat_template_kwargs).__name__}")
         extra = dict(chat_template_kwargs or {})
         if enable_thinking is not None:
             extra["enable_thinking"] = bool(enable_thinking)
