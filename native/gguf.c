@@ -77,6 +77,7 @@ typedef struct {
 struct clover_gguf {
     const uint8_t *map;
     uint64_t size;
+    int owns_map; /* 1: map is our mmap of a file (munmap on close); 0: caller's memory */
     uint32_t version;
     uint64_t alignment;
     uint64_t data_start;
@@ -617,6 +618,30 @@ static int parse(reader *r, clover_gguf *g) {
     return 1;
 }
 
+/* Parse the GGUF bytes [map, map + size) into a new clover_gguf that keeps map (owns_map: munmap
+ * it on close). NULL with "what: message" in err on any problem (map is then not released). */
+static clover_gguf *open_bytes(const void *map, size_t size, int owns_map, const char *what, char *err,
+                               size_t err_size) {
+    clover_gguf *g = calloc(1, sizeof *g);
+    if (g == NULL) {
+        set_err(err, err_size, "%s: out of memory", what);
+        return NULL;
+    }
+    g->map = map;
+    g->size = size;
+    char msg[480];
+    msg[0] = '\0';
+    reader r = {.p = g->map, .pos = 0, .size = g->size, .err = msg, .err_size = sizeof msg};
+    if (!parse(&r, g)) {
+        set_err(err, err_size, "%s: %s", what, msg);
+        g->map = NULL; /* the caller releases it */
+        clover_gguf_close(g);
+        return NULL;
+    }
+    g->owns_map = owns_map;
+    return g;
+}
+
 clover_gguf *clover_gguf_open(const char *path, char *err, size_t err_size) {
     if (err && err_size) err[0] = '\0';
     {
@@ -667,30 +692,32 @@ clover_gguf *clover_gguf_open(const char *path, char *err, size_t err_size) {
         return NULL;
     }
 
-    clover_gguf *g = calloc(1, sizeof *g);
-    if (g == NULL) {
-        munmap(map, size);
-        set_err(err, err_size, "%s: out of memory", path);
-        return NULL;
-    }
-    g->map = map;
-    g->size = size;
-
-    char msg[480];
-    msg[0] = '\0';
-    reader r = {.p = g->map, .pos = 0, .size = g->size, .err = msg, .err_size = sizeof msg};
-    if (!parse(&r, g)) {
-        set_err(err, err_size, "%s: %s", path, msg);
-        clover_gguf_close(g);
-        return NULL;
-    }
+    clover_gguf *g = open_bytes(map, size, 1, path, err, err_size);
+    if (g == NULL) munmap(map, size);
     return g;
+}
+
+clover_gguf *clover_gguf_open_memory(const void *data, size_t size, char *err, size_t err_size) {
+    if (err && err_size) err[0] = '\0';
+    if (data == NULL) {
+        set_err(err, err_size, "GGUF buffer is NULL");
+        return NULL;
+    }
+    if ((uintptr_t)data % GGUF_DEFAULT_ALIGNMENT != 0) {
+        set_err(err, err_size, "GGUF buffer at %p is not aligned to %d bytes", data, GGUF_DEFAULT_ALIGNMENT);
+        return NULL;
+    }
+    if (size == 0) {
+        set_err(err, err_size, "<memory>: header: buffer is empty (0 bytes)");
+        return NULL;
+    }
+    return open_bytes(data, size, 0, "<memory>", err, err_size);
 }
 
 void clover_gguf_close(clover_gguf *g) {
     if (g == NULL) return;
     free_contents(g);
-    if (g->map) munmap((void *)g->map, (size_t)g->size);
+    if (g->map && g->owns_map) munmap((void *)g->map, (size_t)g->size);
     free(g);
 }
 

@@ -292,12 +292,39 @@ static void check_mtp_layer(loader *L, const clover_hparams *hp, int il) {
     get_f32(L, n, 1, H, 1);
 }
 
-clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
-    if (!path) {
-        clover_set_err(err, err_size, CLOVER_E_ARG, "path is NULL");
-        return NULL;
+/* Special token ids (tokenizer.ggml.*_token_id) must be integers in [0, n_vocab), and the
+ * vocabulary (tokenizer.ggml.tokens) must not list more entries than token_embd.weight has rows. */
+static int check_vocab_keys(const clover_gguf *g, int32_t n_vocab, char *err, size_t err_size) {
+    static const char *ids[] = {"bos", "eos", "eot", "eom", "padding", "unknown", "seperator", "mask"};
+    char key[64];
+    for (size_t j = 0; j < sizeof ids / sizeof ids[0]; j++) {
+        snprintf(key, sizeof key, "tokenizer.ggml.%s_token_id", ids[j]);
+        const int64_t k = clover_gguf_find_key(g, key);
+        if (k < 0) continue;
+        const int t = clover_gguf_kv_type(g, k);
+        if (t == CLOVER_GGUF_STRING || t == CLOVER_GGUF_ARRAY || t == CLOVER_GGUF_FLOAT32 || t == CLOVER_GGUF_FLOAT64 ||
+            t == CLOVER_GGUF_BOOL) {
+            clover_set_err(err, err_size, CLOVER_E_FORMAT, "key %s: expected an integer token id (type %d)", key, t);
+            return 0;
+        }
+        const int64_t v = clover_gguf_get_i64(g, k, 0);
+        if (v < 0 || v >= n_vocab || (t == CLOVER_GGUF_UINT64 && clover_gguf_get_u64(g, k, 0) > (uint64_t)INT64_MAX)) {
+            clover_set_err(err, err_size, CLOVER_E_FORMAT, "key %s: token id %lld outside [0, %d) (token_embd.weight rows)",
+                           key, (long long)v, n_vocab);
+            return 0;
+        }
     }
-    clover_gguf *g = clover_gguf_open(path, err, err_size);
+    const int64_t kt = clover_gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (kt >= 0 && clover_gguf_kv_type(g, kt) == CLOVER_GGUF_ARRAY && clover_gguf_arr_n(g, kt) > n_vocab) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "key tokenizer.ggml.tokens: %lld entries but token_embd.weight "
+                       "has %d rows", (long long)clover_gguf_arr_n(g, kt), n_vocab);
+        return 0;
+    }
+    return 1;
+}
+
+/* The model of an opened GGUF (taken over: closed on failure and by clover_model_free). */
+static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
     if (!g) return NULL;
     clover_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -342,6 +369,7 @@ clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
                        hp->mask_token_id, hp->n_vocab);
         goto fail;
     }
+    if (!check_vocab_keys(g, hp->n_vocab, err, err_size)) goto fail;
     get_tensor(&L, "token_embd.weight", 1, 0, hp->n_embd, V, 1, &m->tok_embd);
     get_tensor(&L, "output.weight", 1, 0, hp->n_embd, V, 1, &m->output);
     m->output_norm = get_f32(&L, "output_norm.weight", 1, hp->n_embd, 1);
@@ -362,6 +390,18 @@ clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
 fail:
     clover_model_free(m);
     return NULL;
+}
+
+clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
+    if (!path) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "path is NULL");
+        return NULL;
+    }
+    return load_from(clover_gguf_open(path, err, err_size), err, err_size);
+}
+
+clover_model *clover_model_load_memory(const void *data, size_t size, char *err, size_t err_size) {
+    return load_from(clover_gguf_open_memory(data, size, err, err_size), err, err_size);
 }
 
 void clover_model_free(clover_model *m) {
@@ -443,6 +483,38 @@ static int32_t physical_cores(void) {
     return n > 0 ? n : (int32_t)online;
 }
 
+int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx) {
+    if (!m || n_ctx <= 0) return -1;
+    const clover_hparams *hp = &m->hp;
+    /* every factor is bounded by the loader's limits (heads, dims <= 2^16, layers <= 4096), so
+     * the products below stay far from INT64_MAX; n_ctx < 2^31 */
+    const int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
+    const int64_t cache = 2 * (int64_t)m->n_attn * n_ctx * kv;
+    const int64_t gdn = (int64_t)m->n_gdn * (gdn_state_floats(hp) + (hp->ssm_d_conv - 1) * conv_channels(hp));
+    return (cache + gdn) * (int64_t)sizeof(float) + (int64_t)hp->n_layer * (int64_t)sizeof(int32_t);
+}
+
+/* Bytes the kernel reports as available (MemAvailable in /proc/meminfo), else physical memory;
+ * -1 when neither is known. */
+static int64_t available_memory(void) {
+    FILE *fp = fopen("/proc/meminfo", "r");
+    if (fp) {
+        char line[256];
+        long long kb;
+        while (fgets(line, sizeof line, fp))
+            if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) {
+                fclose(fp);
+                return (int64_t)kb * 1024;
+            }
+        fclose(fp);
+    }
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+    long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psize > 0) return (int64_t)pages * psize;
+#endif
+    return -1;
+}
+
 clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, char *err,
                                    size_t err_size) {
     if (!m) {
@@ -451,6 +523,13 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     }
     if (n_ctx <= 0) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_ctx: %d must be > 0", n_ctx);
+        return NULL;
+    }
+    const int64_t need = clover_context_mem_required(m, n_ctx), avail = available_memory();
+    if (avail > 0 && need > avail) {
+        clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_ctx: %d needs %.2f GiB for the KV cache and GDN state, "
+                       "but only %.2f GiB of memory is available: use a smaller n_ctx", n_ctx,
+                       (double)need / (1 << 30), (double)avail / (1 << 30));
         return NULL;
     }
     if (n_threads <= 0) n_threads = physical_cores();
@@ -1269,6 +1348,20 @@ static int check_abort(fwd *f, int il) {
                           "(%lld rows)", (long long)f->T);
 }
 
+/* CLOVER_E_NUMERIC naming `what` of layer il when one of the n values at x is NaN or Inf (a broken
+ * weight or an overflow: generation must stop rather than emit garbage), else CLOVER_OK. */
+static int check_finite(fwd *f, const float *x, int64_t n, int il, const char *what) {
+    int64_t i = 0;
+    while (i < n && isfinite(x[i])) i++;
+    if (i == n) return CLOVER_OK;
+    const int64_t H = f->c->m->hp.n_embd;
+    if (il < 0)
+        return clover_set_err(f->err, f->err_size, CLOVER_E_NUMERIC, "non-finite logit (%g) from the LM head "
+                              "(output.weight), row %lld", x[i], (long long)(i / f->c->m->hp.n_vocab));
+    return clover_set_err(f->err, f->err_size, CLOVER_E_NUMERIC, "non-finite value (%g) after layer %d (blk.%d) %s, "
+                          "row %lld of %lld", x[i], il, il, what, (long long)(i / H), (long long)f->T);
+}
+
 /* embed -> layers -> N1p -> lm_head on rows [logit_row0, T). */
 /* rows: when not NULL, the LM head runs only on rows t with rows[t] != 0 (row t of logits is
  * written, others are left as they are); else on rows logit_row0.. (written from row 0). */
@@ -1292,9 +1385,11 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
         rc = ly->is_attn ? attention_layer(f, ly, xn, o) : gdn_layer(f, ly, xn, o);
         if (rc) goto done;
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+        if ((rc = check_finite(f, x, T * H, il, ly->is_attn ? "attention" : "gated deltanet"))) goto done;
         for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->post_norm, H, hp->rms_eps);
         if ((rc = moe_layer(f, ly, il, xn, o))) goto done;
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+        if ((rc = check_finite(f, x, T * H, il, "moe"))) goto done;
     }
     if (logits && (rc = check_abort(f, hp->n_layer))) goto done;
     if (logits && rows) { /* gather the needed rows, one LM head pass, scatter */
@@ -1306,10 +1401,12 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
         if (n && lg && matmul(c, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
         for (int64_t t = 0, k = 0; t < T && rc == CLOVER_OK; t++)
             if (rows[t]) memcpy(logits + t * hp->n_vocab, lg + k++ * hp->n_vocab, sizeof(float) * (size_t)hp->n_vocab);
+        if (rc == CLOVER_OK && n) rc = check_finite(f, lg, n * hp->n_vocab, -1, NULL);
         free(lg);
     } else if (logits) {
         for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
         rc = matmul(c, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
+        if (rc == CLOVER_OK) rc = check_finite(f, logits, (T - logit_row0) * hp->n_vocab, -1, NULL);
     }
 done:
     if (rc == CLOVER_E_NOMEM) clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);

@@ -36,6 +36,7 @@ enum {
     CLOVER_E_NOMEM = -4,     /* allocation failed or size overflow */
     CLOVER_E_STATE = -5,     /* call not valid in the current state (e.g. context full) */
     CLOVER_E_ABORTED = -6,   /* stopped by clover_context_abort */
+    CLOVER_E_NUMERIC = -7,   /* NaN or Inf in a hidden state or the logits (the message names the layer) */
 };
 
 /* ---------------------------------------------------------------- GGUF reader (gguf.c)
@@ -63,6 +64,11 @@ enum {
 
 /* Open and validate `path`. Returns NULL and a message in err on any problem. */
 CLOVER_API clover_gguf *clover_gguf_open(const char *path, char *err, size_t err_size);
+/* The same checks on GGUF bytes already in memory (size bytes at data, aligned to 32 bytes as a
+ * mapping would be; messages say "<memory>" for the path). data is not copied: it must stay
+ * valid and unchanged until clover_gguf_close, which does not free it. Used by the fuzz
+ * harness (tests/fuzz) and for embedding files in a program. */
+CLOVER_API clover_gguf *clover_gguf_open_memory(const void *data, size_t size, char *err, size_t err_size);
 CLOVER_API void clover_gguf_close(clover_gguf *g);
 CLOVER_API uint32_t clover_gguf_version(const clover_gguf *g);
 CLOVER_API int64_t clover_gguf_n_kv(const clover_gguf *g);
@@ -114,6 +120,9 @@ typedef struct clover_model clover_model;
 /* Load a `clover` or `qwen35moe` GGUF: reads hyperparameters, checks every tensor's name,
  * type and shape against them (the error names the tensor), and maps the weights. */
 CLOVER_API clover_model *clover_model_load(const char *path, char *err, size_t err_size);
+/* clover_model_load on GGUF bytes in memory (see clover_gguf_open_memory: 32-byte aligned, kept
+ * valid and unchanged until clover_model_free, not freed by it). */
+CLOVER_API clover_model *clover_model_load_memory(const void *data, size_t size, char *err, size_t err_size);
 CLOVER_API void clover_model_free(clover_model *m);
 /* The model's GGUF (owned by the model), for metadata lookups. */
 CLOVER_API const clover_gguf *clover_model_gguf(const clover_model *m);
@@ -156,6 +165,11 @@ CLOVER_API size_t clover_struct_size(const char *name);
  * layer, and the scratch buffers. */
 typedef struct clover_context clover_context;
 
+/* Bytes of the per-context state for n_ctx tokens: the F32 KV cache of the attention layers
+ * (2 x n_attn x n_ctx x n_head_kv x head_dim x 4) plus the GDN recurrent and conv states; -1 for
+ * a NULL model or n_ctx <= 0. clover_context_new refuses (CLOVER_E_NOMEM, "n_ctx: ...") when it
+ * exceeds the memory the kernel reports as available. Per-forward scratch is not included. */
+CLOVER_API int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx);
 CLOVER_API clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads,
                                               char *err, size_t err_size);
 CLOVER_API void clover_context_free(clover_context *c);

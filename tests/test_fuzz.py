@@ -1,0 +1,308 @@
+"""Hostile files against the native reader and loader, under AddressSanitizer + UBSan (issue 10).
+
+The session builds libclover and tests/fuzz/fuzz_gguf.c with ``-DCLOVER_SANITIZE=ON
+-DCLOVER_FUZZ=ON`` (about 30 s), then:
+
+- a fixed-seed run of 100,000 mutated inputs (``FUZZ_ITERS``) over valid seed files of both
+  architectures and every engine weight type plus a small file with every KV type and
+  ``general.alignment``: no crash, hang, leak or message-less error, and every field kind of the
+  format was mutated;
+- every prefix of the small files and of the embedded model's metadata (truncation at every
+  byte);
+- the regression corpus tests/fuzz/corpus/ replayed, and each of its files refused by the reader
+  with a message;
+- a subset of the native-facing tests run again in a child pytest against the sanitised library
+  (the ASan runtime preloaded, leak checks off there: the Python interpreter's own allocations
+  are not ours to judge).
+
+docs/reliability.md says how to run a longer fuzz campaign.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import clover_gguf
+from clover_gguf._ffi import ERR_SIZE, err_buf, ffi, lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "fuzz" / "corpus"
+FUZZ_ITERS = int(os.environ.get("CLOVER_FUZZ_ITERS", "100000"))
+# corpus files the reader accepts: legal GGUF (a zero-sized tensor), refused later by the loader
+ACCEPTED_BY_READER = {"dim_zero.gguf"}
+# native-facing tests re-run against the sanitised library (no torch-heavy or slow ones)
+SANITISED_TESTS = ["tests/test_gguf.py", "tests/test_dot.py", "tests/test_fuzz.py::test_model_level_validation",
+                   "tests/test_fuzz.py::test_nonfinite_values_stop_with_the_layer_named",
+                   "tests/test_sampler.py", "-k", "not penalties_off_reproduce"]
+
+def _asan_runtime() -> str:
+    out = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return out if os.path.isabs(out) and os.path.exists(out) else ""
+
+
+@pytest.fixture(scope="session")
+def san_build(tmp_path_factory) -> pathlib.Path:
+    if shutil.which("cmake") is None or shutil.which("gcc") is None:
+        pytest.fail("cmake and gcc are needed to build the sanitised library")
+    if os.environ.get("CLOVER_UNDER_ASAN") == "1":
+        pytest.skip("already inside the sanitised child run")
+    out = tmp_path_factory.mktemp("sanbuild")
+    subprocess.run(["cmake", "-S", str(ROOT), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DCLOVER_SANITIZE=ON",
+                    "-DCLOVER_FUZZ=ON"], check=True, capture_output=True)
+    r = subprocess.run(["cmake", "--build", str(out), "-j2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (out / "fuzz_gguf").exists() and (out / "libclover.so").exists()
+    return out
+
+
+def _small_kv_file(path: pathlib.Path) -> pathlib.Path:
+    """A small valid GGUF with every KV value type, string and numeric arrays, general.alignment
+    64 and F32/F16/BF16/Q8_0 tensors of 1-4 dims."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(7)
+    w = GGUFWriter(str(path), "clover")
+    w.add_uint32("general.alignment", 64)
+    w.add_uint8("k.u8", 200), w.add_int8("k.i8", -5), w.add_uint16("k.u16", 60000), w.add_int16("k.i16", -300)
+    w.add_uint32("k.u32", 7), w.add_int32("k.i32", -7), w.add_float32("k.f32", 0.5), w.add_bool("k.bool", True)
+    w.add_string("k.str", "héllo"), w.add_uint64("k.u64", 2**40), w.add_int64("k.i64", -2**40)
+    w.add_float64("k.f64", 1e-300)
+    w.add_array("k.arr_i32", [1, -2, 3]), w.add_array("k.arr_str", ["a", "", "ccc"])
+    w.add_array("k.arr_f32", [0.25, 0.5])
+    for name, qt, shape in [("t.f32", QT.F32, (7,)), ("t.f16", QT.F16, (3, 5)), ("t.bf16", QT.BF16, (2, 3, 4)),
+                            ("t.q8", QT.Q8_0, (2, 1, 2, 64))]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        if qt == QT.F32:
+            w.add_tensor(name, x)
+        elif qt == QT.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(x, qt), raw_dtype=qt)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def seeds(make_gguf, tmp_path_factory) -> list[pathlib.Path]:
+    d = tmp_path_factory.mktemp("fuzzseeds")
+    files = [_small_kv_file(d / "kv.gguf"), pathlib.Path(clover_gguf.DEFAULT_MODEL),
+             make_gguf("q8_0"), make_gguf("f32", arch="qwen35moe", clover=False), make_gguf("q8_0", arch="qwen35moe"),
+             make_gguf("bf16", arch="qwen35moe", clover=False)]
+    for t in ("q4_k_m", "q6_k", "iq4_xs", "q4_0", "f16"):
+        files.append(make_gguf(t))
+    return files
+
+
+def _run(cmd, **kw) -> dict:
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-6000:]}"
+    assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_fuzz_fixed_seed_run(san_build, seeds, tmp_path):
+    rep = _run([str(san_build / "fuzz_gguf"), "--iters", str(FUZZ_ITERS), "--seed", "1", "--out", str(tmp_path),
+                *map(str, seeds)], timeout=1800)
+    assert rep["inputs"] == FUZZ_ITERS and rep["findings"] == 0
+    assert not list(tmp_path.glob("crash-*")), "the harness wrote a crash input"
+    assert all(v > 0 for v in rep["ops"].values()), rep["ops"]
+    assert all(v > 0 for v in rep["fields"].values()), rep["fields"]  # every field kind was mutated
+    assert 0 < rep["model_ok"] < rep["inputs"] and rep["forwards"] > 0, rep
+    print(json.dumps(rep))
+
+
+def test_truncation_at_every_byte(san_build, seeds, tmp_path):
+    small = [seeds[0], seeds[1]]  # the KV file (every byte) and the embedded model (every metadata byte)
+    rep = _run([str(san_build / "fuzz_gguf"), "--truncate-all", "--out", str(tmp_path), *map(str, small)],
+               timeout=900)
+    assert rep["findings"] == 0 and rep["inputs"] > small[0].stat().st_size
+    assert rep["model_ok"] == 0  # a truncated model never loads
+
+
+def test_regression_corpus_replays_under_sanitisers(san_build, tmp_path):
+    files = sorted(CORPUS.glob("*.gguf"))
+    assert len(files) >= 40
+    rep = _run([str(san_build / "fuzz_gguf"), "--replay", "--out", str(tmp_path), *map(str, files)], timeout=300)
+    assert rep["inputs"] == len(files) and rep["findings"] == 0
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("*.gguf")), ids=lambda p: p.name)
+def test_corpus_file_is_refused_with_a_message(path):
+    err = err_buf()
+    g = lib.clover_gguf_open(str(path).encode(), err, ERR_SIZE)
+    msg = ffi.string(err).decode()
+    if path.name in ACCEPTED_BY_READER:
+        assert g != ffi.NULL
+        lib.clover_gguf_close(g)
+        m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
+        assert m == ffi.NULL and ffi.string(err)
+        return
+    assert g == ffi.NULL and msg.startswith(str(path)) and len(msg) > len(str(path)) + 8, msg
+
+
+# ---------------------------------------------------------------------------- model level
+def _rewrite(src: pathlib.Path, dst: pathlib.Path, kv: dict | None = None, tensor_fn=None) -> pathlib.Path:
+    """Copy GGUF src to dst with the KV values in kv replaced (key -> (value, GGUFValueType)), or
+    removed (value None), and each tensor's data passed through tensor_fn(name, array)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    w = GGUFWriter(str(dst), arch)
+    kv = kv or {}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name in kv:
+            continue
+        t = f.types[0]
+        if t == GGUFValueType.ARRAY:
+            sub = f.types[-1]
+            vals = [bytes(f.parts[i]).decode() if sub == GGUFValueType.STRING else f.parts[i].tolist()[0]
+                    for i in f.data]
+            w.add_key_value(name, vals, t, sub_type=sub)
+        elif t == GGUFValueType.STRING:
+            w.add_key_value(name, bytes(f.parts[-1]).decode(), t)
+        else:
+            w.add_key_value(name, f.parts[-1].tolist()[0], t)
+    for name, (v, t) in kv.items():
+        if v is not None:
+            w.add_key_value(name, v, t)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if tensor_fn:
+            data = tensor_fn(t.name, data)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return dst
+
+
+def _load_error(path) -> str:
+    err = err_buf()
+    m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
+    if m != ffi.NULL:
+        lib.clover_model_free(m)
+        return ""
+    return ffi.string(err).decode()
+
+
+def test_model_level_validation(make_gguf, tmp_path):
+    """Hyperparameters checked against each other, the tensor shapes and limits before any
+    allocation; special token ids against the vocabulary; each error names the key."""
+    from gguf import GGUFValueType as VT
+
+    src = make_gguf("f32")
+    assert _load_error(src) == ""
+    cases = {
+        "clover.block_count": (100000, VT.UINT32, "block_count"),
+        "clover.expert_used_count": (9, VT.UINT32, "expert_used_count > expert_count"),
+        "clover.expert_count": (0, VT.UINT32, "expert_count"),
+        "clover.attention.head_count": (3, VT.UINT32, "head_count"),
+        "clover.attention.head_count_kv": (0, VT.UINT32, "head_count_kv"),
+        "clover.embedding_length": (None, None, "missing key clover.embedding_length"),
+        "clover.diffusion.mask_token_id": (10**6, VT.UINT32, "mask_token_id"),
+        "clover.diffusion.threshold": (1.5, VT.FLOAT32, "threshold"),
+        "clover.diffusion.block_size": (0, VT.UINT32, "block_size"),
+        "tokenizer.ggml.eos_token_id": (10**6, VT.UINT32, "tokenizer.ggml.eos_token_id"),
+        "tokenizer.ggml.bos_token_id": ("x", VT.STRING, "tokenizer.ggml.bos_token_id"),
+        "clover.rope.dimension_count": (1000, VT.UINT32, "rope.dimension_count"),
+    }
+    for i, (key, (v, t, want)) in enumerate(cases.items()):
+        msg = _load_error(_rewrite(src, tmp_path / f"m{i}.gguf", {key: (v, t)}))
+        assert want in msg, (key, msg)
+    # a tensor of the wrong shape is named
+    from gguf import GGUFReader
+    r = GGUFReader(str(src))
+    dims = [int(x) for x in next(t for t in r.tensors if t.name == "blk.0.attn_norm.weight").shape]
+    assert dims
+    msg = _load_error(_rewrite(src, tmp_path / "shape.gguf", tensor_fn=lambda n, a: a[:-1]
+                               if n == "blk.0.attn_norm.weight" else a))
+    assert "blk.0.attn_norm.weight" in msg and "shape" in msg, msg
+
+
+def test_context_memory_is_computed_up_front(make_gguf):
+    """clover_context_mem_required counts the KV cache and GDN state; a context that cannot fit
+    the machine's memory is refused with a message naming n_ctx instead of being allocated."""
+    err = err_buf()
+    m = lib.clover_model_load(str(make_gguf("f32")).encode(), err, ERR_SIZE)
+    assert m != ffi.NULL
+    try:
+        hp = ffi.new("clover_hparams *")
+        lib.clover_model_hparams(m, hp)
+        a, b = lib.clover_context_mem_required(m, 1000), lib.clover_context_mem_required(m, 2000)
+        n_attn = sum(1 for i in range(hp.n_layer) if (i + 1) % 4 == 0)
+        assert b - a == 2 * n_attn * 1000 * hp.n_head_kv * hp.head_dim * 4
+        assert lib.clover_context_mem_required(m, 0) == -1
+        c = lib.clover_context_new(m, 2**31 - 1, 1, err, ERR_SIZE)
+        if c != ffi.NULL:  # only on a machine with that much memory (TBs)
+            lib.clover_context_free(c)
+        else:
+            msg = ffi.string(err).decode()
+            assert "n_ctx" in msg and "GiB" in msg, msg
+    finally:
+        lib.clover_model_free(m)
+
+
+def test_nonfinite_values_stop_with_the_layer_named(make_gguf, tmp_path):
+    """NaN/Inf in the hidden state or the logits stops the forward with CLOVER_E_NUMERIC naming the
+    layer (or the LM head), and generation raises instead of producing text."""
+    from clover_gguf import Model
+    from clover_gguf._ffi import CloverError
+
+    src = make_gguf("f32")
+
+    def poison(target):
+        def fn(name, a):
+            if name == target:
+                a = a.copy()
+                a.reshape(-1)[0] = np.nan
+            return a
+        return fn
+
+    for target, want in [("blk.1.post_attention_norm.weight", "after layer 1"),
+                         ("blk.3.attn_norm.weight", "after layer 3"),
+                         ("output.weight", "LM head")]:
+        path = _rewrite(src, tmp_path / f"{target}.gguf", tensor_fn=poison(target))
+        err = err_buf()
+        m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
+        assert m != ffi.NULL, ffi.string(err)
+        c = lib.clover_context_new(m, 32, 1, err, ERR_SIZE)
+        hp = ffi.new("clover_hparams *")
+        lib.clover_model_hparams(m, hp)
+        logits = ffi.new("float[]", hp.n_vocab)
+        toks = ffi.new("int32_t[]", [1, 2, 3])
+        rc = lib.clover_prefill(c, toks, 3, logits, 0, err, ERR_SIZE)
+        msg = ffi.string(err).decode()
+        assert rc == lib.CLOVER_E_NUMERIC and want in msg and "non-finite" in msg, (rc, msg)
+        lib.clover_context_free(c)
+        lib.clover_model_free(m)
+        with Model(str(path), n_ctx=64, n_threads=1) as model:
+            for mode in ("ar", "diffusion"):
+                with pytest.raises(CloverError, match="non-finite"):
+                    model.generate_tokens([1, 2, 3], max_tokens=4, mode=mode)
+
+
+def test_native_tests_pass_under_sanitisers(san_build):
+    """The native-facing tests again, in a child pytest with the sanitised library."""
+    rt = _asan_runtime()
+    assert rt, "gcc's libasan.so not found"
+    env = dict(os.environ, LD_PRELOAD=rt, CLOVER_LIB=str(san_build / "libclover.so"), CLOVER_UNDER_ASAN="1",
+               ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SANITISED_TESTS],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    tail = r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.returncode == 0, tail
+    assert "AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, tail
+    assert " passed" in r.stdout and " failed" not in r.stdout, tail
