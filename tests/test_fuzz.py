@@ -19,6 +19,7 @@ docs/reliability.md says how to run a longer fuzz campaign.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -62,39 +63,17 @@ def san_build(tmp_path_factory) -> pathlib.Path:
     return out
 
 
-def _small_kv_file(path: pathlib.Path) -> pathlib.Path:
-    """A small valid GGUF with every KV value type, string and numeric arrays, general.alignment
-    64 and F32/F16/BF16/Q8_0 tensors of 1-4 dims."""
-    from gguf import GGMLQuantizationType as QT
-    from gguf import GGUFWriter
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(7)
-    w = GGUFWriter(str(path), "clover")
-    w.add_uint32("general.alignment", 64)
-    w.add_uint8("k.u8", 200), w.add_int8("k.i8", -5), w.add_uint16("k.u16", 60000), w.add_int16("k.i16", -300)
-    w.add_uint32("k.u32", 7), w.add_int32("k.i32", -7), w.add_float32("k.f32", 0.5), w.add_bool("k.bool", True)
-    w.add_string("k.str", "héllo"), w.add_uint64("k.u64", 2**40), w.add_int64("k.i64", -2**40)
-    w.add_float64("k.f64", 1e-300)
-    w.add_array("k.arr_i32", [1, -2, 3]), w.add_array("k.arr_str", ["a", "", "ccc"])
-    w.add_array("k.arr_f32", [0.25, 0.5])
-    for name, qt, shape in [("t.f32", QT.F32, (7,)), ("t.f16", QT.F16, (3, 5)), ("t.bf16", QT.BF16, (2, 3, 4)),
-                            ("t.q8", QT.Q8_0, (2, 1, 2, 64))]:
-        x = rng.standard_normal(shape).astype(np.float32)
-        if qt == QT.F32:
-            w.add_tensor(name, x)
-        elif qt == QT.F16:
-            w.add_tensor(name, x.astype(np.float16))
-        else:
-            w.add_tensor(name, quantize(x, qt), raw_dtype=qt)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    return path
+def _bench_fuzz():
+    spec = importlib.util.spec_from_file_location("bench_fuzz_gguf", ROOT / "bench" / "fuzz_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="session")
 def seeds(make_gguf, tmp_path_factory) -> list[pathlib.Path]:
     d = tmp_path_factory.mktemp("fuzzseeds")
-    files = [_small_kv_file(d / "kv.gguf"), pathlib.Path(clover_gguf.DEFAULT_MODEL),
+    files = [_bench_fuzz().small_kv_file(d / "kv.gguf"), pathlib.Path(clover_gguf.DEFAULT_MODEL),
              make_gguf("q8_0"), make_gguf("f32", arch="qwen35moe", clover=False), make_gguf("q8_0", arch="qwen35moe"),
              make_gguf("bf16", arch="qwen35moe", clover=False)]
     for t in ("q4_k_m", "q6_k", "iq4_xs", "q4_0", "f16"):
