@@ -102,6 +102,7 @@ class Model:
         # a prompt that extends them prefills only its new tokens (chat turns, server requests)
         self.prefix_reuse = bool(prefix_reuse)
         self._cached: list[int] = []
+        self._saved: list[int] = []  # the prompt prefix whose state clover_context_save_state kept
         self._active = None  # the native decoder of a generation in progress
         self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
         self._cancel_lock = threading.Lock()
@@ -365,17 +366,15 @@ class Model:
         self._live()
         self._abort_active()
         cached, self._cached = self._cached, []
-        k = len(cached)
-        p.n_reuse = k if (self.prefix_reuse and 0 < k < n and lib.clover_context_n_past(self._ctx) == k
-                          and list(prompt_ids[:k]) == cached) else 0
         run = _Run()
         with self._cancel_lock:
             self._running = run
         try:
             t0 = time.perf_counter()
-            d = lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
+            p.n_reuse, reused = self._reuse_prefix(prompt_ids, cached, err) if self.prefix_reuse else (0, 0)
+            d = ffi.NULL if p.n_reuse < 0 else lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
             if d == ffi.NULL:
-                if run.cancelled:  # the prefill was aborted: no forward completed
+                if run.cancelled or p.n_reuse < 0:  # the prefill was aborted: no forward completed
                     st = ffi.new("clover_stats *")
                     st.n_prompt = n
                     seconds = time.perf_counter() - t0
@@ -423,12 +422,48 @@ class Model:
                     if not cancelled:  # the caches hold the prompt and the committed tokens
                         self._cached = (list(prompt_ids) + tokens)[:lib.clover_context_n_past(self._ctx)]
                     self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
+                    self.last_stats["n_prompt_reused"] = reused
                     if cancelled:
                         self.last_stats["finish_reason"] = "cancelled"
         finally:
             with self._cancel_lock:
                 if self._running is run:
                     self._running = None
+
+    def _reuse_prefix(self, ids, cached, err) -> tuple[int, int]:
+        """Prefix reuse (``prefix_reuse=True``): put the caches in the state of a prefix of ``ids``
+        and return ``(n_reuse for the decoder, prompt tokens not prefilled)``; ``(-1, 0)`` when a
+        cancel() stopped the prefill here.
+
+        Reused: the tokens the caches hold after the last generation when ``ids`` extends them
+        exactly; else the prompt prefix saved at the last generation's split point when ``ids``
+        starts with it (clover_context_restore_state: the GDN state cannot be rewound, so it is
+        saved there). The split point of a prompt is its last ``<|im_start|>`` (where a chat
+        template starts the reply; the rendered history before it stays the same in the next
+        turn even when the template rewrites the reply, e.g. drops its reasoning), else its last
+        token. The tokens up to the split point are prefilled here and the state saved."""
+        n, k = len(ids), len(cached)
+        start = 0
+        if 0 < k < n and lib.clover_context_n_past(self._ctx) == k and list(ids[:k]) == cached:
+            start = k
+        elif self._saved and len(self._saved) < n and list(ids[:len(self._saved)]) == self._saved:
+            start = max(0, int(lib.clover_context_restore_state(self._ctx, err, len(err))))
+        if start == 0:
+            lib.clover_context_reset(self._ctx)
+            self._saved = []
+        im_start = self.tokenizer.token_to_id("<|im_start|>")
+        split = max((i for i, t in enumerate(ids) if t == im_start), default=0) or n - 1
+        if split <= start:
+            return start, start
+        toks = ffi.new("int32_t[]", list(ids[start:split]))
+        rc = lib.clover_prefill(self._ctx, toks, split - start, ffi.NULL, 0, err, len(err))
+        if rc != 0:
+            self._saved = []
+            if rc == lib.CLOVER_E_ABORTED:
+                return -1, 0
+            raise_error(err, "generate")
+        self._saved = list(ids[:split]) if lib.clover_context_save_state(self._ctx, err, len(err)) == 0 else []
+        return split, start
 
     def cancel(self) -> bool:
         """Stop the generation in progress (``generate``, ``generate_tokens``, or a started

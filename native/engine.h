@@ -58,6 +58,8 @@ struct clover_context {
     int rec_on;                /* the next prefill records (set by clover_context_checkpoint) */
     int32_t rec_cap, rec_n, rec_p0; /* capacity (tokens), tokens recorded, n_past at the checkpoint */
     float *snap_state, *snap_conv;  /* copies of gdn_state, conv_state */
+    int32_t keep_n;                 /* clover_context_save_state: n_past saved (0 = none) */
+    float *keep_state, *keep_conv;  /* its copies of gdn_state, conv_state */
     float *rec_qkv, *rec_cv;        /* [n_gdn][rec_cap][conv channels]: conv inputs, conv outputs */
     float *rec_b, *rec_a;           /* [n_gdn][rec_cap][Hv]: beta and log-decay g */
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use

@@ -567,6 +567,7 @@ void clover_context_free(clover_context *c) {
     free(c->gdn_state);
     free(c->conv_state);
     free(c->snap_state), free(c->snap_conv);
+    free(c->keep_state), free(c->keep_conv);
     free(c->rec_qkv), free(c->rec_cv), free(c->rec_b), free(c->rec_a);
     free(c->nexp_full);
     free(c);
@@ -587,6 +588,7 @@ void clover_context_reset(clover_context *c) {
     const clover_hparams *hp = &c->m->hp;
     atomic_store(&c->abort_req, 0);
     c->n_past = 0;
+    c->keep_n = 0; /* the KV rows below a saved state are about to be overwritten */
     c->rec_on = 0;
     c->rec_n = 0;
     memset(c->gdn_state, 0, sizeof(float) * (size_t)(c->m->n_gdn * gdn_state_floats(hp)));
@@ -1435,6 +1437,36 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
         clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
     }
     return rc;
+}
+
+int clover_context_save_state(clover_context *c, char *err, size_t err_size) {
+    if (!c) return clover_set_err(err, err_size, CLOVER_E_ARG, "context is NULL");
+    if (c->n_past <= 0) return clover_set_err(err, err_size, CLOVER_E_STATE, "save_state: the context is empty");
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t G = c->m->n_gdn;
+    const size_t state_n = (size_t)(G * gdn_state_floats(hp)), conv_n = (size_t)(G * (hp->ssm_d_conv - 1) * conv_channels(hp));
+    if (!c->keep_state) c->keep_state = malloc(sizeof(float) * state_n + 1);
+    if (!c->keep_conv) c->keep_conv = malloc(sizeof(float) * conv_n + 1);
+    if (!c->keep_state || !c->keep_conv) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the saved state");
+    memcpy(c->keep_state, c->gdn_state, sizeof(float) * state_n);
+    memcpy(c->keep_conv, c->conv_state, sizeof(float) * conv_n);
+    c->keep_n = c->n_past;
+    return CLOVER_OK;
+}
+
+int32_t clover_context_restore_state(clover_context *c, char *err, size_t err_size) {
+    if (!c) return clover_set_err(err, err_size, CLOVER_E_ARG, "context is NULL");
+    if (c->keep_n <= 0 || c->keep_n > c->n_past)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "restore_state: no saved state (or the context was reset)");
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t G = c->m->n_gdn;
+    memcpy(c->gdn_state, c->keep_state, sizeof(float) * (size_t)(G * gdn_state_floats(hp)));
+    memcpy(c->conv_state, c->keep_conv, sizeof(float) * (size_t)(G * (hp->ssm_d_conv - 1) * conv_channels(hp)));
+    c->n_past = c->keep_n;
+    c->rec_on = 0;
+    c->rec_n = 0;
+    atomic_store(&c->abort_req, 0);
+    return c->keep_n;
 }
 
 int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_t err_size) {

@@ -283,7 +283,7 @@ def test_cancel_during_a_long_prompt(gguf_path):
         answered = []
         timer = threading.Timer(0.05, lambda: answered.append(c.cancel()))
         timer.start()
-        r = c(ids, max_tokens=1)
+        r = c(ids[::-1], max_tokens=1)  # shares no prefix with `ids`: nothing to reuse
         timer.join()
         assert answered == [True]
         assert _finish(r) == "cancelled" and _text(r) == ""

@@ -170,3 +170,31 @@ def test_prefix_reuse_prefills_only_the_new_tokens(files, mode):
         m.prefix_logits(first)
         m.generate_tokens(first + [5], max_tokens=4, mode=mode, end_ids=[])
         assert m.last_stats["n_prompt_reused"] == 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion", "spec"])
+def test_prefix_reuse_of_a_rerendered_history(files, mode):
+    """A chat turn whose template rewrites the previous reply (e.g. drops its reasoning) does not
+    extend the cache exactly; with prefix_reuse the state saved at the previous prompt's last
+    <|im_start|> is restored, only the rest is prefilled, and the answer equals a fresh one."""
+    with Model(files["f32"], n_ctx=512, n_threads=2, prefix_reuse=True) as m, \
+            Model(files["f32"], n_ctx=512, n_threads=2) as fresh:
+        ims = m.tokenizer.token_to_id("<|im_start|>")
+        assert ims is not None
+        history = [ims] + m.tokenize("system\nYou are terse.\n") + [ims] + m.tokenize(PROMPTS[0])
+        first = history + [ims] + m.tokenize("assistant\n<think>\n")
+        a, st = m.generate_tokens(first, max_tokens=16, mode=mode, end_ids=[])
+        assert st["n_prompt_reused"] == 0
+        second = history + [ims] + m.tokenize("assistant\nAn answer without its reasoning.") + \
+            [ims] + m.tokenize("user\nAnd then?") + [ims] + m.tokenize("assistant\n")
+        assert second[:len(first)] != first + a  # not an exact extension
+        b, st2 = m.generate_tokens(second, max_tokens=16, mode=mode, end_ids=[])
+        assert st2["n_prompt_reused"] == len(history)
+        want, _ = fresh.generate_tokens(second, max_tokens=16, mode=mode, end_ids=[])
+        assert b == want
+        # the state saved for `second` (at its last <|im_start|>) serves a third turn too
+        split2 = max(i for i, t in enumerate(second) if t == ims)
+        third = second[:split2] + m.tokenize("A different reply.") + [ims] + m.tokenize("assistant\n")
+        c, st3 = m.generate_tokens(third, max_tokens=8, mode=mode, end_ids=[])
+        assert st3["n_prompt_reused"] == split2
+        assert c == fresh.generate_tokens(third, max_tokens=8, mode=mode, end_ids=[])[0]

@@ -178,6 +178,15 @@ CLOVER_API int32_t clover_context_n_past(const clover_context *c);
 CLOVER_API int32_t clover_context_n_ctx(const clover_context *c);
 /* Drop all cached tokens (and a pending clover_context_abort request). */
 CLOVER_API void clover_context_reset(clover_context *c);
+/* Prompt-state reuse across generations (chat turns re-rendered by a template): save the GDN
+ * recurrent and conv states and n_past (the KV cache rows below n_past are never rewritten by
+ * later calls); restore_state puts them back and sets n_past to the saved length, so a prompt that
+ * starts with the saved tokens prefills only the rest (clover_prefill, then a decoder with n_reuse).
+ * One saved state per context; clover_context_reset (a decoder with n_reuse = 0) drops it.
+ * save: CLOVER_E_STATE on an empty context; restore: the restored n_past, or CLOVER_E_STATE when
+ * nothing valid is saved. Memory: one copy of the GDN and conv states. */
+CLOVER_API int clover_context_save_state(clover_context *c, char *err, size_t err_size);
+CLOVER_API int32_t clover_context_restore_state(clover_context *c, char *err, size_t err_size);
 /* Ask the forward pass running on c to stop: the one thread-safe call on a context, meant to be
  * made from another thread while clover_prefill, clover_block_forward(_rows), clover_decoder_new
  * or clover_decoder_step runs. The forward checks the request before each layer and before the
