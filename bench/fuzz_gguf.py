@@ -32,7 +32,7 @@ CONVERTED = [("q8_0", None, True), ("f32", "qwen35moe", False), ("q8_0", "qwen35
              ("bf16", "qwen35moe", False), ("q4_k_m", None, True), ("q6_k", None, True), ("iq4_xs", None, True),
              ("q4_0", None, True), ("f16", None, True)]
 SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
-           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:abort_on_error=1"}
 
 
 def small_kv_file(path: pathlib.Path) -> pathlib.Path:

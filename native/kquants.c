@@ -584,9 +584,16 @@ static void q8_k_quant_scalar(const float *x, uint8_t *o) {
  * construction, so the saturating narrow is exact; one 16-lane vector is one bsums group. */
 __attribute__((target("avx512f,avx512bw"))) static void q8_k_quant_avx512(const float *x, uint8_t *o) {
     __m512 m = _mm512_setzero_ps();
-    for (int c = 0; c < 16; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * c)));
+    __mmask16 bad = 0; /* lanes holding NaN or Inf (x * 0 is NaN exactly for those) */
+    for (int c = 0; c < 16; c++) {
+        const __m512 v = _mm512_loadu_ps(x + 16 * c);
+        m = _mm512_max_ps(m, _mm512_abs_ps(v));
+        bad |= _mm512_cmp_ps_mask(_mm512_mul_ps(v, _mm512_setzero_ps()), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    }
     const float amax = _mm512_reduce_max_ps(m);
-    if (!(amax > 0.0f)) { /* zero block (NaN input keeps the scalar path's behaviour) */
+    /* zero block, or NaN/Inf input: the scalar path's bytes (converting NaN to int32 here gives
+     * INT_MIN lanes whose sum overflows; found by the fuzz harness) */
+    if (!(amax > 0.0f) || bad) {
         q8_k_quant_scalar(x, o);
         return;
     }

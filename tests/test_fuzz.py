@@ -83,7 +83,7 @@ def seeds(make_gguf, tmp_path_factory) -> list[pathlib.Path]:
 
 def _run(cmd, **kw) -> dict:
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-6000:]}"
     assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
@@ -278,7 +278,7 @@ def test_native_tests_pass_under_sanitisers(san_build):
     assert rt, "gcc's libasan.so not found"
     env = dict(os.environ, LD_PRELOAD=rt, CLOVER_LIB=str(san_build / "libclover.so"), CLOVER_UNDER_ASAN="1",
                ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=1")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SANITISED_TESTS],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     tail = r.stdout[-4000:] + r.stderr[-4000:]

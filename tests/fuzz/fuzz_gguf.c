@@ -95,7 +95,7 @@ static void dump_current(const char *why) {
 
 static void on_death(void) { dump_current("crash"); }
 static void on_signal(int sig) {
-    dump_current(sig == SIGALRM ? "timeout" : "signal");
+    dump_current(sig == SIGALRM ? "timeout" : sig == SIGABRT ? "abort" : "signal");
     _exit(sig == SIGALRM ? 3 : 4);
 }
 
@@ -482,6 +482,7 @@ int main(int argc, char **argv) {
         else files[nfiles++] = a;
     }
     if (!nfiles || iters < 0) usage();
+    if (only >= iters) iters = only + 1;
 #ifdef HAVE_ASAN
     __sanitizer_set_death_callback(on_death);
 #endif
@@ -490,6 +491,7 @@ int main(int argc, char **argv) {
     signal(SIGBUS, on_signal);
     signal(SIGFPE, on_signal);
     signal(SIGILL, on_signal);
+    signal(SIGABRT, on_signal); /* UBSan reports end in abort() with UBSAN_OPTIONS=abort_on_error=1 */
 
     seed *seeds = calloc((size_t)nfiles, sizeof *seeds);
     stats st;
