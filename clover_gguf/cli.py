@@ -39,6 +39,9 @@ def _load(path: str, n_ctx: int, n_threads):
     from ._ffi import CloverError
     from .api import Model
 
+    from .preload import preload
+
+    preload(path)  # a progress bar while a large file is read (terminal only)
     try:
         return Model(path, n_ctx=n_ctx, n_threads=n_threads)
     except (CloverError, ValueError) as e:

@@ -169,8 +169,11 @@ def _open(path: str, a, mode=None):
     from ._ffi import CloverError
     from .llama import Clover
 
+    from .preload import preload
+
     if not os.path.isfile(path):
         raise ValueError(f"model file not found: {path}")
+    preload(path)  # a progress bar while a large file is read (terminal only)
     try:
         return Clover(path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed)
     except CloverError as e:

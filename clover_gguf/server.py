@@ -118,8 +118,10 @@ class _State:
 
     def load(self) -> None:
         from .llama import Clover
+        from .preload import preload
 
         try:
+            preload(self.model_path)  # progress bar on a terminal while /health answers 503
             self.clover = Clover(self.model_path, **self.clover_kwargs)
         except BaseException as e:  # reported by /health and by serve()
             self.load_error = e

@@ -259,3 +259,19 @@ def test_run_visual_on_a_terminal_and_plain_otherwise(gguf_path):
     # without the cursor moves and the drawn blocks, the terminal shows the plain text
     text_written = re.sub(r"\x1b\[K|\x1b\[\d+D", "", re.sub(r" (?:\x1b\[[0-9;]*m|[^\x1b\r\n])*?\x1b\[\d+D", "", tty))
     assert text_written.replace("\r\n", "\n").startswith(plain.stdout.rstrip("\n"))
+
+
+def test_preload_reads_the_file_with_a_progress_bar(tmp_path):
+    """`clover_gguf.preload`: the model file is read once with a tqdm bar (forced here: by
+    default only on a terminal and for files of 256 MiB or more); skipped for a small file."""
+    import io
+
+    from clover_gguf.preload import preload
+
+    f = tmp_path / "m.bin"
+    f.write_bytes(bytes(range(256)) * 70_000)  # 17.9 MB: two reads
+    out = io.StringIO()
+    assert preload(f, force=True, file=out) == f.stat().st_size
+    assert "loading model:" in out.getvalue() and "17.1M" in out.getvalue()  # (cleared when done)
+    assert preload(f, file=io.StringIO()) == 0  # not a terminal, small: skipped
+    assert preload(tmp_path / "missing.gguf", force=True, file=io.StringIO()) == 0
