@@ -26,6 +26,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -296,3 +297,44 @@ def test_native_tests_pass_under_sanitisers(san_build):
     assert r.returncode == 0, tail
     assert "AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, tail
     assert " passed" in r.stdout and " failed" not in r.stdout, tail
+
+
+@pytest.fixture(scope="module")
+def nan_model(make_gguf, tmp_path_factory):
+    """The tiny f32 model with one NaN in blk.2's post-attention norm."""
+    def fn(name, a):
+        if name == "blk.2.post_attention_norm.weight":
+            a = a.copy()
+            a.reshape(-1)[3] = np.nan
+        return a
+    return _rewrite(make_gguf("f32"), tmp_path_factory.mktemp("nan") / "nan.gguf", tensor_fn=fn)
+
+
+def test_nonfinite_values_in_the_cli_and_the_server(nan_model):
+    """The CLI exits non-zero with the engine's message (no traceback, no text); the server
+    answers 500 with an OpenAI-shaped error naming the layer, and stays up."""
+    r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "run", "-m", str(nan_model), "-p", "hello",
+                        "-n", "4", "-t", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode not in (0, 2) and "non-finite" in r.stderr and "after layer 2" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout.strip() == ""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.server import create_app
+
+    app = create_app(str(nan_model), n_ctx=128, n_threads=1)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for _ in range(200):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        for body in ({"prompt": "hello", "max_tokens": 4}, {"prompt": "hello", "max_tokens": 4, "stream": True}):
+            resp = client.post("/v1/completions", json=body)
+            text = resp.text
+            if body.get("stream"):  # headers went out before the error: it arrives as an SSE error event
+                assert '"error"' in text and "non-finite" in text and "[DONE]" not in text.split('"error"')[0]
+            else:
+                assert resp.status_code == 500, text
+                err = resp.json()["error"]
+                assert "non-finite" in err["message"] and "after layer 2" in err["message"]
+        assert client.get("/health").status_code == 200
