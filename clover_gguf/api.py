@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -83,6 +84,9 @@ class Model:
         path: GGUF file.
         n_ctx: context length in tokens (prompt + generated + one block), > 0.
         n_threads: CPU threads; None or 0 = all available cores.
+        n_gpu_layers: layers whose weight products run on the GPU in a CUDA build (-1: all, and
+            the output projection; llama.cpp's -ngl). Without a usable GPU: a UserWarning naming
+            the reason, and the CPU. The rest of each layer runs on the CPU (see the README).
         prefix_reuse: a generation whose prompt extends exactly the tokens the caches hold
             after the previous generation (its prompt and committed tokens) prefills only the
             new tokens (``last_stats["n_prompt_reused"]``); off by default, so every call
@@ -95,7 +99,8 @@ class Model:
     Use as a context manager or call :meth:`close` to free the native memory.
     """
 
-    def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False) -> None:
+    def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
+                 n_gpu_layers: int = 0) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
@@ -109,6 +114,8 @@ class Model:
         path = os.fspath(path)
         n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
+        n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, lo=-1, hi=2**31 - 1)
+        self.n_gpu_layers = 0  # layers whose products run on the GPU (the output counts as one)
         self.path = path
         err = err_buf()
         m = lib.clover_model_load(os.fsencode(path), err, len(err))
@@ -123,6 +130,8 @@ class Model:
             self.hparams = {name: getattr(hp, name) for name, _ in ffi.typeof("clover_hparams").fields}
             self.hparams["is_clover"] = bool(self.hparams["is_clover"])
             self.hparams["logits_shift"] = bool(self.hparams["logits_shift"])
+            if n_gpu_layers:
+                self.n_gpu_layers = self._offload(n_gpu_layers)
             c = lib.clover_context_new(m, n_ctx, n_threads, err, len(err))
             if c == ffi.NULL:
                 raise_error(err, "creating the context")
@@ -187,6 +196,22 @@ class Model:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _offload(self, n_gpu_layers: int) -> int:
+        """Move the weight products of the first ``n_gpu_layers`` layers (-1 or more than
+        n_layer: all, and the output projection) to the GPU; without a usable GPU warn and stay
+        on the CPU. Returns the layers offloaded; raises CloverError when the GPU cannot hold them."""
+        info = ffi.new("char[]", 256)
+        if lib.clover_gpu_devices(info, len(info)) <= 0:
+            warnings.warn(f"n_gpu_layers={n_gpu_layers}: {ffi.string(info).decode('utf-8', 'replace')}; "
+                          "running on the CPU", UserWarning, stacklevel=3)
+            return 0
+        n = int(self.hparams["n_layer"]) + 1 if n_gpu_layers < 0 else n_gpu_layers
+        err = err_buf()
+        rc = lib.clover_model_offload(self._model, n, err, len(err))
+        if rc < 0:
+            raise_error(err, "offloading to the GPU")
+        return int(rc)
 
     def __del__(self):
         try:

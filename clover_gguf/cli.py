@@ -13,8 +13,8 @@ import os
 import shutil
 import sys
 
-from .cli_chat import DIM, OFF, _logit_bias, add_chat_parser, add_compare_parser, model_stats_timings, \
-    stats_line, stream_interruptibly
+from .cli_chat import DIM, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, gpu_layers, \
+    model_stats_timings, stats_line, stream_interruptibly, warn_to_stderr
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
 
@@ -34,7 +34,7 @@ def _check_model_path(path: str) -> None:
         raise _UsageError(f"model path is not a file: {path}")
 
 
-def _load(path: str, n_ctx: int, n_threads):
+def _load(path: str, n_ctx: int, n_threads, n_gpu_layers: int = 0):
     _check_model_path(path)
     from ._ffi import CloverError
     from .api import Model
@@ -43,7 +43,7 @@ def _load(path: str, n_ctx: int, n_threads):
 
     preload(path)  # a progress bar while a large file is read (terminal only)
     try:
-        return Model(path, n_ctx=n_ctx, n_threads=n_threads)
+        return warn_to_stderr(Model, path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None
 
@@ -114,7 +114,7 @@ def cmd_run(a) -> int:
         from . import DEFAULT_MODEL
 
         a.model = DEFAULT_MODEL
-    m = _load(a.model, a.ctx_size, a.threads)
+    m = _load(a.model, a.ctx_size, a.threads, gpu_layers(a))
     with m:
         kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
                   top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
@@ -252,7 +252,7 @@ def cmd_logits(a) -> int:
     out_dir = os.path.dirname(os.path.abspath(a.output))
     if not os.path.isdir(out_dir):
         raise _UsageError(f"--output: directory does not exist: {out_dir}")
-    m = _load(a.model, a.ctx_size, a.threads)
+    m = _load(a.model, a.ctx_size, a.threads, gpu_layers(a))
     with m:
         if ids is None:
             ids = m.tokenize(a.prompt)
@@ -283,7 +283,7 @@ def cmd_bench(a) -> int:
     try:
         rep = run_bench(a.model, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.repetitions,
                         n_threads=a.threads, block_size=a.block_size, coreset_top_p=a.coreset_top_p,
-                        seed=a.seed, warmup=not a.no_warmup)
+                        seed=a.seed, warmup=not a.no_warmup, n_gpu_layers=gpu_layers(a))
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None
     print(to_json(rep) if a.json else format_table(rep))
@@ -298,7 +298,7 @@ def cmd_serve(a) -> int:
     except ImportError as e:
         raise _UsageError(f"serve needs fastapi and uvicorn ({e}): pip install 'clover-gguf[server]'") from None
     return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, n_ctx=a.ctx_size,
-                 n_threads=a.threads, mode=a.mode)
+                 n_threads=a.threads, mode=a.mode, n_gpu_layers=gpu_layers(a))
 
 
 # ---------------------------------------------------------------------------- convert
@@ -385,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
     r.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_device_args(r)
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("info", help="print GGUF metadata and the tensor table")
@@ -399,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-o", "--output", required=True, help="output .npy file")
     lg.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
     lg.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
+    add_device_args(lg)
     lg.set_defaults(func=cmd_logits)
 
     add_chat_parser(sub)     # clover_gguf/cli_chat.py
@@ -415,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the random tokens (0)")
     b.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_device_args(b)
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
@@ -428,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default decoding mode of requests (diffusion for clover, ar for qwen35moe)")
     sv.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
     sv.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
+    add_device_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     # Parsed by the converter itself (see main); listed here for --help.

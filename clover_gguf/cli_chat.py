@@ -153,6 +153,44 @@ def add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
     p.add_argument("--coreset-top-p", type=float, default=None, help="MoE block coreset top-p (GGUF default)")
     p.add_argument("-t", "--threads", type=_int_at_least(0), default=None, help="CPU threads (all cores)")
     p.add_argument("-c", "--ctx-size", type=_int_at_least(1), default=4096, help="context length (4096)")
+    add_device_args(p)
+
+
+def _gpu_layers_arg(s: str) -> int:
+    if s == "all":
+        return -1
+    return _int_at_least(0)(s)
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """``-ngl N|all`` and ``--device cpu|cuda`` (llama.cpp's names): the layers whose weight
+    products run on the GPU of a CUDA build (:func:`gpu_layers`)."""
+    p.add_argument("-ngl", "--n-gpu-layers", type=_gpu_layers_arg, default=None, metavar="N|all",
+                   help="layers whose weight products run on the GPU; all = every layer and the output "
+                        "(default: all with --device cuda, else 0)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cpu: no GPU; cuda: the GPU (falls back to the CPU with a warning when none is usable)")
+
+
+def gpu_layers(a) -> int:
+    """n_gpu_layers from :func:`add_device_args`'s flags (-1 = all)."""
+    if getattr(a, "device", None) == "cpu":
+        return 0
+    if getattr(a, "n_gpu_layers", None) is not None:
+        return a.n_gpu_layers
+    return -1 if getattr(a, "device", None) == "cuda" else 0
+
+
+def warn_to_stderr(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with its UserWarnings (e.g. no GPU) printed as ``warning: ...`` lines."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        out = fn(*args, **kwargs)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr, flush=True)
+    return out
 
 
 def sampling_kwargs(a) -> dict:
@@ -175,7 +213,8 @@ def _open(path: str, a, mode=None):
         raise ValueError(f"model file not found: {path}")
     preload(path)  # a progress bar while a large file is read (terminal only)
     try:
-        return Clover(path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed)
+        return warn_to_stderr(Clover, path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed,
+                              n_gpu_layers=gpu_layers(a))
     except CloverError as e:
         raise ValueError(str(e)) from None
 

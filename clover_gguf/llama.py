@@ -136,9 +136,9 @@ class Clover:
         model_path: the GGUF file.
         n_ctx: context length in tokens (prompt + generated + one diffusion block), > 0.
         n_threads: CPU threads; None or 0 = the physical cores.
-        n_gpu_layers: accepted for llama-cpp-python compatibility. This runtime computes on the
-            CPU only: 0 is the only value with a meaning; any other value (-1 = "all layers"
-            included) gives a ``UserWarning`` and is otherwise ignored.
+        n_gpu_layers: layers whose weight products run on the GPU (-1: all, and the output
+            projection), as llama-cpp-python's; needs a CUDA build and a GPU, else a
+            ``UserWarning`` naming the reason and the CPU (:class:`~clover_gguf.api.Model`).
         seed: default sampling seed of calls without ``seed`` (it only matters at
             ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
             "random seed").
@@ -174,9 +174,6 @@ class Clover:
         self._holder: _Holder | None = None
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int):
             raise ValueError(f"n_gpu_layers: expected an integer, got {n_gpu_layers!r}")
-        if n_gpu_layers != 0:
-            warnings.warn(f"n_gpu_layers={n_gpu_layers}: clover-gguf runs on the CPU only; ignored",
-                          UserWarning, stacklevel=2)
         if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed < 2**64:
             raise ValueError(f"seed: expected -1 or an integer in [0, 2**64), got {seed!r}")
         self.model_path = str(model_path)
@@ -184,7 +181,8 @@ class Clover:
         self.seed = seed
         self.verbose = bool(verbose)
         t0 = time.perf_counter()
-        self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse)
+        self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse,
+                            n_gpu_layers=n_gpu_layers)
         try:
             self.mode = mode if mode is not None else ("diffusion" if self._model.is_clover else "ar")
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p

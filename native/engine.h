@@ -18,6 +18,7 @@ typedef struct {
     int type;
     const void *data;
     int64_t ne[4];
+    void *dev; /* a copy on the GPU (clover_model_offload), else NULL */
 } clover_tensor;
 
 typedef struct {
@@ -44,6 +45,8 @@ struct clover_model {
     clover_tensor tok_embd, output;
     const float *output_norm;
     clover_layer *layers;
+    int32_t n_gpu_layers;  /* layers whose weight products run on the GPU (clover_model_offload) */
+    int64_t gpu_bytes;     /* bytes of weights copied to the GPU */
 };
 
 struct clover_context {

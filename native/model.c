@@ -8,6 +8,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "engine.h"
+#include "cuda/cuda_backend.h"
 
 #include <float.h>
 #include <math.h>
@@ -404,8 +405,83 @@ clover_model *clover_model_load_memory(const void *data, size_t size, char *err,
     return load_from(clover_gguf_open_memory(data, size, err, err_size), err, err_size);
 }
 
+/* The weight tensors of layer il whose products can run on the GPU (NULL-terminated). */
+static void layer_weights(clover_layer *ly, clover_tensor **out) {
+    clover_tensor *all[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha, &ly->wout,
+                            &ly->wbeta_bwd, &ly->walpha_bwd, &ly->router, &ly->gate_exps, &ly->up_exps,
+                            &ly->down_exps, &ly->shexp_gate, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+    int n = 0;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (all[i]->data) out[n++] = all[i];
+    out[n] = NULL;
+}
+
+static int64_t tensor_bytes(const clover_tensor *t) {
+    return clover_row_nbytes(t->type, t->ne[0]) * t->ne[1] * t->ne[2] * t->ne[3];
+}
+
+static void free_gpu(clover_model *m) {
+    clover_tensor *w[24];
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        layer_weights(&m->layers[il], w);
+        for (int i = 0; w[i]; i++) clover_cuda_free(w[i]->dev), w[i]->dev = NULL;
+    }
+    clover_cuda_free(m->output.dev);
+    m->output.dev = NULL;
+    m->n_gpu_layers = 0;
+    m->gpu_bytes = 0;
+}
+
+int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_devices(info, info_size); }
+
+int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, char *err, size_t err_size) {
+    if (!m) return clover_set_err(err, err_size, CLOVER_E_ARG, "model is NULL");
+    if (n_gpu_layers < 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_gpu_layers: %d must be >= 0", n_gpu_layers);
+    if (m->n_gpu_layers || m->gpu_bytes)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "n_gpu_layers: the model is already offloaded");
+    const int32_t L = n_gpu_layers < m->hp.n_layer ? n_gpu_layers : m->hp.n_layer;
+    const int with_output = n_gpu_layers > m->hp.n_layer; /* llama.cpp: n_layer + 1 moves the output too */
+    if (L == 0 && !with_output) return 0;
+    char info[256];
+    if (clover_cuda_devices(info, sizeof info) <= 0)
+        return clover_set_err(err, err_size, CLOVER_E_DEVICE, "n_gpu_layers: %d, but no GPU can be used: %s", n_gpu_layers,
+                              info);
+    clover_tensor *w[24];
+    int64_t need = with_output ? tensor_bytes(&m->output) : 0;
+    for (int il = 0; il < L; il++) {
+        layer_weights(&m->layers[il], w);
+        for (int i = 0; w[i]; i++) need += tensor_bytes(w[i]);
+    }
+    int64_t free_b = 0, total_b = 0;
+    if (clover_cuda_mem_info(&free_b, &total_b) == CLOVER_OK && need > free_b)
+        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_gpu_layers: %d layers need %.2f GiB of weights on the GPU, "
+                              "%.2f GiB of %.2f GiB is free", n_gpu_layers, (double)need / (1 << 30),
+                              (double)free_b / (1 << 30), (double)total_b / (1 << 30));
+    int rc = CLOVER_OK;
+    for (int il = 0; il < L && rc == CLOVER_OK; il++) {
+        layer_weights(&m->layers[il], w);
+        for (int i = 0; w[i] && rc == CLOVER_OK; i++) {
+            rc = clover_cuda_upload(w[i]->data, (size_t)tensor_bytes(w[i]), &w[i]->dev, err, err_size);
+            if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(w[i]);
+        }
+    }
+    if (rc == CLOVER_OK && with_output) {
+        rc = clover_cuda_upload(m->output.data, (size_t)tensor_bytes(&m->output), &m->output.dev, err, err_size);
+        if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(&m->output);
+    }
+    if (rc != CLOVER_OK) {
+        free_gpu(m);
+        return rc;
+    }
+    m->n_gpu_layers = L + with_output;
+    return m->n_gpu_layers;
+}
+
+int64_t clover_model_gpu_bytes(const clover_model *m) { return m ? m->gpu_bytes : 0; }
+
 void clover_model_free(clover_model *m) {
     if (!m) return;
+    if (m->layers) free_gpu(m);
     free(m->layers);
     clover_gguf_close(m->g);
     free(m);
@@ -629,8 +705,15 @@ static void l2norm(float *x, int64_t n, float eps) {
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
+/* y = W x for T rows, on the GPU when W was offloaded (clover_model_offload), else on the CPU with
+ * n_threads. Non-zero on failure. */
+static int wmatmul(const clover_tensor *w, const float *x, int64_t T, float *y, int n_threads) {
+    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, NULL, 0);
+    return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, n_threads);
+}
+
 static int matmul(const clover_context *c, const clover_tensor *w, const float *x, int64_t T, float *y) {
-    return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, c->n_threads);
+    return wmatmul(w, x, T, y, c->n_threads);
 }
 
 /* Expert e of a 3-D expert tensor as a 2-D view. */
@@ -638,6 +721,7 @@ static clover_tensor expert_view(const clover_tensor *w, int64_t e) {
     clover_tensor v = *w;
     int64_t row = clover_row_nbytes(w->type, w->ne[0]);
     v.data = (const char *)w->data + (size_t)(e * w->ne[1] * row);
+    if (w->dev) v.dev = (char *)w->dev + (size_t)(e * w->ne[1] * row);
     v.ne[2] = 1;
     return v;
 }
@@ -1201,11 +1285,9 @@ static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float 
                       float *y) {
     clover_tensor wg = expert_view(&ly->gate_exps, e), wu = expert_view(&ly->up_exps, e);
     clover_tensor wd = expert_view(&ly->down_exps, e);
-    if (clover_matmul(wg.type, wg.data, wg.ne[0], wg.ne[1], x, n, gt, 1) ||
-        clover_matmul(wu.type, wu.data, wu.ne[0], wu.ne[1], x, n, up, 1))
-        return CLOVER_E_NOMEM;
+    if (wmatmul(&wg, x, n, gt, 1) || wmatmul(&wu, x, n, up, 1)) return CLOVER_E_NOMEM;
     for (int64_t i = 0; i < n * I; i++) gt[i] = silu(gt[i]) * up[i];
-    return clover_matmul(wd.type, wd.data, wd.ne[0], wd.ne[1], gt, n, y, 1) ? CLOVER_E_NOMEM : CLOVER_OK;
+    return wmatmul(&wd, gt, n, y, 1) ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
 static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *out) {

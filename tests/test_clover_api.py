@@ -12,6 +12,7 @@ import warnings
 import pytest
 
 from clover_gguf import Clover, CloverError, Model
+from clover_gguf._ffi import ffi, lib
 from clover_gguf.llama import ReasoningSplitter
 
 N_THREADS = 2
@@ -438,12 +439,19 @@ def test_constructor_settings_and_n_gpu_layers(gguf_path, ref):
             s = c(PROMPT, max_tokens=8, temperature=1.0)  # constructor seed 5 by default
             assert _text(s) == ref.generate(PROMPT, max_tokens=8, mode="ar", temperature=1.0, seed=5)
             assert c(PROMPT, max_tokens=8, mode="diffusion")["timings"]["mode"] == "diffusion"
-    with pytest.warns(UserWarning, match="CPU only"):
+    info = ffi.new("char[]", 256)
+    if lib.clover_gpu_devices(info, 256) <= 0:  # no GPU (or a build without CUDA): a warning, the CPU
+        with pytest.warns(UserWarning, match="running on the CPU"):
+            c = Clover(gguf_path, n_ctx=256, n_threads=N_THREADS, n_gpu_layers=-1, block_size=8, threshold=0.5)
+        assert c._model.n_gpu_layers == 0
+    else:  # (tests/test_cuda.py compares the GPU path with the CPU)
         c = Clover(gguf_path, n_ctx=256, n_threads=N_THREADS, n_gpu_layers=-1, block_size=8, threshold=0.5)
+        assert c._model.n_gpu_layers == c._model.hparams["n_layer"] + 1
     with c:
         assert c.n_gpu_layers == -1
         r = c(PROMPT, max_tokens=16)
-        assert _text(r) == ref.generate(PROMPT, max_tokens=16, block_size=8, threshold=0.5)
+        if c._model.n_gpu_layers == 0:
+            assert _text(r) == ref.generate(PROMPT, max_tokens=16, block_size=8, threshold=0.5)
     with pytest.raises(ValueError, match="n_gpu_layers"):
         Clover(gguf_path, n_gpu_layers="all")
     with pytest.raises(ValueError, match="threshold"):

@@ -37,6 +37,7 @@ enum {
     CLOVER_E_STATE = -5,     /* call not valid in the current state (e.g. context full) */
     CLOVER_E_ABORTED = -6,   /* stopped by clover_context_abort */
     CLOVER_E_NUMERIC = -7,   /* NaN or Inf in a hidden state or the logits (the message names the layer) */
+    CLOVER_E_DEVICE = -8,    /* GPU backend unavailable or failed (no device, no driver, built without CUDA) */
 };
 
 /* ---------------------------------------------------------------- GGUF reader (gguf.c)
@@ -126,6 +127,19 @@ CLOVER_API clover_model *clover_model_load_memory(const void *data, size_t size,
 CLOVER_API void clover_model_free(clover_model *m);
 /* The model's GGUF (owned by the model), for metadata lookups. */
 CLOVER_API const clover_gguf *clover_model_gguf(const clover_model *m);
+
+/* GPU backend (native/cuda, CUDA builds only). clover_gpu_devices: the number of usable CUDA
+ * devices (> 0), 0 when none, CLOVER_E_DEVICE when none can be used (no driver, or a library built
+ * without CUDA); info receives a one-line description or the reason. */
+CLOVER_API int clover_gpu_devices(char *info, size_t info_size);
+/* Copy the weights of the first n_gpu_layers layers to GPU 0 (n_layer + 1 or more: the output
+ * projection too, as llama.cpp's -ngl); their products (attention and GDN projections, router,
+ * experts, shared expert, LM head) then run there, everything else on the CPU. Call once, before
+ * generating. Returns the layers offloaded (output counted as one), or CLOVER_E_DEVICE (no GPU),
+ * CLOVER_E_NOMEM (naming the bytes needed and free), CLOVER_E_STATE (already offloaded). */
+CLOVER_API int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, char *err, size_t err_size);
+/* Bytes of weights on the GPU (0 when none). */
+CLOVER_API int64_t clover_model_gpu_bytes(const clover_model *m);
 
 /* Hyperparameters and diffusion defaults read from the GGUF (spec 1, 4.2). */
 typedef struct {

@@ -1,0 +1,35 @@
+/* cuda_stub.c: the CUDA backend's functions in a build without CUDA (CMake did not find the
+ * toolkit, or CLOVER_CUDA=OFF): every call reports CLOVER_E_DEVICE, so the CPU path is used. */
+#include "cuda/cuda_backend.h"
+
+#ifndef CLOVER_HAVE_CUDA
+#include <stdio.h>
+
+#include "clover.h"
+
+int clover_cuda_devices(char *info, size_t info_size) {
+    if (info && info_size) snprintf(info, info_size, "this libclover was built without CUDA (CLOVER_CUDA=OFF or no nvcc)");
+    return CLOVER_E_DEVICE;
+}
+
+int clover_cuda_mem_info(int64_t *free_bytes, int64_t *total_bytes) {
+    (void)free_bytes, (void)total_bytes;
+    return CLOVER_E_DEVICE;
+}
+
+int clover_cuda_upload(const void *host, size_t nbytes, void **dev, char *err, size_t err_size) {
+    (void)host, (void)nbytes;
+    *dev = NULL;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
+
+void clover_cuda_free(void *dev) { (void)dev; }
+
+int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
+                       char *err, size_t err_size) {
+    (void)type, (void)dev_w, (void)ne0, (void)ne1, (void)x, (void)T, (void)y;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
+#endif

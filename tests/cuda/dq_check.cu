@@ -1,0 +1,45 @@
+/* dq_check.cu: the GPU kernels' dequantisation (native/cuda/dequant.cuh) run on the host, so
+ * tests/test_cuda.py can compare it with the CPU engine's on a machine without a GPU.
+ *   dq_check TYPE IN OUT   reads whole blocks of ggml type TYPE from file IN, writes float32 to OUT */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../../native/cuda/dequant.cuh"
+
+template <int TYPE> static size_t run(const uint8_t *in, size_t nbytes, float *out) {
+    constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes;
+    const size_t nb = nbytes / BB;
+    for (size_t b = 0; b < nb; b++)
+        for (int j = 0; j < BN; j++) out[b * BN + j] = dq<TYPE>(in + b * BB, j);
+    return nb * BN;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) return fprintf(stderr, "usage: dq_check TYPE IN OUT\n"), 2;
+    FILE *f = fopen(argv[2], "rb");
+    if (!f) return perror(argv[2]), 2;
+    fseek(f, 0, SEEK_END);
+    const long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *in = (uint8_t *)malloc((size_t)n + 1);
+    float *out = (float *)malloc(sizeof(float) * ((size_t)n * 2 + 1)); /* >= elements of any format */
+    if (!in || !out || fread(in, 1, (size_t)n, f) != (size_t)n) return fprintf(stderr, "read failed\n"), 2;
+    fclose(f);
+    size_t m = 0;
+    switch (atoi(argv[1])) {
+    case T_Q8_0: m = run<T_Q8_0>(in, (size_t)n, out); break;
+    case T_Q4_0: m = run<T_Q4_0>(in, (size_t)n, out); break;
+    case T_IQ4_NL: m = run<T_IQ4_NL>(in, (size_t)n, out); break;
+    case T_MXFP4: m = run<T_MXFP4>(in, (size_t)n, out); break;
+    case T_Q4_K: m = run<T_Q4_K>(in, (size_t)n, out); break;
+    case T_Q5_K: m = run<T_Q5_K>(in, (size_t)n, out); break;
+    case T_Q6_K: m = run<T_Q6_K>(in, (size_t)n, out); break;
+    case T_IQ4_XS: m = run<T_IQ4_XS>(in, (size_t)n, out); break;
+    default: return fprintf(stderr, "type %s not a block format\n", argv[1]), 2;
+    }
+    FILE *o = fopen(argv[3], "wb");
+    if (!o || fwrite(out, sizeof(float), m, o) != m) return fprintf(stderr, "write failed\n"), 2;
+    fclose(o);
+    free(in), free(out);
+    return 0;
+}

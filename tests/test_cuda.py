@@ -1,0 +1,188 @@
+"""The CUDA backend (native/cuda, issue 7): weight products on the GPU against the CPU.
+
+Always run:
+- a library built where nvcc exists has the CUDA code compiled in (CI compiles it on every run),
+  and on a machine without a usable GPU it says why and the engine runs on the CPU
+  (clover_model_offload refuses with CLOVER_E_DEVICE; Model(n_gpu_layers=...) warns);
+Only with a GPU (skipped otherwise, with the reason):
+- clover_cuda_matmul for every weight type against float64 products of the dequantised
+  weights (the GPU multiplies float32 activations, the CPU Q8_0/Q8_K-quantised ones, so the
+  reference is the exact product, tolerance 1e-4 of sum |w x| per output);
+- whole-model logits with every layer offloaded against the CPU (tolerance below) and greedy
+  tokens identical to the CPU in ar, diffusion and spec, on the tiny model at F32, Q8_0 and
+  Q4_K_M, and for a partial offload.
+"""
+from __future__ import annotations
+
+import shutil
+
+import cffi
+import numpy as np
+import pytest
+
+from clover_gguf import _ffi
+from clover_gguf._ffi import err_buf, ffi, lib
+
+_info = ffi.new("char[]", 256)
+N_DEV = int(lib.clover_gpu_devices(_info, 256))
+INFO = ffi.string(_info).decode()
+gpu = pytest.mark.skipif(N_DEV <= 0, reason=f"no GPU: {INFO}")
+
+_cffi = cffi.FFI()
+_cffi.cdef("""
+int clover_cuda_upload(const void *host, size_t nbytes, void **dev, char *err, size_t err_size);
+void clover_cuda_free(void *dev);
+int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
+                       char *err, size_t err_size);
+""")
+_clib = _cffi.dlopen(_ffi._find_library())
+
+PLAIN = {"F32": lib.CLOVER_TYPE_F32, "F16": lib.CLOVER_TYPE_F16, "BF16": lib.CLOVER_TYPE_BF16,
+         "Q8_0": lib.CLOVER_TYPE_Q8_0}
+BLOCKS = {"Q4_0": lib.CLOVER_TYPE_Q4_0, "IQ4_NL": lib.CLOVER_TYPE_IQ4_NL, "MXFP4": lib.CLOVER_TYPE_MXFP4,
+          "Q4_K": lib.CLOVER_TYPE_Q4_K, "Q5_K": lib.CLOVER_TYPE_Q5_K, "Q6_K": lib.CLOVER_TYPE_Q6_K,
+          "IQ4_XS": lib.CLOVER_TYPE_IQ4_XS}
+
+
+def test_cuda_is_compiled_in_where_nvcc_exists_and_absent_gpu_is_reported():
+    if shutil.which("nvcc"):
+        assert "built without CUDA" not in INFO, INFO
+    if N_DEV > 0:
+        pytest.skip(f"a GPU is present: {INFO}")
+    assert N_DEV in (0, lib.CLOVER_E_DEVICE) and INFO  # the reason, e.g. no driver
+
+
+def test_offload_without_gpu_is_refused_and_model_falls_back(make_gguf):
+    if N_DEV > 0:
+        pytest.skip(f"a GPU is present: {INFO}")
+    from clover_gguf import Model
+
+    err = err_buf()
+    m = lib.clover_model_load(str(make_gguf("f32")).encode(), err, len(err))
+    try:
+        rc = lib.clover_model_offload(m, 99, err, len(err))
+        assert rc == lib.CLOVER_E_DEVICE and "n_gpu_layers" in ffi.string(err).decode()
+        assert lib.clover_model_offload(m, 0, err, len(err)) == 0 and lib.clover_model_gpu_bytes(m) == 0
+        assert lib.clover_model_offload(m, -1, err, len(err)) == lib.CLOVER_E_ARG
+    finally:
+        lib.clover_model_free(m)
+    with pytest.warns(UserWarning, match="running on the CPU"):
+        with Model(make_gguf("f32"), n_ctx=64, n_threads=1, n_gpu_layers=-1) as gm, \
+                Model(make_gguf("f32"), n_ctx=64, n_threads=1) as cm:
+            assert gm.n_gpu_layers == 0
+            assert gm.generate_tokens([1, 2, 3], max_tokens=6, mode="ar")[0] == \
+                cm.generate_tokens([1, 2, 3], max_tokens=6, mode="ar")[0]
+
+
+def _weights(name: str, type_: int, ne0: int, ne1: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes of the quantised [ne1, ne0] matrix, its float64 dequantisation)."""
+    w = rng.standard_normal((ne1, ne0)).astype(np.float32)
+    if name == "F32":
+        return w.view(np.uint8).reshape(-1), w.astype(np.float64)
+    n = lib.clover_type_nbytes(type_, ne0 * ne1)
+    q = np.zeros(n, np.uint8)
+    assert lib.clover_from_f32(type_, ffi.cast("float *", w.ctypes.data), ffi.cast("void *", q.ctypes.data),
+                               w.size) == n
+    back = np.zeros(w.size, np.float32)
+    assert lib.clover_to_f32(type_, ffi.cast("void *", q.ctypes.data), ffi.cast("float *", back.ctypes.data),
+                             w.size) == 0
+    return q, back.reshape(ne1, ne0).astype(np.float64)
+
+
+@gpu
+@pytest.mark.parametrize("name", list(PLAIN) + list(BLOCKS))
+@pytest.mark.parametrize("T", [1, 3, 9, 32])
+def test_matmul_every_type_against_the_exact_product(name, T):
+    rng = np.random.default_rng(T)
+    type_ = {**PLAIN, **BLOCKS}[name]
+    ne0, ne1 = 1024, 67
+    q, w = _weights(name, type_, ne0, ne1, rng)
+    x = rng.standard_normal((T, ne0)).astype(np.float32)
+    dev = _cffi.new("void **")
+    err = _cffi.new("char[]", 256)
+    assert _clib.clover_cuda_upload(_cffi.cast("void *", q.ctypes.data), q.size, dev, err, 256) == 0, \
+        _cffi.string(err)
+    try:
+        y = np.zeros((T, ne1), np.float32)
+        rc = _clib.clover_cuda_matmul(type_, dev[0], ne0, ne1, _cffi.cast("float *", x.ctypes.data), T,
+                                      _cffi.cast("float *", y.ctypes.data), err, 256)
+        assert rc == 0, _cffi.string(err)
+    finally:
+        _clib.clover_cuda_free(dev[0])
+    want = x.astype(np.float64) @ w.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+    assert np.all(np.abs(y - want) <= 1e-4 * scale + 1e-6), (name, float(np.max(np.abs(y - want) / scale)))
+
+
+@gpu
+@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_k_m"])
+def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
+    """Logits of a prefill with every layer and the output offloaded are within 2e-3 * the
+    logits' std of the CPU's (the GPU multiplies unquantised activations), and greedy tokens are
+    identical in all three modes, for the whole offload and a partial one."""
+    from clover_gguf import Model
+
+    path = make_gguf(outtype)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, \
+            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2) as half:
+        assert g.n_gpu_layers == g.hparams["n_layer"] + 1 and half.n_gpu_layers == 2
+        ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
+        lc, lg = cpu.prefix_logits(ids), g.prefix_logits(ids)
+        assert np.max(np.abs(lc - lg)) <= 2e-3 * float(np.std(lc)) + 1e-4
+        for mode in ("ar", "diffusion", "spec"):
+            want, _ = cpu.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])
+            assert g.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == want, mode
+            assert half.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == want, mode
+
+
+# byte offsets of fp16 fields in each block (kept finite when blocks are random bytes)
+FP16_AT = {"Q4_0": (0,), "IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+           "IQ4_XS": (0,)}
+BLOCK_BYTES = {"Q4_0": 18, "IQ4_NL": 18, "MXFP4": 17, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+
+
+@pytest.fixture(scope="module")
+def dq_check(tmp_path_factory):
+    """tests/cuda/dq_check.cu built for the host with nvcc (the GPU kernels' dequantisation)."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc not found")
+    import pathlib
+    import subprocess
+
+    exe = tmp_path_factory.mktemp("dq") / "dq_check"
+    src = pathlib.Path(__file__).parent / "cuda" / "dq_check.cu"
+    r = subprocess.run([nvcc, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return exe
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_gpu_dequantisation_equals_the_cpu_engine(dq_check, tmp_path, name):
+    """native/cuda/dequant.cuh (element j of a block, as the kernels read it) equals the CPU
+    engine's clover_to_f32 bit for bit, on blocks quantised from random floats and on random
+    bytes (finite fp16 scales): the index and bit arithmetic of every format, checked without
+    a GPU."""
+    import subprocess
+
+    rng = np.random.default_rng(3)
+    type_ = BLOCKS[name]
+    n = 256 * 16
+    q = np.zeros(lib.clover_type_nbytes(type_, n), np.uint8)
+    x = (rng.standard_normal(n) * rng.uniform(0.01, 5, n)).astype(np.float32)
+    assert lib.clover_from_f32(type_, ffi.cast("float *", x.ctypes.data), ffi.cast("void *", q.ctypes.data), n) == q.size
+    raw = rng.integers(0, 256, q.size, dtype=np.uint8)
+    for b in range(q.size // BLOCK_BYTES[name]):
+        for off in FP16_AT[name]:
+            raw[b * BLOCK_BYTES[name] + off: b * BLOCK_BYTES[name] + off + 2] = \
+                np.array([rng.uniform(-2, 2)], np.float16).view(np.uint8)
+    for blocks in (q, raw):
+        want = np.zeros(n, np.float32)
+        assert lib.clover_to_f32(type_, ffi.cast("void *", blocks.ctypes.data), ffi.cast("float *", want.ctypes.data),
+                                 n) == 0
+        (tmp_path / "in").write_bytes(blocks.tobytes())
+        r = subprocess.run([str(dq_check), str(type_), str(tmp_path / "in"), str(tmp_path / "out")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        got = np.fromfile(tmp_path / "out", np.float32)
+        np.testing.assert_array_equal(got, want)
