@@ -8,7 +8,7 @@ end-token stop (``end_ids=[]``), so every mode produces the same number of token
 tokens are checked equal to ar's.
 
 Usage: CLOVER_LIB=... python bench/modes.py MODEL.gguf [-n 128] [-t 2] [--block-size B]
-       [--threshold X] [--coreset-top-p P] [--json]
+       [--threshold X] [--coreset-top-p P] [--json] [-ngl N]
 """
 from __future__ import annotations
 
@@ -26,20 +26,21 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"
 KINDS = ("prefill", "denoise", "commit", "decode", "draft", "verify")
 
 
-def run(path: str, n: int, threads: int, **kw) -> dict:
+def run(path: str, n: int, threads: int, n_gpu_layers: int = 0, **kw) -> dict:
     out = {}
-    with Model(path, n_ctx=max(1024, n + 64), n_threads=threads) as m:
+    with Model(path, n_ctx=max(1024, n + 64), n_threads=threads, n_gpu_layers=n_gpu_layers) as m:
         modes = ["ar", "diffusion", "spec"] if m.is_clover else ["ar"]
         ar_tokens = []
         for mode in modes:
             agg = {"tokens": 0, "seconds": 0.0, "forwards": 0, **{k: 0 for k in KINDS}, "accept_hist": [],
-                   "experts": [], "experts_full": [], "max_experts": 0, "max_experts_full": 0}
+                   "experts": [], "experts_full": [], "max_experts": 0, "max_experts_full": 0, "ids": []}
             for i, p in enumerate(PROMPTS):
                 ids, st = m.generate_tokens(m.tokenize(p), max_tokens=n, mode=mode, end_ids=[], **kw)
                 if mode == "ar":
                     ar_tokens.append(ids)
                 elif mode == "spec" and ids != ar_tokens[i]:
                     raise SystemExit(f"spec differs from ar on prompt {i}")
+                agg["ids"].append(ids)
                 agg["tokens"] += len(ids)
                 agg["seconds"] += st["seconds"] - st["prefill_seconds"]
                 agg["forwards"] += st["n_forward"] - st["n_forward_prefill"]
@@ -68,10 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--coreset-top-p", type=float, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (-1 = all)")
     a = ap.parse_args(argv)
     kw = {k: v for k, v in (("block_size", a.block_size), ("threshold", a.threshold),
                             ("coreset_top_p", a.coreset_top_p)) if v is not None}
-    res = run(a.model, a.n_gen, a.threads, **kw)
+    res = run(a.model, a.n_gen, a.threads, a.n_gpu_layers, **kw)
     print(f"{a.model}: {len(PROMPTS)} prompts x {a.n_gen} greedy tokens, {a.threads} threads, {kw or 'GGUF defaults'}")
     print("| mode | tokens/s | tokens/forward | forwards (prefill excluded) | experts/layer mean (max), coreset | without coreset | spec accepted drafts histogram |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- |")

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One command for a machine with an NVIDIA GPU and no network (issue 7 item 4): build with the
+# CUDA backend, run the GPU tests, then on the real-dims 4-layer Q4_K_M model (generated here):
+# greedy tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
+# forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
+#
+#   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to OUT_DIR (default $OUT or /tmp/clover-device)
+#
+# Python packages the machine lacks travel as wheels in .whl/ (cffi, pycparser, gguf: see the
+# device tool's README); they are installed into /tmp/site when present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-/tmp/clover-device}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=python3
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+t0=$(date +%s)
+step() { echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
+
+step "GPU"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+step "build (CLOVER_CUDA=ON)"
+cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DCLOVER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    > "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+cmake --build build-cuda -j"$(nproc)" >> "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+export CLOVER_LIB="$PWD/build-cuda/libclover.so"
+$py -c "from clover_gguf._ffi import lib, ffi; b = ffi.new('char[]', 256); n = lib.clover_gpu_devices(b, 256); \
+print(n, ffi.string(b).decode()); raise SystemExit(0 if n > 0 else 1)"
+
+step "GPU tests (tests/test_cuda.py)"
+set +e
+$py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest.log"
+tests_rc=${PIPESTATUS[0]}
+set -e
+
+step "real-dims 4-layer Q4_K_M model"
+model=/tmp/clover-real4-q4km.gguf
+[ -f "$model" ] || $py bench/make_bench_model.py "$model" --dims real --layers 4 --outtype q4_k_m --arch clover \
+    --unique-experts 16 --no-progress > "$out/make_model.log" 2>&1
+
+step "modes on the GPU (-ngl all) and the CPU: tokens/s and greedy tokens"
+$py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json > "$out/modes_gpu.json"
+$py bench/modes.py "$model" -n 64 -t "$(nproc)" --json > "$out/modes_cpu.json"
+$py - "$out/modes_gpu.json" "$out/modes_cpu.json" <<'PY'
+import json, sys
+g, c = (json.load(open(p)) for p in sys.argv[1:3])
+ok = True
+for mode in c:
+    same = g[mode]["ids"] == c[mode]["ids"]
+    ok &= same
+    print(f"{mode:9s} GPU {g[mode]['tokens_per_second']:8.1f} t/s  CPU {c[mode]['tokens_per_second']:8.1f} t/s  "
+          f"tokens/forward {g[mode]['tokens_per_forward']:.2f}  greedy tokens identical: {same}")
+print("greedy tokens identical in all modes:", ok)
+PY
+
+step "bench (pp512, tg128, block forward): GPU, then CPU"
+$py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt"
+$py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt"
+step "done (GPU tests exit status $tests_rc)"
+exit "$tests_rc"
