@@ -45,8 +45,9 @@ model=/tmp/clover-real4-q4km.gguf
     --unique-experts 16 --no-progress > "$out/make_model.log" 2>&1
 
 step "modes on the GPU (-ngl all) and the CPU: tokens/s and greedy tokens"
-$py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json > "$out/modes_gpu.json"
-$py bench/modes.py "$model" -n 64 -t "$(nproc)" --json > "$out/modes_cpu.json"
+$py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tee "$out/modes_gpu.txt" | tail -1 > "$out/modes_gpu.json"
+$py bench/modes.py "$model" -n 64 -t "$(nproc)" --json | tee "$out/modes_cpu.txt" | tail -1 > "$out/modes_cpu.json"
+grep -v '^{' "$out/modes_gpu.txt" "$out/modes_cpu.txt"
 $py - "$out/modes_gpu.json" "$out/modes_cpu.json" <<'PY'
 import json, sys
 g, c = (json.load(open(p)) for p in sys.argv[1:3])
