@@ -9,6 +9,7 @@
 #include "clover.h"
 #include "quants.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,9 +116,17 @@ static int64_t quantize_act_q8_0(const float *x, void *dst, int64_t n) {
     uint8_t *o = (uint8_t *)dst;
     for (int64_t b = 0; b < n / CLOVER_QK8_0; b++, x += CLOVER_QK8_0, o += 34) {
         float amax = 0.0f;
+        int bad = 0;
         for (int j = 0; j < CLOVER_QK8_0; j++) {
             const float v = fabsf(x[j]);
+            bad |= !(v <= FLT_MAX);
             amax = amax > v ? amax : v;
+        }
+        if (bad) { /* NaN/Inf in: a NaN scale (fp16 0x7e00), so products come out NaN for the guard */
+            const uint16_t nan16 = 0x7e00;
+            memcpy(o, &nan16, 2);
+            memset(o + 2, 0, CLOVER_QK8_0);
+            continue;
         }
         const uint16_t dh = clover_fp32_to_fp16(amax / 127.0f);
         memcpy(o, &dh, 2);

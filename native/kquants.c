@@ -555,13 +555,21 @@ static void mxfp4_dequant(const uint8_t *b, float *y) {
 
 static void q8_k_quant_scalar(const float *x, uint8_t *o) {
     float amax = 0, vmax = 0;
+    int bad = 0;
     for (int j = 0; j < QK_K; j++) {
+        bad |= !isfinite(x[j]);
         if (fabsf(x[j]) > amax) {
             amax = fabsf(x[j]);
             vmax = x[j];
         }
     }
     int8_t *qs = (int8_t *)(o + 4);
+    if (bad) { /* NaN/Inf in: a NaN scale, so products come out NaN and the forward's guard sees them */
+        const float d = NAN;
+        memset(o, 0, 292);
+        memcpy(o, &d, 4);
+        return;
+    }
     if (amax == 0.0f) {
         memset(o, 0, 292);
         return;

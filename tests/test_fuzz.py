@@ -310,6 +310,25 @@ def nan_model(make_gguf, tmp_path_factory):
     return _rewrite(make_gguf("f32"), tmp_path_factory.mktemp("nan") / "nan.gguf", tensor_fn=fn)
 
 
+def test_nonfinite_activations_of_quantised_products_propagate(tmp_path):
+    """A NaN entering a Q8_0 / Q8_K-quantised product (the embedded Q8_0 model, a NaN norm weight
+    in layer 0) must not vanish in the activation quantiser (it used to become 0: finite garbage
+    text): the block's scale becomes NaN and the guard names layer 0."""
+    from clover_gguf import Model
+    from clover_gguf._ffi import CloverError
+
+    def fn(name, a):
+        if name == "blk.0.attn_norm.weight":
+            a = a.copy()
+            a.reshape(-1)[0] = np.nan
+        return a
+    path = _rewrite(pathlib.Path(clover_gguf.DEFAULT_MODEL), tmp_path / "q8nan.gguf", tensor_fn=fn)
+    with Model(str(path), n_ctx=64, n_threads=1) as m:
+        for mode in ("ar", "diffusion", "spec"):
+            with pytest.raises(CloverError, match=r"non-finite value \(nan\) after layer 0"):
+                m.generate_tokens(m.tokenize("def f("), max_tokens=4, mode=mode)
+
+
 def test_nonfinite_values_in_the_cli_and_the_server(nan_model):
     """The CLI exits non-zero with the engine's message (no traceback, no text); the server
     answers 500 with an OpenAI-shaped error naming the layer, and stays up."""
