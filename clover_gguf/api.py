@@ -87,6 +87,11 @@ class Model:
         n_gpu_layers: layers whose weight products run on the GPU in a CUDA build (-1: all, and
             the output projection; llama.cpp's -ngl). Without a usable GPU: a UserWarning naming
             the reason, and the CPU. The rest of each layer runs on the CPU (see the README).
+        n_cpu_moe: the routed experts of the first n_cpu_moe offloaded layers stay in system
+            memory (llama.cpp's --n-cpu-moe; >= n_layer: --cpu-moe).
+        gpu_budget: bytes of GPU memory, or "free" (what the GPU reports free): choose
+            n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
+            is in :attr:`placement` (``placement["plan"]``).
         prefix_reuse: a generation whose prompt extends exactly the tokens the caches hold
             after the previous generation (its prompt and committed tokens) prefills only the
             new tokens (``last_stats["n_prompt_reused"]``); off by default, so every call
@@ -100,7 +105,7 @@ class Model:
     """
 
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
-                 n_gpu_layers: int = 0) -> None:
+                 n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
@@ -115,7 +120,11 @@ class Model:
         n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
         n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, lo=-1, hi=2**31 - 1)
+        n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, lo=0, hi=2**31 - 1)
+        if gpu_budget is not None and gpu_budget != "free":
+            gpu_budget = _check_int("gpu_budget", gpu_budget, lo=1, hi=2**62)
         self.n_gpu_layers = 0  # layers whose products run on the GPU (the output counts as one)
+        self.placement: dict | None = None  # bytes per part of the GPU placement (placement.py)
         self.path = path
         err = err_buf()
         m = lib.clover_model_load(os.fsencode(path), err, len(err))
@@ -130,8 +139,8 @@ class Model:
             self.hparams = {name: getattr(hp, name) for name, _ in ffi.typeof("clover_hparams").fields}
             self.hparams["is_clover"] = bool(self.hparams["is_clover"])
             self.hparams["logits_shift"] = bool(self.hparams["logits_shift"])
-            if n_gpu_layers:
-                self.n_gpu_layers = self._offload(n_gpu_layers)
+            if n_gpu_layers or gpu_budget is not None:
+                self.n_gpu_layers = self._offload(n_gpu_layers, n_cpu_moe, gpu_budget)
             c = lib.clover_context_new(m, n_ctx, n_threads, err, len(err))
             if c == ffi.NULL:
                 raise_error(err, "creating the context")
@@ -197,18 +206,36 @@ class Model:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _offload(self, n_gpu_layers: int) -> int:
+    def _offload(self, n_gpu_layers: int, n_cpu_moe: int, gpu_budget) -> int:
         """Move the weight products of the first ``n_gpu_layers`` layers (-1 or more than
-        n_layer: all, and the output projection) to the GPU; without a usable GPU warn and stay
-        on the CPU. Returns the layers offloaded; raises CloverError when the GPU cannot hold them."""
-        info = ffi.new("char[]", 256)
-        if lib.clover_gpu_devices(info, len(info)) <= 0:
-            warnings.warn(f"n_gpu_layers={n_gpu_layers}: {ffi.string(info).decode('utf-8', 'replace')}; "
-                          "running on the CPU", UserWarning, stacklevel=3)
-            return 0
+        n_layer: all, and the output projection) to the GPU, less the routed experts of the first
+        ``n_cpu_moe`` layers; with ``gpu_budget`` the placement is :func:`placement.fit`'s.
+        Without a usable GPU: a warning, the CPU. Sets :attr:`placement` (bytes per part and the
+        plan line); returns the layers offloaded; raises CloverError when the GPU cannot hold them."""
+        from . import placement as P
+
+        budget = None
+        if gpu_budget is not None:
+            budget = P.gpu_free_bytes() if gpu_budget == "free" else int(gpu_budget)
+            if budget is None:
+                warnings.warn("gpu_budget: no usable GPU reports its free memory; running on the CPU",
+                              UserWarning, stacklevel=3)
+                return 0
+            plan = P.fit(self, budget)
+            n_gpu_layers, n_cpu_moe = plan["n_gpu_layers"], plan["n_cpu_moe"]
         n = int(self.hparams["n_layer"]) + 1 if n_gpu_layers < 0 else n_gpu_layers
+        self.placement = P.placement(self, n, n_cpu_moe)
+        if budget is not None:
+            self.placement["budget"] = budget
+        self.placement["plan"] = P.describe(self.placement, int(self.hparams["n_layer"]))
+        info = ffi.new("char[]", 256)
+        if n == 0 or lib.clover_gpu_devices(info, len(info)) <= 0:
+            if n:
+                warnings.warn(f"n_gpu_layers={n_gpu_layers}: {ffi.string(info).decode('utf-8', 'replace')}; "
+                              "running on the CPU", UserWarning, stacklevel=3)
+            return 0
         err = err_buf()
-        rc = lib.clover_model_offload(self._model, n, err, len(err))
+        rc = lib.clover_model_offload(self._model, n, n_cpu_moe, err, len(err))
         if rc < 0:
             raise_error(err, "offloading to the GPU")
         return int(rc)

@@ -152,7 +152,7 @@ def bytes_per_token(path) -> int:
 class _Engine:
     """A loaded model and one context, freed by close()."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0, n_cpu_moe: int = 0) -> None:
         err = err_buf()
         self.m = lib.clover_model_load(os.fsencode(path), err, len(err))
         if self.m == ffi.NULL:
@@ -164,7 +164,7 @@ class _Engine:
         self.n_gpu_layers = 0
         if n_gpu_layers:  # (no GPU: the caller asked for one, so this is an error here)
             n = int(self.hp.n_layer) + 1 if n_gpu_layers < 0 else n_gpu_layers
-            rc = lib.clover_model_offload(self.m, n, err, len(err))
+            rc = lib.clover_model_offload(self.m, n, n_cpu_moe, err, len(err))
             if rc < 0:
                 self.close()
                 raise_error(err, "n_gpu_layers")
@@ -208,7 +208,8 @@ def _check_pos(name: str, v: int) -> int:
 
 def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
-              block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0) -> dict:
+              block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0,
+              n_cpu_moe: int = 0) -> dict:
     """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
 
     Args:
@@ -216,7 +217,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
             ``n_prompt`` tokens); n_threads: None or 0 = the engine's default (all cores);
         coreset_top_p: in (0, 1]; block: None = only for clover files, False = skip;
         commit: False skips the commit test; n_gpu_layers: layers whose weight products run on
-            the GPU (-1 = all and the output; CloverError without a usable GPU).
+            the GPU (-1 = all and the output; CloverError without a usable GPU); n_cpu_moe: the
+            routed experts of the first n_cpu_moe layers stay on the CPU.
 
     Returns a dict: ``model`` (:func:`model_summary`), ``threads`` (int, the resolved
     count), ``params`` (the arguments), ``results`` (list of :class:`BenchResult`, in order
@@ -232,7 +234,7 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
     if threads < 0:
         raise ValueError(f"n_threads: {threads} must be >= 0")
     summary = model_summary(path)
-    eng = _Engine(path, max(n_prompt + B, n_gen), threads, n_gpu_layers)
+    eng = _Engine(path, max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe)
     gpu_layers = eng.n_gpu_layers
     try:
         hp = eng.hp

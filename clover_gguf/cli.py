@@ -14,7 +14,7 @@ import shutil
 import sys
 
 from .cli_chat import DIM, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, gpu_layers, \
-    model_stats_timings, stats_line, stream_interruptibly, warn_to_stderr
+    model_stats_timings, placement_kwargs, print_plan, stats_line, stream_interruptibly, warn_to_stderr
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
 
@@ -34,7 +34,7 @@ def _check_model_path(path: str) -> None:
         raise _UsageError(f"model path is not a file: {path}")
 
 
-def _load(path: str, n_ctx: int, n_threads, n_gpu_layers: int = 0):
+def _load(path: str, n_ctx: int, n_threads, placement: dict | None = None):
     _check_model_path(path)
     from ._ffi import CloverError
     from .api import Model
@@ -43,7 +43,9 @@ def _load(path: str, n_ctx: int, n_threads, n_gpu_layers: int = 0):
 
     preload(path)  # a progress bar while a large file is read (terminal only)
     try:
-        return warn_to_stderr(Model, path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+        m = warn_to_stderr(Model, path, n_ctx=n_ctx, n_threads=n_threads, **(placement or {}))
+        print_plan(m)
+        return m
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None
 
@@ -114,7 +116,7 @@ def cmd_run(a) -> int:
         from . import DEFAULT_MODEL
 
         a.model = DEFAULT_MODEL
-    m = _load(a.model, a.ctx_size, a.threads, gpu_layers(a))
+    m = _load(a.model, a.ctx_size, a.threads, placement_kwargs(a))
     with m:
         kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
                   top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
@@ -252,7 +254,7 @@ def cmd_logits(a) -> int:
     out_dir = os.path.dirname(os.path.abspath(a.output))
     if not os.path.isdir(out_dir):
         raise _UsageError(f"--output: directory does not exist: {out_dir}")
-    m = _load(a.model, a.ctx_size, a.threads, gpu_layers(a))
+    m = _load(a.model, a.ctx_size, a.threads, placement_kwargs(a))
     with m:
         if ids is None:
             ids = m.tokenize(a.prompt)
@@ -283,7 +285,8 @@ def cmd_bench(a) -> int:
     try:
         rep = run_bench(a.model, n_prompt=a.n_prompt, n_gen=a.n_gen, reps=a.repetitions,
                         n_threads=a.threads, block_size=a.block_size, coreset_top_p=a.coreset_top_p,
-                        seed=a.seed, warmup=not a.no_warmup, n_gpu_layers=gpu_layers(a))
+                        seed=a.seed, warmup=not a.no_warmup, n_gpu_layers=gpu_layers(a),
+                        n_cpu_moe=placement_kwargs(a).get("n_cpu_moe", 0))
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None
     print(to_json(rep) if a.json else format_table(rep))
@@ -298,7 +301,33 @@ def cmd_serve(a) -> int:
     except ImportError as e:
         raise _UsageError(f"serve needs fastapi and uvicorn ({e}): pip install 'clover-gguf[server]'") from None
     return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, n_ctx=a.ctx_size,
-                 n_threads=a.threads, mode=a.mode, n_gpu_layers=gpu_layers(a))
+                 n_threads=a.threads, mode=a.mode, **placement_kwargs(a))
+
+
+# ---------------------------------------------------------------------------- fit
+def cmd_fit(a) -> int:
+    """Print the GPU placement for a budget (or the given -ngl / --n-cpu-moe) without a GPU."""
+    from .api import Model
+    from .placement import describe, fit, gpu_free_bytes, placement
+
+    _check_model_path(a.model)
+    with Model(a.model, n_ctx=16, n_threads=1) as m:
+        n_layer = int(m.hparams["n_layer"])
+        budget = a.gpu_budget if a.gpu_budget is not None else gpu_free_bytes()
+        if a.n_gpu_layers is not None or budget is None:
+            n_cpu_moe = 1 << 30 if a.cpu_moe else a.n_cpu_moe
+            plan = placement(m, -1 if a.n_gpu_layers is None else a.n_gpu_layers, n_cpu_moe)
+        else:
+            plan = fit(m, budget)
+        plan["plan"] = describe(plan, n_layer)
+        plan["n_gpu_layers_flag"] = "all" if plan["n_gpu_layers"] > n_layer else plan["n_gpu_layers"]
+    if a.json:
+        print(json.dumps(plan))
+    else:
+        print(f"{a.model}: {n_layer} layers; -ngl {plan['n_gpu_layers_flag']} --n-cpu-moe "
+              f"{min(plan['n_cpu_moe'], n_layer)}")
+        print(plan["plan"])
+    return 0
 
 
 # ---------------------------------------------------------------------------- convert
@@ -433,6 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context length (4096)")
     add_device_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    ft = sub.add_parser("fit", help="print the GPU placement (bytes on the GPU and on the CPU) for a memory "
+                        "budget, or for -ngl / --n-cpu-moe; needs no GPU")
+    ft.add_argument("-m", "--model", required=True, help="GGUF file")
+    add_device_args(ft)
+    ft.add_argument("--json", action="store_true", help="print one JSON object")
+    ft.set_defaults(func=cmd_fit)
 
     # Parsed by the converter itself (see main); listed here for --help.
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF "

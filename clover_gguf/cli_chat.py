@@ -162,14 +162,30 @@ def _gpu_layers_arg(s: str) -> int:
     return _int_at_least(0)(s)
 
 
+def _size_arg(s: str) -> int:
+    from .placement import parse_size
+
+    try:
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """``-ngl N|all`` and ``--device cpu|cuda`` (llama.cpp's names): the layers whose weight
-    products run on the GPU of a CUDA build (:func:`gpu_layers`)."""
+    """llama.cpp's placement flags: ``-ngl N|all``, ``--device cpu|cuda``, ``--cpu-moe``,
+    ``--n-cpu-moe N``, ``--fit`` and ``--gpu-budget SIZE`` (:func:`placement_kwargs`)."""
     p.add_argument("-ngl", "--n-gpu-layers", type=_gpu_layers_arg, default=None, metavar="N|all",
                    help="layers whose weight products run on the GPU; all = every layer and the output "
                         "(default: all with --device cuda, else 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cpu: no GPU; cuda: the GPU (falls back to the CPU with a warning when none is usable)")
+    p.add_argument("--cpu-moe", action="store_true", help="keep every routed expert in system memory")
+    p.add_argument("--n-cpu-moe", type=_int_at_least(0), default=0, metavar="N",
+                   help="keep the routed experts of the first N layers in system memory")
+    p.add_argument("--fit", action="store_true",
+                   help="choose the placement from the GPU's free memory (or --gpu-budget) and print the plan")
+    p.add_argument("--gpu-budget", type=_size_arg, default=None, metavar="SIZE",
+                   help="GPU memory to plan for with --fit, e.g. 12G (default: what the GPU reports free)")
 
 
 def gpu_layers(a) -> int:
@@ -178,7 +194,22 @@ def gpu_layers(a) -> int:
         return 0
     if getattr(a, "n_gpu_layers", None) is not None:
         return a.n_gpu_layers
-    return -1 if getattr(a, "device", None) == "cuda" else 0
+    return -1 if getattr(a, "device", None) == "cuda" or getattr(a, "fit", False) else 0
+
+
+def placement_kwargs(a) -> dict:
+    """``n_gpu_layers``, ``n_cpu_moe`` and ``gpu_budget`` of :class:`Clover` / ``Model`` from the flags."""
+    if getattr(a, "device", None) == "cpu":
+        return dict(n_gpu_layers=0)
+    fit = getattr(a, "fit", False)
+    return dict(n_gpu_layers=gpu_layers(a), n_cpu_moe=1 << 30 if getattr(a, "cpu_moe", False) else
+                getattr(a, "n_cpu_moe", 0), gpu_budget=(a.gpu_budget or "free") if fit else None)
+
+
+def print_plan(model) -> None:
+    """The GPU placement line of a loaded Model (stderr), when one was asked for."""
+    if getattr(model, "placement", None):
+        print(f"placement: {model.placement['plan']}", file=sys.stderr, flush=True)
 
 
 def warn_to_stderr(fn, *args, **kwargs):
@@ -213,8 +244,10 @@ def _open(path: str, a, mode=None):
         raise ValueError(f"model file not found: {path}")
     preload(path)  # a progress bar while a large file is read (terminal only)
     try:
-        return warn_to_stderr(Clover, path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed,
-                              n_gpu_layers=gpu_layers(a))
+        llm = warn_to_stderr(Clover, path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed,
+                             **placement_kwargs(a))
+        print_plan(llm._model)
+        return llm
     except CloverError as e:
         raise ValueError(str(e)) from None
 

@@ -139,6 +139,8 @@ class Clover:
         n_gpu_layers: layers whose weight products run on the GPU (-1: all, and the output
             projection), as llama-cpp-python's; needs a CUDA build and a GPU, else a
             ``UserWarning`` naming the reason and the CPU (:class:`~clover_gguf.api.Model`).
+        n_cpu_moe, gpu_budget: routed experts of the first layers kept on the CPU, and a GPU
+            memory budget that chooses the placement (--fit); see :class:`~clover_gguf.api.Model`.
         seed: default sampling seed of calls without ``seed`` (it only matters at
             ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
             "random seed").
@@ -164,7 +166,8 @@ class Clover:
     """
 
     def __init__(self, model_path, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, seed: int = 0, verbose: bool = False,
+                 n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
+                 seed: int = 0, verbose: bool = False,
                  mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
                  prefix_reuse: bool = True) -> None:
@@ -182,7 +185,7 @@ class Clover:
         self.verbose = bool(verbose)
         t0 = time.perf_counter()
         self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse,
-                            n_gpu_layers=n_gpu_layers)
+                            n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpu_budget=gpu_budget)
         try:
             self.mode = mode if mode is not None else ("diffusion" if self._model.is_clover else "ar")
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p

@@ -405,13 +405,18 @@ clover_model *clover_model_load_memory(const void *data, size_t size, char *err,
     return load_from(clover_gguf_open_memory(data, size, err, err_size), err, err_size);
 }
 
-/* The weight tensors of layer il whose products can run on the GPU (NULL-terminated). */
-static void layer_weights(clover_layer *ly, clover_tensor **out) {
-    clover_tensor *all[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha, &ly->wout,
-                            &ly->wbeta_bwd, &ly->walpha_bwd, &ly->router, &ly->gate_exps, &ly->up_exps,
-                            &ly->down_exps, &ly->shexp_gate, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
+/* The weight tensors of layer il whose products can run on the GPU (NULL-terminated): experts
+ * selects the routed experts (gate/up/down_exps) or everything else (attention or GDN
+ * projections, router, shared expert). */
+static void layer_weights(clover_layer *ly, int experts, clover_tensor **out) {
+    clover_tensor *dense[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha,
+                              &ly->wout, &ly->wbeta_bwd, &ly->walpha_bwd, &ly->router, &ly->shexp_gate, &ly->gate_sh,
+                              &ly->up_sh, &ly->down_sh};
+    clover_tensor *routed[] = {&ly->gate_exps, &ly->up_exps, &ly->down_exps};
+    clover_tensor **all = experts ? routed : dense;
+    const size_t n_all = experts ? sizeof routed / sizeof routed[0] : sizeof dense / sizeof dense[0];
     int n = 0;
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    for (size_t i = 0; i < n_all; i++)
         if (all[i]->data) out[n++] = all[i];
     out[n] = NULL;
 }
@@ -422,10 +427,11 @@ static int64_t tensor_bytes(const clover_tensor *t) {
 
 static void free_gpu(clover_model *m) {
     clover_tensor *w[24];
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        layer_weights(&m->layers[il], w);
-        for (int i = 0; w[i]; i++) clover_cuda_free(w[i]->dev), w[i]->dev = NULL;
-    }
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (int experts = 0; experts < 2; experts++) {
+            layer_weights(&m->layers[il], experts, w);
+            for (int i = 0; w[i]; i++) clover_cuda_free(w[i]->dev), w[i]->dev = NULL;
+        }
     clover_cuda_free(m->output.dev);
     m->output.dev = NULL;
     m->n_gpu_layers = 0;
@@ -434,9 +440,31 @@ static void free_gpu(clover_model *m) {
 
 int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_devices(info, info_size); }
 
-int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, char *err, size_t err_size) {
+int clover_gpu_memory(int64_t *free_bytes, int64_t *total_bytes) { return clover_cuda_mem_info(free_bytes, total_bytes); }
+
+int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe, int32_t part) {
+    if (!m || n_gpu_layers < 0 || n_cpu_moe < 0 || part < 0 || part > 4) return -1;
+    const int32_t L = n_gpu_layers < m->hp.n_layer ? n_gpu_layers : m->hp.n_layer;
+    clover_tensor *w[24];
+    int64_t b[5] = {0, 0, 0, 0, 0}; /* total, dense, routed experts, output, routed experts left on the CPU */
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (int experts = 0; experts < 2; experts++) {
+            layer_weights(&m->layers[il], experts, w);
+            for (int i = 0; w[i]; i++) {
+                const int64_t n = tensor_bytes(w[i]);
+                if (il < L && !(experts && il < n_cpu_moe)) b[1 + experts] += n;
+                else if (experts && il < L) b[4] += n;
+            }
+        }
+    if (n_gpu_layers > m->hp.n_layer) b[3] = tensor_bytes(&m->output);
+    b[0] = b[1] + b[2] + b[3];
+    return b[part];
+}
+
+int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe, char *err, size_t err_size) {
     if (!m) return clover_set_err(err, err_size, CLOVER_E_ARG, "model is NULL");
     if (n_gpu_layers < 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_gpu_layers: %d must be >= 0", n_gpu_layers);
+    if (n_cpu_moe < 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_cpu_moe: %d must be >= 0", n_cpu_moe);
     if (m->n_gpu_layers || m->gpu_bytes)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_gpu_layers: the model is already offloaded");
     const int32_t L = n_gpu_layers < m->hp.n_layer ? n_gpu_layers : m->hp.n_layer;
@@ -446,25 +474,23 @@ int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, char *err, s
     if (clover_cuda_devices(info, sizeof info) <= 0)
         return clover_set_err(err, err_size, CLOVER_E_DEVICE, "n_gpu_layers: %d, but no GPU can be used: %s", n_gpu_layers,
                               info);
-    clover_tensor *w[24];
-    int64_t need = with_output ? tensor_bytes(&m->output) : 0;
-    for (int il = 0; il < L; il++) {
-        layer_weights(&m->layers[il], w);
-        for (int i = 0; w[i]; i++) need += tensor_bytes(w[i]);
-    }
+    const int64_t need = clover_model_placement_bytes(m, n_gpu_layers, n_cpu_moe, 0);
     int64_t free_b = 0, total_b = 0;
     if (clover_cuda_mem_info(&free_b, &total_b) == CLOVER_OK && need > free_b)
         return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_gpu_layers: %d layers need %.2f GiB of weights on the GPU, "
                               "%.2f GiB of %.2f GiB is free", n_gpu_layers, (double)need / (1 << 30),
                               (double)free_b / (1 << 30), (double)total_b / (1 << 30));
+    clover_tensor *w[24];
     int rc = CLOVER_OK;
-    for (int il = 0; il < L && rc == CLOVER_OK; il++) {
-        layer_weights(&m->layers[il], w);
-        for (int i = 0; w[i] && rc == CLOVER_OK; i++) {
-            rc = clover_cuda_upload(w[i]->data, (size_t)tensor_bytes(w[i]), &w[i]->dev, err, err_size);
-            if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(w[i]);
+    for (int il = 0; il < L && rc == CLOVER_OK; il++)
+        for (int experts = 0; experts < 2 && rc == CLOVER_OK; experts++) {
+            if (experts && il < n_cpu_moe) continue; /* --n-cpu-moe: this layer's routed experts stay on the CPU */
+            layer_weights(&m->layers[il], experts, w);
+            for (int i = 0; w[i] && rc == CLOVER_OK; i++) {
+                rc = clover_cuda_upload(w[i]->data, (size_t)tensor_bytes(w[i]), &w[i]->dev, err, err_size);
+                if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(w[i]);
+            }
         }
-    }
     if (rc == CLOVER_OK && with_output) {
         rc = clover_cuda_upload(m->output.data, (size_t)tensor_bytes(&m->output), &m->output.dev, err, err_size);
         if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(&m->output);

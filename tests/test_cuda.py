@@ -60,10 +60,10 @@ def test_offload_without_gpu_is_refused_and_model_falls_back(make_gguf):
     err = err_buf()
     m = lib.clover_model_load(str(make_gguf("f32")).encode(), err, len(err))
     try:
-        rc = lib.clover_model_offload(m, 99, err, len(err))
+        rc = lib.clover_model_offload(m, 99, 0, err, len(err))
         assert rc == lib.CLOVER_E_DEVICE and "n_gpu_layers" in ffi.string(err).decode()
-        assert lib.clover_model_offload(m, 0, err, len(err)) == 0 and lib.clover_model_gpu_bytes(m) == 0
-        assert lib.clover_model_offload(m, -1, err, len(err)) == lib.CLOVER_E_ARG
+        assert lib.clover_model_offload(m, 0, 0, err, len(err)) == 0 and lib.clover_model_gpu_bytes(m) == 0
+        assert lib.clover_model_offload(m, -1, 0, err, len(err)) == lib.CLOVER_E_ARG
     finally:
         lib.clover_model_free(m)
     with pytest.warns(UserWarning, match="running on the CPU"):
@@ -133,6 +133,27 @@ def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
             want, _ = cpu.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])
             assert g.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == want, mode
             assert half.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == want, mode
+
+
+@gpu
+def test_greedy_tokens_identical_across_placements(make_gguf):
+    """Issue 8: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2),
+    partial layers, and a --fit budget give the same greedy tokens in every mode."""
+    from clover_gguf import Model
+    from clover_gguf.placement import RESERVE, placement
+
+    path = make_gguf("q8_0")
+    with Model(path, n_ctx=512, n_threads=2) as cpu:
+        ids = cpu.tokenize("class Config:\n    def __init__(self")
+        want = {mode: cpu.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0]
+                for mode in ("ar", "diffusion", "spec")}
+        budget = placement(cpu, -1)["gpu"] // 2 + RESERVE
+    for kw in (dict(n_gpu_layers=-1), dict(n_gpu_layers=-1, n_cpu_moe=1 << 30), dict(n_gpu_layers=-1, n_cpu_moe=2),
+               dict(n_gpu_layers=2), dict(gpu_budget=budget)):
+        with Model(path, n_ctx=512, n_threads=2, **kw) as g:
+            assert g.n_gpu_layers > 0, kw
+            for mode, toks in want.items():
+                assert g.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == toks, (kw, mode)
 
 
 # byte offsets of fp16 fields in each block (kept finite when blocks are random bytes)

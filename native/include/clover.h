@@ -132,12 +132,23 @@ CLOVER_API const clover_gguf *clover_model_gguf(const clover_model *m);
  * devices (> 0), 0 when none, CLOVER_E_DEVICE when none can be used (no driver, or a library built
  * without CUDA); info receives a one-line description or the reason. */
 CLOVER_API int clover_gpu_devices(char *info, size_t info_size);
+/* Free and total bytes of GPU 0; CLOVER_E_DEVICE without a usable GPU. */
+CLOVER_API int clover_gpu_memory(int64_t *free_bytes, int64_t *total_bytes);
 /* Copy the weights of the first n_gpu_layers layers to GPU 0 (n_layer + 1 or more: the output
- * projection too, as llama.cpp's -ngl); their products (attention and GDN projections, router,
- * experts, shared expert, LM head) then run there, everything else on the CPU. Call once, before
- * generating. Returns the layers offloaded (output counted as one), or CLOVER_E_DEVICE (no GPU),
- * CLOVER_E_NOMEM (naming the bytes needed and free), CLOVER_E_STATE (already offloaded). */
-CLOVER_API int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, char *err, size_t err_size);
+ * projection too, as llama.cpp's -ngl), except the routed experts of the first n_cpu_moe layers
+ * (llama.cpp's --n-cpu-moe; n_layer or more = --cpu-moe), which stay in system memory; the
+ * products of what was copied (attention and GDN projections, router, experts, shared expert,
+ * LM head) then run there, everything else on the CPU. Call once, before generating. Returns
+ * the layers offloaded (output counted as one), or CLOVER_E_DEVICE (no GPU), CLOVER_E_NOMEM
+ * (naming the bytes needed and free), CLOVER_E_STATE (already offloaded), CLOVER_E_ARG. */
+CLOVER_API int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe, char *err,
+                                        size_t err_size);
+/* Bytes of weights a clover_model_offload(m, n_gpu_layers, n_cpu_moe) would place, by part:
+ * 0 all on the GPU, 1 the offloaded layers' dense weights (attention/GDN projections, router,
+ * shared expert), 2 their routed experts on the GPU, 3 the output projection, 4 the offloaded
+ * layers' routed experts kept on the CPU. -1 for bad arguments. Needs no GPU (for --fit plans). */
+CLOVER_API int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe,
+                                                int32_t part);
 /* Bytes of weights on the GPU (0 when none). */
 CLOVER_API int64_t clover_model_gpu_bytes(const clover_model *m);
 

@@ -1,0 +1,92 @@
+"""Where the weights go on a machine with a GPU (issue 8): -ngl, --cpu-moe / --n-cpu-moe, --fit.
+
+llama.cpp users run 35B-A3B MoE models on small GPUs by keeping the routed experts in system
+memory (``--cpu-moe``, ``--n-cpu-moe N``) and everything else on the GPU; the same flags exist
+here, with the engine's byte counts (``clover_model_placement_bytes``). :func:`fit` picks the
+placement for a GPU memory budget: everything on the GPU if it fits, else the routed experts of
+the first layers on the CPU (as few layers as needed), else fewer layers on the GPU. What
+stays on the CPU exchanges only activations with the GPU.
+"""
+from __future__ import annotations
+
+import re
+
+from ._ffi import ffi, lib
+
+PARTS = ("gpu", "dense", "experts", "output", "experts_cpu")
+RESERVE = 512 << 20  # bytes of the budget kept for the CUDA context and activation buffers
+
+
+def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0) -> dict:
+    """Bytes per part of a placement on ``model`` (a :class:`~clover_gguf.api.Model`):
+    ``gpu`` (all on the GPU), ``dense`` (attention/GDN projections, routers, shared experts of
+    the offloaded layers), ``experts`` (their routed experts on the GPU), ``output`` (the LM
+    head), ``experts_cpu`` (routed experts of offloaded layers kept on the CPU), plus the
+    arguments (``n_gpu_layers`` -1 = all and the output)."""
+    n = _layers(model, n_gpu_layers)
+    out = {name: int(lib.clover_model_placement_bytes(model._model, n, n_cpu_moe, i)) for i, name in enumerate(PARTS)}
+    out.update(n_gpu_layers=n, n_cpu_moe=n_cpu_moe)
+    return out
+
+
+def _layers(model, n_gpu_layers: int) -> int:
+    return int(model.hparams["n_layer"]) + 1 if n_gpu_layers < 0 else n_gpu_layers
+
+
+def fit(model, budget_bytes: int) -> dict:
+    """The placement for ``budget_bytes`` of GPU memory (less :data:`RESERVE`): all layers and
+    the output with every routed expert on the GPU if it fits; else the routed experts of the
+    first N layers on the CPU, N as small as fits; else all routed experts on the CPU and as
+    many layers as fit. Returns :func:`placement`'s dict plus ``budget``."""
+    budget = budget_bytes - RESERVE
+    L = int(model.hparams["n_layer"])
+    best = placement(model, L + 1, 0)
+    if best["gpu"] > budget:
+        for n_cpu_moe in range(1, L + 1):
+            best = placement(model, L + 1, n_cpu_moe)
+            if best["gpu"] <= budget:
+                break
+        else:
+            for n in range(L + 1, -1, -1):
+                best = placement(model, n, L)
+                if best["gpu"] <= budget:
+                    break
+    best["budget"] = int(budget_bytes)
+    return best
+
+
+def gpu_free_bytes() -> int | None:
+    """Free bytes of GPU 0, or None without a usable GPU."""
+    free, total = ffi.new("int64_t *"), ffi.new("int64_t *")
+    return int(free[0]) if lib.clover_gpu_memory(free, total) == 0 else None
+
+
+def parse_size(s: str) -> int:
+    """``12G``, ``12GiB``, ``800M``, ``1.5T`` or a byte count -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", s, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"gpu budget: {s!r} is not a size such as 12G or 800M")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def describe(plan: dict, n_layer: int) -> str:
+    """A one-line plan: bytes per part on the GPU and on the CPU."""
+    gib = 1 << 30
+    n, k = plan["n_gpu_layers"], min(plan["n_cpu_moe"], min(plan["n_gpu_layers"], n_layer))
+    layers = min(n, n_layer)
+    parts = [f"layers 0-{layers - 1} dense {plan['dense'] / gib:.2f} GiB" if layers else "no layer"]
+    if plan["experts"]:
+        parts.append(f"routed experts of layers {k}-{layers - 1} {plan['experts'] / gib:.2f} GiB")
+    if plan["output"]:
+        parts.append(f"output {plan['output'] / gib:.2f} GiB")
+    line = f"GPU: {' + '.join(parts)} = {plan['gpu'] / gib:.2f} GiB"
+    if "budget" in plan:
+        line += f" (budget {plan['budget'] / gib:.2f} GiB)"
+    cpu = []
+    if plan["experts_cpu"]:
+        cpu.append(f"routed experts of layers 0-{k - 1} {plan['experts_cpu'] / gib:.2f} GiB")
+    if layers < n_layer:
+        cpu.append(f"layers {layers}-{n_layer - 1}")
+    if not plan["output"]:
+        cpu.append("output")
+    return line + "; CPU: " + (", ".join(cpu) if cpu else "nothing")

@@ -1,0 +1,103 @@
+"""GPU placement planning (issue 8): -ngl, --cpu-moe / --n-cpu-moe, --fit (clover_gguf.placement).
+
+The byte counts come from the engine (clover_model_placement_bytes) and are checked against the
+GGUF's own tensor sizes; fit() is checked on budgets around the model's parts (no GPU needed:
+it only plans). Greedy tokens across placements on a GPU: tests/test_cuda.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from gguf import GGUFReader
+
+from clover_gguf import Model
+from clover_gguf.placement import RESERVE, describe, fit, parse_size, placement
+
+EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+DENSE = re.compile(r"blk\.(\d+)\.(attn_(q|k|v|output|qkv|gate)|ssm_(out|alpha|beta|alpha_bwd|beta_bwd)|"
+                   r"ffn_gate_inp|ffn_gate_inp_shexp|ffn_(gate|up|down)_shexp)\.weight")
+
+
+def _sizes(path):
+    dense, experts, out = {}, {}, 0
+    for t in GGUFReader(str(path)).tensors:
+        if m := EXPERT.fullmatch(t.name):
+            experts[int(m.group(1))] = experts.get(int(m.group(1)), 0) + int(t.n_bytes)
+        elif m := DENSE.fullmatch(t.name):
+            dense[int(m.group(1))] = dense.get(int(m.group(1)), 0) + int(t.n_bytes)
+        elif t.name == "output.weight":
+            out = int(t.n_bytes)
+    return dense, experts, out
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
+    path = make_gguf(outtype)
+    dense, experts, out = _sizes(path)
+    with Model(path, n_ctx=16, n_threads=1) as m:
+        L = m.hparams["n_layer"]
+        assert len(dense) == len(experts) == L
+        full = placement(m, -1)
+        assert full["n_gpu_layers"] == L + 1
+        assert (full["dense"], full["experts"], full["output"], full["experts_cpu"]) == \
+            (sum(dense.values()), sum(experts.values()), out, 0)
+        assert full["gpu"] == full["dense"] + full["experts"] + full["output"]
+        p = placement(m, 3, 2)  # layers 0-2 on the GPU, experts of 0-1 on the CPU, no output
+        assert p["dense"] == sum(dense[i] for i in range(3)) and p["output"] == 0
+        assert p["experts"] == experts[2] and p["experts_cpu"] == experts[0] + experts[1]
+        cpu_moe = placement(m, -1, 1 << 30)
+        assert cpu_moe["experts"] == 0 and cpu_moe["experts_cpu"] == sum(experts.values())
+        assert placement(m, 0)["gpu"] == 0
+
+
+def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
+    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
+        L = m.hparams["n_layer"]
+        full = placement(m, -1)
+        assert fit(m, full["gpu"] + RESERVE) | {"budget": 0} == full | {"budget": 0}
+        # between the dense part and everything: some layers' experts move to the CPU, as few as fit
+        budget = full["gpu"] - full["experts"] // 2 + RESERVE
+        p = fit(m, budget)
+        assert p["n_gpu_layers"] == L + 1 and 0 < p["n_cpu_moe"] < L and p["gpu"] <= budget - RESERVE
+        assert placement(m, -1, p["n_cpu_moe"] - 1)["gpu"] > budget - RESERVE
+        # less than the dense part: all experts on the CPU and fewer layers
+        small = fit(m, full["dense"] // 2 + RESERVE)
+        assert small["n_gpu_layers"] < L and small["experts"] == 0 and small["gpu"] <= full["dense"] // 2
+        assert fit(m, RESERVE)["n_gpu_layers"] == 0
+        line = describe(p, L)
+        assert line.startswith("GPU: layers 0-") and "CPU: routed experts of layers 0-" in line
+
+
+def test_parse_size():
+    assert parse_size("12G") == 12 << 30 and parse_size("800M") == 800 << 20 and parse_size("1.5GiB") == 3 << 29
+    assert parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="gpu budget"):
+        parse_size("twelve")
+
+
+def test_fit_command_and_budget_without_a_gpu(make_gguf):
+    path = str(make_gguf("q8_0"))
+    r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "--gpu-budget", "600M", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["budget"] == 600 << 20 and plan["gpu"] <= plan["budget"] - RESERVE
+    r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "--cpu-moe"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "-ngl all" in r.stdout and "CPU: routed experts of layers 0-" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "--gpu-budget", "lots"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "gpu budget" in r.stderr
+    # a budget on a machine without a GPU: the plan is made, then a warning and the CPU
+    from clover_gguf._ffi import ffi, lib
+    info = ffi.new("char[]", 256)
+    if lib.clover_gpu_devices(info, 256) > 0:
+        pytest.skip("a GPU is present (tests/test_cuda.py covers placements there)")
+    with pytest.warns(UserWarning, match="running on the CPU"):
+        with Model(path, n_ctx=64, n_threads=1, gpu_budget=600 << 20) as g, Model(path, n_ctx=64, n_threads=1) as c:
+            assert g.n_gpu_layers == 0 and g.placement["plan"].startswith("GPU:")
+            assert g.generate_tokens([1, 2, 3], max_tokens=6)[0] == c.generate_tokens([1, 2, 3], max_tokens=6)[0]
