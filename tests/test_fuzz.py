@@ -56,10 +56,10 @@ def san_build(tmp_path_factory) -> pathlib.Path:
     if os.environ.get("CLOVER_UNDER_ASAN") == "1":
         pytest.skip("already inside the sanitised child run")
     out = tmp_path_factory.mktemp("sanbuild")
-    subprocess.run(["cmake", "-S", str(ROOT), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DCLOVER_SANITIZE=ON",
-                    "-DCLOVER_FUZZ=ON"], check=True, capture_output=True)
-    r = subprocess.run(["cmake", "--build", str(out), "-j2"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    try:
+        _bench_fuzz().build(out)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"sanitised build failed: {e.stdout[-3000:]}{e.stderr[-3000:]}")
     assert (out / "fuzz_gguf").exists() and (out / "libclover.so").exists()
     return out
 
