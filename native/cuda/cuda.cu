@@ -179,7 +179,7 @@ extern "C" int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int6
     if (rc == CLOVER_OK) e = cudaMemcpy(g_x, x, sizeof(float) * (size_t)(T * ne0), cudaMemcpyHostToDevice);
     if (rc == CLOVER_OK && e == cudaSuccess) {
         const uint8_t *W = (const uint8_t *)dev_w;
-        for (int64_t t0 = 0; t0 < T && e == cudaSuccess; t0 += (int64_t)65535 * ROWS) {
+        for (int64_t t0 = 0; t0 < T && e == cudaSuccess && rc == CLOVER_OK; t0 += (int64_t)65535 * ROWS) {
             const int64_t tn = T - t0 < (int64_t)65535 * ROWS ? T - t0 : (int64_t)65535 * ROWS;
             const dim3 grid((unsigned)ne1, (unsigned)((tn + ROWS - 1) / ROWS)), block(32);
             const float *X = g_x + t0 * ne0;
