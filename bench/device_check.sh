@@ -5,6 +5,8 @@
 # forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
 #
 #   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to OUT_DIR (default $OUT or /tmp/clover-device)
+#   CLOVER_DEVICE_FULL=1 bash bench/device_check.sh   # also the 40-layer model: all on the GPU, experts on
+#                                                      # the CPU, a 12 GB budget (issue 8; several minutes more)
 #
 # Python packages the machine lacks travel as wheels in .whl/ (cffi, pycparser, gguf: see the
 # device tool's README); they are installed into /tmp/site when present.
@@ -63,5 +65,30 @@ PY
 step "bench (pp512, tg128, block forward): GPU, then CPU"
 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt"
 $py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt"
+if [ "${CLOVER_DEVICE_FULL:-0}" = 1 ]; then  # issue 8: the full 40-layer model and placements
+    step "40-layer real-dims Q4_K_M model (about 20 GiB, generated here)"
+    full=/tmp/clover-real40-q4km.gguf
+    [ -f "$full" ] || $py bench/make_bench_model.py "$full" --dims real --layers 40 --outtype q4_k_m --arch clover \
+        --unique-experts 16 --no-progress -t "$(nproc)" > "$out/make_full.log" 2>&1
+    bw=$($py -c "import torch; x = torch.empty(2**31, dtype=torch.uint8, device='cuda'); y = torch.empty_like(x); \
+torch.cuda.synchronize(); import time; t = time.perf_counter(); [y.copy_(x) for _ in range(20)]; torch.cuda.synchronize(); \
+print(2 * 20 * x.numel() / (time.perf_counter() - t))" 2>/dev/null || echo 0)
+    echo "device copy bandwidth (read + write): $bw bytes/s"
+    for placement in "-ngl all" "-ngl all --cpu-moe" "--fit --gpu-budget 12G"; do
+        step "placement: $placement"
+        $py -m clover_gguf.cli fit -m "$full" $placement | tee -a "$out/placements.txt"
+        $py -m clover_gguf.cli bench -m "$full" $placement -p 512 -n 64 -r 1 --json > "$out/bench_full.json" || true
+        $py - "$out/bench_full.json" "$bw" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1])); bw = float(sys.argv[2])
+bpt = r["model"]["bytes_per_token"]
+for t in r["results"]:
+    tps = t["tokens_per_second_mean"]
+    extra = f", {100 * tps * bpt / bw:.0f}% of the bandwidth limit" if t["test"].startswith("tg") and bw else ""
+    print(f"{t['test']}: {tps:.2f} t/s{extra}")
+print("block forward / tg step:", r.get("block_vs_tg"))
+PY
+    done
+fi
 step "done (GPU tests exit status $tests_rc)"
 exit "$tests_rc"
