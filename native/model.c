@@ -588,12 +588,17 @@ static int32_t physical_cores(void) {
 int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx) {
     if (!m || n_ctx <= 0) return -1;
     const clover_hparams *hp = &m->hp;
-    /* every factor is bounded by the loader's limits (heads, dims <= 2^16, layers <= 4096), so
-     * the products below stay far from INT64_MAX; n_ctx < 2^31 */
-    const int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
-    const int64_t cache = 2 * (int64_t)m->n_attn * n_ctx * kv;
-    const int64_t gdn = (int64_t)m->n_gdn * (gdn_state_floats(hp) + (hp->ssm_d_conv - 1) * conv_channels(hp));
-    return (cache + gdn) * (int64_t)sizeof(float) + (int64_t)hp->n_layer * (int64_t)sizeof(int32_t);
+    const int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim; /* <= 2^28 by the loader's limits */
+    const int64_t per_layer = (int64_t)hp->n_layer * (int64_t)sizeof(int32_t);
+    int64_t cache, gdn, total;
+    /* 2 x n_attn x n_ctx x kv floats, checked: the loader's limits alone allow 2^72 */
+    if (__builtin_mul_overflow((int64_t)2 * m->n_attn * n_ctx, kv, &cache) ||
+        __builtin_mul_overflow(cache, (int64_t)sizeof(float), &cache) ||
+        __builtin_mul_overflow((int64_t)m->n_gdn, gdn_state_floats(hp) + (hp->ssm_d_conv - 1) * conv_channels(hp), &gdn) ||
+        __builtin_mul_overflow(gdn, (int64_t)sizeof(float), &gdn) || __builtin_add_overflow(cache, gdn, &total) ||
+        __builtin_add_overflow(total, per_layer, &total))
+        return INT64_MAX;
+    return total;
 }
 
 /* Bytes the kernel reports as available (MemAvailable in /proc/meminfo), else physical memory;
