@@ -16,6 +16,7 @@
  * code from clover_cuda_devices, not a library that fails to load). */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -114,6 +115,13 @@ static int grow(float **p, size_t *cap, size_t n, char *err, size_t err_size) {
 }
 
 extern "C" int clover_cuda_devices(char *info, size_t info_size) {
+    /* no driver library at all: say so (the runtime would report "driver version is insufficient") */
+    void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (!driver) {
+        if (info && info_size) snprintf(info, info_size, "CUDA: no NVIDIA driver (libcuda.so.1 not found)");
+        return CLOVER_E_DEVICE;
+    }
+    dlclose(driver);
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
