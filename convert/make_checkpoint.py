@@ -178,18 +178,19 @@ def _corpus() -> list[str]:
 _TOKENIZER_MEMO: dict[int, str] = {}  # in-process only: vocab_size -> tokenizer JSON
 
 
-def build_tokenizer(vocab_size: int = 2000):
+def build_tokenizer(vocab_size: int = 2000, texts=None):
     """Train the test tokenizer (byte-level BPE, qwen35 pre-tokenizer) and append ADDED_TOKENS.
 
     Returns a ``tokenizers.Tokenizer`` with exactly ``vocab_size`` tokens (BPE vocabulary of
     ``vocab_size - len(ADDED_TOKENS)`` including the 256 byte symbols, then the added tokens).
-    Deterministic: fixed corpus, single-threaded training. Raises RuntimeError when the trained
-    vocabulary comes out smaller than requested.
+    ``texts``: the training texts (an iterable of str; default: this module's fixed corpus,
+    memoised per vocab_size). Deterministic: single-threaded training. Raises RuntimeError
+    when the trained vocabulary comes out smaller than requested.
     """
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # count words single-threaded
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size in _TOKENIZER_MEMO:
+    if texts is None and vocab_size in _TOKENIZER_MEMO:
         return Tokenizer.from_str(_TOKENIZER_MEMO[vocab_size])
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -202,7 +203,7 @@ def build_tokenizer(vocab_size: int = 2000):
         vocab_size=n_bpe, min_frequency=2, show_progress=False, special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus() if texts is None else texts, trainer)
     if tok.get_vocab_size() != n_bpe:
         raise RuntimeError(f"tokenizer: trained {tok.get_vocab_size()} tokens, expected {n_bpe}")
     for content, special in ADDED_TOKENS:
@@ -211,7 +212,8 @@ def build_tokenizer(vocab_size: int = 2000):
         (tok.add_special_tokens if special else tok.add_tokens)([at])
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer: {tok.get_vocab_size()} tokens, expected {vocab_size}")
-    _TOKENIZER_MEMO[vocab_size] = tok.to_str()
+    if texts is None:
+        _TOKENIZER_MEMO[vocab_size] = tok.to_str()
     return tok
 
 

@@ -81,7 +81,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pathlib
 import sys
 import sysconfig
@@ -97,8 +96,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from clover_gguf.reference import (CloverReference, GatedDeltaNet, ReferenceConfig,  # noqa: E402
                                    RMSNorm1p, l2norm, rmsnorm)
-from convert.make_checkpoint import (ADDED_TOKENS, QWEN35_PRETOKENIZER_REGEX,  # noqa: E402
-                                     param_specs, text_config)
+from convert.make_checkpoint import build_tokenizer, param_specs, text_config  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Data: the standard library's own sources
@@ -150,27 +148,8 @@ def load_texts(root=None, limit_bytes=None):
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE with the qwen35 pre-tokenizer and ADDED_TOKENS appended, exactly
-    ``vocab_size`` tokens (as convert/make_checkpoint.build_tokenizer, on ``texts``)."""
-    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic word counts
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZER_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    n_bpe = vocab_size - len(ADDED_TOKENS)
-    trainer = trainers.BpeTrainer(vocab_size=n_bpe, min_frequency=2, show_progress=False,
-                                  special_tokens=[], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    if tok.get_vocab_size() != n_bpe:
-        raise RuntimeError(f"tokenizer: trained {tok.get_vocab_size()} tokens, expected {n_bpe}")
-    for content, special in ADDED_TOKENS:
-        at = AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False,
-                        single_word=False)
-        (tok.add_special_tokens if special else tok.add_tokens)([at])
-    return tok
+    ``vocab_size`` tokens: convert/make_checkpoint.build_tokenizer trained on ``texts``."""
+    return build_tokenizer(vocab_size, texts)
 
 
 def encode_stream(tok, texts: list[str]) -> torch.Tensor:
