@@ -67,6 +67,41 @@ def test_train_forward_equals_reference(tt):
             assert torch.allclose(rl, ln[n, b * B:(b + 1) * B], atol=1e-4), (n, b)
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.9, 1.0])
+def test_train_forward_coreset_equals_reference(tt, top_p):
+    """Stage 4 trains the noisy blocks with coreset routing (spec 5.6) as decoding runs them:
+    the batched coreset equals the reference's coreset_route per block, and the block logits
+    equal the reference's block_logits with the same top_p."""
+    from clover_gguf.reference import coreset_route
+
+    g = torch.Generator().manual_seed(11)
+    probs = torch.softmax(3 * torch.randn(6, 8, 8, generator=g), -1)
+    probs[5] = probs[5, :1].expand(8, 8)  # one block of identical rows: ties in S
+    allowed = tt.coreset_allowed(probs, 2, top_p)
+    for b in range(6):
+        _, ids, m = coreset_route(probs[b], 2, top_p)
+        assert int(allowed[b].sum()) == m
+        assert allowed[b][ids].all()
+    cfg, P = _random_model(tt, seed=2)
+    fw = tt.TrainForward(P, cfg)
+    tok, noisy, _ = _batch(tt, seed=4)
+    B = 8
+    with torch.no_grad():
+        hc, hn, _ = fw.hidden(tok, noisy, B, coreset_top_p=top_p)
+        ln, lc = fw.logits(hn), fw.logits(hc)
+        hc0, hn0, _ = fw.hidden(tok, noisy, B)
+    assert torch.allclose(lc, fw.logits(hc0), atol=1e-5)  # the clean (prefix-mode) rows keep plain top-k
+    ref = tt.to_reference(P, cfg)
+    n_differ = 0
+    for n in range(tok.shape[0]):
+        for b in range(tok.shape[1] // B):
+            rl, _ = ref.block_logits(tok[n, :b * B].tolist(), noisy[n, b * B:(b + 1) * B].tolist(),
+                                     coreset_top_p=top_p)
+            assert torch.allclose(rl, ln[n, b * B:(b + 1) * B], atol=1e-4), (n, b)
+            n_differ += not torch.allclose(ln[n, b * B:(b + 1) * B], fw.logits(hn0)[n, b * B:(b + 1) * B], atol=1e-4)
+    assert (n_differ > 0) == (top_p < 1.0), n_differ  # the restriction bites below 1 on these blocks
+
+
 def test_train_gradients_equal_reference(tt):
     """The reference's own forward is differentiable and gives the same gradients."""
     from clover_gguf.reference import CloverReference, ReferenceConfig
@@ -124,7 +159,7 @@ def test_short_training_run(tt, tmp_path):
     assert rep["trained"]["ar_loss"] < rep["random_init"]["ar_loss"]
     assert rep["trained"]["diffusion_loss"] < rep["random_init"]["diffusion_loss"] + 0.5
     rows = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
-    n_steps = tt.SMOKE["steps"] + tt.SMOKE["stage2_steps"]
+    n_steps = tt.SMOKE["steps"] + tt.SMOKE["stage2_steps"] + tt.SMOKE["stage4_steps"]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, n_steps + 1))
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -144,3 +179,14 @@ def test_short_training_run(tt, tmp_path):
         assert abs(got - want).max() < 0.05 * abs(want).max() + 0.02
         toks, st = m.generate_tokens(ids, max_tokens=8, mode="diffusion", end_ids=[])
         assert len(toks) == 8 and st["n_forward"] >= 1
+        # Stage 4's data: a real prompt of a multiple of B tokens, then the engine's greedy ar
+        # continuation without penalties, to T tokens.
+        stream = torch.arange(1000) % 200 + 7
+        win, plen = tt.distill_windows(gguf_path, stream, 3, 64, 16, seed=5, log=lambda msg: None)
+        assert win.shape == (3, 64) and set(plen.tolist()) <= {16, 32}
+        for w, P in zip(win.tolist(), plen.tolist()):
+            assert w[0] >= 7 and w[:P] == [(w[0] - 7 + i) % 200 + 7 for i in range(P)]
+            cont, _ = m.generate_tokens(w[:P], max_tokens=64 - P, mode="ar", presence_penalty=0.0,
+                                        repeat_penalty=1.0, end_ids=[])
+            assert w[P:] == cont
+    assert (tmp_path / "distill-source-q8_0.gguf").is_file()

@@ -398,11 +398,20 @@ class TrainForward:
         return y, self._attend(p, qn, torch.cat([k, kn], 2), torch.cat([v, vn], 2), gn, mask)
 
     # -- 2.3 MoE ----------------------------------------------------------------------------------
-    def moe(self, p, x):
-        """x [M, H] -> (out [M, H], load-balancing loss)."""
+    def moe(self, p, x, coreset=None):
+        """x [M, H] -> (out [M, H], load-balancing loss). ``coreset`` (r0, B, top_p): rows r0..
+        are blocks of B rows routed with the block coreset (spec 5.6) as in a denoising pass."""
         P, cf = self.P, self.cfg
         probs = torch.softmax(x @ P[p + "gate.weight"].T, -1)
-        w, ids = torch.topk(probs, cf.num_experts_per_tok, dim=-1)
+        pick = probs
+        if coreset is not None:
+            r0, B, top_p = coreset
+            allowed = coreset_allowed(probs[r0:].detach().reshape(-1, B, cf.num_experts), cf.num_experts_per_tok,
+                                      top_p)
+            allowed = torch.cat([torch.ones(r0, cf.num_experts, dtype=torch.bool), allowed.repeat_interleave(B, 0)])
+            pick = probs.masked_fill(~allowed, float("-inf"))
+        _, ids = torch.topk(pick, cf.num_experts_per_tok, dim=-1)
+        w = probs.gather(-1, ids)
         w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         gu_all, dn_all = P[p + "experts.gate_up_proj"], P[p + "experts.down_proj"]
@@ -420,8 +429,9 @@ class TrainForward:
         return out, aux
 
     # -- model --------------------------------------------------------------------------------
-    def hidden(self, tokens, noisy=None, B=None):
-        """tokens [N, T] clean; noisy [N, T] (blocks of B, masks included) or None.
+    def hidden(self, tokens, noisy=None, B=None, coreset_top_p=None):
+        """tokens [N, T] clean; noisy [N, T] (blocks of B, masks included) or None;
+        ``coreset_top_p``: route each noisy block with the coreset (spec 5.6) as decoding does.
         Returns (final-normed clean rows [N, T, H], noisy rows or None, mean router loss)."""
         P, cf = self.P, self.cfg
         x = P["embed_tokens.weight"][tokens]
@@ -439,7 +449,8 @@ class TrainForward:
             hn = None if xn is None else xn + mn
             both = h if hn is None else torch.cat([h, hn], 0)
             N, T, H = both.shape
-            mo, la = self.moe(p + "mlp.", self.n1p(p + "post_attention_layernorm.weight", both).reshape(-1, H))
+            cs = None if hn is None or coreset_top_p is None else (h.shape[0] * T, B, coreset_top_p)
+            mo, la = self.moe(p + "mlp.", self.n1p(p + "post_attention_layernorm.weight", both).reshape(-1, H), cs)
             both = both + mo.reshape(N, T, H)
             aux = aux + la
             x, xn = (both, None) if hn is None else (both[:h.shape[0]], both[h.shape[0]:])
@@ -448,6 +459,23 @@ class TrainForward:
 
     def logits(self, h):
         return h @ self.P["lm_head.weight"].T
+
+
+def coreset_allowed(probs: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
+    """Spec 5.6 for G blocks at once (clover_gguf.reference.coreset_route batched): probs
+    [G, B, E] -> the coreset of each block as a mask [G, E]: S = sum over the block's rows of
+    each row's probs masked to its own top-k, normalised (float64); experts by S descending,
+    ties lower id first; the first m, m = smallest count with cumulative S >= top_p, clamped
+    to [k, E]."""
+    G, B, E = probs.shape
+    topv, topi = torch.topk(probs, k, dim=-1)
+    S = torch.zeros(G, B, E, dtype=torch.float64).scatter(-1, topi, topv.to(torch.float64)).sum(1)
+    S = S / S.sum(-1, keepdim=True)
+    Ss, order = torch.sort(S, dim=-1, descending=True, stable=True)
+    m = ((torch.cumsum(Ss, -1) >= top_p).float().argmax(-1) + 1).masked_fill(~(torch.cumsum(Ss, -1) >= top_p).any(-1), E)
+    m = m.clamp(k, E)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(E).expand(G, E).contiguous())
+    return rank < m[:, None]
 
 
 def to_reference(P: dict, config: dict) -> CloverReference:
@@ -489,13 +517,17 @@ def mask_blocks(tok: torch.Tensor, B: int, mask_id: int, g: torch.Generator, t=N
     return tok.masked_fill(m, mask_id), m, sel
 
 
-def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None, **cut):
+def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None, keep=None, coreset_top_p=None, **cut):
     """(ar loss, diffusion loss or None, router loss) on the windows tok [N, T]; ``cut``:
-    mask_blocks' p_cut, skip, near."""
+    mask_blocks' p_cut, skip, near; ``keep`` [N, T] bool: only these slots enter the
+    diffusion loss (the masking itself is unchanged); ``coreset_top_p``: coreset routing of
+    the noisy blocks (None: plain top-k)."""
     V = fw.cfg.vocab_size
     if diffusion:
         noisy, m, sel = mask_blocks(tok, B, mask_id, g, t, **cut)
-        hc, hn, aux = fw.hidden(tok, noisy, B)
+        if keep is not None:
+            sel = sel & keep
+        hc, hn, aux = fw.hidden(tok, noisy, B, coreset_top_p)
     else:
         hc, hn, aux = fw.hidden(tok)
     ar = F.cross_entropy(fw.logits(hc[:, :-1]).reshape(-1, V), tok[:, 1:].reshape(-1))
@@ -537,6 +569,30 @@ def evaluate(fw: TrainForward, windows, B, mask_id, batch=8) -> dict:
         out[f"{name}_loss"] = round(v, 4)
         out[f"{name}_ppl"] = round(math.exp(v), 2)
     return out
+
+
+def distill_windows(gguf_path, train_ids: torch.Tensor, n: int, T: int, B: int, seed: int,
+                    threads: int = 1, log=print) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 4's data: n windows of T tokens, each a prompt of P real training tokens (P a
+    random multiple of B in [B, T/2]) followed by the model's own greedy ``ar`` continuation
+    of T - P tokens (no penalties, no end tokens), decoded by the engine from ``gguf_path``.
+    Returns (windows [n, T] int64, P [n] int64)."""
+    from clover_gguf import Model
+    g = torch.Generator().manual_seed(seed)
+    out, plen = torch.empty(n, T, dtype=torch.long), torch.empty(n, dtype=torch.long)
+    t0 = time.time()
+    with Model(gguf_path, n_ctx=T, n_threads=threads) as m:
+        for i in range(n):
+            P = B * int(torch.randint(1, max(2, T // (2 * B) + 1), (1,), generator=g))
+            s0 = int(torch.randint(0, len(train_ids) - P, (1,), generator=g))
+            prompt = train_ids[s0:s0 + P].tolist()
+            cont, _ = m.generate_tokens(prompt, max_tokens=T - P, mode="ar", presence_penalty=0.0,
+                                        repeat_penalty=1.0, end_ids=[])
+            out[i] = torch.tensor(prompt + cont)
+            plen[i] = P
+            if (i + 1) % 500 == 0:
+                log(f"distill data: {i + 1}/{n} windows, {time.time() - t0:.0f} s")
+    return out, plen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -686,9 +742,12 @@ FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=
             eval_every=200, n_eval=48, seed=0, aux_coef=0.01, weight_decay=0.1, limit_bytes=None,
             presence_penalty=0.9, repetition_penalty=1.05,
             stage2_steps=900, stage2_lr=1e-3, stage2_warmup=30, stage2_cut=0.5, stage2_near=4,
-            stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4)
+            stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4,
+            stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
+            stage4_windows=3000, stage4_frac=0.75, start_stage=2)
 SMOKE = dict(FULL, vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, warmup=2, eval_every=3,
-             n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0)
+             n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0,
+             stage4_steps=2, stage4_warmup=1, stage4_windows=4)
 
 
 def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
@@ -726,16 +785,21 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
                            # seed + 2 as stage 2: the shipped model's stage 3 ran as a stage-2
                            # invocation from the stage-2 checkpoint (see the module docstring)
                            seed=s["seed"] + 2))
+    if s.get("stage4_steps"):  # self-distillation on the model's own greedy continuations
+        stages.append(dict(first=sum(st["steps"] for st in stages) + 1, steps=s["stage4_steps"], n_ar=0,
+                           lr=s["stage4_lr"], warmup=s["stage4_warmup"],
+                           cut=dict(p_cut=s["stage4_cut"], near=s["stage4_near"]), seed=s["seed"] + 4,
+                           distill=True, coreset_top_p=config["moe_block_coreset_top_p"]))
     log_path = out / "log.jsonl"
     logf = open(log_path, "w")
-    if s.get("stage1_ckpt"):  # stage 1 was run before (same settings): start stage 2 from its result
+    if s.get("stage1_ckpt"):  # stages before start_stage were run before (same settings): resume
         ck = pathlib.Path(s["stage1_ckpt"])
         with torch.no_grad():
             for n, t in torch.load(ck)["params"].items():
                 P[n].copy_(t)
         if (ck.parent / "log.jsonl").is_file():
             logf.write((ck.parent / "log.jsonl").read_text())
-        stages = stages[1:]
+        stages = stages[s.get("start_stage", 2) - 1:]
     ev0 = evaluate(fw, windows, B, mask_id)
     step0 = stages[0]["first"] - 1
     logf.write(json.dumps({"kind": "eval", "step": step0, **ev0}) + "\n")
@@ -756,16 +820,32 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
             f = (k - st["warmup"]) / max(1, st["steps"] - st["warmup"])
             return st["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * f)))
 
+        if st.get("distill"):
+            dpath = out / "distill-source-q8_0.gguf"
+            export_gguf(export_hf(out / "distill-source-hf", P, config, tok), dpath)
+            n_d = max(1, round(N * s["stage4_frac"]))
+            pool, plen = distill_windows(dpath, train_ids, s["stage4_windows"], T, B, st["seed"] + 100,
+                                         log=log)
+            log(f"distill data: {len(pool)} windows from {dpath.name}")
         g = torch.Generator().manual_seed(st["seed"])
         last = st["first"] + st["steps"] - 1
         for k in range(st["steps"]):
             step = st["first"] + k
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(k)
-            starts = torch.randint(0, len(train_ids) - T, (N,), generator=g)
-            batch = torch.stack([train_ids[i:i + T] for i in starts])
+            keep = None
+            if st.get("distill"):  # N - n_d real windows, then n_d distilled ones (loss on the continuation)
+                starts = torch.randint(0, len(train_ids) - T, (N - n_d,), generator=g)
+                pick = torch.randint(0, len(pool), (n_d,), generator=g)
+                batch = torch.cat([torch.stack([train_ids[i:i + T] for i in starts]), pool[pick]])
+                keep = torch.cat([torch.ones(N - n_d, T, dtype=torch.bool),
+                                  torch.arange(T)[None, :] >= plen[pick][:, None]])
+            else:
+                starts = torch.randint(0, len(train_ids) - T, (N,), generator=g)
+                batch = torch.stack([train_ids[i:i + T] for i in starts])
             diffusion = k >= st["n_ar"]
-            ar, dl, aux = losses(fw, batch, B, mask_id, g, diffusion=diffusion, **st["cut"])
+            ar, dl, aux = losses(fw, batch, B, mask_id, g, diffusion=diffusion, keep=keep,
+                                 coreset_top_p=st.get("coreset_top_p"), **st["cut"])
             loss = ar + (dl if dl is not None else 0.0) + s["aux_coef"] * aux
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -839,7 +919,7 @@ def main(argv=None) -> int:
     ap.add_argument("--init-from", default=None, metavar="CKPT",
                     help="start from the parameters of a ckpt.pt (a continued run) instead of the initialisation")
     ap.add_argument("--stage1-ckpt", default=None, metavar="CKPT",
-                    help="skip stage 1: start stage 2 from this ckpt.pt of a stage-1 run with the same settings "
+                    help="resume: start stage --start-stage (default 2) from this ckpt.pt of a run of the stages before it "
                          "(its log.jsonl, when next to it, is copied to the start of the new log)")
     ap.add_argument("--export-only", action="store_true",
                     help="no training: export OUT/ckpt.pt again (e.g. with other --presence-penalty)")
