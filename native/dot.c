@@ -111,7 +111,7 @@ int clover_dot_act_type(int type) {
  * It differs from the reference quantiser (roundf(x * (1/d)), used for weights, where bytes
  * must equal gguf-py's) in the last bit of x*id and in ties, which is enough to move an
  * activation across a rounding boundary; matching it keeps us comparable with llama.cpp. */
-static int64_t quantize_act_q8_0(const float *x, void *dst, int64_t n) {
+CLOVER_CLONES static int64_t quantize_act_q8_0(const float *x, void *dst, int64_t n) {
     if (n % CLOVER_QK8_0) return -1;
     uint8_t *o = (uint8_t *)dst;
     for (int64_t b = 0; b < n / CLOVER_QK8_0; b++, x += CLOVER_QK8_0, o += 34) {

@@ -27,13 +27,6 @@ int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...) {
     return code;
 }
 
-/* Hot float loops (GDN recurrences, attention rows) get an AVX2+FMA clone chosen at load time
- * where GCC supports it; the default clone stays portable. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define CLOVER_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define CLOVER_CLONES
-#endif
 
 /* ------------------------------------------------------------------ loading */
 
@@ -955,20 +948,23 @@ static void gates(const gdn_dims *d, float *b, float *a, const float *ssm_a, con
 
 /* One delta-rule step for one head (spec 2.1 step 6), S [dk][dv]:
  * S <- exp(g) S; S <- S + k (beta (v - S^T k))^T. tmp: dv floats. */
-static void delta_step(float *S, const float *k, const float *v, float g, float beta, int64_t dk, int64_t dv,
-                       float *tmp) {
-    float eg = expf(g);
-    for (int64_t i = 0; i < dk * dv; i++) S[i] *= eg;
+CLOVER_INLINE void delta_step(float *S, const float *k, const float *v, float g, float beta, int64_t dk,
+                              int64_t dv, float *tmp) {
+    const float eg = expf(g);
     for (int64_t j = 0; j < dv; j++) tmp[j] = 0;
-    for (int64_t i = 0; i < dk; i++)
-        for (int64_t j = 0; j < dv; j++) tmp[j] += S[i * dv + j] * k[i];
+    for (int64_t i = 0; i < dk; i++) /* decay and S^T k in one pass over S */
+        for (int64_t j = 0; j < dv; j++) {
+            const float s = S[i * dv + j] * eg;
+            S[i * dv + j] = s;
+            tmp[j] += s * k[i];
+        }
     for (int64_t j = 0; j < dv; j++) tmp[j] = (v[j] - tmp[j]) * beta;
     for (int64_t i = 0; i < dk; i++)
         for (int64_t j = 0; j < dv; j++) S[i * dv + j] += k[i] * tmp[j];
 }
 
 /* o = S^T q for one head. */
-static void readout(const float *S, const float *q, int64_t dk, int64_t dv, float *o) {
+CLOVER_INLINE void readout(const float *S, const float *q, int64_t dk, int64_t dv, float *o) {
     for (int64_t j = 0; j < dv; j++) o[j] = 0;
     for (int64_t i = 0; i < dk; i++)
         for (int64_t j = 0; j < dv; j++) o[j] += S[i * dv + j] * q[i];

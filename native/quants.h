@@ -14,6 +14,20 @@
 
 #define CLOVER_QK8_0 32
 
+/* Hot float loops (GDN recurrences, attention rows, activation quantisation) get an AVX2+FMA
+ * clone chosen at load time where GCC supports it; the default clone stays portable.
+ * CLOVER_INLINE helpers are compiled into each clone of their caller. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLOVER_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLOVER_CLONES
+#endif
+#if defined(__GNUC__)
+#define CLOVER_INLINE static inline __attribute__((always_inline))
+#else
+#define CLOVER_INLINE static inline
+#endif
+
 typedef struct {
     uint16_t d; /* fp16 scale */
     int8_t qs[CLOVER_QK8_0];

@@ -744,7 +744,7 @@ FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=
             stage2_steps=900, stage2_lr=1e-3, stage2_warmup=30, stage2_cut=0.5, stage2_near=4,
             stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4,
             stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
-            stage4_windows=3000, stage4_frac=0.75, start_stage=2)
+            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=1, start_stage=2)
 SMOKE = dict(FULL, vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, warmup=2, eval_every=3,
              n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0,
              stage4_steps=2, stage4_warmup=1, stage4_windows=4)
@@ -785,10 +785,12 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
                            # seed + 2 as stage 2: the shipped model's stage 3 ran as a stage-2
                            # invocation from the stage-2 checkpoint (see the module docstring)
                            seed=s["seed"] + 2))
-    if s.get("stage4_steps"):  # self-distillation on the model's own greedy continuations
+    for r in range(s["stage4_rounds"] if s.get("stage4_steps") else 0):
+        # self-distillation on the model's own greedy continuations; each round decodes its
+        # data with the model as the previous round left it
         stages.append(dict(first=sum(st["steps"] for st in stages) + 1, steps=s["stage4_steps"], n_ar=0,
                            lr=s["stage4_lr"], warmup=s["stage4_warmup"],
-                           cut=dict(p_cut=s["stage4_cut"], near=s["stage4_near"]), seed=s["seed"] + 4,
+                           cut=dict(p_cut=s["stage4_cut"], near=s["stage4_near"]), seed=s["seed"] + 4 + 10 * r,
                            distill=True, coreset_top_p=config["moe_block_coreset_top_p"]))
     log_path = out / "log.jsonl"
     logf = open(log_path, "w")
