@@ -159,7 +159,7 @@ def test_short_training_run(tt, tmp_path):
     assert rep["trained"]["ar_loss"] < rep["random_init"]["ar_loss"]
     assert rep["trained"]["diffusion_loss"] < rep["random_init"]["diffusion_loss"] + 0.5
     rows = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
-    n_steps = tt.SMOKE["steps"] + tt.SMOKE["stage2_steps"] + tt.SMOKE["stage4_steps"]
+    n_steps = tt.SMOKE["steps"] + tt.SMOKE["stage2_steps"] + tt.SMOKE["stage4_steps"] * tt.SMOKE["stage4_rounds"]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, n_steps + 1))
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())

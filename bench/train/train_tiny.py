@@ -3,7 +3,7 @@
 
 One command, from a clean checkout (torch, tokenizers and safetensors: ``pip install ".[test]"``)::
 
-    python bench/train/train_tiny.py --out /tmp/clover-tiny-train      # full run (stages 1, 2 and 3)
+    python bench/train/train_tiny.py --out /tmp/clover-tiny-train      # full run (stages 1 to 4)
     python bench/train/train_tiny.py --out DIR --smoke                  # seconds: small vocab, 8 steps
     cp /tmp/clover-tiny-train/clover-tiny-q8_0.gguf clover_gguf/models/ # ship it (see README)
 
@@ -62,8 +62,24 @@ threshold decoding: slots before a random c clean, slots c.. masked, loss on slo
 only. That is the situation of every denoising pass (a filled prefix, masks after it), and
 filling two or more slots per pass needs confident predictions two and more tokens ahead of
 the filled prefix. Stage 3 (``--stage3-steps``): stage 2's recipe with three quarters of the
-blocks cut and a lower learning rate. Every stage adds a small Switch-style load-balancing
-loss on the routers; AdamW, linear warm-up then cosine decay to 10% in each stage.
+blocks cut and a lower learning rate. Stage 4 (``--stage4-steps`` per round, ``--stage4-rounds``
+rounds): self-distillation, the recipe of consistency distillation for parallel decoders
+(CLLMs, Kou et al. 2024; dParallel's certainty forcing, Chen et al. 2025): the model as it
+stands is exported to Q8_0 and the engine decodes ``--stage4-windows`` greedy ``ar``
+continuations (no penalties) of real prompts (``distill_windows``); each step then trains on
+``--stage4-frac`` of such windows (losses on the continuation only) and the rest real text.
+The target is then a deterministic function of the prefix (the model's own greedy choice), so
+the diffusion rows can learn to be confident several slots ahead, which is what threshold
+decoding needs; the noisy blocks are routed with the coreset (spec 5.6, the GGUF's
+``moe_block_coreset_top_p``) as the decoder routes them. Each round decodes its data with the
+model the previous round left. Every stage adds a small Switch-style load-balancing loss on
+the routers; AdamW, linear warm-up then cosine decay to 10% in each stage (and round).
+
+Decoding defaults written into the GGUF: block 32, threshold 0.95, coreset top-p 0.9 (as the
+card), but no presence or repetition penalty (the card's 0.9 / 1.05 are ``--presence-penalty
+0.9 --repetition-penalty 1.05``): stage 4 trains the model toward its own unpenalised greedy
+choices, and code repeats its tokens, so penalties lower exactly the confidences that let a
+pass fill several slots.
 
 The training forward is a batched restatement of ``clover_gguf.reference`` (the chunked
 GDN form of spec 2.1 step 6, blocks batched): it uses the reference's config class, parameter
@@ -740,11 +756,11 @@ def plot_log(log_path, png_path):
 
 FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=2e-3, warmup=50,
             eval_every=200, n_eval=48, seed=0, aux_coef=0.01, weight_decay=0.1, limit_bytes=None,
-            presence_penalty=0.9, repetition_penalty=1.05,
+            presence_penalty=0.0, repetition_penalty=1.0,
             stage2_steps=900, stage2_lr=1e-3, stage2_warmup=30, stage2_cut=0.5, stage2_near=4,
             stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4,
             stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
-            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=1, start_stage=2)
+            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=2, start_stage=2)
 SMOKE = dict(FULL, vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, warmup=2, eval_every=3,
              n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0,
              stage4_steps=2, stage4_warmup=1, stage4_windows=4)
@@ -839,7 +855,7 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
             if st.get("distill"):  # N - n_d real windows, then n_d distilled ones (loss on the continuation)
                 starts = torch.randint(0, len(train_ids) - T, (N - n_d,), generator=g)
                 pick = torch.randint(0, len(pool), (n_d,), generator=g)
-                batch = torch.cat([torch.stack([train_ids[i:i + T] for i in starts]), pool[pick]])
+                batch = torch.stack([train_ids[i:i + T] for i in starts] + list(pool[pick]))
                 keep = torch.cat([torch.ones(N - n_d, T, dtype=torch.bool),
                                   torch.arange(T)[None, :] >= plen[pick][:, None]])
             else:
