@@ -733,9 +733,11 @@ def _smooth(pts, k=20):
 
 
 def plot_log(log_path, png_path):
-    """Loss curves from log.jsonl: train ar (blue) and diffusion (red; in stage 2 half the blocks
-    count only the 4 slots after their cut), smoothed over 20 steps; held-out ar (blue dots),
-    diffusion (red dots) and diffusion_next2 (green dots)."""
+    """Loss curves from log.jsonl: train ar (blue) and diffusion (red; from stage 2 on, cut
+    blocks count only the slots after their cut; in stage 4 most windows are the model's own
+    greedy continuations, so its training losses drop while the held-out ones do not),
+    smoothed over 20 steps; held-out ar (blue dots), diffusion (red dots) and diffusion_next2
+    (green dots)."""
     rows = [json.loads(l) for l in pathlib.Path(log_path).read_text().splitlines() if l.strip()]
     tr = [r for r in rows if r.get("kind") == "train"]
     ev = [r for r in rows if r.get("kind") == "eval"]
