@@ -7,13 +7,16 @@ One command, from a clean checkout (torch, tokenizers and safetensors: ``pip ins
     python bench/train/train_tiny.py --out DIR --smoke                  # seconds: small vocab, 8 steps
     cp /tmp/clover-tiny-train/clover-tiny-q8_0.gguf clover_gguf/models/ # ship it (see README)
 
-The full run took 53 + 29 + 66 minutes (stages 1, 2, 3) on one torch thread of a 2-core
-machine shared with other work. The shipped model was made in three invocations: stage 1, then
-``--stage1-ckpt DIR1/ckpt.pt`` (stage 2), then stage 3 as a stage-2 invocation from the stage-2
-checkpoint (``--stage1-ckpt DIR2/ckpt.pt --steps 2400 --stage2-steps 1700 --stage2-lr 6e-4
---stage2-cut 0.75``). Each stage has its own data generator and a fresh optimizer, and the
-one-command run gives stage 3 the generator seed and step numbers that invocation had, so it
-is the same recipe (not re-run end to end to check it bit for bit).
+The full run took 53 + 29 + 66 minutes (stages 1, 2, 3) and 3 x 28 minutes (the three rounds
+of stage 4) on one torch thread of a 2-core machine shared with other work. The shipped model
+was made in six invocations: stage 1, then ``--stage1-ckpt DIR1/ckpt.pt`` (stage 2), then
+stage 3 as a stage-2 invocation from the stage-2 checkpoint (``--stage1-ckpt DIR2/ckpt.pt
+--steps 2400 --stage2-steps 1700 --stage2-lr 6e-4 --stage2-cut 0.75``), then each round of
+stage 4 from the previous checkpoint (``--stage1-ckpt DIR3/ckpt.pt --start-stage 4
+--stage4-rounds 1``, then ``--start-stage 5 --stage4-rounds 2`` and ``--start-stage 6
+--stage4-rounds 3`` from the round before). Each stage and round has its own data generator
+and a fresh optimizer, and the one-command run gives each the generator seed and step numbers
+its invocation had, so it is the same recipe (not re-run end to end to check it bit for bit).
 
 Data. The ``.py`` files of the running Python's standard library (``sysconfig.get_paths()
 ["stdlib"]``): present on every machine that runs this package, freely licensed (PSF License
@@ -762,7 +765,7 @@ FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=
             stage2_steps=900, stage2_lr=1e-3, stage2_warmup=30, stage2_cut=0.5, stage2_near=4,
             stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4,
             stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
-            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=2, start_stage=2)
+            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=3, start_stage=2)
 SMOKE = dict(FULL, vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, warmup=2, eval_every=3,
              n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0,
              stage4_steps=2, stage4_warmup=1, stage4_windows=4)
