@@ -27,7 +27,6 @@ int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...) {
     return code;
 }
 
-
 /* ------------------------------------------------------------------ loading */
 
 typedef struct {

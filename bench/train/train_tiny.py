@@ -491,8 +491,8 @@ def coreset_allowed(probs: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
     S = torch.zeros(G, B, E, dtype=torch.float64).scatter(-1, topi, topv.to(torch.float64)).sum(1)
     S = S / S.sum(-1, keepdim=True)
     Ss, order = torch.sort(S, dim=-1, descending=True, stable=True)
-    m = ((torch.cumsum(Ss, -1) >= top_p).float().argmax(-1) + 1).masked_fill(~(torch.cumsum(Ss, -1) >= top_p).any(-1), E)
-    m = m.clamp(k, E)
+    reach = torch.cumsum(Ss, -1) >= top_p
+    m = torch.where(reach.any(-1), reach.float().argmax(-1) + 1, E).clamp(k, E)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(E).expand(G, E).contiguous())
     return rank < m[:, None]
 
