@@ -114,7 +114,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from clover_gguf.reference import (CloverReference, GatedDeltaNet, ReferenceConfig,  # noqa: E402
-                                   RMSNorm1p, l2norm, rmsnorm)
+                                   RMSNorm1p, coreset_route, l2norm, rmsnorm)
 from convert.make_checkpoint import build_tokenizer, param_specs, text_config  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -422,16 +422,14 @@ class TrainForward:
         are blocks of B rows routed with the block coreset (spec 5.6) as in a denoising pass."""
         P, cf = self.P, self.cfg
         probs = torch.softmax(x @ P[p + "gate.weight"].T, -1)
-        pick = probs
-        if coreset is not None:
-            r0, B, top_p = coreset
-            allowed = coreset_allowed(probs[r0:].detach().reshape(-1, B, cf.num_experts), cf.num_experts_per_tok,
-                                      top_p)
-            allowed = torch.cat([torch.ones(r0, cf.num_experts, dtype=torch.bool), allowed.repeat_interleave(B, 0)])
-            pick = probs.masked_fill(~allowed, float("-inf"))
-        _, ids = torch.topk(pick, cf.num_experts_per_tok, dim=-1)
-        w = probs.gather(-1, ids)
+        k = cf.num_experts_per_tok
+        w, ids = torch.topk(probs, k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
+        if coreset is not None:  # the reference's own routing, block by block
+            r0, B, top_p = coreset
+            routed = [coreset_route(probs[b:b + B], k, top_p) for b in range(r0, probs.shape[0], B)]
+            w = torch.cat([w[:r0]] + [r[0] for r in routed])
+            ids = torch.cat([ids[:r0]] + [r[1] for r in routed])
         out = torch.zeros_like(x)
         gu_all, dn_all = P[p + "experts.gate_up_proj"], P[p + "experts.down_proj"]
         for e in range(cf.num_experts):
@@ -478,23 +476,6 @@ class TrainForward:
 
     def logits(self, h):
         return h @ self.P["lm_head.weight"].T
-
-
-def coreset_allowed(probs: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
-    """Spec 5.6 for G blocks at once (clover_gguf.reference.coreset_route batched): probs
-    [G, B, E] -> the coreset of each block as a mask [G, E]: S = sum over the block's rows of
-    each row's probs masked to its own top-k, normalised (float64); experts by S descending,
-    ties lower id first; the first m, m = smallest count with cumulative S >= top_p, clamped
-    to [k, E]."""
-    G, B, E = probs.shape
-    topv, topi = torch.topk(probs, k, dim=-1)
-    S = torch.zeros(G, B, E, dtype=torch.float64).scatter(-1, topi, topv.to(torch.float64)).sum(1)
-    S = S / S.sum(-1, keepdim=True)
-    Ss, order = torch.sort(S, dim=-1, descending=True, stable=True)
-    reach = torch.cumsum(Ss, -1) >= top_p
-    m = torch.where(reach.any(-1), reach.float().argmax(-1) + 1, E).clamp(k, E)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(E).expand(G, E).contiguous())
-    return rank < m[:, None]
 
 
 def to_reference(P: dict, config: dict) -> CloverReference:
