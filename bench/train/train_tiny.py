@@ -165,12 +165,6 @@ def load_texts(root=None, limit_bytes=None):
     return tr, ho, trn, hon
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with the qwen35 pre-tokenizer and ADDED_TOKENS appended, exactly
-    ``vocab_size`` tokens: convert/make_checkpoint.build_tokenizer trained on ``texts``."""
-    return build_tokenizer(vocab_size, texts)
-
-
 def encode_stream(tok, texts: list[str]) -> torch.Tensor:
     """All texts as one int64 token stream, each followed by <|endoftext|>."""
     eot = tok.token_to_id("<|endoftext|>")
@@ -760,7 +754,7 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
     torch.manual_seed(s["seed"])
     t_start = time.time()
     tr, ho, trn, hon = load_texts(limit_bytes=s["limit_bytes"])
-    tok = train_tokenizer(tr, s["vocab"])
+    tok = build_tokenizer(s["vocab"], tr)
     train_ids, held_ids = encode_stream(tok, tr), encode_stream(tok, ho)
     mask_id, eos_id = tok.token_to_id("<|mask|>"), tok.token_to_id("<|endoftext|>")
     log(f"data: {len(tr)} train files ({len(train_ids)} tokens), {len(ho)} held-out ({len(held_ids)} tokens), "
@@ -902,7 +896,7 @@ def export_only(out_dir, settings: dict, log=print) -> dict:
     out = pathlib.Path(out_dir)
     ck = torch.load(out / "ckpt.pt")
     tr, _, _, _ = load_texts(limit_bytes=s["limit_bytes"])
-    tok = train_tokenizer(tr, s["vocab"])
+    tok = build_tokenizer(s["vocab"], tr)
     config = dict(ck["config"], presence_penalty=float(s["presence_penalty"]),
                   repetition_penalty=float(s["repetition_penalty"]))
     gguf_path = export_gguf(export_hf(out / "hf", ck["params"], config, tok), out / "clover-tiny-q8_0.gguf")
