@@ -31,6 +31,14 @@
 
 #define ROWS 8 /* activation rows per warp */
 
+/* kernel<<<grid, block>>>(args) as LAUNCH(kernel, grid, block)(args), so that the CUDA emulator
+ * (native/cuda/emu, CLOVER_CUDA=EMU), which a host compiler builds, can run the same source. */
+#ifdef CLOVER_CUDA_EMU
+#define LAUNCH(k, grid, block) clover_emu_launch(k, grid, block)
+#else
+#define LAUNCH(k, grid, block) k<<<grid, block>>>
+#endif
+
 static void set_err(char *err, size_t n, const char *what, cudaError_t e) {
     if (err && n) snprintf(err, n, "CUDA: %s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
@@ -115,6 +123,7 @@ static int grow(float **p, size_t *cap, size_t n, char *err, size_t err_size) {
 }
 
 extern "C" int clover_cuda_devices(char *info, size_t info_size) {
+#ifndef CLOVER_CUDA_EMU
     /* no driver library at all: say so (the runtime would report "driver version is insufficient") */
     void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
     if (!driver) {
@@ -122,6 +131,7 @@ extern "C" int clover_cuda_devices(char *info, size_t info_size) {
         return CLOVER_E_DEVICE;
     }
     dlclose(driver);
+#endif
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
@@ -193,7 +203,7 @@ extern "C" int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int6
             const float *X = g_x + t0 * ne0;
             float *Y = g_y + t0 * ne1;
             switch (type) {
-#define CASE(TY, K) case TY: K<TY><<<grid, block>>>(W, ne0, ne1, X, tn, Y); break;
+#define CASE(TY, K) case TY: LAUNCH(K<TY>, grid, block)(W, ne0, ne1, X, tn, Y); break;
                 CASE(T_F32, k_matmul_plain)
                 CASE(T_F16, k_matmul_plain)
                 CASE(T_BF16, k_matmul_plain)

@@ -1,0 +1,274 @@
+/* emu.cpp: the CUDA emulator's runtime (see cuda_runtime.h beside it). Device memory is host
+ * memory; a launch runs its blocks in order, and the threads of a block as fibers on the
+ * calling thread, each on its own stack with a guard page. A fiber runs until it reaches
+ * __syncthreads or a warp shuffle, then the next ready one runs; a barrier opens when every
+ * live thread of the block (of the warp, for a shuffle) waits at it, and a state where none
+ * can open is a deadlock (the emulator aborts with the kernel's block and thread). The
+ * context switch saves the callee-saved registers of the x86-64 System V ABI (no signal mask,
+ * so a switch costs nanoseconds). */
+#include "cuda_runtime.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <vector>
+
+#if !defined(__x86_64__)
+#error "the CUDA emulator (CLOVER_CUDA=EMU) has a context switch for x86-64 only"
+#endif
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+/* clover_emu_switch(save, to): store this stack pointer in *save, continue on stack `to`. */
+extern "C" void clover_emu_switch(void **save, void *to);
+asm(R"(
+.text
+.globl clover_emu_switch
+.hidden clover_emu_switch
+.type clover_emu_switch,@function
+clover_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+.size clover_emu_switch, .-clover_emu_switch
+)");
+
+namespace {
+enum State { READY, AT_SYNC, AT_SHFL, DONE };
+struct Fiber {
+    void *sp;
+    State state;
+    uint3 tid;
+    uint32_t val, result; /* shuffle: the value offered and the one received */
+    int arg, mode;
+};
+const size_t STACK = 256 * 1024;
+std::mutex g_run;                /* one launch at a time */
+std::vector<Fiber> g_fibers;
+std::vector<char *> g_stacks;    /* mmap'd, a guard page below each */
+void *g_sched_sp;
+const std::function<void()> *g_body;
+int g_cur, g_live;
+size_t g_page;
+/* memory accounting for cudaMemGetInfo: a 4 GiB device, less what is allocated */
+std::mutex g_mem;
+size_t g_allocated;
+const size_t TOTAL = (size_t)4 << 30;
+cudaError_t g_last = cudaSuccess; /* the last launch's error, for cudaGetLastError */
+
+void fiber_entry() {
+    (*g_body)();
+    g_fibers[g_cur].state = DONE;
+    g_live--;
+    clover_emu_switch(&g_fibers[g_cur].sp, g_sched_sp);
+    abort(); /* never resumed */
+}
+
+void fail(const char *what) {
+    fprintf(stderr, "CUDA emulator: %s in block (%u,%u,%u) of grid (%u,%u,%u), block (%u,%u,%u)\n", what, blockIdx.x,
+            blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z, blockDim.x, blockDim.y, blockDim.z);
+    abort();
+}
+
+bool ensure_stacks(size_t n) {
+    if (!g_page) g_page = (size_t)sysconf(_SC_PAGESIZE);
+    while (g_stacks.size() < n) {
+        void *p = mmap(NULL, STACK + g_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return false;
+        mprotect(p, g_page, PROT_NONE);
+        g_stacks.push_back((char *)p);
+    }
+    return true;
+}
+
+void start_fiber(int i) {
+    void **sp = (void **)(g_stacks[i] + g_page + STACK); /* 16-byte aligned top */
+    *--sp = NULL;                                          /* fake return address: entry sees rsp = 8 mod 16 */
+    *--sp = (void *)fiber_entry;
+    for (int r = 0; r < 6; r++) *--sp = NULL; /* rbp rbx r12-r15 */
+    g_fibers[i].sp = sp;
+    g_fibers[i].state = READY;
+}
+
+/* Open the barrier some waiting fibers can pass, or abort: a warp whose every lane waits at a
+ * shuffle exchanges, else the block barrier opens when no live fiber is anywhere else. */
+void open_barrier(int n) {
+    for (int w0 = 0; w0 < n; w0 += 32) {
+        const int w1 = w0 + 32 < n ? w0 + 32 : n;
+        int waiting = 0, done = 0;
+        for (int i = w0; i < w1; i++) waiting += g_fibers[i].state == AT_SHFL, done += g_fibers[i].state == DONE;
+        if (waiting == 0) continue;
+        if (waiting + done < w1 - w0) continue; /* some lanes still elsewhere */
+        if (done) fail("warp shuffle with lanes that have exited");
+        for (int i = w0; i < w1; i++) {
+            Fiber &f = g_fibers[i];
+            const int lane = i - w0;
+            int src = f.mode == 0 ? f.arg : f.mode == 1 ? (lane ^ f.arg) : lane + f.arg;
+            if (src < 0 || src >= w1 - w0) src = lane; /* out of range: own value, as CUDA */
+            f.result = g_fibers[w0 + src].val;
+        }
+        for (int i = w0; i < w1; i++) g_fibers[i].state = READY;
+        return;
+    }
+    int sync = 0, shfl = 0;
+    for (int i = 0; i < n; i++) sync += g_fibers[i].state == AT_SYNC, shfl += g_fibers[i].state == AT_SHFL;
+    if (shfl) fail("deadlock: a warp shuffle some lanes of the warp never reach (waiting at __syncthreads?)");
+    if (sync == 0) fail("scheduler found nothing to run");
+    for (int i = 0; i < n; i++)
+        if (g_fibers[i].state == AT_SYNC) g_fibers[i].state = READY;
+}
+
+void wait_here(State s) {
+    Fiber &f = g_fibers[g_cur];
+    f.state = s;
+    clover_emu_switch(&f.sp, g_sched_sp);
+    threadIdx = g_fibers[g_cur].tid; /* the scheduler set g_cur back to this fiber */
+}
+} // namespace
+
+void __syncthreads(void) { wait_here(AT_SYNC); }
+
+uint32_t clover_emu_shfl(uint32_t v, int arg, int mode) {
+    Fiber &f = g_fibers[g_cur];
+    f.val = v, f.arg = arg, f.mode = mode;
+    wait_here(AT_SHFL);
+    return g_fibers[g_cur].result;
+}
+
+cudaError_t clover_emu_run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body) {
+    const size_t n = (size_t)block.x * block.y * block.z;
+    if (n == 0 || n > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535 ||
+        shared_bytes > 48 * 1024)
+        return g_last = cudaErrorInvalidConfiguration;
+    std::lock_guard<std::mutex> lock(g_run);
+    if (!ensure_stacks(n)) return g_last = cudaErrorMemoryAllocation;
+    g_fibers.resize(n);
+    for (size_t i = 0; i < n; i++)
+        g_fibers[i].tid = uint3{(unsigned)(i % block.x), (unsigned)(i / block.x % block.y),
+                                (unsigned)(i / ((size_t)block.x * block.y))};
+    g_body = &body;
+    gridDim = grid, blockDim = block;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                blockIdx = uint3{bx, by, bz};
+                for (size_t i = 0; i < n; i++) start_fiber((int)i);
+                g_live = (int)n;
+                while (g_live > 0) {
+                    bool ran = false;
+                    for (size_t i = 0; i < n; i++)
+                        if (g_fibers[i].state == READY) {
+                            g_cur = (int)i;
+                            threadIdx = g_fibers[i].tid;
+                            clover_emu_switch(&g_sched_sp, g_fibers[i].sp);
+                            ran = true;
+                        }
+                    if (!ran && g_live > 0) open_barrier((int)n);
+                }
+            }
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int *n) {
+    *n = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev) {
+    if (dev != 0) return cudaErrorInvalidValue;
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "CUDA emulator on the CPU (tests only)");
+    p->major = 9, p->minor = 0;
+    p->totalGlobalMem = TOTAL;
+    p->multiProcessorCount = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
+    std::lock_guard<std::mutex> lock(g_mem);
+    *free_b = TOTAL > g_allocated ? TOTAL - g_allocated : 0;
+    *total_b = TOTAL;
+    return cudaSuccess;
+}
+/* Each allocation carries its size in a 256-byte header (kept 256-aligned, as cudaMalloc's). */
+cudaError_t cudaMalloc(void **p, size_t n) {
+    std::lock_guard<std::mutex> lock(g_mem);
+    *p = NULL;
+    if (n > TOTAL - g_allocated) return cudaErrorMemoryAllocation;
+    char *b = (char *)aligned_alloc(256, 256 + ((n + 255) & ~(size_t)255));
+    if (!b) return cudaErrorMemoryAllocation;
+    memcpy(b, &n, sizeof n);
+    g_allocated += n;
+    *p = b + 256;
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    std::lock_guard<std::mutex> lock(g_mem);
+    char *b = (char *)p - 256;
+    size_t n;
+    memcpy(&n, b, sizeof n);
+    g_allocated -= n;
+    free(b);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
+    (void)kind;
+    if (n) memmove(dst, src, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
+    (void)s;
+    return cudaMemcpy(dst, src, n, kind);
+}
+cudaError_t cudaMemset(void *p, int v, size_t n) {
+    if (n) memset(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
+    (void)s;
+    return cudaMemset(p, v, n);
+}
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    (void)s;
+    return cudaSuccess;
+}
+cudaError_t cudaGetLastError(void) {
+    std::lock_guard<std::mutex> lock(g_run);
+    const cudaError_t e = g_last;
+    g_last = cudaSuccess;
+    return e;
+}
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    default: return "unknown error";
+    }
+}
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    default: return "cudaErrorUnknown";
+    }
+}
