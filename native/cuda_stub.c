@@ -32,4 +32,12 @@ int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, co
     if (err && err_size) snprintf(err, err_size, "built without CUDA");
     return CLOVER_E_DEVICE;
 }
+
+int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
+                        int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err,
+                        size_t err_size) {
+    (void)gate, (void)up, (void)down, (void)n_expert, (void)start, (void)xg, (void)yg;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
 #endif

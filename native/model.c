@@ -1316,6 +1316,50 @@ static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float 
     return wmatmul(&wd, gt, n, y, 1) ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
+/* The routed experts on the CPU: expert e over its bucket [start[e], start[e+1]) of xg into yg
+ * (n_used non-empty buckets), experts spread over the threads, one task per expert, so a pass
+ * forks once instead of once per product. Non-zero on failure (out of memory). */
+static int cpu_experts(const clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E,
+                       int32_t n_used, const int64_t *start, const float *xg, float *yg) {
+    int err_any = 0;
+    int64_t n_max = 0;
+    for (int64_t e = 0; e < E; e++) n_max = start[e + 1] - start[e] > n_max ? start[e + 1] - start[e] : n_max;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && n_used > 1)
+#endif
+    {
+        float *tg = malloc(sizeof(float) * (size_t)(n_max * I));
+        float *tu = malloc(sizeof(float) * (size_t)(n_max * I));
+        if (!tg || !tu) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            err_any = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t n = start[e + 1] - start[e];
+            if (n == 0 || !tg || !tu) continue;
+            if (expert_ffn(ly, e, I, xg + start[e] * H, n, tg, tu, yg + start[e] * H)) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+                err_any = 1;
+            }
+        }
+        free(tg), free(tu);
+    }
+    return err_any;
+}
+
+/* A device tensor as clover_cuda_experts takes it (expert matrices stride bytes apart). */
+static clover_cuda_weight cuda_weight(const clover_tensor *w) {
+    const clover_cuda_weight cw = {w->type, w->dev, w->ne[0], w->ne[1], clover_row_nbytes(w->type, w->ne[0]) * w->ne[1]};
+    return cw;
+}
+
 static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
@@ -1379,39 +1423,16 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
             pw[q] = wsel[t * k + s];
             memcpy(xg + q * H, xn + t * H, sizeof(float) * (size_t)H);
         }
-    /* each used expert runs once over the rows routed to it (spec 5.6); experts are spread over
-     * the threads, one task per expert, so a pass forks once instead of once per product */
-    int err_any = 0;
-    int64_t n_max = 0;
-    for (int64_t e = 0; e < E; e++) n_max = start[e + 1] - start[e] > n_max ? start[e + 1] - start[e] : n_max;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && n_used > 1)
-#endif
-    {
-        float *tg = malloc(sizeof(float) * (size_t)(n_max * I));
-        float *tu = malloc(sizeof(float) * (size_t)(n_max * I));
-        if (!tg || !tu) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            err_any = 1;
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t n = start[e + 1] - start[e];
-            if (n == 0 || !tg || !tu) continue;
-            if (expert_ffn(ly, e, I, xg + start[e] * H, n, tg, tu, yg + start[e] * H)) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-                err_any = 1;
-            }
-        }
-        free(tg), free(tu);
-    }
-    if (err_any) goto done;
+    /* each used expert runs once over the rows routed to it (spec 5.6): on the GPU as one
+     * grouped product per projection when the layer's experts were offloaded, else on the CPU */
+    if (ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev) {
+        const clover_cuda_weight g = cuda_weight(&ly->gate_exps), u = cuda_weight(&ly->up_exps),
+                                 d = cuda_weight(&ly->down_exps);
+        rc = clover_cuda_experts(&g, &u, &d, E, start, xg, yg, f->err, f->err_size);
+        if (rc != CLOVER_OK) goto done;
+        rc = CLOVER_E_NOMEM;
+    } else if (cpu_experts(c, ly, I, H, E, n_used, start, xg, yg))
+        goto done;
     /* weighted sum in a fixed order, so the result does not depend on the thread count */
     memset(out, 0, sizeof(float) * (size_t)(T * H));
     for (int64_t q = 0; q < P; q++)

@@ -4,13 +4,18 @@ Always run:
 - a library built where nvcc exists has the CUDA code compiled in (CI compiles it on every run),
   and on a machine without a usable GPU it says why and the engine runs on the CPU
   (clover_model_offload refuses with CLOVER_E_DEVICE; Model(n_gpu_layers=...) warns);
-Only with a GPU (skipped otherwise, with the reason):
-- clover_cuda_matmul for every weight type against float64 products of the dequantised
-  weights (the GPU multiplies float32 activations, the CPU Q8_0/Q8_K-quantised ones, so the
-  reference is the exact product, tolerance 1e-4 of sum |w x| per output);
-- whole-model logits with every layer offloaded against the CPU (tolerance below) and greedy
-  tokens identical to the CPU in ar, diffusion and spec, on the tiny model at F32, Q8_0 and
-  Q4_K_M, and for a partial offload.
+- the GPU kernels' dequantisation (native/cuda/dequant.cuh) built for the host with nvcc, bit
+  for bit against the CPU engine.
+Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
+(tests/test_cuda_emu.py runs this file against a CLOVER_CUDA=EMU library on the CPU):
+- clover_cuda_matmul for every weight type against the CPU engine's clover_matmul (both round
+  activations to Q8_0/Q8_K the same way, so they differ only in float summation order:
+  tolerance 1e-5 of sum |w x| per output; seen: below 4e-7 of max |y|);
+- whole-model logits with every layer offloaded against the CPU, and greedy tokens identical
+  to the CPU in ar, diffusion and spec, for the whole offload and a partial one, at F32, Q8_0
+  and Q4_K_M, and across the placements of issue 8. Under the emulator (about 1000x slower
+  than the CPU engine) the model has 8-token blocks and 16 tokens are generated, not 32-token
+  blocks and 32 tokens: the same code paths in a few minutes.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ _info = ffi.new("char[]", 256)
 N_DEV = int(lib.clover_gpu_devices(_info, 256))
 INFO = ffi.string(_info).decode()
 gpu = pytest.mark.skipif(N_DEV <= 0, reason=f"no GPU: {INFO}")
+EMULATED = "emulator" in INFO  # native/cuda/emu (CLOVER_CUDA=EMU): the GPU code on the CPU
+# generation in the whole-model tests: the test model's options and tokens per mode
+GEN_MODEL, GEN_TOKENS = (dict(block_size=8), 16) if EMULATED else ({}, 32)
 
 _cffi = cffi.FFI()
 _cffi.cdef("""
@@ -34,6 +42,8 @@ int clover_cuda_upload(const void *host, size_t nbytes, void **dev, char *err, s
 void clover_cuda_free(void *dev);
 int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
                        char *err, size_t err_size);
+int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const float *x, int64_t T, float *y,
+                  int n_threads);
 """)
 _clib = _cffi.dlopen(_ffi._find_library())
 
@@ -92,12 +102,12 @@ def _weights(name: str, type_: int, ne0: int, ne1: int, rng) -> tuple[np.ndarray
 @gpu
 @pytest.mark.parametrize("name", list(PLAIN) + list(BLOCKS))
 @pytest.mark.parametrize("T", [1, 3, 9, 32])
-def test_matmul_every_type_against_the_exact_product(name, T):
+def test_matmul_every_type_equals_the_cpu_engine(name, T):
     rng = np.random.default_rng(T)
     type_ = {**PLAIN, **BLOCKS}[name]
     ne0, ne1 = 1024, 67
     q, w = _weights(name, type_, ne0, ne1, rng)
-    x = rng.standard_normal((T, ne0)).astype(np.float32)
+    x = (rng.standard_normal((T, ne0)) * rng.uniform(0.01, 10, (T, 1))).astype(np.float32)
     dev = _cffi.new("void **")
     err = _cffi.new("char[]", 256)
     assert _clib.clover_cuda_upload(_cffi.cast("void *", q.ctypes.data), q.size, dev, err, 256) == 0, \
@@ -109,43 +119,74 @@ def test_matmul_every_type_against_the_exact_product(name, T):
         assert rc == 0, _cffi.string(err)
     finally:
         _clib.clover_cuda_free(dev[0])
-    want = x.astype(np.float64) @ w.T
+    want = np.zeros((T, ne1), np.float32)
+    assert _clib.clover_matmul(type_, _cffi.cast("void *", q.ctypes.data), ne0, ne1,
+                               _cffi.cast("float *", x.ctypes.data), T, _cffi.cast("float *", want.ctypes.data), 2) == 0
     scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
-    assert np.all(np.abs(y - want) <= 1e-4 * scale + 1e-6), (name, float(np.max(np.abs(y - want) / scale)))
+    assert np.all(np.abs(y - want) <= 1e-5 * scale), (name, float(np.max(np.abs(y - want) / scale)))
+
+
+@gpu
+def test_matmul_refuses_bad_arguments():
+    err = _cffi.new("char[]", 256)
+    x = np.zeros(64, np.float32)
+    dev = _cffi.new("void **")
+    assert _clib.clover_cuda_upload(_cffi.cast("void *", x.ctypes.data), x.nbytes, dev, err, 256) == 0
+    try:
+        xp = _cffi.cast("float *", x.ctypes.data)
+        assert _clib.clover_cuda_matmul(PLAIN["F32"], dev[0], 0, 1, xp, 1, xp, err, 256) == lib.CLOVER_E_ARG
+        assert "ne0" in _cffi.string(err).decode()
+        assert _clib.clover_cuda_matmul(99, dev[0], 32, 1, xp, 1, xp, err, 256) == lib.CLOVER_E_ARG
+        assert "type 99" in _cffi.string(err).decode()
+        assert _clib.clover_cuda_matmul(BLOCKS["Q4_0"], dev[0], 48, 1, xp, 1, xp, err, 256) == lib.CLOVER_E_ARG
+        assert "multiple of 32" in _cffi.string(err).decode()
+    finally:
+        _clib.clover_cuda_free(dev[0])
 
 
 @gpu
 @pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_k_m"])
 def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
     """Logits of a prefill with every layer and the output offloaded are within 2e-3 * the
-    logits' std of the CPU's (the GPU multiplies unquantised activations), and greedy tokens are
-    identical in all three modes, for the whole offload and a partial one."""
+    logits' std of the CPU's (seen: 1.5e-5 at F32, 2.5e-6 at Q4_K_M), and greedy tokens are
+    identical in all three modes, for the whole offload and a partial one.
+
+    Q8_0 has no logits bound: on this random model it turns float-order differences into
+    large ones (a Q8_0 activation crossing a rounding step moves a router near a tie), as the
+    CPU engine's own kernels show: its scalar, AVX2 and AVX-512 paths, same weights, differ by
+    up to 0.08 * std on the test prompts (measured 2026-12-01), the GPU by up to 1 * std; its
+    greedy tokens must still be identical."""
     from clover_gguf import Model
 
-    path = make_gguf(outtype)
+    path = make_gguf(outtype, **GEN_MODEL)
     with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, \
             Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2) as half:
         assert g.n_gpu_layers == g.hparams["n_layer"] + 1 and half.n_gpu_layers == 2
         ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
         lc, lg = cpu.prefix_logits(ids), g.prefix_logits(ids)
-        assert np.max(np.abs(lc - lg)) <= 2e-3 * float(np.std(lc)) + 1e-4
+        assert np.all(np.isfinite(lg)) and lg.shape == lc.shape
+        if outtype != "q8_0":
+            assert np.max(np.abs(lc - lg)) <= 2e-3 * float(np.std(lc)) + 1e-4, float(np.max(np.abs(lc - lg)))
         for mode in ("ar", "diffusion", "spec"):
-            want, _ = cpu.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])
-            assert g.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == want, mode
-            assert half.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == want, mode
+            want, _ = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])
+            assert len(want) == GEN_TOKENS
+            assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == want, mode
+            assert half.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == want, mode
 
 
 @gpu
 def test_greedy_tokens_identical_across_placements(make_gguf):
     """Issue 8: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2),
-    partial layers, and a --fit budget give the same greedy tokens in every mode."""
+    partial layers, and a --fit budget give the same greedy tokens in every mode, at Q4_K_M
+    (the issue's type). Not Q8_0: there this prompt's diffusion tokens differ at index 13
+    between the CPU engine's own AVX2 and AVX-512 kernels (see the test above)."""
     from clover_gguf import Model
     from clover_gguf.placement import RESERVE, placement
 
-    path = make_gguf("q8_0")
+    path = make_gguf("q4_k_m", **GEN_MODEL)
     with Model(path, n_ctx=512, n_threads=2) as cpu:
         ids = cpu.tokenize("class Config:\n    def __init__(self")
-        want = {mode: cpu.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0]
+        want = {mode: cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0]
                 for mode in ("ar", "diffusion", "spec")}
         budget = placement(cpu, -1)["gpu"] // 2 + RESERVE
     for kw in (dict(n_gpu_layers=-1), dict(n_gpu_layers=-1, n_cpu_moe=1 << 30), dict(n_gpu_layers=-1, n_cpu_moe=2),
@@ -153,7 +194,7 @@ def test_greedy_tokens_identical_across_placements(make_gguf):
         with Model(path, n_ctx=512, n_threads=2, **kw) as g:
             assert g.n_gpu_layers > 0, kw
             for mode, toks in want.items():
-                assert g.generate_tokens(ids, max_tokens=32, mode=mode, end_ids=[])[0] == toks, (kw, mode)
+                assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == toks, (kw, mode)
 
 
 # byte offsets of fp16 fields in each block (kept finite when blocks are random bytes)

@@ -6,9 +6,9 @@
  * A product y[t][r] = sum_j W[r][j] * x[t][j] (W: ne1 rows of ne0 values in its ggml type,
  * x: T rows of ne0 float32) runs one warp per weight row and group of ROWS activation rows.
  * Each weight element is dequantised once per group (the formulas of native/kquants.c and
- * native/quants.c, i.e. ggml's block layouts) and multiplied in float32 with float32
- * activations: unlike the CPU kernels, activations are not quantised to Q8_0/Q8_K, so results
- * differ from the CPU path by that rounding (tests/test_cuda.py states the tolerances).
+ * native/quants.c, i.e. ggml's block layouts) and multiplied in float32 with activations
+ * rounded as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below), so results differ
+ * from the CPU path only in float rounding (tests/test_cuda.py states the tolerances).
  * Not here yet: tensor cores for the many-row case, GPU attention/GDN/MoE routing/sampler,
  * CUDA graphs (see the issue note).
  *
@@ -17,9 +17,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <float.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_backend.h"
@@ -50,76 +53,278 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/* Write the ROWS sums of a warp (lane 0). */
-__device__ __forceinline__ void store_rows(float *acc, float *Y, int64_t ne1, int64_t r, int64_t t0, int64_t T) {
-    for (int k = 0; k < ROWS; k++) {
-        const float s = warp_sum(acc[k]);
-        if (threadIdx.x == 0 && t0 + k < T) Y[(t0 + k) * ne1 + r] = s;
+/* Halve the values a lane holds: lanes whose bit `o` is clear keep the first n/2 sums, the
+ * others the last n/2, each adding its partner's half (n/2 shuffles). */
+template <int N> __device__ __forceinline__ void fold(float *acc, int o) {
+    const bool hi = threadIdx.x & o;
+    for (int i = 0; i < N / 2; i++) {
+        const float send = hi ? acc[i] : acc[i + N / 2], keep = hi ? acc[i + N / 2] : acc[i];
+        acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
     }
+}
+
+/* Write the nr (<= ROWS, the same on every lane) warp sums of acc. One row: a plain warp sum
+ * (5 shuffles); more: folds over lane bits 4, 3, 2 then sums over bits 1, 0 (9 shuffles for
+ * the 8 rows, not 40), after which lane 4k (k = bits 4..2 of the lane) holds row k's sum. */
+static_assert(ROWS == 8, "store_rows folds 8 rows");
+__device__ __forceinline__ void store_rows(float *acc, int nr, float *Y, int64_t ne1, int64_t r, int64_t t0) {
+    if (nr == 1) {
+        const float s = warp_sum(acc[0]);
+        if (threadIdx.x == 0) Y[t0 * ne1 + r] = s;
+        return;
+    }
+    fold<8>(acc, 16);
+    fold<4>(acc, 8);
+    fold<2>(acc, 4);
+    float s = acc[0];
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    const int lane = threadIdx.x, k = ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
+    if ((lane & 3) == 0 && k < nr) Y[(t0 + k) * ne1 + r] = s;
+}
+
+/* Which weight rows and activation rows a block of a product takes: blockIdx.x is the weight
+ * row r; blockIdx.y is a group of up to ROWS activation rows, t0 = ROWS * blockIdx.y of one
+ * matrix (tiles == NULL), or tiles[blockIdx.y] of a grouped product (expert e's matrix at
+ * W + e * w_stride bytes, rows t0 .. t0 + nr - 1 of X and Y). */
+struct tile {
+    int32_t e, t0, nr;
+};
+
+struct rows_of_block {
+    const uint8_t *w; /* weight row r */
+    const float *x;   /* activation row t0 */
+    int64_t t0, r;
+    int nr;
+};
+
+__device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t row_bytes, int64_t w_stride,
+                                                    const float *X, int64_t ne0, int64_t T, const tile *tiles) {
+    rows_of_block b;
+    b.r = blockIdx.x;
+    int64_t e = 0;
+    if (tiles) {
+        const tile tl = tiles[blockIdx.y];
+        e = tl.e, b.t0 = tl.t0, b.nr = tl.nr;
+    } else {
+        b.t0 = (int64_t)blockIdx.y * ROWS;
+        b.nr = (int)(T - b.t0 < ROWS ? T - b.t0 : ROWS);
+    }
+    b.w = W + e * w_stride + b.r * row_bytes;
+    b.x = X + b.t0 * ne0;
+    return b;
 }
 
 /* Block formats: the warp walks the row's blocks in order, lane l takes elements l, l+32, ... */
 template <int TYPE>
-__global__ void k_matmul_blocks(const uint8_t *W, int64_t ne0, int64_t ne1, const float *X, int64_t T, float *Y) {
+__global__ void k_matmul_blocks(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
+                                float *Y, const tile *tiles) {
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes;
-    const int64_t r = blockIdx.x, t0 = (int64_t)blockIdx.y * ROWS;
     const int64_t nb = ne0 / BN;
-    const uint8_t *w = W + r * nb * BB;
+    const rows_of_block b = block_rows(W, nb * BB, w_stride, X, ne0, T, tiles);
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
-    const int nr = (int)(T - t0 < ROWS ? T - t0 : ROWS);
     for (int64_t ib = 0; ib < nb; ib++) {
-        const uint8_t *blk = w + ib * BB;
+        const uint8_t *blk = b.w + ib * BB;
         for (int j = threadIdx.x; j < BN; j += 32) {
             const float v = dq<TYPE>(blk, j);
-            const float *x = X + t0 * ne0 + ib * BN + j;
+            const float *x = b.x + ib * BN + j;
             for (int k = 0; k < ROWS; k++)
-                if (k < nr) acc[k] += v * x[k * ne0];
+                if (k < b.nr) acc[k] += v * x[k * ne0];
         }
     }
-    store_rows(acc, Y, ne1, r, t0, T);
+    store_rows(acc, b.nr, Y, ne1, b.r, b.t0);
 }
 
 /* F32 / F16 / BF16 rows: lane l takes elements l, l+32, ... */
 template <int TYPE>
-__global__ void k_matmul_plain(const uint8_t *W, int64_t ne0, int64_t ne1, const float *X, int64_t T, float *Y) {
-    const int64_t r = blockIdx.x, t0 = (int64_t)blockIdx.y * ROWS;
+__global__ void k_matmul_plain(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
+                               float *Y, const tile *tiles) {
+    const rows_of_block b = block_rows(W, ne0 * (TYPE == T_F32 ? 4 : 2), w_stride, X, ne0, T, tiles);
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
-    const int nr = (int)(T - t0 < ROWS ? T - t0 : ROWS);
     for (int64_t j = threadIdx.x; j < ne0; j += 32) {
         float v;
         if (TYPE == T_F32) {
-            v = ((const float *)W)[r * ne0 + j];
+            v = ((const float *)b.w)[j];
         } else {
-            const uint16_t h = ((const uint16_t *)W)[r * ne0 + j];
+            const uint16_t h = ((const uint16_t *)b.w)[j];
             v = TYPE == T_F16 ? __half2float(__ushort_as_half(h)) : __uint_as_float((uint32_t)h << 16);
         }
-        const float *x = X + t0 * ne0 + j;
+        const float *x = b.x + j;
         for (int k = 0; k < ROWS; k++)
-            if (k < nr) acc[k] += v * x[k * ne0];
+            if (k < b.nr) acc[k] += v * x[k * ne0];
     }
-    store_rows(acc, Y, ne1, r, t0, T);
+    store_rows(acc, b.nr, Y, ne1, b.r, b.t0);
+}
+
+/* SwiGLU of the experts (spec 2.3 step 2), as the CPU's: g = silu(g) * u, silu(x) = x / (1 + e^-x). */
+__global__ void k_swiglu(float *g, const float *u, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* Activations as the CPU engine multiplies them with quantised weights (native/dot.h): each
+ * block of X replaced in place by the values d*q of its Q8_0 (32 values) or Q8_K (256 values)
+ * quantisation, with the CPU's rounding, so that a GPU product differs from the CPU's only in
+ * the float order of its sums (llama.cpp's CUDA backend quantises activations too, to Q8_1).
+ * One warp per block; a block holding NaN or Inf becomes NaN, as the CPU's NaN scale makes it. */
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int warp_or(int v) {
+    for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Q8_0 (native/dot.c quantize_act_q8_0): d = fp16(amax/127), q = rint(x * (127/amax)). */
+__global__ void k_act_q8_0(float *X) {
+    float *x = X + (int64_t)blockIdx.x * 32;
+    const float v = x[threadIdx.x], a = fabsf(v);
+    const float amax = warp_max(a);
+    if (warp_or(!(a <= FLT_MAX))) {
+        x[threadIdx.x] = NAN;
+        return;
+    }
+    const float d = __half2float(__float2half_rn(amax / 127.0f));
+    const float r = rintf(v * (amax != 0.0f ? 127.0f / amax : 0.0f));
+    x[threadIdx.x] = (r >= -128.0f && r <= 127.0f) ? d * r : 0.0f;
+}
+
+/* Q8_K (native/kquants.c q8_k_quant, ggml's quantize_row_q8_K_ref): vmax = the first element
+ * of largest |x|, q = min(127, rint(x * -127/vmax)), d = 1 / (-127/vmax). Lane l holds
+ * elements l + 32 i. */
+__global__ void k_act_q8_k(float *X) {
+    float *x = X + (int64_t)blockIdx.x * 256;
+    const int lane = threadIdx.x;
+    float v[8], a = 0.0f;
+    int bad = 0;
+    for (int i = 0; i < 8; i++) {
+        v[i] = x[lane + 32 * i];
+        bad |= !(fabsf(v[i]) <= FLT_MAX);
+        a = fmaxf(a, fabsf(v[i]));
+    }
+    const float amax = warp_max(a);
+    int first = 256;
+    for (int i = 7; i >= 0; i--)
+        if (fabsf(v[i]) == amax) first = lane + 32 * i;
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    const float vmax = __shfl_sync(0xffffffffu, v[(first & 255) / 32], first & 31);
+    const int any_bad = warp_or(bad);
+    if (any_bad || amax == 0.0f) {
+        for (int i = 0; i < 8; i++) x[lane + 32 * i] = any_bad ? NAN : 0.0f;
+        return;
+    }
+    const float iscale = -127.f / vmax, d = 1 / iscale;
+    for (int i = 0; i < 8; i++) x[lane + 32 * i] = d * fminf(127.0f, rintf(iscale * v[i]));
+}
+
+/* Values per block of the activation format paired with weight type `type` (0: float32). */
+static int act_block(int type) {
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_IQ4_NL: case T_MXFP4: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    default: return 0;
+    }
 }
 
 /* ------------------------------------------------------------------ host side */
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* one product at a time (shared scratch) */
-static float *g_x, *g_y;
-static size_t g_x_cap, g_y_cap;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time (shared scratch) */
 
-static int grow(float **p, size_t *cap, size_t n, char *err, size_t err_size) {
-    if (n <= *cap) return CLOVER_OK;
-    if (*p) cudaFree(*p);
-    *p = NULL;
-    *cap = 0;
-    cudaError_t e = cudaMalloc((void **)p, n * sizeof(float));
+/* Device scratch, grown on demand and kept: activations in and out, the experts' two
+ * intermediate products, and the tile list of a grouped product. */
+struct scratch {
+    void *p;
+    size_t cap; /* bytes */
+};
+static scratch g_x, g_y, g_gate, g_up, g_tiles;
+
+static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
+    if (bytes <= s->cap) return CLOVER_OK;
+    if (s->p) cudaFree(s->p);
+    s->p = NULL;
+    s->cap = 0;
+    cudaError_t e = cudaMalloc(&s->p, bytes);
     if (e != cudaSuccess) {
-        set_err(err, err_size, "cudaMalloc of the activations", e);
-        *p = NULL;
+        set_err(err, err_size, "cudaMalloc of scratch", e);
+        s->p = NULL;
         return CLOVER_E_NOMEM;
     }
-    *cap = n;
+    s->cap = bytes;
     return CLOVER_OK;
+}
+
+static int bad_arg(char *err, size_t err_size, const char *what) {
+    if (err && err_size) snprintf(err, err_size, "CUDA: %s", what);
+    return CLOVER_E_ARG;
+}
+
+/* Round n_rows rows of ne0 activations on the device as the CPU pairs them with `type`. */
+static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err, size_t err_size) {
+    const int ab = act_block(type);
+    if (!ab || n_rows == 0) return CLOVER_OK;
+    if (ne0 % ab || n_rows * (ne0 / ab) > INT32_MAX) {
+        if (err && err_size) snprintf(err, err_size, "CUDA: ne0 %lld not a multiple of %d", (long long)ne0, ab);
+        return CLOVER_E_ARG;
+    }
+    if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n_rows * ne0 / 32)), dim3(32))(X);
+    else LAUNCH(k_act_q8_k, dim3((unsigned)(n_rows * ne0 / 256)), dim3(32))(X);
+    return CLOVER_OK;
+}
+
+/* Y = W X on the device: T rows of one matrix (tiles NULL) or the n_tiles tiles of a grouped
+ * product (see block_rows); X already rounded by round_act. */
+static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
+                   float *Y, const tile *tiles, int64_t n_tiles, char *err, size_t err_size) {
+    const uint8_t *w = (const uint8_t *)W;
+    const int64_t n_groups = tiles ? n_tiles : (T + ROWS - 1) / ROWS;
+    for (int64_t g0 = 0; g0 < n_groups; g0 += 65535) { /* gridDim.y <= 65535 */
+        const int64_t ng = n_groups - g0 < 65535 ? n_groups - g0 : 65535;
+        const dim3 grid((unsigned)ne1, (unsigned)ng), block(32);
+        const float *x = tiles ? X : X + g0 * ROWS * ne0;
+        float *y = tiles ? Y : Y + g0 * ROWS * ne1;
+        const int64_t t = tiles ? 0 : T - g0 * ROWS;
+        const tile *tl = tiles ? tiles + g0 : NULL;
+        switch (type) {
+#define CASE(TY, K) case TY: LAUNCH(K<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl); break;
+            CASE(T_F32, k_matmul_plain)
+            CASE(T_F16, k_matmul_plain)
+            CASE(T_BF16, k_matmul_plain)
+            CASE(T_Q8_0, k_matmul_blocks)
+            CASE(T_Q4_0, k_matmul_blocks)
+            CASE(T_IQ4_NL, k_matmul_blocks)
+            CASE(T_MXFP4, k_matmul_blocks)
+            CASE(T_Q4_K, k_matmul_blocks)
+            CASE(T_Q5_K, k_matmul_blocks)
+            CASE(T_Q6_K, k_matmul_blocks)
+            CASE(T_IQ4_XS, k_matmul_blocks)
+#undef CASE
+        default:
+            if (err && err_size) snprintf(err, err_size, "CUDA matmul: ggml type %d not supported", type);
+            return CLOVER_E_ARG;
+        }
+    }
+    return CLOVER_OK;
+}
+
+/* The launches' status (a launch error or an earlier asynchronous one) as a CLOVER_* code. */
+static int launched(int rc, const char *what, char *err, size_t err_size) {
+    const cudaError_t e = cudaGetLastError();
+    if (rc != CLOVER_OK) return rc;
+    if (e != cudaSuccess) {
+        set_err(err, err_size, what, e);
+        return CLOVER_E_DEVICE;
+    }
+    return CLOVER_OK;
+}
+
+static int copy(void *dst, const void *src, size_t n, cudaMemcpyKind kind, char *err, size_t err_size) {
+    const cudaError_t e = cudaMemcpy(dst, src, n, kind);
+    if (e == cudaSuccess) return CLOVER_OK;
+    set_err(err, err_size, "cudaMemcpy", e);
+    return CLOVER_E_DEVICE;
 }
 
 extern "C" int clover_cuda_devices(char *info, size_t info_size) {
@@ -185,50 +390,94 @@ extern "C" void clover_cuda_free(void *dev) {
 
 extern "C" int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, const float *x, int64_t T,
                                   float *y, char *err, size_t err_size) {
-    if (!dev_w || !x || !y || ne0 <= 0 || ne1 <= 0 || T <= 0 || ne1 > INT32_MAX) {
+    if (!dev_w || !x || !y || ne0 <= 0 || ne1 <= 0 || T <= 0 || ne1 > INT32_MAX || ne0 > INT64_MAX / 4 / T ||
+        ne1 > INT64_MAX / 4 / T) {
         if (err && err_size) snprintf(err, err_size, "CUDA matmul: bad arguments (ne0 %lld, ne1 %lld, T %lld)",
                                       (long long)ne0, (long long)ne1, (long long)T);
         return CLOVER_E_ARG;
     }
     pthread_mutex_lock(&g_lock);
-    int rc = grow(&g_x, &g_x_cap, (size_t)(T * ne0), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_y, &g_y_cap, (size_t)(T * ne1), err, err_size);
-    cudaError_t e = cudaSuccess;
-    if (rc == CLOVER_OK) e = cudaMemcpy(g_x, x, sizeof(float) * (size_t)(T * ne0), cudaMemcpyHostToDevice);
-    if (rc == CLOVER_OK && e == cudaSuccess) {
-        const uint8_t *W = (const uint8_t *)dev_w;
-        for (int64_t t0 = 0; t0 < T && e == cudaSuccess && rc == CLOVER_OK; t0 += (int64_t)65535 * ROWS) {
-            const int64_t tn = T - t0 < (int64_t)65535 * ROWS ? T - t0 : (int64_t)65535 * ROWS;
-            const dim3 grid((unsigned)ne1, (unsigned)((tn + ROWS - 1) / ROWS)), block(32);
-            const float *X = g_x + t0 * ne0;
-            float *Y = g_y + t0 * ne1;
-            switch (type) {
-#define CASE(TY, K) case TY: LAUNCH(K<TY>, grid, block)(W, ne0, ne1, X, tn, Y); break;
-                CASE(T_F32, k_matmul_plain)
-                CASE(T_F16, k_matmul_plain)
-                CASE(T_BF16, k_matmul_plain)
-                CASE(T_Q8_0, k_matmul_blocks)
-                CASE(T_Q4_0, k_matmul_blocks)
-                CASE(T_IQ4_NL, k_matmul_blocks)
-                CASE(T_MXFP4, k_matmul_blocks)
-                CASE(T_Q4_K, k_matmul_blocks)
-                CASE(T_Q5_K, k_matmul_blocks)
-                CASE(T_Q6_K, k_matmul_blocks)
-                CASE(T_IQ4_XS, k_matmul_blocks)
-#undef CASE
-            default:
-                if (err && err_size) snprintf(err, err_size, "CUDA matmul: ggml type %d not supported", type);
-                rc = CLOVER_E_ARG;
-            }
-            if (rc == CLOVER_OK) e = cudaGetLastError();
-        }
-        if (rc == CLOVER_OK && e == cudaSuccess)
-            e = cudaMemcpy(y, g_y, sizeof(float) * (size_t)(T * ne1), cudaMemcpyDeviceToHost);
+    int rc = grow(&g_x, sizeof(float) * (size_t)(T * ne0), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * ne1), err, err_size);
+    float *X = (float *)g_x.p, *Y = (float *)g_y.p;
+    if (rc == CLOVER_OK) rc = copy(X, x, sizeof(float) * (size_t)(T * ne0), cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) {
+        rc = round_act(type, X, T, ne0, err, err_size);
+        if (rc == CLOVER_OK) rc = product(type, dev_w, 0, ne0, ne1, X, T, Y, NULL, 0, err, err_size);
+        rc = launched(rc, "matmul", err, err_size);
     }
-    if (rc == CLOVER_OK && e != cudaSuccess) {
-        set_err(err, err_size, "matmul", e);
-        rc = CLOVER_E_DEVICE;
-    }
+    if (rc == CLOVER_OK) rc = copy(y, Y, sizeof(float) * (size_t)(T * ne1), cudaMemcpyDeviceToHost, err, err_size);
     pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* Checks of clover_cuda_experts' arguments; NULL when they are usable. */
+static const char *experts_args_error(const clover_cuda_weight *gate, const clover_cuda_weight *up,
+                                      const clover_cuda_weight *down, int64_t n_expert, const int64_t *start,
+                                      const float *xg, const float *yg) {
+    if (!gate || !up || !down || !start || !gate->dev || !up->dev || !down->dev || n_expert <= 0 || n_expert > INT32_MAX)
+        return "experts: missing weights or start, or n_expert out of range";
+    const int64_t H = gate->ne0, I = gate->ne1;
+    if (H <= 0 || I <= 0 || I > INT32_MAX || H > INT32_MAX || up->ne0 != H || up->ne1 != I || down->ne0 != I ||
+        down->ne1 != H)
+        return "experts: gate/up must be [I][H] and down [H][I] with the same H and I";
+    if (start[0] != 0) return "experts: start[0] must be 0";
+    for (int64_t e = 0; e < n_expert; e++)
+        if (start[e + 1] < start[e]) return "experts: start must not decrease";
+    const int64_t P = start[n_expert];
+    if (P > INT32_MAX / 2 || (P && (!xg || !yg)) || P > INT64_MAX / 4 / (H > I ? H : I))
+        return "experts: too many rows, or no xg/yg";
+    return NULL;
+}
+
+extern "C" int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up,
+                                   const clover_cuda_weight *down, int64_t n_expert, const int64_t *start,
+                                   const float *xg, float *yg, char *err, size_t err_size) {
+    const char *bad = experts_args_error(gate, up, down, n_expert, start, xg, yg);
+    if (bad) return bad_arg(err, err_size, bad);
+    const int64_t H = gate->ne0, I = gate->ne1, P = start[n_expert];
+    if (P == 0) return CLOVER_OK;
+    /* tiles: ROWS pairs at a time within each expert's bucket */
+    int64_t n_tiles = 0;
+    for (int64_t e = 0; e < n_expert; e++) n_tiles += (start[e + 1] - start[e] + ROWS - 1) / ROWS;
+    tile *tiles = (tile *)malloc(sizeof(tile) * (size_t)n_tiles);
+    if (!tiles) {
+        if (err && err_size) snprintf(err, err_size, "CUDA: experts: out of host memory for the tile list");
+        return CLOVER_E_NOMEM;
+    }
+    int64_t n = 0;
+    for (int64_t e = 0; e < n_expert; e++)
+        for (int64_t t0 = start[e]; t0 < start[e + 1]; t0 += ROWS)
+            tiles[n++] = tile{(int32_t)e, (int32_t)t0, (int32_t)(start[e + 1] - t0 < ROWS ? start[e + 1] - t0 : ROWS)};
+    pthread_mutex_lock(&g_lock);
+    int rc = grow(&g_x, sizeof(float) * (size_t)(P * H), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(P * H), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(P * I), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_tiles, sizeof(tile) * (size_t)n_tiles, err, err_size);
+    float *X = (float *)g_x.p, *Y = (float *)g_y.p, *G = (float *)g_gate.p, *U = (float *)g_up.p;
+    const tile *TL = (const tile *)g_tiles.p;
+    const size_t x_bytes = sizeof(float) * (size_t)(P * H);
+    if (rc == CLOVER_OK) rc = copy(g_tiles.p, tiles, sizeof(tile) * (size_t)n_tiles, cudaMemcpyHostToDevice, err, err_size);
+    /* gate and up, each with x rounded for its type (a fresh copy when the two differ) */
+    if (rc == CLOVER_OK) rc = copy(X, xg, x_bytes, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = round_act(gate->type, X, P, H, err, err_size);
+    if (rc == CLOVER_OK)
+        rc = product(gate->type, gate->dev, gate->stride, H, I, X, P, G, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type)) {
+        rc = copy(X, xg, x_bytes, cudaMemcpyHostToDevice, err, err_size);
+        if (rc == CLOVER_OK) rc = round_act(up->type, X, P, H, err, err_size);
+    }
+    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, X, P, U, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK) {
+        const int64_t nb = (P * I + 255) / 256;
+        LAUNCH(k_swiglu, dim3((unsigned)(nb < 65535 ? nb : 65535)), dim3(256))(G, U, P * I);
+        rc = round_act(down->type, G, P, I, err, err_size);
+    }
+    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, G, P, Y, TL, n_tiles, err, err_size);
+    rc = launched(rc, "experts", err, err_size);
+    if (rc == CLOVER_OK) rc = copy(yg, Y, x_bytes, cudaMemcpyDeviceToHost, err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    free(tiles);
     return rc;
 }

@@ -21,4 +21,5 @@ static inline __half __float2half(float f) { /* via _Float16 (GCC >= 12, Clang o
     memcpy(&b, &h, 2);
     return __half{b};
 }
+static inline __half __float2half_rn(float f) { return __float2half(f); }
 #endif

@@ -109,6 +109,8 @@ static inline uint32_t __float_as_uint(float f) {
 }
 static inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
 static inline float __int_as_float(int b) { return __uint_as_float((uint32_t)b); }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline float __fdividef(float a, float b) { return a / b; }
 /* Fibers of one block never run at the same time: a plain add is atomic. */
