@@ -40,4 +40,23 @@ int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight
     if (err && err_size) snprintf(err, err_size, "built without CUDA");
     return CLOVER_E_DEVICE;
 }
+
+int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size) {
+    return clover_cuda_upload(NULL, nbytes, dev, err, err_size);
+}
+
+int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size) {
+    (void)dev, (void)offset, (void)host, (void)nbytes;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
+
+int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
+                          int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
+                          float scale, float *out, char *err, size_t err_size) {
+    (void)q, (void)k_new, (void)v_new, (void)k_cache, (void)v_cache, (void)n_ctx, (void)pos0, (void)T, (void)n_head;
+    (void)n_kv, (void)hd, (void)causal, (void)scale, (void)out;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
 #endif

@@ -54,6 +54,10 @@ struct clover_context {
     int32_t n_ctx, n_threads, n_past;
     int gdn_chunked;
     float *k_cache, *v_cache;  /* [n_attn][n_ctx][n_head_kv*head_dim] */
+    /* the KV cache of the attention layers offloaded to the GPU, on the device (allocated at
+     * their first forward, same layout); rows [0, kv_dev_rows[slot]) equal the host cache's */
+    void *k_dev, *v_dev;
+    int64_t *kv_dev_rows;      /* [n_attn] */
     float *gdn_state;          /* [n_gdn][Hv][dk][dv] */
     float *conv_state;         /* [n_gdn][d_conv-1][conv channels], oldest first */
     /* speculative verify (spec 5.5): GDN and conv state at the checkpoint and the per-token GDN

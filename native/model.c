@@ -669,6 +669,8 @@ void clover_context_free(clover_context *c) {
     free(c->keep_state), free(c->keep_conv);
     free(c->rec_qkv), free(c->rec_cv), free(c->rec_b), free(c->rec_a);
     free(c->nexp_full);
+    clover_cuda_free(c->k_dev), clover_cuda_free(c->v_dev);
+    free(c->kv_dev_rows);
     free(c);
 }
 
@@ -804,6 +806,42 @@ CLOVER_CLONES static void attend_row(const float *q, const float *kc, const floa
     for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
 }
 
+/* Attention of an offloaded layer on the GPU (clover_cuda_attention): the context's device KV
+ * cache is allocated at the first call and brought up to date with the host cache (rows a
+ * CPU forward wrote since) before the new rows go in; q, k, v as attention_layer made them. */
+static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const float *k, const float *v, float scale,
+                         float *att) {
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t kvd = (int64_t)hp->n_head_kv * hp->head_dim;
+    const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)kvd;
+    if (!c->kv_dev_rows) {
+        const size_t all = layer_bytes * (size_t)c->m->n_attn;
+        int rc = clover_cuda_alloc(all, &c->k_dev, f->err, f->err_size);
+        if (rc == CLOVER_OK) rc = clover_cuda_alloc(all, &c->v_dev, f->err, f->err_size);
+        if (rc == CLOVER_OK && !(c->kv_dev_rows = calloc((size_t)c->m->n_attn, sizeof(int64_t))))
+            rc = clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
+        if (rc != CLOVER_OK) {
+            clover_cuda_free(c->k_dev), clover_cuda_free(c->v_dev);
+            c->k_dev = c->v_dev = NULL;
+            return rc;
+        }
+    }
+    const size_t base = layer_bytes * (size_t)ly->slot, row = sizeof(float) * (size_t)kvd;
+    const int64_t have = c->kv_dev_rows[ly->slot];
+    if (have < f->pos0) {
+        const size_t at = base + row * (size_t)have, n = row * (size_t)(f->pos0 - have);
+        int rc = clover_cuda_write(c->k_dev, at, (const char *)c->k_cache + at, n, f->err, f->err_size);
+        if (rc == CLOVER_OK) rc = clover_cuda_write(c->v_dev, at, (const char *)c->v_cache + at, n, f->err, f->err_size);
+        if (rc != CLOVER_OK) return rc;
+    }
+    int rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + base), (float *)((char *)c->v_dev + base),
+                                   c->n_ctx, f->pos0, f->T, hp->n_head, hp->n_head_kv, hp->head_dim,
+                                   f->mode == MODE_PREFIX, scale, att, f->err, f->err_size);
+    c->kv_dev_rows[ly->slot] = rc == CLOVER_OK ? f->pos0 + f->T : (have < f->pos0 ? have : f->pos0);
+    return rc;
+}
+
 static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
@@ -836,6 +874,12 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
         memcpy(vc + pos * kvd, v + t * kvd, sizeof(float) * (size_t)kvd);
     }
     const float scale = 1.0f / sqrtf((float)hd);
+    if (ly->wo.dev && hd % 32 == 0 && hd <= 256) { /* the layer is on the GPU: attention there too */
+        rc = gpu_attention(f, ly, qg, k, v, scale, att);
+        if (rc == CLOVER_OK) rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
+        goto done;
+    }
+    if (c->kv_dev_rows && c->kv_dev_rows[ly->slot] > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* stale there */
     const int64_t n_keys_max = f->pos0 + T;
     int nomem = 0;
     /* (row, head) pairs are independent: split them over the threads */

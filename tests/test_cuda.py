@@ -1,4 +1,4 @@
-"""The CUDA backend (native/cuda, issue 7): weight products on the GPU against the CPU.
+"""The CUDA backend (native/cuda, issue 7): products, experts and attention on the GPU against the CPU.
 
 Always run:
 - a library built where nvcc exists has the CUDA code compiled in (CI compiles it on every run),
@@ -11,6 +11,8 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
 - clover_cuda_matmul for every weight type against the CPU engine's clover_matmul (both round
   activations to Q8_0/Q8_K the same way, so they differ only in float summation order:
   tolerance 1e-5 of sum |w x| per output; seen: below 4e-7 of max |y|);
+- clover_cuda_experts (grouped expert products) against the CPU expert by expert, and
+  clover_cuda_attention (device KV cache, prefix and block mode, GQA) against float64;
 - whole-model logits with every layer offloaded against the CPU, and greedy tokens identical
   to the CPU in ar, diffusion and spec, for the whole offload and a partial one, at F32, Q8_0
   and Q4_K_M, and across the placements of issue 8. Under the emulator (about 1000x slower
@@ -45,6 +47,11 @@ int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, co
 int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const float *x, int64_t T, float *y,
                   int n_threads);
 typedef struct { int type; const void *dev; int64_t ne0, ne1, stride; } clover_cuda_weight;
+int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size);
+int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size);
+int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
+                          int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
+                          float scale, float *out, char *err, size_t err_size);
 int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err, size_t err_size);
 """)
@@ -211,6 +218,56 @@ def test_grouped_experts_equal_the_cpu_expert_by_expert(types):
         want = _cpu_matmul(mats["down"][0], mats["down"][1][e], I, H, h)
         scale = np.abs(h.astype(np.float64)) @ np.abs(mats["down"][2][e]).T
         assert np.all(np.abs(yg[rows] - want) <= 1e-5 * scale + 1e-6), (e, float(np.max(np.abs(yg[rows] - want) / scale)))
+
+
+def _f(a: np.ndarray):
+    return _cffi.cast("float *", a.ctypes.data)
+
+
+@gpu
+@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 4, 2), (256, 16, 2), (128, 6, 6)])
+def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv):
+    """clover_cuda_attention in prefix (causal) and block mode, GQA, a cache holding 37 earlier
+    rows written by clover_cuda_write, against float64 numpy (softmax(q K^T / sqrt(hd)) V times
+    sigmoid(gate), spec 2.2): within 1e-5 of max |v| (float32 sums; seen about 1e-7). Block mode
+    then runs again on the same rows with other values: the cache rows are overwritten, as a
+    denoising step rewrites its block's scratch rows."""
+    rng = np.random.default_rng(hd)
+    n_ctx, pos0, T, kvd = 64, 37, 11, n_kv * hd
+    k_all = rng.standard_normal((n_ctx, kvd)).astype(np.float32)
+    v_all = rng.standard_normal((n_ctx, kvd)).astype(np.float32)
+    err = _cffi.new("char[]", 256)
+    kd, vd = _cffi.new("void **"), _cffi.new("void **")
+    assert _clib.clover_cuda_alloc(n_ctx * kvd * 4, kd, err, 256) == 0
+    assert _clib.clover_cuda_alloc(n_ctx * kvd * 4, vd, err, 256) == 0
+    try:
+        for dev, a in ((kd[0], k_all), (vd[0], v_all)):
+            assert _clib.clover_cuda_write(dev, 0, _cffi.cast("void *", a.ctypes.data), pos0 * kvd * 4, err, 256) == 0
+        for causal in (1, 0, 0):
+            q = (rng.standard_normal((T, n_head, 2 * hd)) * 0.3).astype(np.float32)
+            k_all[pos0:pos0 + T] = rng.standard_normal((T, kvd))
+            v_all[pos0:pos0 + T] = rng.standard_normal((T, kvd))
+            kn, vn = np.ascontiguousarray(k_all[pos0:pos0 + T]), np.ascontiguousarray(v_all[pos0:pos0 + T])
+            out = np.zeros((T, n_head, hd), np.float32)
+            rc = _clib.clover_cuda_attention(_f(q), _f(kn), _f(vn), _cffi.cast("float *", kd[0]),
+                                             _cffi.cast("float *", vd[0]), n_ctx, pos0, T, n_head, n_kv, hd, causal,
+                                             1 / np.sqrt(hd), _f(out), err, 256)
+            assert rc == 0, _cffi.string(err)
+            for t in range(T):
+                n_keys = pos0 + t + 1 if causal else pos0 + T
+                for h in range(n_head):
+                    kv = slice((h // (n_head // n_kv)) * hd, (h // (n_head // n_kv) + 1) * hd)
+                    sc = k_all[:n_keys, kv].astype(np.float64) @ q[t, h, :hd] / np.sqrt(hd)
+                    p = np.exp(sc - sc.max())
+                    want = (p / p.sum()) @ v_all[:n_keys, kv] / (1 + np.exp(-q[t, h, hd:].astype(np.float64)))
+                    assert np.max(np.abs(out[t, h] - want)) <= 1e-5 * np.abs(v_all).max(), (causal, t, h)
+        bad = _clib.clover_cuda_attention(_f(q), _f(kn), _f(vn), _cffi.cast("float *", kd[0]),
+                                          _cffi.cast("float *", vd[0]), n_ctx, n_ctx - 3, T, n_head, n_kv, hd, 1,
+                                          1.0, _f(out), err, 256)
+        assert bad == lib.CLOVER_E_ARG and "pos0" in _cffi.string(err).decode()
+    finally:
+        _clib.clover_cuda_free(kd[0])
+        _clib.clover_cuda_free(vd[0])
 
 
 @gpu

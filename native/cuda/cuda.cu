@@ -230,6 +230,39 @@ static int act_block(int type) {
     }
 }
 
+/* Gated attention (spec 2.2 steps 3-4) of query row t, head h (grid (n_head, T), one warp):
+ * o = softmax(q K^T * scale) V over the row's keys, times sigmoid(gate). Lane l holds
+ * dimensions l + 32 i of q and of the output; keys are read in order with an online softmax
+ * (running max m and sum s, rescaling the output when m grows), the form of flash attention;
+ * the CPU's attend_row takes the max first, which differs only in rounding. Q: [T][n_head][2 hd]
+ * (q then gate), K/V: the layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t:
+ * pos0 + t + 1 (causal, prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
+#define HD_MAX 256
+__global__ void k_attention(const float *Q, const float *K, const float *V, float *O, int64_t pos0, int64_t T,
+                            int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
+    const int64_t h = blockIdx.x, t = t_base + blockIdx.y, kvd = n_kv * hd, off = (h / (n_head / n_kv)) * hd;
+    const int lane = threadIdx.x, nd = (int)(hd / 32);
+    const float *q = Q + (t * n_head + h) * 2 * hd;
+    float qv[HD_MAX / 32], acc[HD_MAX / 32];
+    for (int i = 0; i < HD_MAX / 32; i++) qv[i] = i < nd ? q[lane + 32 * i] : 0.0f, acc[i] = 0.0f;
+    const int64_t n_keys = causal ? pos0 + t + 1 : pos0 + T;
+    float m = -FLT_MAX, s = 0.0f;
+    for (int64_t j = 0; j < n_keys; j++) {
+        const float *kj = K + j * kvd + off, *vj = V + j * kvd + off;
+        float p = 0.0f;
+        for (int i = 0; i < nd; i++) p += qv[i] * kj[lane + 32 * i];
+        const float score = warp_sum(p) * scale;
+        const float m2 = fmaxf(m, score), corr = expf(m - m2), e = expf(score - m2);
+        s = s * corr + e;
+        for (int i = 0; i < nd; i++) acc[i] = acc[i] * corr + e * vj[lane + 32 * i];
+        m = m2;
+    }
+    for (int i = 0; i < nd; i++) {
+        const float g = q[hd + lane + 32 * i];
+        O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-g)));
+    }
+}
+
 /* ------------------------------------------------------------------ host side */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time (shared scratch) */
 
@@ -479,5 +512,55 @@ extern "C" int clover_cuda_experts(const clover_cuda_weight *gate, const clover_
     if (rc == CLOVER_OK) rc = copy(yg, Y, x_bytes, cudaMemcpyDeviceToHost, err, err_size);
     pthread_mutex_unlock(&g_lock);
     free(tiles);
+    return rc;
+}
+
+extern "C" int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size) {
+    *dev = NULL;
+    cudaError_t e = cudaMalloc(dev, nbytes ? nbytes : 1);
+    if (e == cudaSuccess) e = cudaMemset(*dev, 0, nbytes);
+    if (e != cudaSuccess) {
+        set_err(err, err_size, "cudaMalloc", e);
+        if (*dev) cudaFree(*dev);
+        *dev = NULL;
+        return CLOVER_E_NOMEM;
+    }
+    return CLOVER_OK;
+}
+
+extern "C" int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err,
+                                 size_t err_size) {
+    if (!dev || (!host && nbytes)) return bad_arg(err, err_size, "write: no buffer");
+    return nbytes ? copy((char *)dev + offset, host, nbytes, cudaMemcpyHostToDevice, err, err_size) : CLOVER_OK;
+}
+
+extern "C" int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
+                                     float *v_cache, int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head,
+                                     int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
+                                     size_t err_size) {
+    if (!q || !k_new || !v_new || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_ctx <= 0 ||
+        pos0 + T > n_ctx || n_head <= 0 || n_head > 65535 || n_kv <= 0 || n_head % n_kv || hd <= 0 ||
+        hd % 32 || hd > HD_MAX || n_ctx > INT64_MAX / 4 / (n_kv * hd))
+        return bad_arg(err, err_size, "attention: bad arguments (T, pos0, n_ctx, heads or head_dim out of range; "
+                                      "head_dim must be a multiple of 32 up to 256)");
+    const int64_t kvd = n_kv * hd;
+    pthread_mutex_lock(&g_lock);
+    int rc = grow(&g_x, sizeof(float) * (size_t)(T * n_head * 2 * hd), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * n_head * hd), err, err_size);
+    float *Q = (float *)g_x.p, *O = (float *)g_y.p;
+    const size_t kv_bytes = sizeof(float) * (size_t)(T * kvd), at = sizeof(float) * (size_t)(pos0 * kvd);
+    if (rc == CLOVER_OK) rc = copy((char *)k_cache + at, k_new, kv_bytes, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = copy((char *)v_cache + at, v_new, kv_bytes, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK)
+        rc = copy(Q, q, sizeof(float) * (size_t)(T * n_head * 2 * hd), cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) {
+        for (int64_t t0 = 0; t0 < T; t0 += 65535) /* gridDim.y <= 65535 */
+            LAUNCH(k_attention, dim3((unsigned)n_head, (unsigned)(T - t0 < 65535 ? T - t0 : 65535)), dim3(32))(
+                Q, k_cache, v_cache, O, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+        rc = launched(rc, "attention", err, err_size);
+    }
+    if (rc == CLOVER_OK)
+        rc = copy(out, O, sizeof(float) * (size_t)(T * n_head * hd), cudaMemcpyDeviceToHost, err, err_size);
+    pthread_mutex_unlock(&g_lock);
     return rc;
 }

@@ -45,6 +45,22 @@ int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err,
                         size_t err_size);
 
+/* A zeroed device allocation of nbytes in *dev (free with clover_cuda_free). */
+int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size);
+/* Copy nbytes of host memory to dev + offset bytes. */
+int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size);
+
+/* Gated attention of T query rows at positions pos0.. on the device (spec 2.2 steps 3-4), with the
+ * layer's KV cache on the device: k_new/v_new (host, [T][n_kv*hd], normed and rotated) are
+ * written to rows pos0.. of k_cache/v_cache (device, [n_ctx][n_kv*hd]), then for each row t and
+ * head h, out[t][h] = softmax(q K^T * scale) V * sigmoid(gate) over keys 0 .. pos0+t (causal) or
+ * 0 .. pos0+T-1 (block mode), with GQA (head h reads KV head h / (n_head / n_kv)).
+ * q: host [T][n_head][2 hd] (q normed and rotated, then the gate); out: host [T][n_head][hd].
+ * hd: a multiple of 32, at most 256. Errors: CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
+int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
+                          int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
+                          float scale, float *out, char *err, size_t err_size);
+
 #ifdef __cplusplus
 }
 #endif
