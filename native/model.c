@@ -12,6 +12,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1398,6 +1399,33 @@ static int cpu_experts(const clover_context *c, const clover_layer *ly, int64_t 
     return err_any;
 }
 
+/* The shared expert of a layer before its gate (spec 2.3 step 3): ys = W_down (silu(W_gate x) *
+ * W_up x) and the gate logits sg[t] = w . x[t], for T rows of xn; gt, up: scratch [T][Is].
+ * rc: 0 done, non-zero failed. A pthread start routine, so that it can overlap the routed
+ * experts (moe_layer). */
+typedef struct {
+    const clover_context *c;
+    const clover_layer *ly;
+    const float *xn;
+    int64_t T, Is;
+    float *sg, *gt, *up, *ys;
+    int n_threads; /* for products on the CPU */
+    int rc;
+} shared_job;
+
+static void *shared_expert(void *arg) {
+    shared_job *j = arg;
+    const clover_layer *ly = j->ly;
+    j->rc = 1;
+    if (wmatmul(&ly->shexp_gate, j->xn, j->T, j->sg, j->n_threads) ||
+        wmatmul(&ly->gate_sh, j->xn, j->T, j->gt, j->n_threads) || wmatmul(&ly->up_sh, j->xn, j->T, j->up, j->n_threads))
+        return NULL;
+    for (int64_t i = 0; i < j->T * j->Is; i++) j->gt[i] = silu(j->gt[i]) * j->up[i];
+    if (wmatmul(&ly->down_sh, j->gt, j->T, j->ys, j->n_threads)) return NULL;
+    j->rc = 0;
+    return NULL;
+}
+
 /* A device tensor as clover_cuda_experts takes it (expert matrices stride bytes apart). */
 static clover_cuda_weight cuda_weight(const clover_tensor *w) {
     const clover_cuda_weight cw = {w->type, w->dev, w->ne[0], w->ne[1], clover_row_nbytes(w->type, w->ne[0]) * w->ne[1]};
@@ -1468,26 +1496,39 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
             memcpy(xg + q * H, xn + t * H, sizeof(float) * (size_t)H);
         }
     /* each used expert runs once over the rows routed to it (spec 5.6): on the GPU as one
-     * grouped product per projection when the layer's experts were offloaded, else on the CPU */
-    if (ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev) {
+     * grouped product per projection when the layer's experts were offloaded, else on the CPU,
+     * while a helper thread runs the shared expert's products on the GPU if they are there
+     * (--cpu-moe: CPU and GPU work overlap, issue 8) */
+    const int gpu_experts = ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev;
+    shared_job sj = {c, ly, xn, T, Is, sg, gt, up, ys, 1, 1};
+    pthread_t helper;
+    const int overlap = !gpu_experts && ly->gate_sh.dev && ly->up_sh.dev && ly->down_sh.dev &&
+                        pthread_create(&helper, NULL, shared_expert, &sj) == 0;
+    int rc_experts = CLOVER_OK;
+    if (gpu_experts) {
         const clover_cuda_weight g = cuda_weight(&ly->gate_exps), u = cuda_weight(&ly->up_exps),
                                  d = cuda_weight(&ly->down_exps);
-        rc = clover_cuda_experts(&g, &u, &d, E, start, xg, yg, f->err, f->err_size);
-        if (rc != CLOVER_OK) goto done;
-        rc = CLOVER_E_NOMEM;
-    } else if (cpu_experts(c, ly, I, H, E, n_used, start, xg, yg))
+        rc_experts = clover_cuda_experts(&g, &u, &d, E, start, xg, yg, f->err, f->err_size);
+    } else if (cpu_experts(c, ly, I, H, E, n_used, start, xg, yg)) {
+        rc_experts = CLOVER_E_NOMEM;
+    }
+    if (overlap) {
+        pthread_join(helper, NULL);
+    } else if (rc_experts == CLOVER_OK) {
+        sj.n_threads = c->n_threads;
+        shared_expert(&sj);
+    }
+    if (rc_experts != CLOVER_OK) {
+        rc = rc_experts;
         goto done;
+    }
+    if (sj.rc) goto done;
     /* weighted sum in a fixed order, so the result does not depend on the thread count */
     memset(out, 0, sizeof(float) * (size_t)(T * H));
     for (int64_t q = 0; q < P; q++)
         for (int64_t j = 0; j < H; j++) out[prow[q] * H + j] += pw[q] * yg[q * H + j];
     if (f->n_experts_out) f->n_experts_out[il] = n_used;
-    /* shared expert, gated per token by sigmoid(w . x) (spec 2.3 step 3) */
-    if (matmul(c, &ly->shexp_gate, xn, T, sg) || matmul(c, &ly->gate_sh, xn, T, gt) ||
-        matmul(c, &ly->up_sh, xn, T, up))
-        goto done;
-    for (int64_t i = 0; i < T * Is; i++) gt[i] = silu(gt[i]) * up[i];
-    if (matmul(c, &ly->down_sh, gt, T, ys)) goto done;
+    /* plus the shared expert, gated per token by sigmoid(w . x) (spec 2.3 step 3) */
     for (int64_t t = 0; t < T; t++) {
         float s = sigmoidf_(sg[t]);
         for (int64_t j = 0; j < H; j++) out[t * H + j] += s * ys[t * H + j];
