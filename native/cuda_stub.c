@@ -59,4 +59,16 @@ int clover_cuda_attention(const float *q, const float *k_new, const float *v_new
     if (err && err_size) snprintf(err, err_size, "built without CUDA");
     return CLOVER_E_DEVICE;
 }
+
+int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size) {
+    return clover_cuda_write((void *)dev, offset, host, nbytes, err, err_size);
+}
+
+int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                    int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size) {
+    (void)kind, (void)conv, (void)beta, (void)g, (void)T, (void)Hk, (void)Hv, (void)dk, (void)dv, (void)C, (void)state;
+    (void)o;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
 #endif

@@ -58,6 +58,11 @@ struct clover_context {
      * their first forward, same layout); rows [0, kv_dev_rows[slot]) equal the host cache's */
     void *k_dev, *v_dev;
     int64_t *kv_dev_rows;      /* [n_attn] */
+    /* the GDN state of offloaded GDN layers lives on the device between forwards: gdn_dev has
+     * gdn_state's layout, gdn_on_dev[slot] says the device copy is the current one; host code
+     * that reads or writes gdn_state first brings it back (gdn_to_host in model.c) */
+    void *gdn_dev;
+    unsigned char *gdn_on_dev; /* [n_gdn] */
     float *gdn_state;          /* [n_gdn][Hv][dk][dv] */
     float *conv_state;         /* [n_gdn][d_conv-1][conv channels], oldest first */
     /* speculative verify (spec 5.5): GDN and conv state at the checkpoint and the per-token GDN

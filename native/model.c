@@ -672,6 +672,8 @@ void clover_context_free(clover_context *c) {
     free(c->nexp_full);
     clover_cuda_free(c->k_dev), clover_cuda_free(c->v_dev);
     free(c->kv_dev_rows);
+    clover_cuda_free(c->gdn_dev);
+    free(c->gdn_on_dev);
     free(c);
 }
 
@@ -694,6 +696,7 @@ void clover_context_reset(clover_context *c) {
     c->rec_on = 0;
     c->rec_n = 0;
     memset(c->gdn_state, 0, sizeof(float) * (size_t)(c->m->n_gdn * gdn_state_floats(hp)));
+    if (c->gdn_on_dev) memset(c->gdn_on_dev, 0, (size_t)c->m->n_gdn); /* the host copy is current */
     memset(c->conv_state, 0,
            sizeof(float) * (size_t)(c->m->n_gdn * (hp->ssm_d_conv - 1) * conv_channels(hp)));
 }
@@ -1214,6 +1217,45 @@ static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float
     return err ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
+/* Bring the GDN state of the slots whose current copy is on the device back to gdn_state. */
+static int gdn_to_host(clover_context *c, char *err, size_t err_size) {
+    if (!c->gdn_on_dev) return CLOVER_OK;
+    const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp);
+    for (int g = 0; g < c->m->n_gdn; g++) {
+        if (!c->gdn_on_dev[g]) continue;
+        const int rc = clover_cuda_read(c->gdn_dev, slot_bytes * (size_t)g, (char *)c->gdn_state + slot_bytes * (size_t)g,
+                                        slot_bytes, err, err_size);
+        if (rc != CLOVER_OK) return rc;
+        c->gdn_on_dev[g] = 0;
+    }
+    return CLOVER_OK;
+}
+
+/* One GDN recurrence of an offloaded layer on the GPU (clover_cuda_gdn, kind CLOVER_GDN_*): the
+ * layer's state is moved to the device at its first use there and stays (gdn_on_dev). */
+static int gpu_gdn(fwd *f, const clover_layer *ly, int kind, const gdn_dims *d, const float *cv, const float *b,
+                   const float *a, float *o) {
+    clover_context *c = f->c;
+    const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), at = slot_bytes * (size_t)ly->slot;
+    if (!c->gdn_on_dev) {
+        int rc = clover_cuda_alloc(slot_bytes * (size_t)c->m->n_gdn, &c->gdn_dev, f->err, f->err_size);
+        if (rc == CLOVER_OK && !(c->gdn_on_dev = calloc((size_t)c->m->n_gdn, 1)))
+            rc = clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
+        if (rc != CLOVER_OK) {
+            clover_cuda_free(c->gdn_dev);
+            c->gdn_dev = NULL;
+            return rc;
+        }
+    }
+    if (kind != CLOVER_GDN_BACKWARD && !c->gdn_on_dev[ly->slot]) {
+        const int rc = clover_cuda_write(c->gdn_dev, at, (const char *)c->gdn_state + at, slot_bytes, f->err, f->err_size);
+        if (rc != CLOVER_OK) return rc;
+        c->gdn_on_dev[ly->slot] = 1;
+    }
+    return clover_cuda_gdn(kind, cv, b, a, f->T, d->Hk, d->Hv, d->dk, d->dv, d->C,
+                           (float *)((char *)c->gdn_dev + at), o, f->err, f->err_size);
+}
+
 static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
@@ -1229,6 +1271,11 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
     float *o = malloc(sizeof(float) * (size_t)(T * vdim));
     float *S = NULL, *ob = NULL, *cvb = NULL, *bb = NULL, *ab = NULL;
     int rc = CLOVER_E_NOMEM;
+    /* the recurrence on the GPU when the layer is offloaded (the conv and norms stay here) */
+    const int on_gpu = ly->wout.dev && d.dk <= 256 && d.dv <= 1024;
+    if (!on_gpu && c->gdn_on_dev && c->gdn_on_dev[ly->slot] && (rc = gdn_to_host(c, f->err, f->err_size)) != CLOVER_OK)
+        goto done;
+    rc = CLOVER_E_NOMEM;
     if (!qkv || !cv || !z || !b || !a || !o) goto done;
     if (matmul(c, &ly->wqkv, xn, T, qkv) || matmul(c, &ly->wz, xn, T, z) || matmul(c, &ly->wbeta, xn, T, b) ||
         matmul(c, &ly->walpha, xn, T, a))
@@ -1251,9 +1298,16 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             if (src >= 0) memcpy(dst, qkv + src * C, sizeof(float) * (size_t)C);
             else memmove(dst, hist + (d.K - 1 + src) * C, sizeof(float) * (size_t)C);
         }
-        if (gdn_heads(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T, state, o,
-                      c->n_threads))
+        if (on_gpu) {
+            const int r = gpu_gdn(f, ly, CLOVER_GDN_FORWARD, &d, cv, b, a, o);
+            if (r != CLOVER_OK) {
+                rc = r;
+                goto done;
+            }
+        } else if (gdn_heads(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T, state, o,
+                             c->n_threads)) {
             goto done;
+        }
     } else {
         /* block mode: forward branch on a copy of the prefix state, then the backward branch */
         S = malloc(sizeof(float) * (size_t)gdn_state_floats(hp));
@@ -1262,14 +1316,30 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
         bb = malloc(sizeof(float) * (size_t)(T * d.Hv));
         ab = malloc(sizeof(float) * (size_t)(T * d.Hv));
         if (!S || !ob || !cvb || !bb || !ab) goto done;
-        memcpy(S, state, sizeof(float) * (size_t)gdn_state_floats(hp));
-        if (gdn_heads(GDN_FORWARD, &d, cv, b, a, T, S, o, c->n_threads)) goto done;
+        if (on_gpu) {
+            const int r = gpu_gdn(f, ly, CLOVER_GDN_FORWARD_COPY, &d, cv, b, a, o);
+            if (r != CLOVER_OK) {
+                rc = r;
+                goto done;
+            }
+        } else {
+            memcpy(S, state, sizeof(float) * (size_t)gdn_state_floats(hp));
+            if (gdn_heads(GDN_FORWARD, &d, cv, b, a, T, S, o, c->n_threads)) goto done;
+        }
         if (hp->is_clover) {
             if (matmul(c, &ly->wbeta_bwd, xn, T, bb) || matmul(c, &ly->walpha_bwd, xn, T, ab)) goto done;
             conv_anticausal(&d, ly->conv_bwd, qkv, T, cvb);
             qk_norm(&d, cvb, T, 1e-6f);
             gates(&d, bb, ab, ly->ssm_a_bwd, ly->dt_bias_bwd, T);
-            if (gdn_heads(GDN_BACKWARD, &d, cvb, bb, ab, T, NULL, ob, c->n_threads)) goto done;
+            if (on_gpu) {
+                const int r = gpu_gdn(f, ly, CLOVER_GDN_BACKWARD, &d, cvb, bb, ab, ob);
+                if (r != CLOVER_OK) {
+                    rc = r;
+                    goto done;
+                }
+            } else if (gdn_heads(GDN_BACKWARD, &d, cvb, bb, ab, T, NULL, ob, c->n_threads)) {
+                goto done;
+            }
             for (int64_t t = 0; t < T; t++)
                 for (int64_t h = 0; h < d.Hv; h++) {
                     float mix = sigmoidf_(ly->bwd_mix[h]);
@@ -1662,6 +1732,8 @@ int clover_context_save_state(clover_context *c, char *err, size_t err_size) {
     if (!c->keep_state) c->keep_state = malloc(sizeof(float) * state_n + 1);
     if (!c->keep_conv) c->keep_conv = malloc(sizeof(float) * conv_n + 1);
     if (!c->keep_state || !c->keep_conv) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the saved state");
+    int rc = gdn_to_host(c, err, err_size);
+    if (rc != CLOVER_OK) return rc;
     memcpy(c->keep_state, c->gdn_state, sizeof(float) * state_n);
     memcpy(c->keep_conv, c->conv_state, sizeof(float) * conv_n);
     c->keep_n = c->n_past;
@@ -1675,6 +1747,7 @@ int32_t clover_context_restore_state(clover_context *c, char *err, size_t err_si
     const clover_hparams *hp = &c->m->hp;
     const int64_t G = c->m->n_gdn;
     memcpy(c->gdn_state, c->keep_state, sizeof(float) * (size_t)(G * gdn_state_floats(hp)));
+    if (c->gdn_on_dev) memset(c->gdn_on_dev, 0, (size_t)G); /* the host copy is current */
     memcpy(c->conv_state, c->keep_conv, sizeof(float) * (size_t)(G * (hp->ssm_d_conv - 1) * conv_channels(hp)));
     c->n_past = c->keep_n;
     c->rec_on = 0;
@@ -1703,6 +1776,8 @@ int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_
     if (!c->snap_state) c->snap_state = malloc(sizeof(float) * (size_t)state_n + 1);
     if (!c->snap_conv) c->snap_conv = malloc(sizeof(float) * (size_t)conv_n + 1);
     if (!c->snap_state || !c->snap_conv) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the checkpoint");
+    int rc = gdn_to_host(c, err, err_size);
+    if (rc != CLOVER_OK) return rc;
     memcpy(c->snap_state, c->gdn_state, sizeof(float) * (size_t)state_n);
     memcpy(c->snap_conv, c->conv_state, sizeof(float) * (size_t)conv_n);
     c->rec_on = 1;
@@ -1725,6 +1800,7 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
     float *o = malloc(sizeof(float) * (size_t)(n_keep * d.Hv * d.dv) + 1);
     float *cat = malloc(sizeof(float) * (size_t)((K1 + n_keep) * C) + 1);
     int rc = o && cat ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
+    if (c->gdn_on_dev) memset(c->gdn_on_dev, 0, (size_t)c->m->n_gdn); /* every slot is rewritten below */
     for (int64_t g = 0; g < c->m->n_gdn && rc == CLOVER_OK; g++) {
         float *state = c->gdn_state + g * S_n, *hist = c->conv_state + g * K1 * C;
         const size_t slot = (size_t)g * (size_t)c->rec_cap;

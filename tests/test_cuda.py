@@ -12,7 +12,8 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
   activations to Q8_0/Q8_K the same way, so they differ only in float summation order:
   tolerance 1e-5 of sum |w x| per output; seen: below 4e-7 of max |y|);
 - clover_cuda_experts (grouped expert products) against the CPU expert by expert, and
-  clover_cuda_attention (device KV cache, prefix and block mode, GQA) against float64;
+  clover_cuda_attention (device KV cache, prefix and block mode, GQA) and clover_cuda_gdn
+  (forward, block-mode copy, backward branch) against float64;
 - whole-model logits with every layer offloaded against the CPU, and greedy tokens identical
   to the CPU in ar, diffusion and spec, for the whole offload and a partial one, at F32, Q8_0
   and Q4_K_M, and across the placements of issue 8. Under the emulator (about 1000x slower
@@ -52,6 +53,9 @@ int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes,
 int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
                           int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
                           float scale, float *out, char *err, size_t err_size);
+int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
+int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                    int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
 int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err, size_t err_size);
 """)
@@ -268,6 +272,69 @@ def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv)
     finally:
         _clib.clover_cuda_free(kd[0])
         _clib.clover_cuda_free(vd[0])
+
+
+def _gdn_reference(conv, beta, g, S, Hk, dk, dv, backward):
+    """The delta rule of spec 2.1 step 6 in float64 (backward: spec 3.3, reverse order from S = 0,
+    readout first). conv [T][C]; S [Hv][dk][dv] (updated in place). Returns o [T][Hv][dv]."""
+    T, Hv = beta.shape
+    o = np.zeros((T, Hv, dv))
+    for h in range(Hv):
+        Sh = np.zeros((dk, dv)) if backward else S[h]
+        for t in (range(T - 1, -1, -1) if backward else range(T)):
+            q = conv[t, (h % Hk) * dk:(h % Hk + 1) * dk]
+            k = conv[t, Hk * dk + (h % Hk) * dk:Hk * dk + (h % Hk + 1) * dk]
+            v = conv[t, 2 * Hk * dk + h * dv:2 * Hk * dk + (h + 1) * dv]
+            if backward:
+                o[t, h] = Sh.T @ q
+            Sh *= np.exp(g[t, h])
+            Sh += np.outer(k, (v - Sh.T @ k) * beta[t, h])
+            if not backward:
+                o[t, h] = Sh.T @ q
+    return o
+
+
+@gpu
+@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 64, 64), (1, 3, 128, 32), (2, 2, 32, 128)])
+def test_gdn_recurrence_on_the_device_equals_float64(Hk, Hv, dk, dv):
+    """clover_cuda_gdn in its three kinds against the float64 delta rule: forward updates the
+    device state (read back and compared), forward-on-a-copy leaves it as it was, backward
+    starts from zero in reverse; 13 rows, l2-normed q/k as the engine feeds them, random
+    decays and betas. Tolerance 1e-4 of max |o| (float32 recurrences; seen about 1e-6)."""
+    rng = np.random.default_rng(dk + dv)
+    T, C = 13, 2 * Hk * dk + Hv * dv
+    conv = rng.standard_normal((T, C))
+    for j in range(2 * Hk):
+        conv[:, j * dk:(j + 1) * dk] /= np.linalg.norm(conv[:, j * dk:(j + 1) * dk], axis=1, keepdims=True)
+    conv = conv.astype(np.float32)
+    beta = rng.uniform(0.05, 0.95, (T, Hv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.5, (T, Hv)).astype(np.float32)
+    S0 = (rng.standard_normal((Hv, dk, dv)) * 0.5).astype(np.float32)
+    err = _cffi.new("char[]", 256)
+    dev = _cffi.new("void **")
+    assert _clib.clover_cuda_alloc(S0.nbytes, dev, err, 256) == 0
+    try:
+        assert _clib.clover_cuda_write(dev[0], 0, _cffi.cast("void *", S0.ctypes.data), S0.nbytes, err, 256) == 0
+        for kind in (1, 0, 2):  # copy (state kept), forward (state updated), backward (no state)
+            o = np.zeros((T, Hv, dv), np.float32)
+            assert _clib.clover_cuda_gdn(kind, _f(conv), _f(beta), _f(g), T, Hk, Hv, dk, dv, C,
+                                         _cffi.cast("float *", dev[0]), _f(o), err, 256) == 0, _cffi.string(err)
+            S_ref = S0.astype(np.float64)
+            want = _gdn_reference(conv.astype(np.float64), beta.astype(np.float64), g.astype(np.float64), S_ref,
+                                  Hk, dk, dv, backward=kind == 2)
+            assert np.max(np.abs(o - want)) <= 1e-4 * np.abs(want).max(), (kind, float(np.max(np.abs(o - want))))
+            back = np.zeros_like(S0)
+            assert _clib.clover_cuda_read(dev[0], 0, _cffi.cast("void *", back.ctypes.data), back.nbytes, err, 256) == 0
+            if kind == 0:
+                assert np.max(np.abs(back - S_ref)) <= 1e-4 * np.abs(S_ref).max()
+                S0 = back
+            else:
+                np.testing.assert_array_equal(back, S0)
+        assert _clib.clover_cuda_gdn(0, _f(conv), _f(beta), _f(g), T, Hk, Hv, 512, dv, C,
+                                     _cffi.cast("float *", dev[0]), _f(o), err, 256) == lib.CLOVER_E_ARG
+        assert "dk" in _cffi.string(err).decode()
+    finally:
+        _clib.clover_cuda_free(dev[0])
 
 
 @gpu

@@ -263,6 +263,48 @@ __global__ void k_attention(const float *Q, const float *K, const float *V, floa
     }
 }
 
+/* Gated DeltaNet recurrence (spec 2.1 step 6, 3.3) of value head h = blockIdx.x, one thread per
+ * value dimension j (blockDim.x = dv), each holding column j of the head's state S [dk][dv]:
+ * per row t, S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, in the order of the
+ * CPU's delta_step and readout (native/model.c), so results differ only by FMA contraction and
+ * expf. Forward: rows in order from S (written back when write_back); backward (the block's
+ * anti-causal branch): rows in reverse from S = 0 with the readout before the update. conv:
+ * [T][C] rows of q (Hk dk), k (Hk dk), v (Hv dv); value head h reads key head h % Hk. */
+#define DK_MAX 256
+__global__ void k_gdn(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                      int64_t dk, int64_t dv, int64_t C, float *S, int backward, int write_back, float *O) {
+    __shared__ float kq[2 * DK_MAX];
+    const int64_t h = blockIdx.x;
+    const int j = threadIdx.x;
+    float s[DK_MAX];
+    float *Sh = S ? S + h * dk * dv : NULL;
+    for (int i = 0; i < dk; i++) s[i] = Sh ? Sh[i * dv + j] : 0.0f;
+    for (int64_t step = 0; step < T; step++) {
+        const int64_t t = backward ? T - 1 - step : step;
+        const float *row = conv + t * C, *q = row + (h % Hk) * dk, *k = row + Hk * dk + (h % Hk) * dk;
+        const float v = row[2 * Hk * dk + h * dv + j];
+        __syncthreads(); /* the previous row's reads of kq are done */
+        for (int64_t i = j; i < dk; i += blockDim.x) kq[i] = k[i], kq[DK_MAX + i] = q[i];
+        __syncthreads();
+        float o = 0.0f;
+        if (backward)
+            for (int i = 0; i < dk; i++) o += s[i] * kq[DK_MAX + i];
+        const float eg = expf(g[t * Hv + h]);
+        float tmp = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            s[i] = s[i] * eg;
+            tmp += s[i] * kq[i];
+        }
+        const float delta = (v - tmp) * beta[t * Hv + h];
+        for (int i = 0; i < dk; i++) s[i] += kq[i] * delta;
+        if (!backward)
+            for (int i = 0; i < dk; i++) o += s[i] * kq[DK_MAX + i];
+        O[(t * Hv + h) * dv + j] = o;
+    }
+    if (Sh && write_back)
+        for (int i = 0; i < dk; i++) Sh[i * dv + j] = s[i];
+}
+
 /* ------------------------------------------------------------------ host side */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time (shared scratch) */
 
@@ -272,7 +314,7 @@ struct scratch {
     void *p;
     size_t cap; /* bytes */
 };
-static scratch g_x, g_y, g_gate, g_up, g_tiles;
+static scratch g_x, g_y, g_gate, g_up, g_tiles, g_state;
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
     if (bytes <= s->cap) return CLOVER_OK;
@@ -561,6 +603,44 @@ extern "C" int clover_cuda_attention(const float *q, const float *k_new, const f
     }
     if (rc == CLOVER_OK)
         rc = copy(out, O, sizeof(float) * (size_t)(T * n_head * hd), cudaMemcpyDeviceToHost, err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+extern "C" int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size) {
+    if (!dev || (!host && nbytes)) return bad_arg(err, err_size, "read: no buffer");
+    return nbytes ? copy(host, (const char *)dev + offset, nbytes, cudaMemcpyDeviceToHost, err, err_size) : CLOVER_OK;
+}
+
+extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
+                               int64_t Hv, int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err,
+                               size_t err_size) {
+    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 || kind > 2 || T <= 0 ||
+        Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX || dv <= 0 || dv > 1024 ||
+        C < 2 * Hk * dk + Hv * dv || T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv))
+        return bad_arg(err, err_size, "gdn: bad arguments (kind, T, heads, dk <= 256, dv <= 1024 or C out of range)");
+    const size_t state_bytes = sizeof(float) * (size_t)(Hv * dk * dv);
+    pthread_mutex_lock(&g_lock);
+    int rc = grow(&g_x, sizeof(float) * (size_t)(T * C), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(T * Hv), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(T * Hv), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * Hv * dv), err, err_size);
+    if (rc == CLOVER_OK && kind == CLOVER_GDN_FORWARD_COPY) rc = grow(&g_state, state_bytes, err, err_size);
+    float *X = (float *)g_x.p, *B = (float *)g_gate.p, *G = (float *)g_up.p, *O = (float *)g_y.p;
+    if (rc == CLOVER_OK) rc = copy(X, conv, sizeof(float) * (size_t)(T * C), cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = copy(B, beta, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = copy(G, g, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
+    float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state;
+    if (rc == CLOVER_OK && kind == CLOVER_GDN_FORWARD_COPY) { /* block mode: the prefix state stays as it is */
+        rc = copy(g_state.p, state, state_bytes, cudaMemcpyDeviceToDevice, err, err_size);
+        S = (float *)g_state.p;
+    }
+    if (rc == CLOVER_OK) {
+        LAUNCH(k_gdn, dim3((unsigned)Hv), dim3((unsigned)dv))(X, B, G, T, Hk, Hv, dk, dv, C, S,
+                                                             kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, O);
+        rc = launched(rc, "gdn", err, err_size);
+    }
+    if (rc == CLOVER_OK) rc = copy(o, O, sizeof(float) * (size_t)(T * Hv * dv), cudaMemcpyDeviceToHost, err, err_size);
     pthread_mutex_unlock(&g_lock);
     return rc;
 }

@@ -60,6 +60,20 @@ int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes,
 int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
                           int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
                           float scale, float *out, char *err, size_t err_size);
+/* Copy nbytes at dev + offset bytes to host memory. */
+int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
+
+/* Gated DeltaNet recurrence of all Hv value heads over T rows on the device (spec 2.1 step 6; the
+ * backward branch spec 3.3), as native/model.c's gdn_recurrent_head / gdn_backward_head:
+ * conv [T][C] (q and k of Hk key heads of dk, l2-normed, then v of Hv heads of dv), beta and the
+ * log-decay g [T][Hv], all host float32; o: host [T][Hv*dv]. state: device [Hv][dk][dv].
+ * kind CLOVER_GDN_FORWARD updates state in place; CLOVER_GDN_FORWARD_COPY starts from it and
+ * leaves it unchanged (block mode); CLOVER_GDN_BACKWARD runs the rows in reverse from a zero
+ * state with the readout first (state unused, may be NULL). dk <= 256, dv <= 1024. Errors:
+ * CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
+enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_COPY = 1, CLOVER_GDN_BACKWARD = 2 };
+int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                    int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
 
 #ifdef __cplusplus
 }
