@@ -56,6 +56,8 @@ int clover_cuda_attention(const float *q, const float *k_new, const float *v_new
 int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
+int clover_context_checkpoint(void *c, int32_t n_max, char *err, size_t err_size);
+int clover_context_rollback(void *c, int32_t n_keep, char *err, size_t err_size);
 int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err, size_t err_size);
 """)
@@ -441,3 +443,50 @@ def test_gpu_dequantisation_equals_the_cpu_engine(dq_check, tmp_path, name):
         assert r.returncode == 0, r.stderr
         got = np.fromfile(tmp_path / "out", np.float32)
         np.testing.assert_array_equal(got, want)
+
+
+@gpu
+def test_saved_state_and_rollback_with_the_gdn_state_on_the_gpu(make_gguf):
+    """The GDN state of offloaded layers stays on the GPU between forwards; save_state,
+    restore_state, checkpoint and rollback bring it back to the host. On a context with every
+    layer on the GPU: prefill p1, save, prefill p2, restore, then the logits of one token equal
+    those of p1 + that token on the CPU; and after a checkpoint, a recorded prefill of 5 tokens
+    and a rollback to 2, the next token's logits equal the CPU's for p1 + those 2 + it (one
+    token after the state moved: the GDN state decides them, tolerance as for the prefill)."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, Model(path, n_ctx=512, n_threads=2) as cpu:
+        assert g.n_gpu_layers > 0
+        p1 = g.tokenize("def fibonacci(n):\n    if n < 2:")
+        p2 = g.tokenize("\n        return n\n    return")
+        nxt = g.tokenize(" fib")[:1]
+        V = g.n_vocab
+        err = err_buf()
+
+        def prefill(ids, logits=None):
+            out = ffi.NULL if logits is None else ffi.cast("float *", logits.ctypes.data)
+            assert lib.clover_prefill(g._ctx, ffi.new("int32_t[]", ids), len(ids), out, 0, err, len(err)) == 0, \
+                ffi.string(err)
+
+        def close(got, ids):
+            want = cpu.prefix_logits(ids)[-1]
+            assert np.max(np.abs(got - want)) <= 2e-3 * float(np.std(want)) + 1e-4, float(np.max(np.abs(got - want)))
+
+        lib.clover_context_reset(g._ctx)
+        prefill(p1)
+        assert lib.clover_context_save_state(g._ctx, err, len(err)) == 0
+        prefill(p2)
+        assert lib.clover_context_restore_state(g._ctx, err, len(err)) == len(p1)
+        got = np.zeros(V, np.float32)
+        prefill(nxt, got)
+        close(got, p1 + nxt)
+
+        lib.clover_context_reset(g._ctx)
+        prefill(p1)
+        ctx = _cffi.cast("void *", int(ffi.cast("uintptr_t", g._ctx)))  # internal API (native/engine.h)
+        assert _clib.clover_context_checkpoint(ctx, 5, err, len(err)) == 0
+        prefill(p2[:5])
+        assert _clib.clover_context_rollback(ctx, 2, err, len(err)) == 0
+        prefill(nxt, got)
+        close(got, p1 + p2[:2] + nxt)
