@@ -123,6 +123,7 @@ class Model:
         n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, lo=0, hi=2**31 - 1)
         if gpu_budget is not None and gpu_budget != "free":
             gpu_budget = _check_int("gpu_budget", gpu_budget, lo=1, hi=2**62)
+        self.n_ctx = n_ctx
         self.n_gpu_layers = 0  # layers whose products run on the GPU (the output counts as one)
         self.placement: dict | None = None  # bytes per part of the GPU placement (placement.py)
         self.path = path
@@ -149,7 +150,6 @@ class Model:
         except BaseException:
             self.close()
             raise
-        self.n_ctx = n_ctx
         self.n_vocab = int(self.hparams["n_vocab"])
         self.end_ids = self._end_ids()
         self.last_stats: dict | None = None

@@ -316,9 +316,9 @@ def cmd_fit(a) -> int:
         budget = a.gpu_budget if a.gpu_budget is not None else gpu_free_bytes()
         if a.n_gpu_layers is not None or budget is None:
             n_cpu_moe = 1 << 30 if a.cpu_moe else a.n_cpu_moe
-            plan = placement(m, -1 if a.n_gpu_layers is None else a.n_gpu_layers, n_cpu_moe)
+            plan = placement(m, -1 if a.n_gpu_layers is None else a.n_gpu_layers, n_cpu_moe, a.ctx_size)
         else:
-            plan = fit(m, budget)
+            plan = fit(m, budget, a.ctx_size)
         plan["plan"] = describe(plan, n_layer)
         plan["n_gpu_layers_flag"] = "all" if plan["n_gpu_layers"] > n_layer else plan["n_gpu_layers"]
     if a.json:
@@ -467,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget, or for -ngl / --n-cpu-moe; needs no GPU")
     ft.add_argument("-m", "--model", required=True, help="GGUF file")
     add_device_args(ft)
+    ft.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
+                    help="context length whose caches are counted on the GPU (4096)")
     ft.add_argument("--json", action="store_true", help="print one JSON object")
     ft.set_defaults(func=cmd_fit)
 

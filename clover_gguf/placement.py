@@ -17,39 +17,61 @@ PARTS = ("gpu", "dense", "experts", "output", "experts_cpu")
 RESERVE = 512 << 20  # bytes of the budget kept for the CUDA context and activation buffers
 
 
-def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0) -> dict:
+def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = None) -> dict:
     """Bytes per part of a placement on ``model`` (a :class:`~clover_gguf.api.Model`):
-    ``gpu`` (all on the GPU), ``dense`` (attention/GDN projections, routers, shared experts of
-    the offloaded layers), ``experts`` (their routed experts on the GPU), ``output`` (the LM
-    head), ``experts_cpu`` (routed experts of offloaded layers kept on the CPU), plus the
-    arguments (``n_gpu_layers`` -1 = all and the output)."""
+    ``gpu`` (the weights on the GPU), ``dense`` (attention/GDN projections, routers, shared
+    experts of the offloaded layers), ``experts`` (their routed experts on the GPU), ``output``
+    (the LM head), ``experts_cpu`` (routed experts of offloaded layers kept on the CPU),
+    ``cache`` (one context's state on the GPU, :func:`cache_bytes`, for ``n_ctx`` tokens,
+    default the model's), plus the arguments (``n_gpu_layers`` -1 = all and the output)."""
     n = _layers(model, n_gpu_layers)
     out = {name: int(lib.clover_model_placement_bytes(model._model, n, n_cpu_moe, i)) for i, name in enumerate(PARTS)}
-    out.update(n_gpu_layers=n, n_cpu_moe=n_cpu_moe)
+    out.update(cache=cache_bytes(model, model.n_ctx if n_ctx is None else n_ctx) if n else 0,
+               n_gpu_layers=n, n_cpu_moe=n_cpu_moe)
     return out
+
+
+def cache_bytes(model, n_ctx: int) -> int:
+    """Bytes a context keeps on the GPU once a layer is offloaded (native/model.c gpu_attention,
+    gpu_gdn): the KV cache of every attention layer, float32 [n_ctx][n_head_kv * head_dim] for K
+    and for V, and the GDN state of every GDN layer, float32 [Hv][dk][dv]."""
+    hp = model.hparams
+    n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
+    n_attn = sum((il + 1) % interval == 0 for il in range(n_layer))
+    kv = n_attn * 2 * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * 4
+    gdn = 0
+    if hp.get("ssm_dt_rank"):
+        dv = int(hp["ssm_d_inner"]) // int(hp["ssm_dt_rank"])
+        gdn = (n_layer - n_attn) * int(hp["ssm_dt_rank"]) * int(hp["ssm_d_state"]) * dv * 4
+    return kv + gdn
 
 
 def _layers(model, n_gpu_layers: int) -> int:
     return int(model.hparams["n_layer"]) + 1 if n_gpu_layers < 0 else n_gpu_layers
 
 
-def fit(model, budget_bytes: int) -> dict:
-    """The placement for ``budget_bytes`` of GPU memory (less :data:`RESERVE`): all layers and
-    the output with every routed expert on the GPU if it fits; else the routed experts of the
-    first N layers on the CPU, N as small as fits; else all routed experts on the CPU and as
-    many layers as fit. Returns :func:`placement`'s dict plus ``budget``."""
+def fit(model, budget_bytes: int, n_ctx: int | None = None) -> dict:
+    """The placement for ``budget_bytes`` of GPU memory (less :data:`RESERVE` and one context's
+    ``cache`` for ``n_ctx`` tokens): all layers and the output with every routed expert on the
+    GPU if it fits; else the routed experts of the first N layers on the CPU, N as small as
+    fits; else all routed experts on the CPU and as many layers as fit. Returns
+    :func:`placement`'s dict plus ``budget``."""
     budget = budget_bytes - RESERVE
     L = int(model.hparams["n_layer"])
-    best = placement(model, L + 1, 0)
-    if best["gpu"] > budget:
+
+    def fits(p: dict) -> bool:
+        return p["gpu"] + p["cache"] <= budget
+
+    best = placement(model, L + 1, 0, n_ctx)
+    if not fits(best):
         for n_cpu_moe in range(1, L + 1):
-            best = placement(model, L + 1, n_cpu_moe)
-            if best["gpu"] <= budget:
+            best = placement(model, L + 1, n_cpu_moe, n_ctx)
+            if fits(best):
                 break
         else:
             for n in range(L + 1, -1, -1):
-                best = placement(model, n, L)
-                if best["gpu"] <= budget:
+                best = placement(model, n, L, n_ctx)
+                if fits(best):
                     break
     best["budget"] = int(budget_bytes)
     return best
@@ -79,7 +101,9 @@ def describe(plan: dict, n_layer: int) -> str:
         parts.append(f"routed experts of layers {k}-{layers - 1} {plan['experts'] / gib:.2f} GiB")
     if plan["output"]:
         parts.append(f"output {plan['output'] / gib:.2f} GiB")
-    line = f"GPU: {' + '.join(parts)} = {plan['gpu'] / gib:.2f} GiB"
+    if plan.get("cache"):
+        parts.append(f"caches {plan['cache'] / gib:.2f} GiB")
+    line = f"GPU: {' + '.join(parts)} = {(plan['gpu'] + plan.get('cache', 0)) / gib:.2f} GiB"
     if "budget" in plan:
         line += f" (budget {plan['budget'] / gib:.2f} GiB)"
     cpu = []

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGUFReader
 
 from clover_gguf import Model
-from clover_gguf.placement import RESERVE, describe, fit, parse_size, placement
+from clover_gguf.placement import RESERVE, cache_bytes, describe, fit, parse_size, placement
 
 EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 DENSE = re.compile(r"blk\.(\d+)\.(attn_(q|k|v|output|qkv|gate)|ssm_(out|alpha|beta|alpha_bwd|beta_bwd)|"
@@ -54,18 +54,34 @@ def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
         assert placement(m, 0)["gpu"] == 0
 
 
+def test_cache_bytes_are_the_device_kv_cache_and_gdn_state(make_gguf):
+    """One context's state on the GPU: K and V float32 rows for every attention layer and
+    position, and the GDN state [Hv][dk][dv] of every GDN layer (tiny model: layer 3 of 4 is
+    attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
+    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
+        hp = m.hparams
+        assert (hp["n_layer"], hp["full_attention_interval"], hp["n_head_kv"], hp["head_dim"]) == (4, 4, 2, 64)
+        assert cache_bytes(m, 100) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4
+        assert placement(m, -1)["cache"] == cache_bytes(m, 16) and placement(m, 0)["cache"] == 0
+        assert placement(m, 2, 0, 4096)["cache"] == cache_bytes(m, 4096)
+
+
 def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
     with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
         L = m.hparams["n_layer"]
         full = placement(m, -1)
-        assert fit(m, full["gpu"] + RESERVE) | {"budget": 0} == full | {"budget": 0}
+        cache = full["cache"]
+        assert cache > 0
+        assert fit(m, full["gpu"] + cache + RESERVE) | {"budget": 0} == full | {"budget": 0}
+        # the caches of a longer context no longer fit beside every weight
+        assert fit(m, full["gpu"] + cache + RESERVE, n_ctx=4096)["n_cpu_moe"] > 0
         # between the dense part and everything: some layers' experts move to the CPU, as few as fit
-        budget = full["gpu"] - full["experts"] // 2 + RESERVE
+        budget = full["gpu"] - full["experts"] // 2 + cache + RESERVE
         p = fit(m, budget)
-        assert p["n_gpu_layers"] == L + 1 and 0 < p["n_cpu_moe"] < L and p["gpu"] <= budget - RESERVE
-        assert placement(m, -1, p["n_cpu_moe"] - 1)["gpu"] > budget - RESERVE
+        assert p["n_gpu_layers"] == L + 1 and 0 < p["n_cpu_moe"] < L and p["gpu"] + cache <= budget - RESERVE
+        assert placement(m, -1, p["n_cpu_moe"] - 1)["gpu"] + cache > budget - RESERVE
         # less than the dense part: all experts on the CPU and fewer layers
-        small = fit(m, full["dense"] // 2 + RESERVE)
+        small = fit(m, full["dense"] // 2 + cache + RESERVE)
         assert small["n_gpu_layers"] < L and small["experts"] == 0 and small["gpu"] <= full["dense"] // 2
         assert fit(m, RESERVE)["n_gpu_layers"] == 0
         line = describe(p, L)
