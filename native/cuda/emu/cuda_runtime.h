@@ -6,8 +6,10 @@
  * switching only at __syncthreads and warp shuffles. What it checks: index arithmetic,
  * reductions, the order of barriers (a barrier some threads never reach aborts with
  * "deadlock"), shuffles (every lane of the warp must take part), and shared-memory reuse
- * across blocks. What it cannot: races that a GPU's real interleaving would show, warp-
- * synchronous code without shuffles, launch limits of real hardware, speed. */
+ * across blocks, and, run a second time with CLOVER_EMU_ORDER=reverse (threads in the opposite
+ * order), results that depend on the order threads run between barriers. What it cannot: races
+ * that only a GPU's finer interleaving would show, warp-synchronous code without shuffles,
+ * launch limits of real hardware, speed. */
 #ifndef CLOVER_EMU_CUDA_RUNTIME_H
 #define CLOVER_EMU_CUDA_RUNTIME_H
 #include <math.h>

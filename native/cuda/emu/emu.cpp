@@ -5,7 +5,8 @@
  * live thread of the block (of the warp, for a shuffle) waits at it, and a state where none
  * can open is a deadlock (the emulator aborts with the kernel's block and thread). The
  * context switch saves the callee-saved registers of the x86-64 System V ABI (no signal mask,
- * so a switch costs nanoseconds). */
+ * so a switch costs nanoseconds). CLOVER_EMU_ORDER=reverse runs the threads in the opposite
+ * order (see clover_emu_run). */
 #include "cuda_runtime.h"
 
 #include <stdio.h>
@@ -164,6 +165,10 @@ cudaError_t clover_emu_run(dim3 grid, dim3 block, size_t shared_bytes, const std
                                 (unsigned)(i / ((size_t)block.x * block.y))};
     g_body = &body;
     gridDim = grid, blockDim = block;
+    /* CLOVER_EMU_ORDER=reverse runs the ready threads last to first: code whose result depends on
+     * the order threads run between barriers (a race on a GPU) then gives other results */
+    const char *order = getenv("CLOVER_EMU_ORDER");
+    const bool reverse = order && strcmp(order, "reverse") == 0;
     for (unsigned bz = 0; bz < grid.z; bz++)
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
@@ -172,13 +177,15 @@ cudaError_t clover_emu_run(dim3 grid, dim3 block, size_t shared_bytes, const std
                 g_live = (int)n;
                 while (g_live > 0) {
                     bool ran = false;
-                    for (size_t i = 0; i < n; i++)
+                    for (size_t k = 0; k < n; k++) {
+                        const size_t i = reverse ? n - 1 - k : k;
                         if (g_fibers[i].state == READY) {
                             g_cur = (int)i;
                             threadIdx = g_fibers[i].tid;
                             clover_emu_switch(&g_sched_sp, g_fibers[i].sp);
                             ran = true;
                         }
+                    }
                     if (!ran && g_live > 0) open_barrier((int)n);
                 }
             }
