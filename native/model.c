@@ -878,7 +878,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
         memcpy(vc + pos * kvd, v + t * kvd, sizeof(float) * (size_t)kvd);
     }
     const float scale = 1.0f / sqrtf((float)hd);
-    if (ly->wo.dev && hd % 32 == 0 && hd <= 256) { /* the layer is on the GPU: attention there too */
+    if (ly->wo.dev && hd % 32 == 0 && hd <= 256 && nh <= 65535 && nh % nkv == 0) { /* on the GPU: attention too */
         rc = gpu_attention(f, ly, qg, k, v, scale, att);
         if (rc == CLOVER_OK) rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
         goto done;

@@ -314,7 +314,7 @@ struct scratch {
     void *p;
     size_t cap; /* bytes */
 };
-static scratch g_x, g_y, g_gate, g_up, g_tiles, g_state;
+static scratch g_x, g_y, g_gate, g_up, g_tiles;
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
     if (bytes <= s->cap) return CLOVER_OK;
@@ -340,10 +340,11 @@ static int bad_arg(char *err, size_t err_size, const char *what) {
 static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err, size_t err_size) {
     const int ab = act_block(type);
     if (!ab || n_rows == 0) return CLOVER_OK;
-    if (ne0 % ab || n_rows * (ne0 / ab) > INT32_MAX) {
+    if (ne0 % ab) {
         if (err && err_size) snprintf(err, err_size, "CUDA: ne0 %lld not a multiple of %d", (long long)ne0, ab);
         return CLOVER_E_ARG;
     }
+    if (n_rows * (ne0 / ab) > INT32_MAX) return bad_arg(err, err_size, "activation rows: too many blocks for one launch");
     if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n_rows * ne0 / 32)), dim3(32))(X);
     else LAUNCH(k_act_q8_k, dim3((unsigned)(n_rows * ne0 / 256)), dim3(32))(X);
     return CLOVER_OK;
@@ -560,12 +561,17 @@ extern "C" int clover_cuda_experts(const clover_cuda_weight *gate, const clover_
 extern "C" int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size) {
     *dev = NULL;
     cudaError_t e = cudaMalloc(dev, nbytes ? nbytes : 1);
-    if (e == cudaSuccess) e = cudaMemset(*dev, 0, nbytes);
     if (e != cudaSuccess) {
         set_err(err, err_size, "cudaMalloc", e);
-        if (*dev) cudaFree(*dev);
         *dev = NULL;
         return CLOVER_E_NOMEM;
+    }
+    e = cudaMemset(*dev, 0, nbytes);
+    if (e != cudaSuccess) {
+        set_err(err, err_size, "cudaMemset", e);
+        cudaFree(*dev);
+        *dev = NULL;
+        return CLOVER_E_DEVICE;
     }
     return CLOVER_OK;
 }
@@ -619,22 +625,16 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
         Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX || dv <= 0 || dv > 1024 ||
         C < 2 * Hk * dk + Hv * dv || T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv))
         return bad_arg(err, err_size, "gdn: bad arguments (kind, T, heads, dk <= 256, dv <= 1024 or C out of range)");
-    const size_t state_bytes = sizeof(float) * (size_t)(Hv * dk * dv);
     pthread_mutex_lock(&g_lock);
     int rc = grow(&g_x, sizeof(float) * (size_t)(T * C), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(T * Hv), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(T * Hv), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * Hv * dv), err, err_size);
-    if (rc == CLOVER_OK && kind == CLOVER_GDN_FORWARD_COPY) rc = grow(&g_state, state_bytes, err, err_size);
     float *X = (float *)g_x.p, *B = (float *)g_gate.p, *G = (float *)g_up.p, *O = (float *)g_y.p;
     if (rc == CLOVER_OK) rc = copy(X, conv, sizeof(float) * (size_t)(T * C), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) rc = copy(B, beta, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) rc = copy(G, g, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
-    float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state;
-    if (rc == CLOVER_OK && kind == CLOVER_GDN_FORWARD_COPY) { /* block mode: the prefix state stays as it is */
-        rc = copy(g_state.p, state, state_bytes, cudaMemcpyDeviceToDevice, err, err_size);
-        S = (float *)g_state.p;
-    }
+    float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state; /* written back only by CLOVER_GDN_FORWARD */
     if (rc == CLOVER_OK) {
         LAUNCH(k_gdn, dim3((unsigned)Hv), dim3((unsigned)dv))(X, B, G, T, Hk, Hv, dk, dv, C, S,
                                                              kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, O);
