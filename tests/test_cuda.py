@@ -169,19 +169,21 @@ def _cpu_matmul(type_: int, q: np.ndarray, ne0: int, ne1: int, x: np.ndarray) ->
 
 
 @gpu
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("F16", "Q4_K", "IQ4_NL"),
-                                   ("MXFP4", "Q5_K", "BF16")])
-def test_grouped_experts_equal_the_cpu_expert_by_expert(types):
+@pytest.mark.parametrize("types,H,I", [(("Q4_K", "Q4_K", "Q6_K"), 256, 512), (("Q8_0", "Q8_0", "Q8_0"), 256, 512),
+                                       (("F16", "Q4_K", "IQ4_NL"), 256, 512), (("MXFP4", "Q5_K", "BF16"), 256, 512),
+                                       (("Q4_K", "Q4_K", "Q6_K"), 2048, 512)])  # the last: 35B-A3B's H and I
+def test_grouped_experts_equal_the_cpu_expert_by_expert(types, H, I):
     """clover_cuda_experts (one grouped product per projection over every expert's tiles) against
     the CPU engine's products expert by expert with silu(g) * u between (model.c expert_ffn):
     8 experts, buckets of 0 to 19 pairs (tiles of 8 and a remainder), mixed weight types (also
-    gate and up rounding x differently); tolerance 1e-5 of sum |w x| as for one product."""
+    gate and up rounding x differently), and the real model's H = 2048, I = 512; tolerance
+    1e-5 of sum |w x| as for one product."""
     rng = np.random.default_rng(7)
-    H, I, E = 256, 512, 8
+    E = 8
     counts = np.array([3, 0, 19, 8, 1, 0, 16, 5])
     start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     P = int(start[-1])
-    xg = (rng.standard_normal((P, H)) * rng.uniform(0.05, 1, (P, 1))).astype(np.float32)
+    xg = (rng.standard_normal((P, H)) * rng.uniform(0.05, 1, (P, 1)) * np.sqrt(256 / H)).astype(np.float32)
     mats, devs = {}, []
     try:
         ws = []
@@ -297,11 +299,12 @@ def _gdn_reference(conv, beta, g, S, Hk, dk, dv, backward):
 
 
 @gpu
-@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 64, 64), (1, 3, 128, 32), (2, 2, 32, 128)])
+@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 64, 64), (1, 3, 128, 32), (2, 2, 32, 128), (16, 32, 128, 128)])
 def test_gdn_recurrence_on_the_device_equals_float64(Hk, Hv, dk, dv):
     """clover_cuda_gdn in its three kinds against the float64 delta rule: forward updates the
     device state (read back and compared), forward-on-a-copy leaves it as it was, backward
-    starts from zero in reverse; 13 rows, l2-normed q/k as the engine feeds them, random
+    starts from zero in reverse; 13 rows, l2-normed q/k as the engine feeds them (the last
+    case has the real model's 16 key and 32 value heads of 128), random
     decays and betas. Tolerance 1e-4 of max |o| (float32 recurrences; seen about 1e-6)."""
     rng = np.random.default_rng(dk + dv)
     T, C = 13, 2 * Hk * dk + Hv * dv
