@@ -26,23 +26,26 @@ def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = 
     default the model's), plus the arguments (``n_gpu_layers`` -1 = all and the output)."""
     n = _layers(model, n_gpu_layers)
     out = {name: int(lib.clover_model_placement_bytes(model._model, n, n_cpu_moe, i)) for i, name in enumerate(PARTS)}
-    out.update(cache=cache_bytes(model, model.n_ctx if n_ctx is None else n_ctx) if n else 0,
+    out.update(cache=cache_bytes(model, model.n_ctx if n_ctx is None else n_ctx, n),
                n_gpu_layers=n, n_cpu_moe=n_cpu_moe)
     return out
 
 
-def cache_bytes(model, n_ctx: int) -> int:
-    """Bytes a context keeps on the GPU once a layer is offloaded (native/model.c gpu_attention,
-    gpu_gdn): the KV cache of every attention layer, float32 [n_ctx][n_head_kv * head_dim] for K
-    and for V, and the GDN state of every GDN layer, float32 [Hv][dk][dv]."""
+def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
+    """Bytes a context keeps on the GPU when the first ``n_gpu_layers`` layers are offloaded
+    (native/model.c gpu_attention, gpu_gdn): the KV cache of each offloaded attention layer,
+    float32 [n_ctx][n_head_kv * head_dim] for K and for V, and, once any GDN layer is
+    offloaded, the state of every GDN layer, float32 [Hv][dk][dv]."""
     hp = model.hparams
     n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
-    n_attn = sum((il + 1) % interval == 0 for il in range(n_layer))
-    kv = n_attn * 2 * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * 4
+    on = range(min(n_gpu_layers, n_layer))
+    n_attn_on = sum((il + 1) % interval == 0 for il in on)
+    kv = n_attn_on * 2 * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * 4
     gdn = 0
-    if hp.get("ssm_dt_rank"):
+    if hp.get("ssm_dt_rank") and len(on) > n_attn_on:
+        n_gdn = sum((il + 1) % interval != 0 for il in range(n_layer))
         dv = int(hp["ssm_d_inner"]) // int(hp["ssm_dt_rank"])
-        gdn = (n_layer - n_attn) * int(hp["ssm_dt_rank"]) * int(hp["ssm_d_state"]) * dv * 4
+        gdn = n_gdn * int(hp["ssm_dt_rank"]) * int(hp["ssm_d_state"]) * dv * 4
     return kv + gdn
 
 

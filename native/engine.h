@@ -55,7 +55,8 @@ struct clover_context {
     int gdn_chunked;
     float *k_cache, *v_cache;  /* [n_attn][n_ctx][n_head_kv*head_dim] */
     /* the KV cache of the attention layers offloaded to the GPU, on the device (allocated at
-     * their first forward, same layout); rows [0, kv_dev_rows[slot]) equal the host cache's */
+     * their first forward; one [n_ctx][n_head_kv*head_dim] block per offloaded layer, in layer
+     * order); rows [0, kv_dev_rows[slot]) equal the host cache's */
     void *k_dev, *v_dev;
     int64_t *kv_dev_rows;      /* [n_attn] */
     /* the GDN state of offloaded GDN layers lives on the device between forwards: gdn_dev has

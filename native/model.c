@@ -810,9 +810,21 @@ CLOVER_CLONES static void attend_row(const float *q, const float *kc, const floa
     for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
 }
 
+/* Offloaded attention layers (their output projection on the GPU) among the first n_slots
+ * attention layers: the device KV cache holds one layer's rows per offloaded layer, in order. */
+static int64_t offloaded_attn(const clover_model *m, int n_slots) {
+    int64_t n = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const clover_layer *ly = &m->layers[il];
+        n += ly->is_attn && ly->slot < n_slots && ly->wo.dev != NULL;
+    }
+    return n;
+}
+
 /* Attention of an offloaded layer on the GPU (clover_cuda_attention): the context's device KV
- * cache is allocated at the first call and brought up to date with the host cache (rows a
- * CPU forward wrote since) before the new rows go in; q, k, v as attention_layer made them. */
+ * cache (the offloaded layers only) is allocated at the first call and brought up to date with
+ * the host cache (rows a CPU forward wrote since) before the new rows go in; q, k, v as
+ * attention_layer made them. */
 static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const float *k, const float *v, float scale,
                          float *att) {
     clover_context *c = f->c;
@@ -820,7 +832,7 @@ static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const 
     const int64_t kvd = (int64_t)hp->n_head_kv * hp->head_dim;
     const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)kvd;
     if (!c->kv_dev_rows) {
-        const size_t all = layer_bytes * (size_t)c->m->n_attn;
+        const size_t all = layer_bytes * (size_t)offloaded_attn(c->m, c->m->n_attn);
         int rc = clover_cuda_alloc(all, &c->k_dev, f->err, f->err_size);
         if (rc == CLOVER_OK) rc = clover_cuda_alloc(all, &c->v_dev, f->err, f->err_size);
         if (rc == CLOVER_OK && !(c->kv_dev_rows = calloc((size_t)c->m->n_attn, sizeof(int64_t))))
@@ -831,15 +843,17 @@ static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const 
             return rc;
         }
     }
-    const size_t base = layer_bytes * (size_t)ly->slot, row = sizeof(float) * (size_t)kvd;
+    const size_t host = layer_bytes * (size_t)ly->slot, dev = layer_bytes * (size_t)offloaded_attn(c->m, ly->slot);
+    const size_t row = sizeof(float) * (size_t)kvd;
     const int64_t have = c->kv_dev_rows[ly->slot];
     if (have < f->pos0) {
-        const size_t at = base + row * (size_t)have, n = row * (size_t)(f->pos0 - have);
-        int rc = clover_cuda_write(c->k_dev, at, (const char *)c->k_cache + at, n, f->err, f->err_size);
-        if (rc == CLOVER_OK) rc = clover_cuda_write(c->v_dev, at, (const char *)c->v_cache + at, n, f->err, f->err_size);
+        const size_t off = row * (size_t)have, n = row * (size_t)(f->pos0 - have);
+        int rc = clover_cuda_write(c->k_dev, dev + off, (const char *)c->k_cache + host + off, n, f->err, f->err_size);
+        if (rc == CLOVER_OK)
+            rc = clover_cuda_write(c->v_dev, dev + off, (const char *)c->v_cache + host + off, n, f->err, f->err_size);
         if (rc != CLOVER_OK) return rc;
     }
-    int rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + base), (float *)((char *)c->v_dev + base),
+    int rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + dev), (float *)((char *)c->v_dev + dev),
                                    c->n_ctx, f->pos0, f->T, hp->n_head, hp->n_head_kv, hp->head_dim,
                                    f->mode == MODE_PREFIX, scale, att, f->err, f->err_size);
     c->kv_dev_rows[ly->slot] = rc == CLOVER_OK ? f->pos0 + f->T : (have < f->pos0 ? have : f->pos0);

@@ -55,15 +55,16 @@ def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
 
 
 def test_cache_bytes_are_the_device_kv_cache_and_gdn_state(make_gguf):
-    """One context's state on the GPU: K and V float32 rows for every attention layer and
-    position, and the GDN state [Hv][dk][dv] of every GDN layer (tiny model: layer 3 of 4 is
-    attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
+    """One context's state on the GPU: K and V float32 rows for every offloaded attention layer
+    and position, and the GDN state [Hv][dk][dv] of every GDN layer once one is offloaded (tiny
+    model: layer 3 of 4 is attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
     with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
         hp = m.hparams
         assert (hp["n_layer"], hp["full_attention_interval"], hp["n_head_kv"], hp["head_dim"]) == (4, 4, 2, 64)
-        assert cache_bytes(m, 100) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4
-        assert placement(m, -1)["cache"] == cache_bytes(m, 16) and placement(m, 0)["cache"] == 0
-        assert placement(m, 2, 0, 4096)["cache"] == cache_bytes(m, 4096)
+        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4
+        assert cache_bytes(m, 100, 3) == 3 * 4 * 64 * 64 * 4  # layer 3, the attention one, stays on the CPU
+        assert placement(m, -1)["cache"] == cache_bytes(m, 16, 5) and placement(m, 0)["cache"] == 0
+        assert placement(m, 2, 0, 4096)["cache"] == cache_bytes(m, 4096, 2)
 
 
 def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
@@ -82,7 +83,8 @@ def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
         assert placement(m, -1, p["n_cpu_moe"] - 1)["gpu"] + cache > budget - RESERVE
         # less than the dense part: all experts on the CPU and fewer layers
         small = fit(m, full["dense"] // 2 + cache + RESERVE)
-        assert small["n_gpu_layers"] < L and small["experts"] == 0 and small["gpu"] <= full["dense"] // 2
+        assert small["n_gpu_layers"] < L and small["experts"] == 0
+        assert small["gpu"] + small["cache"] <= full["dense"] // 2 + cache
         assert fit(m, RESERVE)["n_gpu_layers"] == 0
         line = describe(p, L)
         assert line.startswith("GPU: layers 0-") and "CPU: routed experts of layers 0-" in line
