@@ -64,6 +64,10 @@ int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, 
     return clover_cuda_write((void *)dev, offset, host, nbytes, err, err_size);
 }
 
+int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size) {
+    return clover_cuda_write(dst, 0, src, nbytes, err, err_size);
+}
+
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size) {
     (void)kind, (void)conv, (void)beta, (void)g, (void)T, (void)Hk, (void)Hv, (void)dk, (void)dv, (void)C, (void)state;

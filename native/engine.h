@@ -64,6 +64,8 @@ struct clover_context {
      * that reads or writes gdn_state first brings it back (gdn_to_host in model.c) */
     void *gdn_dev;
     unsigned char *gdn_on_dev; /* [n_gdn] */
+    void *gdn_snap_dev;         /* clover_context_checkpoint's copy of gdn_dev, on the device */
+    unsigned char *snap_on_dev; /* [n_gdn]: the checkpoint of the slot is in gdn_snap_dev */
     float *gdn_state;          /* [n_gdn][Hv][dk][dv] */
     float *conv_state;         /* [n_gdn][d_conv-1][conv channels], oldest first */
     /* speculative verify (spec 5.5): GDN and conv state at the checkpoint and the per-token GDN

@@ -672,8 +672,8 @@ void clover_context_free(clover_context *c) {
     free(c->nexp_full);
     clover_cuda_free(c->k_dev), clover_cuda_free(c->v_dev);
     free(c->kv_dev_rows);
-    clover_cuda_free(c->gdn_dev);
-    free(c->gdn_on_dev);
+    clover_cuda_free(c->gdn_dev), clover_cuda_free(c->gdn_snap_dev);
+    free(c->gdn_on_dev), free(c->snap_on_dev);
     free(c);
 }
 
@@ -1245,6 +1245,34 @@ static int gdn_to_host(clover_context *c, char *err, size_t err_size) {
     return CLOVER_OK;
 }
 
+/* clover_context_checkpoint's copy of the GDN state of the slots on the device, kept there
+ * (snap_on_dev; clover_context_rollback restores and replays them there). */
+static int gdn_snapshot_on_device(clover_context *c, char *err, size_t err_size) {
+    if (!c->gdn_on_dev) return CLOVER_OK;
+    const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp);
+    if (!c->snap_on_dev) {
+        int rc = clover_cuda_alloc(slot_bytes * (size_t)c->m->n_gdn, &c->gdn_snap_dev, err, err_size);
+        if (rc == CLOVER_OK && !(c->snap_on_dev = calloc((size_t)c->m->n_gdn, 1)))
+            rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        if (rc != CLOVER_OK) {
+            clover_cuda_free(c->gdn_snap_dev);
+            c->gdn_snap_dev = NULL;
+            return rc;
+        }
+    }
+    for (int g = 0; g < c->m->n_gdn; g++) {
+        c->snap_on_dev[g] = c->gdn_on_dev[g];
+        if (!c->gdn_on_dev[g]) continue;
+        const int rc = clover_cuda_copy((char *)c->gdn_snap_dev + slot_bytes * (size_t)g,
+                                        (const char *)c->gdn_dev + slot_bytes * (size_t)g, slot_bytes, err, err_size);
+        if (rc != CLOVER_OK) {
+            c->snap_on_dev[g] = 0;
+            return rc;
+        }
+    }
+    return CLOVER_OK;
+}
+
 /* One GDN recurrence of an offloaded layer on the GPU (clover_cuda_gdn, kind CLOVER_GDN_*): the
  * layer's state is moved to the device at its first use there and stays (gdn_on_dev). */
 static int gpu_gdn(fwd *f, const clover_layer *ly, int kind, const gdn_dims *d, const float *cv, const float *b,
@@ -1790,9 +1818,9 @@ int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_
     if (!c->snap_state) c->snap_state = malloc(sizeof(float) * (size_t)state_n + 1);
     if (!c->snap_conv) c->snap_conv = malloc(sizeof(float) * (size_t)conv_n + 1);
     if (!c->snap_state || !c->snap_conv) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the checkpoint");
-    int rc = gdn_to_host(c, err, err_size);
+    int rc = gdn_snapshot_on_device(c, err, err_size);
     if (rc != CLOVER_OK) return rc;
-    memcpy(c->snap_state, c->gdn_state, sizeof(float) * (size_t)state_n);
+    memcpy(c->snap_state, c->gdn_state, sizeof(float) * (size_t)state_n); /* the slots on the host */
     memcpy(c->snap_conv, c->conv_state, sizeof(float) * (size_t)conv_n);
     c->rec_on = 1;
     c->rec_n = 0;
@@ -1814,17 +1842,27 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
     float *o = malloc(sizeof(float) * (size_t)(n_keep * d.Hv * d.dv) + 1);
     float *cat = malloc(sizeof(float) * (size_t)((K1 + n_keep) * C) + 1);
     int rc = o && cat ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
-    if (c->gdn_on_dev) memset(c->gdn_on_dev, 0, (size_t)c->m->n_gdn); /* every slot is rewritten below */
     for (int64_t g = 0; g < c->m->n_gdn && rc == CLOVER_OK; g++) {
         float *state = c->gdn_state + g * S_n, *hist = c->conv_state + g * K1 * C;
         const size_t slot = (size_t)g * (size_t)c->rec_cap;
-        memcpy(state, c->snap_state + g * S_n, sizeof(float) * (size_t)S_n);
         /* conv history: the last K-1 rows of (checkpoint history ++ kept inputs) */
         memcpy(cat, c->snap_conv + g * K1 * C, sizeof(float) * (size_t)(K1 * C));
         memcpy(cat + K1 * C, c->rec_qkv + slot * C, sizeof(float) * (size_t)(n_keep * C));
         memcpy(hist, cat + n_keep * C, sizeof(float) * (size_t)(K1 * C));
-        if (gdn_heads(GDN_FORWARD, &d, c->rec_cv + slot * C, c->rec_b + slot * d.Hv, c->rec_a + slot * d.Hv, n_keep,
-                      state, o, c->n_threads))
+        const float *cv = c->rec_cv + slot * C, *b = c->rec_b + slot * d.Hv, *a = c->rec_a + slot * d.Hv;
+        if (c->snap_on_dev && c->snap_on_dev[g]) { /* the checkpoint is on the GPU: replay there */
+            const size_t bytes = sizeof(float) * (size_t)S_n;
+            float *dev = (float *)((char *)c->gdn_dev + bytes * (size_t)g);
+            rc = clover_cuda_copy(dev, (const char *)c->gdn_snap_dev + bytes * (size_t)g, bytes, err, err_size);
+            if (rc == CLOVER_OK)
+                rc = clover_cuda_gdn(CLOVER_GDN_FORWARD, cv, b, a, n_keep, d.Hk, d.Hv, d.dk, d.dv, C, dev, o, err,
+                                     err_size);
+            c->gdn_on_dev[g] = 1;
+            continue;
+        }
+        if (c->gdn_on_dev) c->gdn_on_dev[g] = 0; /* the host copy is rewritten */
+        memcpy(state, c->snap_state + g * S_n, sizeof(float) * (size_t)S_n);
+        if (gdn_heads(GDN_FORWARD, &d, cv, b, a, n_keep, state, o, c->n_threads))
             rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
     }
     free(o), free(cat);

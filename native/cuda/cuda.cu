@@ -644,3 +644,8 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
+
+extern "C" int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size) {
+    if (!dst || (!src && nbytes)) return bad_arg(err, err_size, "copy: no buffer");
+    return nbytes ? copy(dst, src, nbytes, cudaMemcpyDeviceToDevice, err, err_size) : CLOVER_OK;
+}

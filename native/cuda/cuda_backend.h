@@ -60,6 +60,8 @@ int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes,
 int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
                           int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
                           float scale, float *out, char *err, size_t err_size);
+/* Copy nbytes from device memory src to device memory dst. */
+int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size);
 /* Copy nbytes at dev + offset bytes to host memory. */
 int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
 
