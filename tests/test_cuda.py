@@ -450,8 +450,9 @@ def test_gpu_dequantisation_equals_the_cpu_engine(dq_check, tmp_path, name):
 
 @gpu
 def test_saved_state_and_rollback_with_the_gdn_state_on_the_gpu(make_gguf):
-    """The GDN state of offloaded layers stays on the GPU between forwards; save_state,
-    restore_state, checkpoint and rollback bring it back to the host. On a context with every
+    """The GDN state of offloaded layers stays on the GPU between forwards; save_state brings it
+    back to the host, restore_state marks the host copy current, checkpoint copies it on the
+    device and rollback restores and replays it there. On a context with every
     layer on the GPU: prefill p1, save, prefill p2, restore, then the logits of one token equal
     those of p1 + that token on the CPU; and after a checkpoint, a recorded prefill of 5 tokens
     and a rollback to 2, the next token's logits equal the CPU's for p1 + those 2 + it (one
