@@ -115,6 +115,15 @@ def _weights(name: str, type_: int, ne0: int, ne1: int, rng) -> tuple[np.ndarray
     return q, back.reshape(ne1, ne0).astype(np.float64)
 
 
+def _cpu_matmul(type_: int, q: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
+    """The CPU engine's clover_matmul of the quantised bytes q ([ne1, ne0]) with x [T, ne0]."""
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.zeros((x.shape[0], ne1), np.float32)
+    assert _clib.clover_matmul(type_, _cffi.cast("void *", q.ctypes.data), ne0, ne1, _cffi.cast("float *", x.ctypes.data),
+                               x.shape[0], _cffi.cast("float *", y.ctypes.data), 2) == 0
+    return y
+
+
 @gpu
 @pytest.mark.parametrize("name", list(PLAIN) + list(BLOCKS))
 @pytest.mark.parametrize("T", [1, 3, 9, 32])
@@ -135,9 +144,7 @@ def test_matmul_every_type_equals_the_cpu_engine(name, T):
         assert rc == 0, _cffi.string(err)
     finally:
         _clib.clover_cuda_free(dev[0])
-    want = np.zeros((T, ne1), np.float32)
-    assert _clib.clover_matmul(type_, _cffi.cast("void *", q.ctypes.data), ne0, ne1,
-                               _cffi.cast("float *", x.ctypes.data), T, _cffi.cast("float *", want.ctypes.data), 2) == 0
+    want = _cpu_matmul(type_, q, ne0, ne1, x)
     scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
     assert np.all(np.abs(y - want) <= 1e-5 * scale), (name, float(np.max(np.abs(y - want) / scale)))
 
@@ -158,14 +165,6 @@ def test_matmul_refuses_bad_arguments():
         assert "multiple of 32" in _cffi.string(err).decode()
     finally:
         _clib.clover_cuda_free(dev[0])
-
-
-def _cpu_matmul(type_: int, q: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
-    y = np.zeros((x.shape[0], ne1), np.float32)
-    assert _clib.clover_matmul(type_, _cffi.cast("void *", q.ctypes.data), ne0, ne1,
-                               _cffi.cast("float *", np.ascontiguousarray(x).ctypes.data), x.shape[0],
-                               _cffi.cast("float *", y.ctypes.data), 2) == 0
-    return y
 
 
 @gpu
