@@ -1231,6 +1231,20 @@ static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float
     return err ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
+/* A zeroed device buffer laid out as gdn_state (*dev) and a zeroed flag per GDN layer (*flags),
+ * both or neither. */
+static int alloc_gdn_states(const clover_context *c, void **dev, unsigned char **flags, char *err, size_t err_size) {
+    const size_t bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp) * (size_t)c->m->n_gdn;
+    int rc = clover_cuda_alloc(bytes, dev, err, err_size);
+    if (rc == CLOVER_OK && !(*flags = calloc((size_t)c->m->n_gdn, 1)))
+        rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    if (rc != CLOVER_OK) {
+        clover_cuda_free(*dev);
+        *dev = NULL;
+    }
+    return rc;
+}
+
 /* Bring the GDN state of the slots whose current copy is on the device back to gdn_state. */
 static int gdn_to_host(clover_context *c, char *err, size_t err_size) {
     if (!c->gdn_on_dev) return CLOVER_OK;
@@ -1251,14 +1265,8 @@ static int gdn_snapshot_on_device(clover_context *c, char *err, size_t err_size)
     if (!c->gdn_on_dev) return CLOVER_OK;
     const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp);
     if (!c->snap_on_dev) {
-        int rc = clover_cuda_alloc(slot_bytes * (size_t)c->m->n_gdn, &c->gdn_snap_dev, err, err_size);
-        if (rc == CLOVER_OK && !(c->snap_on_dev = calloc((size_t)c->m->n_gdn, 1)))
-            rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
-        if (rc != CLOVER_OK) {
-            clover_cuda_free(c->gdn_snap_dev);
-            c->gdn_snap_dev = NULL;
-            return rc;
-        }
+        const int rc = alloc_gdn_states(c, &c->gdn_snap_dev, &c->snap_on_dev, err, err_size);
+        if (rc != CLOVER_OK) return rc;
     }
     for (int g = 0; g < c->m->n_gdn; g++) {
         c->snap_on_dev[g] = c->gdn_on_dev[g];
@@ -1280,14 +1288,8 @@ static int gpu_gdn(fwd *f, const clover_layer *ly, int kind, const gdn_dims *d, 
     clover_context *c = f->c;
     const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), at = slot_bytes * (size_t)ly->slot;
     if (!c->gdn_on_dev) {
-        int rc = clover_cuda_alloc(slot_bytes * (size_t)c->m->n_gdn, &c->gdn_dev, f->err, f->err_size);
-        if (rc == CLOVER_OK && !(c->gdn_on_dev = calloc((size_t)c->m->n_gdn, 1)))
-            rc = clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
-        if (rc != CLOVER_OK) {
-            clover_cuda_free(c->gdn_dev);
-            c->gdn_dev = NULL;
-            return rc;
-        }
+        const int rc = alloc_gdn_states(c, &c->gdn_dev, &c->gdn_on_dev, f->err, f->err_size);
+        if (rc != CLOVER_OK) return rc;
     }
     if (kind != CLOVER_GDN_BACKWARD && !c->gdn_on_dev[ly->slot]) {
         const int rc = clover_cuda_write(c->gdn_dev, at, (const char *)c->gdn_state + at, slot_bytes, f->err, f->err_size);
