@@ -1354,12 +1354,12 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
         }
     } else {
         /* block mode: forward branch on a copy of the prefix state, then the backward branch */
-        S = malloc(sizeof(float) * (size_t)gdn_state_floats(hp));
+        S = on_gpu ? NULL : malloc(sizeof(float) * (size_t)gdn_state_floats(hp)); /* the GPU reads the state in place */
         ob = malloc(sizeof(float) * (size_t)(T * vdim));
         cvb = malloc(sizeof(float) * (size_t)(T * C));
         bb = malloc(sizeof(float) * (size_t)(T * d.Hv));
         ab = malloc(sizeof(float) * (size_t)(T * d.Hv));
-        if (!S || !ob || !cvb || !bb || !ab) goto done;
+        if ((!S && !on_gpu) || !ob || !cvb || !bb || !ab) goto done;
         if (on_gpu) {
             const int r = gpu_gdn(f, ly, CLOVER_GDN_FORWARD_COPY, &d, cv, b, a, o);
             if (r != CLOVER_OK) {
