@@ -2,7 +2,7 @@
  * use of the CUDA runtime and of the device language, for a host C++ compiler, so that the GPU
  * kernels and their host code run on a CPU in tests (tests/test_cuda.py through
  * tests/test_cuda_emu.py). Not for speed and not a GPU model: device memory is host memory,
- * streams are synchronous, and the threads of a block run one at a time as fibers (emu.cpp),
+ * copies and launches are synchronous, and the threads of a block run one at a time as fibers (emu.cpp),
  * switching only at __syncthreads and warp shuffles. What it checks: index arithmetic,
  * reductions, the order of barriers (a barrier some threads never reach aborts with
  * "deadlock"), shuffles (every lane of the warp must take part), and shared-memory reuse
@@ -26,9 +26,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__
 #define __constant__
-#define __restrict__
 /* Blocks run one after another, so one static copy serves every block. */
 #define __shared__ static
 
@@ -41,24 +39,19 @@ struct dim3 {
 };
 extern uint3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
-static const int warpSize = 32;
 
 typedef enum {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
-    cudaErrorNoDevice = 100,
 } cudaError_t;
 typedef enum { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice,
                cudaMemcpyDefault } cudaMemcpyKind;
-typedef void *cudaStream_t;
 struct cudaDeviceProp {
     char name[256];
     int major, minor;
     size_t totalGlobalMem;
-    int multiProcessorCount;
-    int memoryBusWidth, memoryClockRate;
 };
 
 cudaError_t cudaGetDeviceCount(int *n);
@@ -67,18 +60,14 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b);
 cudaError_t cudaMalloc(void **p, size_t n);
 cudaError_t cudaFree(void *p);
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind);
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s = 0);
 cudaError_t cudaMemset(void *p, int v, size_t n);
-cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s = 0);
-cudaError_t cudaDeviceSynchronize(void);
-cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaGetLastError(void);
 const char *cudaGetErrorString(cudaError_t e);
 const char *cudaGetErrorName(cudaError_t e);
 
 /* device-side intrinsics */
 void __syncthreads(void);
-uint32_t clover_emu_shfl(uint32_t v, int src_lane, int mode); /* mode 0: index, 1: xor, 2: down */
+uint32_t clover_emu_shfl(uint32_t v, int src_lane, int mode); /* mode 0: index, 1: xor */
 template <class V> static inline V clover_emu_shfl_t(V v, int arg, int mode) {
     static_assert(sizeof(V) == 4, "32-bit shuffles only");
     uint32_t b;
@@ -95,38 +84,12 @@ template <class V> static inline V __shfl_sync(unsigned mask, V v, int src, int 
     (void)mask, (void)width;
     return clover_emu_shfl_t(v, src, 0);
 }
-template <class V> static inline V __shfl_down_sync(unsigned mask, V v, unsigned d, int width = 32) {
-    (void)mask, (void)width;
-    return clover_emu_shfl_t(v, (int)d, 2);
-}
 static inline float __uint_as_float(uint32_t b) {
     float f;
     memcpy(&f, &b, 4);
     return f;
 }
-static inline uint32_t __float_as_uint(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-static inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
-static inline float __int_as_float(int b) { return __uint_as_float((uint32_t)b); }
 static inline int min(int a, int b) { return a < b ? a : b; }
-static inline int max(int a, int b) { return a > b ? a : b; }
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-static inline float __fdividef(float a, float b) { return a / b; }
-/* Fibers of one block never run at the same time: a plain add is atomic. */
-template <class V> static inline V atomicAdd(V *p, V v) {
-    V old = *p;
-    *p = old + v;
-    return old;
-}
-template <class V> static inline V atomicMax(V *p, V v) {
-    V old = *p;
-    *p = old > v ? old : v;
-    return old;
-}
-template <class V> static inline V __ldg(const V *p) { return *p; }
 
 /* Run body on every thread of every block of the grid (blocks in order); returns
  * cudaErrorInvalidConfiguration for an empty grid or more than 1024 threads per block. */

@@ -120,7 +120,7 @@ void open_barrier(int n) {
         for (int i = w0; i < w1; i++) {
             Fiber &f = g_fibers[i];
             const int lane = i - w0;
-            int src = f.mode == 0 ? f.arg : f.mode == 1 ? (lane ^ f.arg) : lane + f.arg;
+            int src = f.mode == 0 ? f.arg : lane ^ f.arg;
             if (src < 0 || src >= w1 - w0) src = lane; /* out of range: own value, as CUDA */
             f.result = g_fibers[w0 + src].val;
         }
@@ -202,7 +202,6 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev) {
     snprintf(p->name, sizeof p->name, "CUDA emulator on the CPU (tests only)");
     p->major = 9, p->minor = 0;
     p->totalGlobalMem = TOTAL;
-    p->multiProcessorCount = 1;
     return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
@@ -238,21 +237,8 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind
     if (n) memmove(dst, src, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
-    (void)s;
-    return cudaMemcpy(dst, src, n, kind);
-}
 cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (n) memset(p, v, n);
-    return cudaSuccess;
-}
-cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
-    (void)s;
-    return cudaMemset(p, v, n);
-}
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    (void)s;
     return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) {
