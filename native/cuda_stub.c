@@ -75,4 +75,104 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
     if (err && err_size) snprintf(err, err_size, "built without CUDA");
     return CLOVER_E_DEVICE;
 }
+
+/* the device-resident forward's operations: never reached (no model is offloaded without CUDA) */
+static int no_cuda(char *err, size_t err_size) {
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
+
+int clover_cuda_matmul_d(int type, const void *w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
+                         char *err, size_t err_size) {
+    (void)type, (void)w, (void)ne0, (void)ne1, (void)x, (void)T, (void)y;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int32_t *idx, const float *w, int64_t n,
+                          int64_t rows, float eps, float *y, int64_t y_stride, char *err, size_t err_size) {
+    (void)x, (void)x_stride, (void)idx, (void)w, (void)n, (void)rows, (void)eps, (void)y, (void)y_stride;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t row_stride, int64_t head_stride,
+                                 const float *w, int64_t hd, float eps, int64_t pos0, int32_t rope_dim, float theta,
+                                 char *err, size_t err_size) {
+    (void)x, (void)T, (void)n_head, (void)row_stride, (void)head_stride, (void)w, (void)hd, (void)eps, (void)pos0;
+    (void)rope_dim, (void)theta;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, int64_t pos0, int64_t T,
+                            int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
+                            size_t err_size) {
+    (void)q, (void)k_cache, (void)v_cache, (void)pos0, (void)T, (void)n_head, (void)n_kv, (void)hd, (void)causal;
+    (void)scale, (void)out;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C, int32_t K,
+                       float *out, char *err, size_t err_size) {
+    (void)anti, (void)w, (void)hist, (void)in, (void)T, (void)C, (void)K, (void)out;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_conv_hist_d(float *hist, const float *in, int64_t T, int64_t C, int32_t K, char *err, size_t err_size) {
+    (void)hist, (void)in, (void)T, (void)C, (void)K;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t Hk, int64_t dk, float eps, float *b, float *a,
+                           const float *ssm_a, const float *dt_bias, int64_t Hv, char *err, size_t err_size) {
+    (void)conv, (void)T, (void)C, (void)Hk, (void)dk, (void)eps, (void)b, (void)a, (void)ssm_a, (void)dt_bias, (void)Hv;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                      int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size) {
+    return clover_cuda_gdn(kind, conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
+}
+
+int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w, int64_t T,
+                          int64_t Hv, int64_t dv, float eps, char *err, size_t err_size) {
+    (void)o, (void)ob, (void)mix, (void)z, (void)w, (void)T, (void)Hv, (void)dv, (void)eps;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float coreset_top_p, int32_t *sel, float *wsel,
+                        int32_t *start, int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats, char *err,
+                        size_t err_size) {
+    (void)probs, (void)T, (void)E, (void)k, (void)coreset_top_p, (void)sel, (void)wsel, (void)start, (void)prow;
+    (void)pw, (void)pair, (void)tiles, (void)stats;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_gather_d(const float *x, const int32_t *rows, int64_t n, int64_t H, float *y, char *err,
+                         size_t err_size) {
+    (void)x, (void)rows, (void)n, (void)H, (void)y;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_experts_d(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
+                          const void *tiles, int64_t n_tiles, int64_t P, const float *xg, float *yg, char *err,
+                          size_t err_size) {
+    (void)gate, (void)up, (void)down, (void)tiles, (void)n_tiles, (void)P, (void)xg, (void)yg;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_swiglu_d(float *g, const float *u, int64_t n, char *err, size_t err_size) {
+    (void)g, (void)u, (void)n;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_moe_combine_d(float *x, const float *yg, const float *pw, const int32_t *pair, int32_t k,
+                              const float *ys, const float *sg, int64_t T, int64_t H, int32_t *bad, char *err,
+                              size_t err_size) {
+    (void)x, (void)yg, (void)pw, (void)pair, (void)k, (void)ys, (void)sg, (void)T, (void)H, (void)bad;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size) {
+    (void)x, (void)o, (void)n, (void)bad;
+    return no_cuda(err, err_size);
+}
 #endif

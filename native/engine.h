@@ -36,6 +36,11 @@ typedef struct {
     const float *conv_bwd, *ssm_a_bwd, *dt_bias_bwd, *bwd_mix;
     /* MoE (spec 2.3) */
     clover_tensor router, gate_exps, up_exps, down_exps, shexp_gate, gate_sh, up_sh, down_sh;
+    /* device copies of the float32 vectors above, for the resident forward (else NULL) */
+    struct {
+        float *attn_norm, *post_norm, *q_norm, *k_norm, *conv, *ssm_a, *dt_bias, *ssm_norm, *conv_bwd, *ssm_a_bwd,
+            *dt_bias_bwd, *bwd_mix;
+    } dev;
 } clover_layer;
 
 struct clover_model {
@@ -47,6 +52,10 @@ struct clover_model {
     clover_layer *layers;
     int32_t n_gpu_layers;  /* layers whose weight products run on the GPU (clover_model_offload) */
     int64_t gpu_bytes;     /* bytes of weights copied to the GPU */
+    /* every layer and the output on the GPU (no --n-cpu-moe): forwards run device-resident
+     * (model.c res_forward), the activations staying on the GPU from embedding to logits */
+    int resident;
+    float *output_norm_dev;
 };
 
 struct clover_context {
@@ -77,6 +86,13 @@ struct clover_context {
     float *keep_state, *keep_conv;  /* its copies of gdn_state, conv_state */
     float *rec_qkv, *rec_cv;        /* [n_gdn][rec_cap][conv channels]: conv inputs, conv outputs */
     float *rec_b, *rec_a;           /* [n_gdn][rec_cap][Hv]: beta and log-decay g */
+    /* the resident forward (model->resident): device scratch for one pass (res_cap bytes), the
+     * conv history of the GDN layers and its checkpoint copy on the device (conv_state's layout;
+     * gdn_on_dev[slot] covers it too), and the verify record on the device (rec_*'s layout) */
+    void *res_ws;
+    size_t res_cap;
+    void *conv_dev, *conv_snap_dev;
+    void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
                            without the coreset (the union of their own top-k; spec 5.6) */
     atomic_int abort_req; /* set by clover_context_abort (any thread), consumed by forward() */

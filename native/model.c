@@ -418,17 +418,74 @@ static int64_t tensor_bytes(const clover_tensor *t) {
     return clover_row_nbytes(t->type, t->ne[0]) * t->ne[1] * t->ne[2] * t->ne[3];
 }
 
+/* A layer's float32 vectors with their device copies (ly->dev) and lengths; NULL-terminated. */
+typedef struct {
+    const float *host;
+    float **dev;
+    int64_t n;
+} vec_pair;
+
+static void layer_vectors(const clover_hparams *hp, clover_layer *ly, vec_pair *out) {
+    const int64_t H = hp->n_embd, hd = hp->head_dim, Hv = hp->ssm_dt_rank, dv = Hv ? hp->ssm_d_inner / Hv : 0;
+    const int64_t CK = (2 * (int64_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner) * hp->ssm_d_conv;
+    const vec_pair all[] = {{ly->attn_norm, &ly->dev.attn_norm, H},   {ly->post_norm, &ly->dev.post_norm, H},
+                            {ly->q_norm, &ly->dev.q_norm, hd},        {ly->k_norm, &ly->dev.k_norm, hd},
+                            {ly->conv, &ly->dev.conv, CK},            {ly->ssm_a, &ly->dev.ssm_a, Hv},
+                            {ly->dt_bias, &ly->dev.dt_bias, Hv},      {ly->ssm_norm, &ly->dev.ssm_norm, dv},
+                            {ly->conv_bwd, &ly->dev.conv_bwd, CK},    {ly->ssm_a_bwd, &ly->dev.ssm_a_bwd, Hv},
+                            {ly->dt_bias_bwd, &ly->dev.dt_bias_bwd, Hv}, {ly->bwd_mix, &ly->dev.bwd_mix, Hv}};
+    int n = 0;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (all[i].host) out[n++] = all[i];
+    out[n].host = NULL;
+}
+
 static void free_gpu(clover_model *m) {
     clover_tensor *w[24];
-    for (int il = 0; il < m->hp.n_layer; il++)
+    vec_pair v[16];
+    for (int il = 0; il < m->hp.n_layer; il++) {
         for (int experts = 0; experts < 2; experts++) {
             layer_weights(&m->layers[il], experts, w);
             for (int i = 0; w[i]; i++) clover_cuda_free(w[i]->dev), w[i]->dev = NULL;
         }
+        layer_vectors(&m->hp, &m->layers[il], v);
+        for (int i = 0; v[i].host; i++) clover_cuda_free(*v[i].dev), *v[i].dev = NULL;
+    }
     clover_cuda_free(m->output.dev);
+    clover_cuda_free(m->output_norm_dev);
     m->output.dev = NULL;
+    m->output_norm_dev = NULL;
     m->n_gpu_layers = 0;
     m->gpu_bytes = 0;
+    m->resident = 0;
+}
+
+/* Dimensions within the resident forward's kernels (native/cuda/cuda_backend.h). */
+static int resident_dims_ok(const clover_hparams *hp) {
+    const int64_t hd = hp->head_dim, Hv = hp->ssm_dt_rank, dv = Hv ? hp->ssm_d_inner / Hv : 0;
+    return hd % 32 == 0 && hd <= 256 && hp->n_head <= 65535 && hp->n_head_kv > 0 && hp->n_head % hp->n_head_kv == 0 &&
+           hp->ssm_d_state <= 256 && dv <= 1024 && hp->n_expert <= 1024 && hp->ssm_d_conv <= 16 &&
+           hp->rope_dim % 2 == 0 && hp->rope_dim <= hd;
+}
+
+/* After a whole offload (every layer with its experts, and the output): copy the float32
+ * vectors (norms, conv weights, gates) to the device too and mark the model resident, unless
+ * CLOVER_GPU_RESIDENT=0 (the per-product path, for comparison) or the dimensions do not fit. */
+static int make_resident(clover_model *m, char *err, size_t err_size) {
+    const char *env = getenv("CLOVER_GPU_RESIDENT");
+    if ((env && strcmp(env, "0") == 0) || !resident_dims_ok(&m->hp)) return CLOVER_OK;
+    vec_pair v[16];
+    int rc = CLOVER_OK;
+    for (int il = 0; il < m->hp.n_layer && rc == CLOVER_OK; il++) {
+        layer_vectors(&m->hp, &m->layers[il], v);
+        for (int i = 0; v[i].host && rc == CLOVER_OK; i++)
+            rc = clover_cuda_upload(v[i].host, sizeof(float) * (size_t)v[i].n, (void **)v[i].dev, err, err_size);
+    }
+    if (rc == CLOVER_OK)
+        rc = clover_cuda_upload(m->output_norm, sizeof(float) * (size_t)m->hp.n_embd, (void **)&m->output_norm_dev, err,
+                                err_size);
+    m->resident = rc == CLOVER_OK;
+    return rc;
 }
 
 int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_devices(info, info_size); }
@@ -488,6 +545,7 @@ int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cp
         rc = clover_cuda_upload(m->output.data, (size_t)tensor_bytes(&m->output), &m->output.dev, err, err_size);
         if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(&m->output);
     }
+    if (rc == CLOVER_OK && with_output && L == m->hp.n_layer && n_cpu_moe == 0) rc = make_resident(m, err, err_size);
     if (rc != CLOVER_OK) {
         free_gpu(m);
         return rc;
@@ -497,6 +555,7 @@ int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cp
 }
 
 int64_t clover_model_gpu_bytes(const clover_model *m) { return m ? m->gpu_bytes : 0; }
+int32_t clover_model_gpu_resident(const clover_model *m) { return m ? m->resident : 0; }
 
 void clover_model_free(clover_model *m) {
     if (!m) return;
@@ -674,6 +733,8 @@ void clover_context_free(clover_context *c) {
     free(c->kv_dev_rows);
     clover_cuda_free(c->gdn_dev), clover_cuda_free(c->gdn_snap_dev);
     free(c->gdn_on_dev), free(c->snap_on_dev);
+    clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
+    clover_cuda_free(c->rec_dev);
     free(c);
 }
 
@@ -821,6 +882,23 @@ static int64_t offloaded_attn(const clover_model *m, int n_slots) {
     return n;
 }
 
+/* The context's device KV cache (the offloaded attention layers only), allocated at the first
+ * use. */
+static int kv_dev_alloc(clover_context *c, char *err, size_t err_size) {
+    if (c->kv_dev_rows) return CLOVER_OK;
+    const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim;
+    const size_t all = layer_bytes * (size_t)offloaded_attn(c->m, c->m->n_attn);
+    int rc = clover_cuda_alloc(all, &c->k_dev, err, err_size);
+    if (rc == CLOVER_OK) rc = clover_cuda_alloc(all, &c->v_dev, err, err_size);
+    if (rc == CLOVER_OK && !(c->kv_dev_rows = calloc((size_t)c->m->n_attn, sizeof(int64_t))))
+        rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    if (rc != CLOVER_OK) {
+        clover_cuda_free(c->k_dev), clover_cuda_free(c->v_dev);
+        c->k_dev = c->v_dev = NULL;
+    }
+    return rc;
+}
+
 /* Attention of an offloaded layer on the GPU (clover_cuda_attention): the context's device KV
  * cache (the offloaded layers only) is allocated at the first call and brought up to date with
  * the host cache (rows a CPU forward wrote since) before the new rows go in; q, k, v as
@@ -831,29 +909,19 @@ static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const 
     const clover_hparams *hp = &c->m->hp;
     const int64_t kvd = (int64_t)hp->n_head_kv * hp->head_dim;
     const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)kvd;
-    if (!c->kv_dev_rows) {
-        const size_t all = layer_bytes * (size_t)offloaded_attn(c->m, c->m->n_attn);
-        int rc = clover_cuda_alloc(all, &c->k_dev, f->err, f->err_size);
-        if (rc == CLOVER_OK) rc = clover_cuda_alloc(all, &c->v_dev, f->err, f->err_size);
-        if (rc == CLOVER_OK && !(c->kv_dev_rows = calloc((size_t)c->m->n_attn, sizeof(int64_t))))
-            rc = clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
-        if (rc != CLOVER_OK) {
-            clover_cuda_free(c->k_dev), clover_cuda_free(c->v_dev);
-            c->k_dev = c->v_dev = NULL;
-            return rc;
-        }
-    }
+    int rc = kv_dev_alloc(c, f->err, f->err_size);
+    if (rc != CLOVER_OK) return rc;
     const size_t host = layer_bytes * (size_t)ly->slot, dev = layer_bytes * (size_t)offloaded_attn(c->m, ly->slot);
     const size_t row = sizeof(float) * (size_t)kvd;
     const int64_t have = c->kv_dev_rows[ly->slot];
     if (have < f->pos0) {
         const size_t off = row * (size_t)have, n = row * (size_t)(f->pos0 - have);
-        int rc = clover_cuda_write(c->k_dev, dev + off, (const char *)c->k_cache + host + off, n, f->err, f->err_size);
+        rc = clover_cuda_write(c->k_dev, dev + off, (const char *)c->k_cache + host + off, n, f->err, f->err_size);
         if (rc == CLOVER_OK)
             rc = clover_cuda_write(c->v_dev, dev + off, (const char *)c->v_cache + host + off, n, f->err, f->err_size);
         if (rc != CLOVER_OK) return rc;
     }
-    int rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + dev), (float *)((char *)c->v_dev + dev),
+    rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + dev), (float *)((char *)c->v_dev + dev),
                                    c->n_ctx, f->pos0, f->T, hp->n_head, hp->n_head_kv, hp->head_dim,
                                    f->mode == MODE_PREFIX, scale, att, f->err, f->err_size);
     c->kv_dev_rows[ly->slot] = rc == CLOVER_OK ? f->pos0 + f->T : (have < f->pos0 ? have : f->pos0);
@@ -1245,22 +1313,32 @@ static int alloc_gdn_states(const clover_context *c, void **dev, unsigned char *
     return rc;
 }
 
-/* Bring the GDN state of the slots whose current copy is on the device back to gdn_state. */
+/* Bytes of one GDN layer's conv history (conv_state's slot). */
+static size_t conv_slot_bytes(const clover_hparams *hp) {
+    return sizeof(float) * (size_t)(hp->ssm_d_conv - 1) * (size_t)conv_channels(hp);
+}
+
+/* Bring the GDN state (and, in the resident forward, the conv history) of the slots whose
+ * current copy is on the device back to gdn_state (conv_state). */
 static int gdn_to_host(clover_context *c, char *err, size_t err_size) {
     if (!c->gdn_on_dev) return CLOVER_OK;
-    const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp);
+    const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), conv_bytes = conv_slot_bytes(&c->m->hp);
     for (int g = 0; g < c->m->n_gdn; g++) {
         if (!c->gdn_on_dev[g]) continue;
-        const int rc = clover_cuda_read(c->gdn_dev, slot_bytes * (size_t)g, (char *)c->gdn_state + slot_bytes * (size_t)g,
-                                        slot_bytes, err, err_size);
+        int rc = clover_cuda_read(c->gdn_dev, slot_bytes * (size_t)g, (char *)c->gdn_state + slot_bytes * (size_t)g,
+                                  slot_bytes, err, err_size);
+        if (rc == CLOVER_OK && c->conv_dev)
+            rc = clover_cuda_read(c->conv_dev, conv_bytes * (size_t)g, (char *)c->conv_state + conv_bytes * (size_t)g,
+                                  conv_bytes, err, err_size);
         if (rc != CLOVER_OK) return rc;
         c->gdn_on_dev[g] = 0;
     }
     return CLOVER_OK;
 }
 
-/* clover_context_checkpoint's copy of the GDN state of the slots on the device, kept there
- * (snap_on_dev; clover_context_rollback restores and replays them there). */
+/* clover_context_checkpoint's copy of the GDN state (and conv history, resident forward) of the
+ * slots on the device, kept there (snap_on_dev; clover_context_rollback restores and replays
+ * them there). */
 static int gdn_snapshot_on_device(clover_context *c, char *err, size_t err_size) {
     if (!c->gdn_on_dev) return CLOVER_OK;
     const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp);
@@ -1268,11 +1346,19 @@ static int gdn_snapshot_on_device(clover_context *c, char *err, size_t err_size)
         const int rc = alloc_gdn_states(c, &c->gdn_snap_dev, &c->snap_on_dev, err, err_size);
         if (rc != CLOVER_OK) return rc;
     }
+    const size_t conv_bytes = conv_slot_bytes(&c->m->hp), conv_all = conv_bytes * (size_t)c->m->n_gdn;
+    if (c->conv_dev && !c->conv_snap_dev) {
+        const int rc = clover_cuda_alloc(conv_all, &c->conv_snap_dev, err, err_size);
+        if (rc != CLOVER_OK) return rc;
+    }
     for (int g = 0; g < c->m->n_gdn; g++) {
         c->snap_on_dev[g] = c->gdn_on_dev[g];
         if (!c->gdn_on_dev[g]) continue;
-        const int rc = clover_cuda_copy((char *)c->gdn_snap_dev + slot_bytes * (size_t)g,
-                                        (const char *)c->gdn_dev + slot_bytes * (size_t)g, slot_bytes, err, err_size);
+        int rc = clover_cuda_copy((char *)c->gdn_snap_dev + slot_bytes * (size_t)g,
+                                  (const char *)c->gdn_dev + slot_bytes * (size_t)g, slot_bytes, err, err_size);
+        if (rc == CLOVER_OK && c->conv_dev)
+            rc = clover_cuda_copy((char *)c->conv_snap_dev + conv_bytes * (size_t)g,
+                                  (const char *)c->conv_dev + conv_bytes * (size_t)g, conv_bytes, err, err_size);
         if (rc != CLOVER_OK) {
             c->snap_on_dev[g] = 0;
             return rc;
@@ -1281,20 +1367,35 @@ static int gdn_snapshot_on_device(clover_context *c, char *err, size_t err_size)
     return CLOVER_OK;
 }
 
+/* Make the device copy of GDN slot g current: the device state (and, for the resident forward,
+ * the conv history on the device) allocated at the first use, the host copy uploaded unless
+ * the device one is already current. */
+static int gdn_slot_to_device(clover_context *c, int g, char *err, size_t err_size) {
+    const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), at = slot_bytes * (size_t)g;
+    const size_t conv_bytes = conv_slot_bytes(&c->m->hp);
+    int rc = CLOVER_OK;
+    if (!c->gdn_on_dev && (rc = alloc_gdn_states(c, &c->gdn_dev, &c->gdn_on_dev, err, err_size)) != CLOVER_OK) return rc;
+    if (c->m->resident && !c->conv_dev &&
+        (rc = clover_cuda_alloc(conv_bytes * (size_t)c->m->n_gdn, &c->conv_dev, err, err_size)) != CLOVER_OK)
+        return rc;
+    if (c->gdn_on_dev[g]) return CLOVER_OK;
+    rc = clover_cuda_write(c->gdn_dev, at, (const char *)c->gdn_state + at, slot_bytes, err, err_size);
+    if (rc == CLOVER_OK && c->conv_dev)
+        rc = clover_cuda_write(c->conv_dev, conv_bytes * (size_t)g, (const char *)c->conv_state + conv_bytes * (size_t)g,
+                               conv_bytes, err, err_size);
+    c->gdn_on_dev[g] = rc == CLOVER_OK;
+    return rc;
+}
+
 /* One GDN recurrence of an offloaded layer on the GPU (clover_cuda_gdn, kind CLOVER_GDN_*): the
  * layer's state is moved to the device at its first use there and stays (gdn_on_dev). */
 static int gpu_gdn(fwd *f, const clover_layer *ly, int kind, const gdn_dims *d, const float *cv, const float *b,
                    const float *a, float *o) {
     clover_context *c = f->c;
     const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), at = slot_bytes * (size_t)ly->slot;
-    if (!c->gdn_on_dev) {
-        const int rc = alloc_gdn_states(c, &c->gdn_dev, &c->gdn_on_dev, f->err, f->err_size);
+    if (kind != CLOVER_GDN_BACKWARD) {
+        const int rc = gdn_slot_to_device(c, ly->slot, f->err, f->err_size);
         if (rc != CLOVER_OK) return rc;
-    }
-    if (kind != CLOVER_GDN_BACKWARD && !c->gdn_on_dev[ly->slot]) {
-        const int rc = clover_cuda_write(c->gdn_dev, at, (const char *)c->gdn_state + at, slot_bytes, f->err, f->err_size);
-        if (rc != CLOVER_OK) return rc;
-        c->gdn_on_dev[ly->slot] = 1;
     }
     return clover_cuda_gdn(kind, cv, b, a, f->T, d->Hk, d->Hv, d->dk, d->dv, d->C,
                            (float *)((char *)c->gdn_dev + at), o, f->err, f->err_size);
@@ -1692,11 +1793,276 @@ static int check_finite(fwd *f, const float *x, int64_t n, int il, const char *w
                           "row %lld of %lld", x[i], il, il, what, (long long)(i / H), (long long)f->T);
 }
 
+/* ------------------------------------------------------------------ the resident forward */
+
+/* Every layer and the output on the GPU (model->resident): forward() with the activations on
+ * the device from the embedding to the logits. The host embeds the tokens, queues the
+ * clover_cuda_*_d operations (native/cuda/cuda_backend.h, each the GPU form of the CPU function
+ * named there) and reads back, once per pass, the non-finite flags and expert counts and then
+ * the logits rows it needs. The KV cache, GDN state and conv history stay on the device (the
+ * host copies are brought up to date by save_state only). Prefill runs in passes of at most
+ * RES_ROWS rows (causal, so several passes equal one); the LM head in groups of RES_LM rows. */
+enum { RES_ROWS = 512, RES_LM = 32 };
+
+typedef struct {
+    float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
+    float *gt, *up, *ys, *sg, *logits;
+    int32_t *sel, *start, *prow, *pair, *idx;
+    int32_t *flags; /* [n_layer][2] non-finite after the mixer / the MoE, then [n_layer][2] clover_cuda_route_d stats */
+    void *tiles;
+} res_bufs;
+
+/* n elements of elem bytes at base + *off (NULL when base is NULL), *off moved past them. */
+static void *take(char *base, size_t *off, int64_t n, size_t elem) {
+    void *p = base ? base + *off : NULL;
+    *off += ((size_t)n * elem + 255) & ~(size_t)255;
+    return p;
+}
+
+/* The buffers of a pass of T rows laid out from base (NULL: only measured); returns the bytes. */
+static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs *b) {
+    const clover_hparams *hp = &m->hp;
+    const gdn_dims d = gdn_dims_of(hp);
+    const int64_t H = hp->n_embd, nh = hp->n_head, hd = hp->head_dim, E = hp->n_expert, P = T * hp->n_expert_used;
+    const int64_t vdim = d.Hv * d.dv, Is = hp->n_ff_shexp, LM = T < RES_LM ? T : RES_LM;
+    size_t off = 0;
+    const size_t F = sizeof(float), I = sizeof(int32_t);
+    b->x = take(base, &off, T * H, F), b->xn = take(base, &off, T * H, F), b->o = take(base, &off, T * H, F);
+    b->qg = take(base, &off, T * nh * 2 * hd, F), b->att = take(base, &off, T * nh * hd, F);
+    b->qkv = take(base, &off, T * d.C, F), b->cv = take(base, &off, T * d.C, F), b->cvb = take(base, &off, T * d.C, F);
+    b->z = take(base, &off, T * vdim, F), b->og = take(base, &off, T * vdim, F), b->ob = take(base, &off, T * vdim, F);
+    b->b = take(base, &off, T * d.Hv, F), b->a = take(base, &off, T * d.Hv, F);
+    b->bb = take(base, &off, T * d.Hv, F), b->ab = take(base, &off, T * d.Hv, F);
+    b->probs = take(base, &off, T * E, F), b->wsel = take(base, &off, P, F), b->pw = take(base, &off, P, F);
+    b->xg = take(base, &off, P * H, F), b->yg = take(base, &off, P * H, F);
+    b->gt = take(base, &off, T * Is, F), b->up = take(base, &off, T * Is, F), b->ys = take(base, &off, T * H, F);
+    b->sg = take(base, &off, T, F), b->logits = take(base, &off, LM * hp->n_vocab, F);
+    b->sel = take(base, &off, P, I), b->start = take(base, &off, E + 1, I), b->prow = take(base, &off, P, I);
+    b->pair = take(base, &off, P, I), b->idx = take(base, &off, T, I);
+    b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I), b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
+    return off;
+}
+
+/* The context's device scratch for a pass of T rows (grown when needed). */
+static int res_workspace(clover_context *c, int64_t T, res_bufs *b, char *err, size_t err_size) {
+    const size_t need = res_layout(c->m, T, NULL, b);
+    if (need > c->res_cap) {
+        clover_cuda_free(c->res_ws);
+        c->res_ws = NULL;
+        c->res_cap = 0;
+        const int rc = clover_cuda_alloc(need, &c->res_ws, err, err_size);
+        if (rc != CLOVER_OK) return rc;
+        c->res_cap = need;
+    }
+    res_layout(c->m, T, c->res_ws, b);
+    return CLOVER_OK;
+}
+
+/* y [T][ne1] = w x on the device. */
+static int mm_d(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) {
+    return clover_cuda_matmul_d(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, f->err, f->err_size);
+}
+
+/* attention_layer on the device: K and V go straight into the device cache. */
+static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
+    const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim, kvd = nkv * hd;
+    char *err = f->err;
+    const size_t es = f->err_size;
+    int rc = kv_dev_alloc(c, err, es);
+    if (rc) return rc;
+    float *kc = (float *)c->k_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd; /* every layer offloaded */
+    float *vc = (float *)c->v_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
+    float *k_new = kc + f->pos0 * kvd, *v_new = vc + f->pos0 * kvd;
+    if ((rc = mm_d(f, &ly->wq, b->xn, T, b->qg)) || (rc = mm_d(f, &ly->wk, b->xn, T, k_new)) ||
+        (rc = mm_d(f, &ly->wv, b->xn, T, v_new)) ||
+        (rc = clover_cuda_head_norm_rope_d(b->qg, T, nh, nh * 2 * hd, 2 * hd, ly->dev.q_norm, hd, hp->rms_eps, f->pos0,
+                                           hp->rope_dim, hp->rope_theta, err, es)) ||
+        (rc = clover_cuda_head_norm_rope_d(k_new, T, nkv, kvd, hd, ly->dev.k_norm, hd, hp->rms_eps, f->pos0, hp->rope_dim,
+                                           hp->rope_theta, err, es)) ||
+        (rc = clover_cuda_attention_d(b->qg, kc, vc, f->pos0, T, nh, nkv, hd, f->mode == MODE_PREFIX,
+                                      1.0f / sqrtf((float)hd), b->att, err, es)))
+        return rc;
+    return mm_d(f, &ly->wo, b->att, T, b->o);
+}
+
+/* The device verify record of GDN slot g (rec_dev, the layout of rec_qkv, rec_cv, rec_b, rec_a). */
+static void rec_dev_slot(const clover_context *c, int g, float **qkv, float **cv, float **b, float **a) {
+    const int64_t G = c->m->n_gdn, C = conv_channels(&c->m->hp), Hv = c->m->hp.ssm_dt_rank, cap = c->rec_cap;
+    float *base = c->rec_dev;
+    *qkv = base + (g * cap) * C;
+    *cv = base + (G * cap + g * cap) * C;
+    *b = base + 2 * G * cap * C + g * cap * Hv;
+    *a = base + 2 * G * cap * C + (G * cap + g * cap) * Hv;
+}
+
+/* gdn_layer on the device; a recorded prefill (spec verify) keeps its inputs in rec_dev from
+ * row rec_row. */
+static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t rec_row) {
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
+    const gdn_dims d = gdn_dims_of(hp);
+    const int64_t T = f->T, C = d.C;
+    char *err = f->err;
+    const size_t es = f->err_size;
+    int rc = gdn_slot_to_device(c, ly->slot, err, es);
+    if (rc) return rc;
+    float *state = (float *)c->gdn_dev + (size_t)ly->slot * (size_t)gdn_state_floats(hp);
+    float *hist = (float *)c->conv_dev + (size_t)ly->slot * (size_t)((d.K - 1) * C);
+    if ((rc = mm_d(f, &ly->wqkv, b->xn, T, b->qkv)) || (rc = mm_d(f, &ly->wz, b->xn, T, b->z)) ||
+        (rc = mm_d(f, &ly->wbeta, b->xn, T, b->b)) || (rc = mm_d(f, &ly->walpha, b->xn, T, b->a)) ||
+        (rc = clover_cuda_conv_d(0, ly->dev.conv, hist, b->qkv, T, C, (int32_t)d.K, b->cv, err, es)) ||
+        (rc = clover_cuda_gdn_prep_d(b->cv, T, C, d.Hk, d.dk, 1e-6f, b->b, b->a, ly->dev.ssm_a, ly->dev.dt_bias, d.Hv, err,
+                                     es)))
+        return rc;
+    const int block = f->mode == MODE_BLOCK, bwd = block && hp->is_clover;
+    if (!block && c->rec_on) {
+        float *rq, *rc_, *rb, *ra;
+        rec_dev_slot(c, ly->slot, &rq, &rc_, &rb, &ra);
+        const size_t rowC = sizeof(float) * (size_t)C, rowH = sizeof(float) * (size_t)d.Hv;
+        if ((rc = clover_cuda_copy(rq + rec_row * C, b->qkv, rowC * (size_t)T, err, es)) ||
+            (rc = clover_cuda_copy(rc_ + rec_row * C, b->cv, rowC * (size_t)T, err, es)) ||
+            (rc = clover_cuda_copy(rb + rec_row * d.Hv, b->b, rowH * (size_t)T, err, es)) ||
+            (rc = clover_cuda_copy(ra + rec_row * d.Hv, b->a, rowH * (size_t)T, err, es)))
+            return rc;
+    }
+    if (!block && (rc = clover_cuda_conv_hist_d(hist, b->qkv, T, C, (int32_t)d.K, err, es))) return rc;
+    rc = clover_cuda_gdn_d(block ? CLOVER_GDN_FORWARD_COPY : CLOVER_GDN_FORWARD, b->cv, b->b, b->a, T, d.Hk, d.Hv, d.dk,
+                           d.dv, C, state, b->og, err, es);
+    if (rc) return rc;
+    if (bwd && ((rc = mm_d(f, &ly->wbeta_bwd, b->xn, T, b->bb)) || (rc = mm_d(f, &ly->walpha_bwd, b->xn, T, b->ab)) ||
+                (rc = clover_cuda_conv_d(1, ly->dev.conv_bwd, NULL, b->qkv, T, C, (int32_t)d.K, b->cvb, err, es)) ||
+                (rc = clover_cuda_gdn_prep_d(b->cvb, T, C, d.Hk, d.dk, 1e-6f, b->bb, b->ab, ly->dev.ssm_a_bwd,
+                                             ly->dev.dt_bias_bwd, d.Hv, err, es)) ||
+                (rc = clover_cuda_gdn_d(CLOVER_GDN_BACKWARD, b->cvb, b->bb, b->ab, T, d.Hk, d.Hv, d.dk, d.dv, C, NULL,
+                                        b->ob, err, es))))
+        return rc;
+    if ((rc = clover_cuda_gdn_out_d(b->og, bwd ? b->ob : NULL, ly->dev.bwd_mix, b->z, ly->dev.ssm_norm, T, d.Hv, d.dv,
+                                    hp->rms_eps, err, es)))
+        return rc;
+    return mm_d(f, &ly->wout, b->og, T, b->o);
+}
+
+/* moe_layer on the device, its result added to x (flags: this layer's slots). */
+static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
+    const clover_hparams *hp = &f->c->m->hp;
+    const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, P = T * k;
+    char *err = f->err;
+    const size_t es = f->err_size;
+    const clover_cuda_weight g = cuda_weight(&ly->gate_exps), u = cuda_weight(&ly->up_exps),
+                             dn = cuda_weight(&ly->down_exps);
+    int rc;
+    if ((rc = mm_d(f, &ly->router, b->xn, T, b->probs)) ||
+        (rc = clover_cuda_route_d(b->probs, T, E, (int32_t)k, f->mode == MODE_BLOCK ? f->coreset_top_p : 0.0f, b->sel,
+                                  b->wsel, b->start, b->prow, b->pw, b->pair, b->tiles,
+                                  b->flags + 2 * hp->n_layer + 2 * il, err, es)) ||
+        (rc = clover_cuda_gather_d(b->xn, b->prow, P, H, b->xg, err, es)) ||
+        (rc = clover_cuda_experts_d(&g, &u, &dn, b->tiles, clover_cuda_route_tiles(P, E), P, b->xg, b->yg, err, es)) ||
+        (rc = mm_d(f, &ly->shexp_gate, b->xn, T, b->sg)) || (rc = mm_d(f, &ly->gate_sh, b->xn, T, b->gt)) ||
+        (rc = mm_d(f, &ly->up_sh, b->xn, T, b->up)) ||
+        (rc = clover_cuda_swiglu_d(b->gt, b->up, T * hp->n_ff_shexp, err, es)) ||
+        (rc = mm_d(f, &ly->down_sh, b->gt, T, b->ys)))
+        return rc;
+    return clover_cuda_moe_combine_d(b->x, b->yg, b->pw, b->pair, (int32_t)k, b->ys, b->sg, T, H, b->flags + 2 * il + 1,
+                                     err, es);
+}
+
+/* The LM head of forward() on the device for the rows it names, groups of RES_LM rows. */
+static int res_lm_head(fwd *f, const res_bufs *b, float *logits, int64_t logit_row0, const uint8_t *rows) {
+    const clover_model *m = f->c->m;
+    const int64_t T = f->T, H = m->hp.n_embd, V = m->hp.n_vocab;
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T);
+    float *lg = rows ? malloc(sizeof(float) * (size_t)(RES_LM * V)) : NULL;
+    int64_t n = 0;
+    int rc = idx && (lg || !rows) ? CLOVER_OK : clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
+    for (int64_t t = rows ? 0 : logit_row0; t < T && rc == CLOVER_OK; t++)
+        if (!rows || rows[t]) idx[n++] = (int32_t)t;
+    if (rc == CLOVER_OK && n) rc = clover_cuda_write(b->idx, 0, idx, sizeof(int32_t) * (size_t)n, f->err, f->err_size);
+    for (int64_t g0 = 0; g0 < n && rc == CLOVER_OK; g0 += RES_LM) {
+        const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM;
+        float *dst = rows ? lg : logits + g0 * V;
+        if ((rc = clover_cuda_rmsnorm_d(b->x, H, b->idx + g0, m->output_norm_dev, H, ng, m->hp.rms_eps, b->xn, H, f->err,
+                                        f->err_size)) ||
+            (rc = mm_d(f, &m->output, b->xn, ng, b->logits)) ||
+            (rc = clover_cuda_read(b->logits, 0, dst, sizeof(float) * (size_t)(ng * V), f->err, f->err_size)) ||
+            (rc = check_finite(f, dst, ng * V, -1, NULL)))
+            break;
+        for (int64_t i = 0; rows && i < ng; i++)
+            memcpy(logits + (int64_t)idx[g0 + i] * V, lg + i * V, sizeof(float) * (size_t)V);
+    }
+    free(idx), free(lg);
+    return rc;
+}
+
+/* One resident pass over f->T rows (a prefill's rows from rec_row of its recording). */
+static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int64_t logit_row0,
+                    const uint8_t *rows) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    const clover_hparams *hp = &m->hp;
+    const int64_t T = f->T, H = hp->n_embd, L = hp->n_layer;
+    char *err = f->err;
+    const size_t es = f->err_size;
+    res_bufs b;
+    int rc = res_workspace(c, T, &b, err, es);
+    if (rc) return rc;
+    /* the embedding rows on the host (a row each, as the CPU), one upload; flags cleared */
+    float *x = malloc(sizeof(float) * (size_t)(T * H));
+    int32_t *flags = calloc((size_t)(4 * L), sizeof(int32_t));
+    if (!x || !flags) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
+    const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
+    for (int64_t t = 0; t < T && rc == CLOVER_OK; t++)
+        clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
+    for (int il = 0; il < L && rc == CLOVER_OK; il++) {
+        const clover_layer *ly = &m->layers[il];
+        if ((rc = check_abort(f, il)) ||
+            (rc = clover_cuda_rmsnorm_d(b.x, H, NULL, ly->dev.attn_norm, H, T, hp->rms_eps, b.xn, H, err, es)) ||
+            (rc = ly->is_attn ? res_attention(f, ly, &b) : res_gdn(f, ly, &b, rec_row)) ||
+            (rc = clover_cuda_add_d(b.x, b.o, T * H, b.flags + 2 * il, err, es)) ||
+            (rc = clover_cuda_rmsnorm_d(b.x, H, NULL, ly->dev.post_norm, H, T, hp->rms_eps, b.xn, H, err, es)))
+            break;
+        rc = res_moe(f, ly, il, &b);
+    }
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
+    for (int il = 0; il < L && rc == CLOVER_OK; il++)
+        if (flags[2 * il] || flags[2 * il + 1])
+            rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite value after layer %d (blk.%d) %s (on the GPU, "
+                                "%lld rows)", il, il, flags[2 * il] ? (m->layers[il].is_attn ? "attention" : "gated deltanet")
+                                                                   : "moe", (long long)T);
+    for (int il = 0; il < L && rc == CLOVER_OK; il++) {
+        if (f->n_experts_out) f->n_experts_out[il] = flags[2 * L + 2 * il];
+        if (f->mode == MODE_BLOCK) c->nexp_full[il] = flags[2 * L + 2 * il + 1];
+    }
+    if (rc == CLOVER_OK && logits && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, logits, logit_row0, rows);
+    free(x), free(flags);
+    return rc;
+}
+
+/* forward() for a resident model: block passes whole, prefill in passes of RES_ROWS rows. */
+static int res_forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+    if (f->mode == MODE_BLOCK || f->T <= RES_ROWS) return res_pass(f, tokens, 0, logits, logit_row0, rows);
+    const int64_t T = f->T, V = f->c->m->hp.n_vocab;
+    int rc = CLOVER_OK;
+    for (int64_t r0 = 0; r0 < T && rc == CLOVER_OK; r0 += RES_ROWS) {
+        fwd g = *f;
+        g.T = T - r0 < RES_ROWS ? T - r0 : RES_ROWS;
+        g.pos0 = f->pos0 + r0;
+        const int with_logits = logits && logit_row0 < r0 + g.T;
+        const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
+        rc = res_pass(&g, tokens + r0, r0, with_logits ? logits + (r0 + row0 - logit_row0) * V : NULL, row0, NULL);
+    }
+    return rc;
+}
+
 /* embed -> layers -> N1p -> lm_head on rows [logit_row0, T). */
 /* rows: when not NULL, the LM head runs only on rows t with rows[t] != 0 (row t of logits is
  * written, others are left as they are); else on rows logit_row0.. (written from row 0). */
 static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
+    if (c->m->resident) return res_forward(f, tokens, logits, logit_row0, rows);
     const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
     const int64_t T = f->T, H = hp->n_embd;
@@ -1806,21 +2172,33 @@ int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_
     const clover_hparams *hp = &c->m->hp;
     const int64_t G = c->m->n_gdn, C = conv_channels(hp), Hv = hp->ssm_dt_rank;
     const int64_t state_n = G * gdn_state_floats(hp), conv_n = G * (hp->ssm_d_conv - 1) * C;
-    if (n_max > c->rec_cap) {
-        if ((uint64_t)n_max * (uint64_t)(G ? G : 1) * (uint64_t)C > SIZE_MAX / sizeof(float) / 2)
+    if (n_max > c->rec_cap || (c->m->resident && !c->rec_dev)) {
+        if ((uint64_t)n_max * (uint64_t)(G ? G : 1) * (uint64_t)C > SIZE_MAX / sizeof(float) / 4)
             return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_max: %d tokens of recording overflow", n_max);
         free(c->rec_qkv), free(c->rec_cv), free(c->rec_b), free(c->rec_a);
-        c->rec_qkv = malloc(sizeof(float) * (size_t)(G * n_max * C) + 1);
-        c->rec_cv = malloc(sizeof(float) * (size_t)(G * n_max * C) + 1);
-        c->rec_b = malloc(sizeof(float) * (size_t)(G * n_max * Hv) + 1);
-        c->rec_a = malloc(sizeof(float) * (size_t)(G * n_max * Hv) + 1);
-        c->rec_cap = c->rec_qkv && c->rec_cv && c->rec_b && c->rec_a ? n_max : 0;
-        if (!c->rec_cap) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the verify record");
+        clover_cuda_free(c->rec_dev);
+        c->rec_qkv = c->rec_cv = c->rec_b = c->rec_a = NULL;
+        c->rec_dev = NULL;
+        c->rec_cap = 0;
+        if (c->m->resident) { /* the resident forward records on the device (rec_dev_slot) */
+            int rc = clover_cuda_alloc(sizeof(float) * (size_t)(G * n_max * 2 * (C + Hv)), &c->rec_dev, err, err_size);
+            if (rc != CLOVER_OK) return rc;
+            c->rec_cap = n_max;
+        } else {
+            c->rec_qkv = malloc(sizeof(float) * (size_t)(G * n_max * C) + 1);
+            c->rec_cv = malloc(sizeof(float) * (size_t)(G * n_max * C) + 1);
+            c->rec_b = malloc(sizeof(float) * (size_t)(G * n_max * Hv) + 1);
+            c->rec_a = malloc(sizeof(float) * (size_t)(G * n_max * Hv) + 1);
+            c->rec_cap = c->rec_qkv && c->rec_cv && c->rec_b && c->rec_a ? n_max : 0;
+            if (!c->rec_cap) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the verify record");
+        }
     }
     if (!c->snap_state) c->snap_state = malloc(sizeof(float) * (size_t)state_n + 1);
     if (!c->snap_conv) c->snap_conv = malloc(sizeof(float) * (size_t)conv_n + 1);
     if (!c->snap_state || !c->snap_conv) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the checkpoint");
-    int rc = gdn_snapshot_on_device(c, err, err_size);
+    int rc = CLOVER_OK;
+    for (int g = 0; g < G && c->m->resident && rc == CLOVER_OK; g++) rc = gdn_slot_to_device(c, g, err, err_size);
+    if (rc == CLOVER_OK) rc = gdn_snapshot_on_device(c, err, err_size); /* resident: every slot */
     if (rc != CLOVER_OK) return rc;
     memcpy(c->snap_state, c->gdn_state, sizeof(float) * (size_t)state_n); /* the slots on the host */
     memcpy(c->snap_conv, c->conv_state, sizeof(float) * (size_t)conv_n);
@@ -1828,6 +2206,29 @@ int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_
     c->rec_n = 0;
     c->rec_p0 = c->n_past;
     return CLOVER_OK;
+}
+
+/* clover_context_rollback of GDN slot g for the resident forward: state and conv history from
+ * the device checkpoint (every slot is there, clover_context_checkpoint), then the n_keep
+ * recorded rows replayed on the device. */
+static int res_rollback_slot(clover_context *c, int g, int32_t n_keep, char *err, size_t err_size) {
+    const clover_hparams *hp = &c->m->hp;
+    const gdn_dims d = gdn_dims_of(hp);
+    const size_t state_bytes = sizeof(float) * (size_t)gdn_state_floats(hp), conv_bytes = conv_slot_bytes(hp);
+    float *state = (float *)((char *)c->gdn_dev + state_bytes * (size_t)g);
+    float *hist = (float *)((char *)c->conv_dev + conv_bytes * (size_t)g);
+    float *rq, *rcv, *rb, *ra;
+    rec_dev_slot(c, g, &rq, &rcv, &rb, &ra);
+    res_bufs b;
+    int rc;
+    if ((rc = res_workspace(c, n_keep, &b, err, err_size)) ||
+        (rc = clover_cuda_copy(state, (const char *)c->gdn_snap_dev + state_bytes * (size_t)g, state_bytes, err, err_size)) ||
+        (rc = clover_cuda_copy(hist, (const char *)c->conv_snap_dev + conv_bytes * (size_t)g, conv_bytes, err, err_size)) ||
+        (rc = clover_cuda_conv_hist_d(hist, rq, n_keep, d.C, (int32_t)d.K, err, err_size)))
+        return rc;
+    c->gdn_on_dev[g] = 1;
+    return clover_cuda_gdn_d(CLOVER_GDN_FORWARD, rcv, rb, ra, n_keep, d.Hk, d.Hv, d.dk, d.dv, d.C, state, b.og, err,
+                             err_size);
 }
 
 int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t err_size) {
@@ -1845,6 +2246,10 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
     float *cat = malloc(sizeof(float) * (size_t)((K1 + n_keep) * C) + 1);
     int rc = o && cat ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
     for (int64_t g = 0; g < c->m->n_gdn && rc == CLOVER_OK; g++) {
+        if (c->rec_dev) { /* the resident forward recorded on the device: replay there */
+            rc = res_rollback_slot(c, (int)g, n_keep, err, err_size);
+            continue;
+        }
         float *state = c->gdn_state + g * S_n, *hist = c->conv_state + g * K1 * C;
         const size_t slot = (size_t)g * (size_t)c->rec_cap;
         /* conv history: the last K-1 rows of (checkpoint history ++ kept inputs) */

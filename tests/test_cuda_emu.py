@@ -3,8 +3,9 @@
 native/cuda is built by the host C++ compiler against the CUDA emulator (native/cuda/emu,
 ``-DCLOVER_CUDA=EMU``, about 40 s), and every test of tests/test_cuda.py then runs against that
 library in a child pytest: each kernel against the CPU engine, whole-model logits and greedy
-tokens in all three modes, and the placements of issue 8; then the kernel tests once more with
-each block's threads run in the opposite order (CLOVER_EMU_ORDER=reverse). The emulator runs
+tokens in all three modes, and the placements of issue 8; then the kernel tests and the F32
+whole-model test once more with each block's threads run in the opposite order
+(CLOVER_EMU_ORDER=reverse). The emulator runs
 the threads of a block as fibers that switch at barriers and warp shuffles; what it checks and
 what it cannot is in native/cuda/emu/cuda_runtime.h. A pass here is not a GPU run (bench/device_check.sh).
 """
@@ -21,8 +22,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# tests/test_cuda.py's kernel-level tests (seconds under the emulator, unlike the whole-model ones)
-KERNEL_TESTS = "matmul or experts or attention or gdn"
+# tests/test_cuda.py's kernel-level tests (seconds under the emulator) and the F32 whole-model
+# test (the resident forward's kernels; 30 s), for the run in reverse thread order
+KERNEL_TESTS = "matmul or experts or attention or gdn or (whole_model and f32)"
 
 
 def test_cuda_tests_pass_under_the_emulator(tmp_path):
@@ -48,7 +50,8 @@ def test_cuda_tests_pass_under_the_emulator(tmp_path):
     assert skipped == 2 and out.count("a GPU is present: CUDA device 0: CUDA emulator") == 2, out[-3000:]
     assert passed >= 50 and "failed" not in summary, summary
     print(summary)
-    # the kernel tests again with the threads of each block run in the opposite order: a result
+    # the kernel tests (and the resident forward) again with the threads of each block run in the
+    # opposite order: a result
     # that depends on the order threads run between barriers would be a race on a GPU
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", KERNEL_TESTS,
                         str(ROOT / "tests" / "test_cuda.py")], cwd=ROOT, env=dict(env, CLOVER_EMU_ORDER="reverse"),

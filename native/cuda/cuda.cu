@@ -88,7 +88,7 @@ __device__ __forceinline__ void store_rows(float *acc, int nr, float *Y, int64_t
 /* Which weight rows and activation rows a block of a product takes: blockIdx.x is the weight
  * row r; blockIdx.y is a group of up to ROWS activation rows, t0 = ROWS * blockIdx.y of one
  * matrix (tiles == NULL), or tiles[blockIdx.y] of a grouped product (expert e's matrix at
- * W + e * w_stride bytes, rows t0 .. t0 + nr - 1 of X and Y). */
+ * W + e * w_stride bytes, rows t0 .. t0 + nr - 1 of X and Y; nr = 0: an unused tile). */
 struct tile {
     int32_t e, t0, nr;
 };
@@ -124,6 +124,7 @@ __global__ void k_matmul_blocks(const uint8_t *W, int64_t w_stride, int64_t ne0,
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes;
     const int64_t nb = ne0 / BN;
     const rows_of_block b = block_rows(W, nb * BB, w_stride, X, ne0, T, tiles);
+    if (b.nr <= 0) return; /* an unused tile of a device-routed grouped product (the whole warp) */
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
     for (int64_t ib = 0; ib < nb; ib++) {
@@ -143,6 +144,7 @@ template <int TYPE>
 __global__ void k_matmul_plain(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
                                float *Y, const tile *tiles) {
     const rows_of_block b = block_rows(W, ne0 * (TYPE == T_F32 ? 4 : 2), w_stride, X, ne0, T, tiles);
+    if (b.nr <= 0) return;
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
     for (int64_t j = threadIdx.x; j < ne0; j += 32) {
@@ -170,7 +172,8 @@ __global__ void k_swiglu(float *g, const float *u, int64_t n) {
  * block of X replaced in place by the values d*q of its Q8_0 (32 values) or Q8_K (256 values)
  * quantisation, with the CPU's rounding, so that a GPU product differs from the CPU's only in
  * the float order of its sums (llama.cpp's CUDA backend quantises activations too, to Q8_1).
- * One warp per block; a block holding NaN or Inf becomes NaN, as the CPU's NaN scale makes it. */
+ * One warp per block, from X into Xr (which may be X); a block holding NaN or Inf becomes NaN, as
+ * the CPU's NaN scale makes it. */
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -182,9 +185,9 @@ __device__ __forceinline__ int warp_or(int v) {
 }
 
 /* Q8_0 (native/dot.c quantize_act_q8_0): d = fp16(amax/127), q = rint(x * (127/amax)). */
-__global__ void k_act_q8_0(float *X) {
-    float *x = X + (int64_t)blockIdx.x * 32;
-    const float v = x[threadIdx.x], a = fabsf(v);
+__global__ void k_act_q8_0(const float *X, float *Xr) {
+    const float v = X[(int64_t)blockIdx.x * 32 + threadIdx.x], a = fabsf(v);
+    float *x = Xr + (int64_t)blockIdx.x * 32;
     const float amax = warp_max(a);
     if (warp_or(!(a <= FLT_MAX))) {
         x[threadIdx.x] = NAN;
@@ -198,13 +201,13 @@ __global__ void k_act_q8_0(float *X) {
 /* Q8_K (native/kquants.c q8_k_quant, ggml's quantize_row_q8_K_ref): vmax = the first element
  * of largest |x|, q = min(127, rint(x * -127/vmax)), d = 1 / (-127/vmax). Lane l holds
  * elements l + 32 i. */
-__global__ void k_act_q8_k(float *X) {
-    float *x = X + (int64_t)blockIdx.x * 256;
+__global__ void k_act_q8_k(const float *X, float *Xr) {
+    float *x = Xr + (int64_t)blockIdx.x * 256;
     const int lane = threadIdx.x;
     float v[8], a = 0.0f;
     int bad = 0;
     for (int i = 0; i < 8; i++) {
-        v[i] = x[lane + 32 * i];
+        v[i] = X[(int64_t)blockIdx.x * 256 + lane + 32 * i];
         bad |= !(fabsf(v[i]) <= FLT_MAX);
         a = fmaxf(a, fabsf(v[i]));
     }
@@ -338,8 +341,9 @@ static int bad_arg(char *err, size_t err_size, const char *what) {
     return CLOVER_E_ARG;
 }
 
-/* Round n_rows rows of ne0 activations on the device as the CPU pairs them with `type`. */
-static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err, size_t err_size) {
+/* Round n_rows rows of ne0 activations on the device as the CPU pairs them with `type`, from X
+ * into Xr (X itself when Xr is NULL). */
+static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err, size_t err_size, float *Xr = NULL) {
     const int ab = act_block(type);
     if (!ab || n_rows == 0) return CLOVER_OK;
     if (ne0 % ab) {
@@ -347,8 +351,8 @@ static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err,
         return CLOVER_E_ARG;
     }
     if (n_rows * (ne0 / ab) > INT32_MAX) return bad_arg(err, err_size, "activation rows: too many blocks for one launch");
-    if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n_rows * ne0 / 32)), dim3(32))(X);
-    else LAUNCH(k_act_q8_k, dim3((unsigned)(n_rows * ne0 / 256)), dim3(32))(X);
+    if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n_rows * ne0 / 32)), dim3(32))(X, Xr ? Xr : X);
+    else LAUNCH(k_act_q8_k, dim3((unsigned)(n_rows * ne0 / 256)), dim3(32))(X, Xr ? Xr : X);
     return CLOVER_OK;
 }
 
@@ -650,4 +654,448 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
 extern "C" int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size) {
     if (!dst || (!src && nbytes)) return bad_arg(err, err_size, "copy: no buffer");
     return nbytes ? copy(dst, src, nbytes, cudaMemcpyDeviceToDevice, err, err_size) : CLOVER_OK;
+}
+
+/* ------------------------------------------------------------------ device-resident forward
+ * The operations of native/model.c's resident forward (every layer and the output on the GPU):
+ * all pointers are device memory, launches are queued in stream order and return at once (a
+ * launch error is reported by that call, a later asynchronous one by a later call or by the copy
+ * that brings the logits back). Each kernel follows the CPU function named in its comment, in
+ * the same operation order, so results differ from the CPU's only in float rounding (expf, FMA
+ * contraction, the order of parallel sums). */
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* rmsnorm (model.c) of row idx[r] (r without idx) of X into row r of Y, one warp per row:
+ * y = x * rsqrt(mean(x^2) + eps) * w, the sum of squares in double. In place when X == Y. */
+__global__ void k_rmsnorm(const float *X, int64_t xs, const int32_t *idx, const float *w, int64_t n, float eps, float *Y,
+                          int64_t ys) {
+    const int64_t r = blockIdx.x;
+    const float *x = X + (idx ? idx[r] : r) * xs;
+    float *y = Y + r * ys;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < n; i += 32) ss += (double)x[i] * x[i];
+    ss = warp_sum_d(ss);
+    const float s = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = threadIdx.x; i < n; i += 32) y[i] = x[i] * s * w[i];
+}
+
+/* attention_layer's per-head rmsnorm then rope_neox (model.c; spec 2.2 step 2) on head
+ * blockIdx.x of row t = blockIdx.y (hd floats at X + t ts + h hs) at position pos0 + t: the
+ * first rd dimensions rotate, angles in double as on the CPU. One warp per head. */
+__global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *w, int64_t hd, float eps, int64_t pos0,
+                                 int rd, float theta) {
+    __shared__ float v[HD_MAX];
+    float *x = X + (int64_t)blockIdx.y * ts + (int64_t)blockIdx.x * hs;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < hd; i += 32) ss += (double)x[i] * x[i];
+    ss = warp_sum_d(ss);
+    const float s = 1.0f / sqrtf((float)(ss / hd) + eps);
+    for (int64_t i = threadIdx.x; i < hd; i += 32) v[i] = x[i] * s * w[i];
+    __syncthreads();
+    const int half = rd / 2;
+    const int64_t pos = pos0 + blockIdx.y;
+    for (int i = threadIdx.x; i < hd; i += 32) {
+        float r = v[i];
+        if (i < rd) {
+            const int j = i < half ? i : i - half;
+            const double ang = (double)pos * pow((double)theta, -2.0 * j / rd);
+            const float cs = (float)cos(ang), sn = (float)sin(ang);
+            r = i < half ? v[i] * cs - v[i + half] * sn : v[i] * cs + v[i - half] * sn;
+        }
+        x[i] = r;
+    }
+}
+
+/* conv_causal / conv_anticausal (model.c; spec 2.1 step 2, 3.3) with SiLU, one thread per
+ * (row, channel): hist holds the K-1 previous inputs (causal only). */
+__global__ void k_conv(const float *w, const float *hist, const float *in, int64_t T, int64_t C, int K, int anti,
+                       float *out) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * C) return;
+    const int64_t t = i / C, ch = i % C;
+    float s = 0;
+    for (int j = 0; j < K; j++) {
+        if (!anti) {
+            const int64_t src = t - (K - 1) + j;
+            s += w[ch * K + j] * (src >= 0 ? in[src * C + ch] : hist[(K - 1 + src) * C + ch]);
+        } else {
+            const int64_t src = t + (K - 1) - j;
+            if (src < T) s += w[ch * K + j] * in[src * C + ch];
+        }
+    }
+    out[i] = s / (1.0f + expf(-s));
+}
+
+/* gdn_layer's new conv history: hist (K-1 rows of C, oldest first) <- the last K-1 rows of
+ * hist ++ in[0..T), one thread per channel. */
+#define CONV_K_MAX 16
+__global__ void k_conv_hist(float *hist, const float *in, int64_t T, int64_t C, int K) {
+    const int64_t ch = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    float old[CONV_K_MAX];
+    for (int j = 0; j < K - 1; j++) old[j] = hist[j * C + ch];
+    for (int j = 0; j < K - 1; j++) {
+        const int64_t src = T - (K - 1) + j;
+        hist[j * C + ch] = src >= 0 ? in[src * C + ch] : old[K - 1 + src];
+    }
+}
+
+/* qk_norm (model.c; spec 2.1 step 3): q (blockIdx.x < Hk) and k heads of row blockIdx.y
+ * l2-normed, q then times 1/sqrt(dk); one warp per head. */
+__global__ void k_gdn_qk_norm(float *conv, int64_t C, int64_t Hk, int64_t dk, float eps) {
+    const int is_q = blockIdx.x < Hk;
+    float *x = conv + (int64_t)blockIdx.y * C + (int64_t)blockIdx.x * dk;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < dk; i += 32) ss += (double)x[i] * x[i];
+    ss = warp_sum_d(ss);
+    const float s = 1.0f / sqrtf((float)ss + eps), qs = 1.0f / sqrtf((float)dk);
+    for (int64_t i = threadIdx.x; i < dk; i += 32) {
+        const float y = x[i] * s;
+        x[i] = is_q ? y * qs : y;
+    }
+}
+
+/* gates (model.c; spec 2.1 step 4): beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias). */
+__global__ void k_gdn_gates(float *b, float *a, const float *ssm_a, const float *dt_bias, int64_t n, int64_t Hv) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t h = i % Hv;
+    b[i] = 1.0f / (1.0f + expf(-b[i]));
+    const float x = a[i] + dt_bias[h];
+    a[i] = ssm_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+}
+
+/* The end of gdn_layer (spec 3.3's mix, 2.1 step 7) for head blockIdx.x of row blockIdx.y, one
+ * warp: o += sigmoid(mix_h) ob (when OB), then rmsnorm with w, times silu(z). */
+__global__ void k_gdn_out(float *O, const float *OB, const float *mix, const float *Z, const float *w, int64_t Hv,
+                          int64_t dv, float eps) {
+    const int64_t at = ((int64_t)blockIdx.y * Hv + blockIdx.x) * dv;
+    float *o = O + at;
+    const float *z = Z + at;
+    if (OB) {
+        const float m = 1.0f / (1.0f + expf(-mix[blockIdx.x]));
+        for (int64_t i = threadIdx.x; i < dv; i += 32) o[i] += m * OB[at + i];
+    }
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < dv; i += 32) ss += (double)o[i] * o[i];
+    ss = warp_sum_d(ss);
+    const float s = 1.0f / sqrtf((float)(ss / dv) + eps);
+    for (int64_t i = threadIdx.x; i < dv; i += 32) o[i] = o[i] * s * w[i] * (z[i] / (1.0f + expf(-z[i])));
+}
+
+/* model.c's topk: the k largest p[e] among allowed experts (all when NULL), ties to the lower id. */
+__device__ void topk_dev(const float *p, int64_t n, const unsigned char *allowed, int k, int32_t *idx) {
+    for (int s = 0; s < k; s++) {
+        int32_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            if (allowed && !allowed[e]) continue;
+            int taken = 0;
+            for (int u = 0; u < s; u++) taken |= idx[u] == e;
+            if (taken) continue;
+            if (best < 0 || p[e] > p[best]) best = (int32_t)e;
+        }
+        idx[s] = best;
+    }
+}
+
+/* MoE routing (spec 2.3 step 1; the coreset of spec 5.6 when coreset != 0), as moe_layer and
+ * coreset in model.c, in one block: rows of P (logits [T][E]) become softmax probabilities;
+ * sel/wsel [T][k] scratch; out: start [E+1] (expert e's pairs [start[e], start[e+1])), prow and
+ * pw [T k] (row and weight of each bucketed pair, rows ascending within a bucket), pair [T][k]
+ * (row t's pair indices ascending), tiles (n_tiles; those past the used ones get nr = 0),
+ * stats[0] experts used, stats[1] experts in some row's own top-k (coreset only). The
+ * per-row loops run one thread per row and the sums sequentially, in the CPU's order. */
+#define E_MAX 1024
+__global__ void k_route(float *P, int64_t T, int64_t E, int k, float top_p, int coreset, int32_t *sel, float *wsel,
+                        int32_t *start, int32_t *prow, float *pw, int32_t *pair, tile *tiles, int64_t n_tiles,
+                        int32_t *stats) {
+    __shared__ double S[E_MAX];
+    __shared__ int32_t order[E_MAX], fill[E_MAX];
+    __shared__ unsigned char allowed[E_MAX];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int64_t t = tid; t < T; t += nt) {
+        float *p = P + t * E, mx = -FLT_MAX;
+        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        double sum = 0;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
+    }
+    __syncthreads();
+    if (coreset) {
+        for (int64_t t = tid; t < T; t += nt) topk_dev(P + t * E, E, NULL, k, sel + t * k);
+        __syncthreads();
+        if (tid == 0) {
+            for (int64_t e = 0; e < E; e++) S[e] = 0;
+            for (int64_t t = 0; t < T; t++)
+                for (int s = 0; s < k; s++) S[sel[t * k + s]] += P[t * E + sel[t * k + s]];
+            double tot = 0;
+            for (int64_t e = 0; e < E; e++) tot += S[e];
+            for (int64_t e = 0; e < E; e++) S[e] = tot > 0 ? S[e] / tot : 0;
+        }
+        __syncthreads();
+        for (int64_t e = tid; e < E; e += nt) { /* the CPU's stable sort by S descending, as ranks */
+            int64_t rank = 0;
+            for (int64_t j = 0; j < E; j++) rank += S[j] > S[e] || (S[j] == S[e] && j < e);
+            order[rank] = (int32_t)e;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int64_t m = E;
+            double cum = 0;
+            for (int64_t i = 0; i < E; i++) {
+                cum += S[order[i]];
+                if (cum >= (double)top_p) {
+                    m = i + 1;
+                    break;
+                }
+            }
+            if (m < k) m = k;
+            int32_t n_full = 0;
+            for (int64_t e = 0; e < E; e++) allowed[e] = 0, n_full += S[e] > 0;
+            for (int64_t i = 0; i < m; i++) allowed[order[i]] = 1;
+            stats[1] = n_full;
+        }
+        __syncthreads();
+    }
+    for (int64_t t = tid; t < T; t += nt) {
+        int32_t *st = sel + t * k;
+        topk_dev(P + t * E, E, coreset ? allowed : NULL, k, st);
+        double sum = 0;
+        for (int s = 0; s < k; s++) sum += P[t * E + st[s]];
+        for (int s = 0; s < k; s++) wsel[t * k + s] = (float)(P[t * E + st[s]] / sum);
+    }
+    __syncthreads();
+    if (tid != 0) return;
+    for (int64_t e = 0; e <= E; e++) start[e] = 0;
+    for (int64_t i = 0; i < T * k; i++) start[sel[i] + 1]++;
+    int32_t n_used = 0;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e], n_used += start[e + 1] > start[e];
+    for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+    for (int64_t t = 0; t < T; t++) {
+        int32_t *pr = pair + t * k;
+        for (int s = 0; s < k; s++) {
+            const int32_t q = fill[sel[t * k + s]]++;
+            prow[q] = (int32_t)t, pw[q] = wsel[t * k + s];
+            int u = s; /* insertion: row t's pair indices ascending (the CPU's summation order) */
+            for (; u > 0 && pr[u - 1] > q; u--) pr[u] = pr[u - 1];
+            pr[u] = q;
+        }
+    }
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int32_t t0 = start[e]; t0 < start[e + 1]; t0 += ROWS)
+            tiles[n++] = tile{(int32_t)e, t0, start[e + 1] - t0 < ROWS ? start[e + 1] - t0 : ROWS};
+    for (; n < n_tiles; n++) tiles[n] = tile{0, 0, 0};
+    stats[0] = n_used;
+}
+
+/* Y[q] = X[rows[q]] for n rows of H. */
+__global__ void k_gather(const float *X, const int32_t *rows, int64_t n, int64_t H, float *Y) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * H) Y[i] = X[rows[i / H] * H + i % H];
+}
+
+/* The end of moe_layer plus the residual (spec 2.3 steps 2-3): per row t and column j,
+ * o = sum of pw[q] YG[q] over row t's pairs q (ascending) + sigmoid(SG[t]) YS[t], X += o;
+ * *bad = 1 when the result is not finite. */
+__global__ void k_moe_combine(float *X, const float *YG, const float *pw, const int32_t *pair, int k, const float *YS,
+                              const float *SG, int64_t T, int64_t H, int32_t *bad) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * H) return;
+    const int64_t t = i / H, j = i % H;
+    float o = 0.0f;
+    for (int s = 0; s < k; s++) {
+        const int64_t q = pair[t * k + s];
+        o += pw[q] * YG[q * H + j];
+    }
+    o += 1.0f / (1.0f + expf(-SG[t])) * YS[i];
+    X[i] += o;
+    if (!(fabsf(X[i]) <= FLT_MAX)) *bad = 1;
+}
+
+/* X += O over n values; *bad = 1 when a result is not finite. */
+__global__ void k_add(float *X, const float *O, int64_t n, int32_t *bad) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    X[i] += O[i];
+    if (!(fabsf(X[i]) <= FLT_MAX)) *bad = 1;
+}
+
+/* Blocks of 256 threads covering n (grid.x <= 2^31 - 1). */
+static dim3 cover(int64_t n) { return dim3((unsigned)((n + 255) / 256)); }
+
+static bool too_big(int64_t n) { return n <= 0 || (n + 255) / 256 > INT32_MAX; }
+
+extern "C" int clover_cuda_matmul_d(int type, const void *w, int64_t ne0, int64_t ne1, const float *x, int64_t T,
+                                    float *y, char *err, size_t err_size) {
+    if (!w || !x || !y || ne0 <= 0 || ne1 <= 0 || T <= 0 || ne1 > INT32_MAX || ne0 > INT64_MAX / 4 / T)
+        return bad_arg(err, err_size, "matmul_d: bad arguments");
+    pthread_mutex_lock(&g_lock);
+    const float *X = x;
+    int rc = CLOVER_OK;
+    if (act_block(type)) { /* the rounded copy in scratch: x is read by other products too */
+        rc = grow(&g_x, sizeof(float) * (size_t)(T * ne0), err, err_size);
+        if (rc == CLOVER_OK) rc = round_act(type, (float *)x, T, ne0, err, err_size, (float *)g_x.p);
+        X = (const float *)g_x.p;
+    }
+    if (rc == CLOVER_OK) rc = product(type, w, 0, ne0, ne1, X, T, y, NULL, 0, err, err_size);
+    rc = launched(rc, "matmul_d", err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+extern "C" int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int32_t *idx, const float *w, int64_t n,
+                                     int64_t rows, float eps, float *y, int64_t y_stride, char *err, size_t err_size) {
+    if (!x || !w || !y || n <= 0 || rows <= 0 || rows > INT32_MAX) return bad_arg(err, err_size, "rmsnorm_d: bad arguments");
+    LAUNCH(k_rmsnorm, dim3((unsigned)rows), dim3(32))(x, x_stride, idx, w, n, eps, y, y_stride);
+    return launched(CLOVER_OK, "rmsnorm_d", err, err_size);
+}
+
+extern "C" int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t row_stride, int64_t head_stride,
+                                            const float *w, int64_t hd, float eps, int64_t pos0, int32_t rope_dim,
+                                            float theta, char *err, size_t err_size) {
+    if (!x || !w || T <= 0 || T > 65535 || n_head <= 0 || n_head > INT32_MAX || hd <= 0 || hd > HD_MAX ||
+        rope_dim < 0 || rope_dim > hd || rope_dim % 2)
+        return bad_arg(err, err_size, "head_norm_rope_d: bad arguments (T <= 65535, head_dim <= 256, even rope_dim)");
+    LAUNCH(k_head_norm_rope, dim3((unsigned)n_head, (unsigned)T), dim3(32))(x, row_stride, head_stride, w, hd, eps, pos0,
+                                                                           rope_dim, theta);
+    return launched(CLOVER_OK, "head_norm_rope_d", err, err_size);
+}
+
+extern "C" int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, int64_t pos0,
+                                       int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale,
+                                       float *out, char *err, size_t err_size) {
+    if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_head <= 0 || n_head > 65535 || n_kv <= 0 ||
+        n_head % n_kv || hd <= 0 || hd % 32 || hd > HD_MAX)
+        return bad_arg(err, err_size, "attention_d: bad arguments");
+    for (int64_t t0 = 0; t0 < T; t0 += 65535)
+        LAUNCH(k_attention, dim3((unsigned)n_head, (unsigned)(T - t0 < 65535 ? T - t0 : 65535)), dim3(32))(
+            q, k_cache, v_cache, out, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+    return launched(CLOVER_OK, "attention_d", err, err_size);
+}
+
+extern "C" int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C,
+                                  int32_t K, float *out, char *err, size_t err_size) {
+    if (!w || (!anti && !hist) || !in || !out || T <= 0 || C <= 0 || K < 1 || K > CONV_K_MAX || T > INT64_MAX / C ||
+        too_big(T * C))
+        return bad_arg(err, err_size, "conv_d: bad arguments (d_conv <= 16)");
+    LAUNCH(k_conv, cover(T * C), dim3(256))(w, hist, in, T, C, K, anti, out);
+    return launched(CLOVER_OK, "conv_d", err, err_size);
+}
+
+extern "C" int clover_cuda_conv_hist_d(float *hist, const float *in, int64_t T, int64_t C, int32_t K, char *err,
+                                       size_t err_size) {
+    if (!hist || !in || T <= 0 || C <= 0 || K < 1 || K > CONV_K_MAX || too_big(C))
+        return bad_arg(err, err_size, "conv_hist_d: bad arguments (d_conv <= 16)");
+    if (K > 1) LAUNCH(k_conv_hist, cover(C), dim3(256))(hist, in, T, C, K);
+    return launched(CLOVER_OK, "conv_hist_d", err, err_size);
+}
+
+extern "C" int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t Hk, int64_t dk, float eps, float *b,
+                                      float *a, const float *ssm_a, const float *dt_bias, int64_t Hv, char *err,
+                                      size_t err_size) {
+    if (!conv || !b || !a || !ssm_a || !dt_bias || T <= 0 || T > 65535 || Hk <= 0 || 2 * Hk > INT32_MAX || dk <= 0 ||
+        C < 2 * Hk * dk || Hv <= 0 || T > INT64_MAX / Hv)
+        return bad_arg(err, err_size, "gdn_prep_d: bad arguments");
+    LAUNCH(k_gdn_qk_norm, dim3((unsigned)(2 * Hk), (unsigned)T), dim3(32))(conv, C, Hk, dk, eps);
+    LAUNCH(k_gdn_gates, cover(T * Hv), dim3(256))(b, a, ssm_a, dt_bias, T * Hv, Hv);
+    return launched(CLOVER_OK, "gdn_prep_d", err, err_size);
+}
+
+extern "C" int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
+                                 int64_t Hv, int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err,
+                                 size_t err_size) {
+    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 || kind > 2 || T <= 0 ||
+        Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX || dv <= 0 || dv > 1024 ||
+        C < 2 * Hk * dk + Hv * dv)
+        return bad_arg(err, err_size, "gdn_d: bad arguments");
+    LAUNCH(k_gdn, dim3((unsigned)Hv), dim3((unsigned)dv))(conv, beta, g, T, Hk, Hv, dk, dv, C,
+                                                         kind == CLOVER_GDN_BACKWARD ? NULL : state,
+                                                         kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
+    return launched(CLOVER_OK, "gdn_d", err, err_size);
+}
+
+extern "C" int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w,
+                                     int64_t T, int64_t Hv, int64_t dv, float eps, char *err, size_t err_size) {
+    if (!o || (ob && !mix) || !z || !w || T <= 0 || T > 65535 || Hv <= 0 || Hv > INT32_MAX || dv <= 0)
+        return bad_arg(err, err_size, "gdn_out_d: bad arguments");
+    LAUNCH(k_gdn_out, dim3((unsigned)Hv, (unsigned)T), dim3(32))(o, ob, mix, z, w, Hv, dv, eps);
+    return launched(CLOVER_OK, "gdn_out_d", err, err_size);
+}
+
+extern "C" int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float coreset_top_p, int32_t *sel,
+                                   float *wsel, int32_t *start, int32_t *prow, float *pw, int32_t *pair, void *tiles,
+                                   int32_t *stats, char *err, size_t err_size) {
+    if (!probs || !sel || !wsel || !start || !prow || !pw || !pair || !tiles || !stats || T <= 0 || E <= 0 ||
+        E > E_MAX || k <= 0 || k > E || T > INT32_MAX / k / 2)
+        return bad_arg(err, err_size, "route_d: bad arguments (n_expert <= 1024)");
+    LAUNCH(k_route, dim3(1), dim3(256))(probs, T, E, k, coreset_top_p, coreset_top_p > 0.0f, sel, wsel, start, prow, pw,
+                                        pair, (tile *)tiles, clover_cuda_route_tiles(T * k, E), stats);
+    return launched(CLOVER_OK, "route_d", err, err_size);
+}
+
+extern "C" int clover_cuda_gather_d(const float *x, const int32_t *rows, int64_t n, int64_t H, float *y, char *err,
+                                    size_t err_size) {
+    if (!x || !rows || !y || n <= 0 || H <= 0 || n > INT64_MAX / H || too_big(n * H))
+        return bad_arg(err, err_size, "gather_d: bad arguments");
+    LAUNCH(k_gather, cover(n * H), dim3(256))(x, rows, n, H, y);
+    return launched(CLOVER_OK, "gather_d", err, err_size);
+}
+
+extern "C" int clover_cuda_experts_d(const clover_cuda_weight *gate, const clover_cuda_weight *up,
+                                     const clover_cuda_weight *down, const void *tiles, int64_t n_tiles, int64_t P,
+                                     const float *xg, float *yg, char *err, size_t err_size) {
+    if (!gate || !up || !down || !gate->dev || !up->dev || !down->dev || !tiles || n_tiles <= 0 || P <= 0 || !xg || !yg)
+        return bad_arg(err, err_size, "experts_d: bad arguments");
+    const int64_t H = gate->ne0, I = gate->ne1;
+    if (H <= 0 || I <= 0 || I > INT32_MAX || H > INT32_MAX || up->ne0 != H || up->ne1 != I || down->ne0 != I ||
+        down->ne1 != H || P > INT64_MAX / 4 / (H > I ? H : I))
+        return bad_arg(err, err_size, "experts_d: gate/up must be [I][H] and down [H][I]");
+    const tile *TL = (const tile *)tiles;
+    pthread_mutex_lock(&g_lock);
+    int rc = grow(&g_x, sizeof(float) * (size_t)(P * H), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(P * I), err, err_size);
+    float *X = (float *)g_x.p, *G = (float *)g_gate.p, *U = (float *)g_up.p;
+    const float *Xg = act_block(gate->type) ? X : xg, *Xu = act_block(up->type) ? X : xg;
+    if (rc == CLOVER_OK) rc = round_act(gate->type, (float *)xg, P, H, err, err_size, X);
+    if (rc == CLOVER_OK) rc = product(gate->type, gate->dev, gate->stride, H, I, Xg, P, G, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type))
+        rc = round_act(up->type, (float *)xg, P, H, err, err_size, X);
+    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, Xu, P, U, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK) {
+        const int64_t nb = (P * I + 255) / 256;
+        LAUNCH(k_swiglu, dim3((unsigned)(nb < 65535 ? nb : 65535)), dim3(256))(G, U, P * I);
+        rc = round_act(down->type, G, P, I, err, err_size);
+    }
+    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, G, P, yg, TL, n_tiles, err, err_size);
+    rc = launched(rc, "experts_d", err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+extern "C" int clover_cuda_swiglu_d(float *g, const float *u, int64_t n, char *err, size_t err_size) {
+    if (!g || !u || too_big(n)) return bad_arg(err, err_size, "swiglu_d: bad arguments");
+    LAUNCH(k_swiglu, cover(n), dim3(256))(g, u, n);
+    return launched(CLOVER_OK, "swiglu_d", err, err_size);
+}
+
+extern "C" int clover_cuda_moe_combine_d(float *x, const float *yg, const float *pw, const int32_t *pair, int32_t k,
+                                         const float *ys, const float *sg, int64_t T, int64_t H, int32_t *bad, char *err,
+                                         size_t err_size) {
+    if (!x || !yg || !pw || !pair || k <= 0 || !ys || !sg || !bad || T <= 0 || H <= 0 || T > INT64_MAX / H ||
+        too_big(T * H))
+        return bad_arg(err, err_size, "moe_combine_d: bad arguments");
+    LAUNCH(k_moe_combine, cover(T * H), dim3(256))(x, yg, pw, pair, k, ys, sg, T, H, bad);
+    return launched(CLOVER_OK, "moe_combine_d", err, err_size);
+}
+
+extern "C" int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size) {
+    if (!x || !o || !bad || too_big(n)) return bad_arg(err, err_size, "add_d: bad arguments");
+    LAUNCH(k_add, cover(n), dim3(256))(x, o, n, bad);
+    return launched(CLOVER_OK, "add_d", err, err_size);
 }

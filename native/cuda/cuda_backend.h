@@ -77,6 +77,76 @@ enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_COPY = 1, CLOVER_GDN_BACKWARD 
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
 
+/* ---- the device-resident forward (native/model.c, every layer and the output on the GPU).
+ * Every pointer is device memory; float32 unless said; calls queue their kernels in stream
+ * order and return without waiting (results are seen by a later clover_cuda_read). Errors:
+ * CLOVER_E_ARG (arguments, named in err), CLOVER_E_NOMEM (scratch), CLOVER_E_DEVICE (a launch,
+ * or an earlier asynchronous failure). Each mirrors the CPU function of model.c named. */
+
+/* clover_cuda_matmul on device x [T][ne0] into y [T][ne1] (x is not modified). */
+int clover_cuda_matmul_d(int type, const void *w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
+                         char *err, size_t err_size);
+/* rmsnorm: row r of y (y_stride floats apart) = row idx[r] (r when idx is NULL) of x
+ * (x_stride apart) * rsqrt(mean(x^2) + eps) * w, n values per row, for rows rows; idx: int32. */
+int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int32_t *idx, const float *w, int64_t n,
+                          int64_t rows, float eps, float *y, int64_t y_stride, char *err, size_t err_size);
+/* attention_layer's q/k heads: head h of row t (hd floats at x + t row_stride + h head_stride)
+ * rmsnormed with w, then NeoX RoPE on its first rope_dim values at position pos0 + t (spec 2.2
+ * step 2). T <= 65535, hd <= 256. */
+int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t row_stride, int64_t head_stride,
+                                 const float *w, int64_t hd, float eps, int64_t pos0, int32_t rope_dim, float theta,
+                                 char *err, size_t err_size);
+/* clover_cuda_attention on device q [T][n_head][2 hd] against the layer's cache rows
+ * [0, pos0 + T) (the new rows already written), out [T][n_head][hd]. */
+int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, int64_t pos0, int64_t T,
+                            int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
+                            size_t err_size);
+/* conv_causal (anti = 0; hist: the K-1 previous rows [K-1][C]) or conv_anticausal (anti = 1) of
+ * in [T][C] with weights w [C][K], SiLU, into out [T][C] (spec 2.1 step 2, 3.3). K <= 16. */
+int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C, int32_t K,
+                       float *out, char *err, size_t err_size);
+/* hist [K-1][C] <- the last K-1 rows of hist ++ in [T][C] (the conv history after T inputs). */
+int clover_cuda_conv_hist_d(float *hist, const float *in, int64_t T, int64_t C, int32_t K, char *err, size_t err_size);
+/* qk_norm then gates (spec 2.1 steps 3-4): conv [T][C] q and k heads l2-normed (q times
+ * 1/sqrt(dk)); b, a [T][Hv] in place to beta = sigmoid(b), g = ssm_a softplus(a + dt_bias). */
+int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t Hk, int64_t dk, float eps, float *b, float *a,
+                           const float *ssm_a, const float *dt_bias, int64_t Hv, char *err, size_t err_size);
+/* clover_cuda_gdn with every array on the device. */
+int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                      int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
+/* The end of gdn_layer (spec 3.3, 2.1 step 7) on o [T][Hv][dv] in place: o += sigmoid(mix[h]) ob
+ * when ob is not NULL, then per head rmsnorm with w [dv] times silu(z) (z [T][Hv][dv]). */
+int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w, int64_t T,
+                          int64_t Hv, int64_t dv, float eps, char *err, size_t err_size);
+/* Tiles of ROWS (8) pairs that a grouped product of P (row, expert) pairs over E experts may
+ * need: clover_cuda_route_d writes this many (unused ones empty). */
+static inline int64_t clover_cuda_route_tiles(int64_t P, int64_t E) { return P / 8 + 1 + (E < P ? E : P); }
+/* MoE routing of moe_layer (spec 2.3 step 1; coreset_top_p > 0: the block-mode coreset of
+ * spec 5.6, else none): probs [T][E] router logits -> softmax; sel [T k] int32 and wsel [T k]
+ * scratch; out: start [E+1] int32 (expert e's pairs [start[e], start[e+1])), prow [T k] int32 and
+ * pw [T k] (each bucketed pair's row and weight), pair [T][k] int32 (row t's pairs, ascending),
+ * tiles (clover_cuda_route_tiles(T k, E) of 3 int32), stats [2] int32 (experts used; experts in
+ * some row's own top-k, written only with the coreset). E <= 1024. */
+int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float coreset_top_p, int32_t *sel, float *wsel,
+                        int32_t *start, int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats, char *err,
+                        size_t err_size);
+/* y[q] = x[rows[q]] for n rows of H floats (rows: int32). */
+int clover_cuda_gather_d(const float *x, const int32_t *rows, int64_t n, int64_t H, float *y, char *err,
+                         size_t err_size);
+/* clover_cuda_experts on device xg/yg [P][H] with clover_cuda_route_d's tiles (n_tiles). */
+int clover_cuda_experts_d(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
+                          const void *tiles, int64_t n_tiles, int64_t P, const float *xg, float *yg, char *err,
+                          size_t err_size);
+/* g = silu(g) * u over n values. */
+int clover_cuda_swiglu_d(float *g, const float *u, int64_t n, char *err, size_t err_size);
+/* The end of moe_layer plus the residual: x[t] += sum over row t's pairs q of pw[q] yg[q] +
+ * sigmoid(sg[t]) ys[t] (x, ys [T][H]); *bad (int32) = 1 when a result is not finite. */
+int clover_cuda_moe_combine_d(float *x, const float *yg, const float *pw, const int32_t *pair, int32_t k,
+                              const float *ys, const float *sg, int64_t T, int64_t H, int32_t *bad, char *err,
+                              size_t err_size);
+/* x += o over n values; *bad (int32) = 1 when a result is not finite. */
+int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size);
+
 #ifdef __cplusplus
 }
 #endif

@@ -151,6 +151,11 @@ CLOVER_API int64_t clover_model_placement_bytes(const clover_model *m, int32_t n
                                                 int32_t part);
 /* Bytes of weights on the GPU (0 when none). */
 CLOVER_API int64_t clover_model_gpu_bytes(const clover_model *m);
+/* 1 when forwards run device-resident: every layer with its experts and the output offloaded
+ * (and CLOVER_GPU_RESIDENT is not "0"), so activations stay on the GPU from the embedding to the
+ * logits and the host sees only tokens, logits and a few flags per forward; 0 otherwise (each
+ * offloaded product or kernel then moves its activations to the GPU and back). */
+CLOVER_API int32_t clover_model_gpu_resident(const clover_model *m);
 
 /* Hyperparameters and diffusion defaults read from the GGUF (spec 1, 4.2). */
 typedef struct {

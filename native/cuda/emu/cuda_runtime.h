@@ -68,12 +68,13 @@ const char *cudaGetErrorName(cudaError_t e);
 /* device-side intrinsics */
 void __syncthreads(void);
 uint32_t clover_emu_shfl(uint32_t v, int src_lane, int mode); /* mode 0: index, 1: xor */
+/* 32-bit values in one exchange, 64-bit ones (double) in two, as the hardware does */
 template <class V> static inline V clover_emu_shfl_t(V v, int arg, int mode) {
-    static_assert(sizeof(V) == 4, "32-bit shuffles only");
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    b = clover_emu_shfl(b, arg, mode);
-    memcpy(&v, &b, 4);
+    static_assert(sizeof(V) == 4 || sizeof(V) == 8, "32- and 64-bit shuffles only");
+    uint32_t b[2] = {0, 0};
+    memcpy(b, &v, sizeof(V));
+    for (size_t i = 0; i < sizeof(V) / 4; i++) b[i] = clover_emu_shfl(b[i], arg, mode);
+    memcpy(&v, b, sizeof(V));
     return v;
 }
 template <class V> static inline V __shfl_xor_sync(unsigned mask, V v, int m, int width = 32) {
