@@ -787,46 +787,59 @@ __global__ void k_gdn_out(float *O, const float *OB, const float *mix, const flo
     for (int64_t i = threadIdx.x; i < dv; i += 32) o[i] = o[i] * s * w[i] * (z[i] / (1.0f + expf(-z[i])));
 }
 
-/* model.c's topk: the k largest p[e] among allowed experts (all when NULL), ties to the lower id. */
-__device__ void topk_dev(const float *p, int64_t n, const unsigned char *allowed, int k, int32_t *idx) {
+/* model.c's topk for one row, by one warp: the k largest p[e] among allowed experts (all when
+ * NULL), ties to the lower id (E <= 1024: lane l owns experts l + 32 j). Each lane finds its own
+ * best untaken candidate, then the warp the best of those (larger p, else lower id): the CPU's
+ * choice. idx is written by lane 0. */
+__device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowed, int k, int32_t *idx) {
+    const int lane = threadIdx.x & 31;
+    uint32_t taken = 0; /* bit j: expert lane + 32 j */
     for (int s = 0; s < k; s++) {
-        int32_t best = -1;
-        for (int64_t e = 0; e < n; e++) {
-            if (allowed && !allowed[e]) continue;
-            int taken = 0;
-            for (int u = 0; u < s; u++) taken |= idx[u] == e;
-            if (taken) continue;
-            if (best < 0 || p[e] > p[best]) best = (int32_t)e;
+        float bv = 0.0f;
+        int be = -1;
+        for (int j = 0; lane + 32 * j < E; j++) {
+            const int e = lane + 32 * j;
+            if (((taken >> j) & 1) || (allowed && !allowed[e])) continue;
+            if (be < 0 || p[e] > bv) bv = p[e], be = e;
         }
-        idx[s] = best;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (oe >= 0 && (be < 0 || ov > bv || (ov == bv && oe < be))) bv = ov, be = oe;
+        }
+        if (lane == 0) idx[s] = be;
+        if (be >= 0 && (be & 31) == lane) taken |= 1u << (be >> 5);
     }
 }
 
 /* MoE routing (spec 2.3 step 1; the coreset of spec 5.6 when coreset != 0), as moe_layer and
- * coreset in model.c, in one block: rows of P (logits [T][E]) become softmax probabilities;
- * sel/wsel [T][k] scratch; out: start [E+1] (expert e's pairs [start[e], start[e+1])), prow and
- * pw [T k] (row and weight of each bucketed pair, rows ascending within a bucket), pair [T][k]
- * (row t's pair indices ascending), tiles (n_tiles; those past the used ones get nr = 0),
- * stats[0] experts used, stats[1] experts in some row's own top-k (coreset only). The
- * per-row loops run one thread per row and the sums sequentially, in the CPU's order. */
+ * coreset in model.c, in one block of 32 warps: rows of P (logits [T][E]) become softmax
+ * probabilities; sel/wsel [T][k] scratch; out: start [E+1] (expert e's pairs [start[e],
+ * start[e+1])), prow and pw [T k] (row and weight of each bucketed pair, rows ascending within a
+ * bucket), pair [T][k] (row t's pair indices ascending), tiles (n_tiles; those past the used
+ * ones get nr = 0), stats[0] experts used, stats[1] experts in some row's own top-k (coreset
+ * only). A warp per row for the softmax and top-k; the coreset's sums (in double) and the
+ * bucketing run on one thread in the CPU's order, its sort as ranks on a thread per expert. */
 #define E_MAX 1024
-__global__ void k_route(float *P, int64_t T, int64_t E, int k, float top_p, int coreset, int32_t *sel, float *wsel,
-                        int32_t *start, int32_t *prow, float *pw, int32_t *pair, tile *tiles, int64_t n_tiles,
-                        int32_t *stats) {
+__global__ void __launch_bounds__(1024)
+    k_route(float *P, int64_t T, int64_t E, int k, float top_p, int coreset, int32_t *sel, float *wsel, int32_t *start,
+            int32_t *prow, float *pw, int32_t *pair, tile *tiles, int64_t n_tiles, int32_t *stats) {
     __shared__ double S[E_MAX];
     __shared__ int32_t order[E_MAX], fill[E_MAX];
     __shared__ unsigned char allowed[E_MAX];
-    const int tid = threadIdx.x, nt = blockDim.x;
-    for (int64_t t = tid; t < T; t += nt) {
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, n_warps = nt >> 5;
+    for (int64_t t = warp; t < T; t += n_warps) {
         float *p = P + t * E, mx = -FLT_MAX;
-        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = lane; e < E; e += 32) mx = p[e] > mx ? p[e] : mx;
+        mx = warp_max(mx);
         double sum = 0;
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-        for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
+        for (int64_t e = lane; e < E; e += 32) sum += (p[e] = expf(p[e] - mx));
+        sum = warp_sum_d(sum);
+        for (int64_t e = lane; e < E; e += 32) p[e] = (float)(p[e] / sum);
     }
     __syncthreads();
     if (coreset) {
-        for (int64_t t = tid; t < T; t += nt) topk_dev(P + t * E, E, NULL, k, sel + t * k);
+        for (int64_t t = warp; t < T; t += n_warps) topk_warp(P + t * E, E, NULL, k, sel + t * k);
         __syncthreads();
         if (tid == 0) {
             for (int64_t e = 0; e < E; e++) S[e] = 0;
@@ -861,12 +874,14 @@ __global__ void k_route(float *P, int64_t T, int64_t E, int k, float top_p, int 
         }
         __syncthreads();
     }
-    for (int64_t t = tid; t < T; t += nt) {
+    for (int64_t t = warp; t < T; t += n_warps) {
         int32_t *st = sel + t * k;
-        topk_dev(P + t * E, E, coreset ? allowed : NULL, k, st);
-        double sum = 0;
-        for (int s = 0; s < k; s++) sum += P[t * E + st[s]];
-        for (int s = 0; s < k; s++) wsel[t * k + s] = (float)(P[t * E + st[s]] / sum);
+        topk_warp(P + t * E, E, coreset ? allowed : NULL, k, st);
+        if (lane == 0) {
+            double sum = 0;
+            for (int s = 0; s < k; s++) sum += P[t * E + st[s]];
+            for (int s = 0; s < k; s++) wsel[t * k + s] = (float)(P[t * E + st[s]] / sum);
+        }
     }
     __syncthreads();
     if (tid != 0) return;
@@ -1033,7 +1048,7 @@ extern "C" int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k
     if (!probs || !sel || !wsel || !start || !prow || !pw || !pair || !tiles || !stats || T <= 0 || E <= 0 ||
         E > E_MAX || k <= 0 || k > E || T > INT32_MAX / k / 2)
         return bad_arg(err, err_size, "route_d: bad arguments (n_expert <= 1024)");
-    LAUNCH(k_route, dim3(1), dim3(256))(probs, T, E, k, coreset_top_p, coreset_top_p > 0.0f, sel, wsel, start, prow, pw,
+    LAUNCH(k_route, dim3(1), dim3(1024))(probs, T, E, k, coreset_top_p, coreset_top_p > 0.0f, sel, wsel, start, prow, pw,
                                         pair, (tile *)tiles, clover_cuda_route_tiles(T * k, E), stats);
     return launched(CLOVER_OK, "route_d", err, err_size);
 }

@@ -27,6 +27,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __constant__
+#define __launch_bounds__(...)
 /* Blocks run one after another, so one static copy serves every block. */
 #define __shared__ static
 
