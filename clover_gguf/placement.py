@@ -14,7 +14,10 @@ import re
 from ._ffi import ffi, lib
 
 PARTS = ("gpu", "dense", "experts", "output", "experts_cpu")
-RESERVE = 512 << 20  # bytes of the budget kept for the CUDA context and activation buffers
+# bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
+# resident forward's buffers for a 512-row prefill pass are about 210 MiB plus 50 MiB of product
+# scratch, 45 MiB for a 32-row block pass: native/model.c res_layout)
+RESERVE = 512 << 20
 
 
 def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = None) -> dict:

@@ -1,9 +1,10 @@
 /* cuda.cu: the CUDA part of the engine (issue 7): device discovery, weight upload, the weight
  * products (matrix-vector and matrix-matrix) for every weight type the CPU engine accepts, the
  * routed experts of a layer as grouped products, gated attention against a KV cache on the
- * device, and the Gated DeltaNet recurrence with its state on the device. The rest of a forward
- * (embedding, norms, RoPE, the GDN convolution, routing, sampling) still runs on the CPU; each
- * call moves its activations to the device and back.
+ * device, and the Gated DeltaNet recurrence with its state on the device, each call moving its
+ * activations to the device and back; and, at the end, the operations of the resident forward
+ * (native/model.c res_forward: norms, RoPE, the GDN convolution and gates, routing, ...) on
+ * activations that stay on the device.
  *
  * A product y[t][r] = sum_j W[r][j] * x[t][j] (W: ne1 rows of ne0 values in its ggml type,
  * x: T rows of ne0 float32) runs one warp per weight row and group of ROWS activation rows.
@@ -11,8 +12,8 @@
  * native/quants.c, i.e. ggml's block layouts) and multiplied in float32 with activations
  * rounded as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below), so results differ
  * from the CPU path only in float rounding (tests/test_cuda.py states the tolerances).
- * Not here yet: a device-resident forward, tensor cores for the many-row case, routing and the
- * sampler on the GPU, CUDA graphs (see the issue note).
+ * Not here yet: tensor cores for the many-row case, the sampler on the GPU, CUDA graphs, a
+ * chunked GDN prefill (see the issue note).
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error
  * code from clover_cuda_devices, not a library that fails to load). */
