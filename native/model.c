@@ -644,7 +644,8 @@ int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx) {
     const int64_t per_layer = (int64_t)hp->n_layer * (int64_t)sizeof(int32_t);
     int64_t cache, gdn, total;
     /* 2 x n_attn x n_ctx x kv floats, checked: the loader's limits alone allow 2^72 */
-    if (__builtin_mul_overflow((int64_t)2 * m->n_attn * n_ctx, kv, &cache) ||
+    const int64_t host_kv = m->resident ? 0 : m->n_attn; /* the resident forward keeps its KV cache on the GPU */
+    if (__builtin_mul_overflow((int64_t)2 * host_kv * n_ctx, kv, &cache) ||
         __builtin_mul_overflow(cache, (int64_t)sizeof(float), &cache) ||
         __builtin_mul_overflow((int64_t)m->n_gdn, gdn_state_floats(hp) + (hp->ssm_d_conv - 1) * conv_channels(hp), &gdn) ||
         __builtin_mul_overflow(gdn, (int64_t)sizeof(float), &gdn) || __builtin_add_overflow(cache, gdn, &total) ||
@@ -704,8 +705,9 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->gdn_chunked = 1;
     atomic_init(&c->abort_req, 0);
     int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
-    c->k_cache = alloc_floats(m->n_attn, n_ctx, kv);
-    c->v_cache = alloc_floats(m->n_attn, n_ctx, kv);
+    /* a resident model's forwards use the device KV cache only (res_attention) */
+    c->k_cache = alloc_floats(m->resident ? 0 : m->n_attn, n_ctx, kv);
+    c->v_cache = alloc_floats(m->resident ? 0 : m->n_attn, n_ctx, kv);
     c->gdn_state = alloc_floats(m->n_gdn, gdn_state_floats(hp), 1);
     c->conv_state = alloc_floats(m->n_gdn, hp->ssm_d_conv - 1, conv_channels(hp));
     c->nexp_full = calloc((size_t)hp->n_layer, sizeof(int32_t));
@@ -1968,30 +1970,26 @@ static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
                                      err, es);
 }
 
-/* The LM head of forward() on the device for the rows it names, groups of RES_LM rows. */
-static int res_lm_head(fwd *f, const res_bufs *b, float *logits, int64_t logit_row0, const uint8_t *rows) {
+/* The LM head of forward() on the device for the n rows whose indices res_pass uploaded to
+ * b->idx (idx: the same on the host), groups of RES_LM rows; rows != NULL: row idx[i] of logits
+ * is written, else rows from 0. */
+static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, float *logits, const uint8_t *rows) {
     const clover_model *m = f->c->m;
-    const int64_t T = f->T, H = m->hp.n_embd, V = m->hp.n_vocab;
-    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T);
+    const int64_t H = m->hp.n_embd, V = m->hp.n_vocab;
     float *lg = rows ? malloc(sizeof(float) * (size_t)(RES_LM * V)) : NULL;
-    int64_t n = 0;
-    int rc = idx && (lg || !rows) ? CLOVER_OK : clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
-    for (int64_t t = rows ? 0 : logit_row0; t < T && rc == CLOVER_OK; t++)
-        if (!rows || rows[t]) idx[n++] = (int32_t)t;
-    if (rc == CLOVER_OK && n) rc = clover_cuda_write(b->idx, 0, idx, sizeof(int32_t) * (size_t)n, f->err, f->err_size);
+    int rc = lg || !rows ? CLOVER_OK : clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
     for (int64_t g0 = 0; g0 < n && rc == CLOVER_OK; g0 += RES_LM) {
         const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM;
         float *dst = rows ? lg : logits + g0 * V;
         if ((rc = clover_cuda_rmsnorm_d(b->x, H, b->idx + g0, m->output_norm_dev, H, ng, m->hp.rms_eps, b->xn, H, f->err,
                                         f->err_size)) ||
             (rc = mm_d(f, &m->output, b->xn, ng, b->logits)) ||
-            (rc = clover_cuda_read(b->logits, 0, dst, sizeof(float) * (size_t)(ng * V), f->err, f->err_size)) ||
-            (rc = check_finite(f, dst, ng * V, -1, NULL)))
+            (rc = clover_cuda_read(b->logits, 0, dst, sizeof(float) * (size_t)(ng * V), f->err, f->err_size)))
             break;
         for (int64_t i = 0; rows && i < ng; i++)
             memcpy(logits + (int64_t)idx[g0 + i] * V, lg + i * V, sizeof(float) * (size_t)V);
     }
-    free(idx), free(lg);
+    free(lg);
     return rc;
 }
 
@@ -2001,21 +1999,26 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     clover_context *c = f->c;
     const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
-    const int64_t T = f->T, H = hp->n_embd, L = hp->n_layer;
+    const int64_t T = f->T, H = hp->n_embd, L = hp->n_layer, V = hp->n_vocab;
     char *err = f->err;
     const size_t es = f->err_size;
     res_bufs b;
     int rc = res_workspace(c, T, &b, err, es);
     if (rc) return rc;
-    /* the embedding rows on the host (a row each, as the CPU), one upload; flags cleared */
+    /* uploads first (each waits for the device): the embedding rows (dequantised here, a row
+     * each, as the CPU), the LM head's row list, cleared flags */
     float *x = malloc(sizeof(float) * (size_t)(T * H));
-    int32_t *flags = calloc((size_t)(4 * L), sizeof(int32_t));
-    if (!x || !flags) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
+    int32_t *flags = calloc((size_t)(4 * L), sizeof(int32_t)), *idx = malloc(sizeof(int32_t) * (size_t)T);
+    int64_t n = 0;
+    if (!x || !flags || !idx) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
-    for (int64_t t = 0; t < T && rc == CLOVER_OK; t++)
+    for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
+        if (logits && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
+    }
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
+    if (rc == CLOVER_OK && n) rc = clover_cuda_write(b.idx, 0, idx, sizeof(int32_t) * (size_t)n, err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++) {
         const clover_layer *ly = &m->layers[il];
         if ((rc = check_abort(f, il)) ||
@@ -2026,18 +2029,21 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
             break;
         rc = res_moe(f, ly, il, &b);
     }
+    if (rc == CLOVER_OK && n && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
+    /* the flags after the logits (no wait in between); a non-finite layer output is named first */
     if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++)
         if (flags[2 * il] || flags[2 * il + 1])
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite value after layer %d (blk.%d) %s (on the GPU, "
                                 "%lld rows)", il, il, flags[2 * il] ? (m->layers[il].is_attn ? "attention" : "gated deltanet")
                                                                    : "moe", (long long)T);
+    if (rc == CLOVER_OK && !rows && n) rc = check_finite(f, logits, n * V, -1, NULL);
+    for (int64_t i = 0; rows && i < n && rc == CLOVER_OK; i++) rc = check_finite(f, logits + idx[i] * V, V, -1, NULL);
     for (int il = 0; il < L && rc == CLOVER_OK; il++) {
         if (f->n_experts_out) f->n_experts_out[il] = flags[2 * L + 2 * il];
         if (f->mode == MODE_BLOCK) c->nexp_full[il] = flags[2 * L + 2 * il + 1];
     }
-    if (rc == CLOVER_OK && logits && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, logits, logit_row0, rows);
-    free(x), free(flags);
+    free(x), free(flags), free(idx);
     return rc;
 }
 

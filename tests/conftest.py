@@ -5,6 +5,8 @@
   fused_experts, seed, block_size, logits_shift, lm_head_gain, router_gain, extra_config, ...).
   Each distinct option set is written once per session under pytest's tmp dir and reused.
 - ``tiny_ckpt``: the default tiny Clover checkpoint (prefix ``model.``, fused experts, seed 0).
+- ``rewrite_gguf(src, dst, kv, tensor_fn)``: a copy of a GGUF with KV values or tensors changed
+  (malformed-input and non-finite tests); ``nan_model``: the tiny f32 model with a NaN in blk.2.
 - ``make_hf_ckpt(**opts) -> pathlib.Path``: session-scoped factory of tiny
   ``Qwen3_5MoeForCausalLM`` checkpoints written by transformers' own ``save_pretrained``
   (sharded, index, transformers' config.json; every parameter random with make_checkpoint's
@@ -19,6 +21,7 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -105,3 +108,50 @@ def make_hf_ckpt(tmp_path_factory):
         return cache[key]
 
     return _make
+
+
+def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, kv: dict | None = None, tensor_fn=None) -> pathlib.Path:
+    """Copy GGUF src to dst with the KV values in kv replaced (key -> (value, GGUFValueType)), or
+    removed (value None), and each tensor's data passed through tensor_fn(name, array)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    w = GGUFWriter(str(dst), arch)
+    kv = kv or {}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name in kv:
+            continue
+        t = f.types[0]
+        if t == GGUFValueType.ARRAY:
+            sub = f.types[-1]
+            vals = [bytes(f.parts[i]).decode() if sub == GGUFValueType.STRING else f.parts[i].tolist()[0]
+                    for i in f.data]
+            w.add_key_value(name, vals, t, sub_type=sub)
+        elif t == GGUFValueType.STRING:
+            w.add_key_value(name, bytes(f.parts[-1]).decode(), t)
+        else:
+            w.add_key_value(name, f.parts[-1].tolist()[0], t)
+    for name, (v, t) in kv.items():
+        if v is not None:
+            w.add_key_value(name, v, t)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if tensor_fn:
+            data = tensor_fn(t.name, data)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return dst
+
+
+@pytest.fixture(scope="session")
+def nan_model(make_gguf, tmp_path_factory):
+    """The tiny f32 model with one NaN in blk.2's post-attention norm."""
+    def fn(name, a):
+        if name == "blk.2.post_attention_norm.weight":
+            a = a.copy()
+            a.reshape(-1)[3] = np.nan
+        return a
+    return rewrite_gguf(make_gguf("f32"), tmp_path_factory.mktemp("nan") / "nan.gguf", tensor_fn=fn)

@@ -508,3 +508,27 @@ def test_saved_state_and_rollback_with_the_gdn_state_on_the_gpu(make_gguf, monke
         assert _clib.clover_context_rollback(ctx, 2, err, len(err)) == 0
         prefill(nxt, got)
         close(got, p1 + p2[:2] + nxt)
+
+
+@gpu
+@pytest.mark.parametrize("resident", ["1", "0"])
+def test_non_finite_values_on_the_gpu_name_the_layer(nan_model, monkeypatch, resident):
+    """A NaN in blk.2's post-attention norm (conftest's nan_model) on a model with every layer on
+    the GPU: the prefill fails with CLOVER_E_NUMERIC naming layer 2's MoE, as on the CPU (the
+    resident forward flags non-finite layer outputs on the device and reads the flags once per
+    forward), in a prefill (twice: the context stays usable) and a block forward."""
+    from clover_gguf import Model
+    from clover_gguf._ffi import CloverError
+
+    monkeypatch.setenv("CLOVER_GPU_RESIDENT", resident)
+    with Model(str(nan_model), n_ctx=128, n_threads=2, n_gpu_layers=-1) as g:
+        assert lib.clover_model_gpu_resident(g._model) == int(resident)
+        ids = g.tokenize("def f(x):")
+        for _ in range(2):
+            with pytest.raises(CloverError, match=r"non-finite value.* after layer 2 \(blk\.2\) moe"):
+                g.generate_tokens(ids, max_tokens=2, mode="ar")
+        lib.clover_context_reset(g._ctx)
+        logits, err = np.zeros((len(ids), g.n_vocab), np.float32), err_buf()
+        rc = lib.clover_block_forward(g._ctx, ffi.new("int32_t[]", ids), len(ids), 0.9,
+                                      ffi.cast("float *", logits.ctypes.data), ffi.NULL, err, len(err))
+        assert rc == lib.CLOVER_E_NUMERIC and "after layer 2 (blk.2) moe" in ffi.string(err).decode(), ffi.string(err)

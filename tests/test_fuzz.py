@@ -33,6 +33,7 @@ import pytest
 
 import clover_gguf
 from clover_gguf._ffi import ERR_SIZE, err_buf, ffi, lib
+from conftest import rewrite_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "fuzz" / "corpus"
@@ -143,42 +144,6 @@ def test_corpus_file_is_refused_with_a_message(path):
 
 
 # ---------------------------------------------------------------------------- model level
-def _rewrite(src: pathlib.Path, dst: pathlib.Path, kv: dict | None = None, tensor_fn=None) -> pathlib.Path:
-    """Copy GGUF src to dst with the KV values in kv replaced (key -> (value, GGUFValueType)), or
-    removed (value None), and each tensor's data passed through tensor_fn(name, array)."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    r = GGUFReader(str(src))
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    w = GGUFWriter(str(dst), arch)
-    kv = kv or {}
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if name in kv:
-            continue
-        t = f.types[0]
-        if t == GGUFValueType.ARRAY:
-            sub = f.types[-1]
-            vals = [bytes(f.parts[i]).decode() if sub == GGUFValueType.STRING else f.parts[i].tolist()[0]
-                    for i in f.data]
-            w.add_key_value(name, vals, t, sub_type=sub)
-        elif t == GGUFValueType.STRING:
-            w.add_key_value(name, bytes(f.parts[-1]).decode(), t)
-        else:
-            w.add_key_value(name, f.parts[-1].tolist()[0], t)
-    for name, (v, t) in kv.items():
-        if v is not None:
-            w.add_key_value(name, v, t)
-    for t in r.tensors:
-        data = np.array(t.data)
-        if tensor_fn:
-            data = tensor_fn(t.name, data)
-        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    return dst
-
-
 def _load_error(path) -> str:
     err = err_buf()
     m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
@@ -210,14 +175,14 @@ def test_model_level_validation(make_gguf, tmp_path):
         "clover.rope.dimension_count": (1000, VT.UINT32, "rope.dimension_count"),
     }
     for i, (key, (v, t, want)) in enumerate(cases.items()):
-        msg = _load_error(_rewrite(src, tmp_path / f"m{i}.gguf", {key: (v, t)}))
+        msg = _load_error(rewrite_gguf(src, tmp_path / f"m{i}.gguf", {key: (v, t)}))
         assert want in msg, (key, msg)
     # a tensor of the wrong shape is named
     from gguf import GGUFReader
     r = GGUFReader(str(src))
     dims = [int(x) for x in next(t for t in r.tensors if t.name == "blk.0.attn_norm.weight").shape]
     assert dims
-    msg = _load_error(_rewrite(src, tmp_path / "shape.gguf", tensor_fn=lambda n, a: a[:-1]
+    msg = _load_error(rewrite_gguf(src, tmp_path / "shape.gguf", tensor_fn=lambda n, a: a[:-1]
                                if n == "blk.0.attn_norm.weight" else a))
     assert "blk.0.attn_norm.weight" in msg and "shape" in msg, msg
 
@@ -264,7 +229,7 @@ def test_nonfinite_values_stop_with_the_layer_named(make_gguf, tmp_path):
     for target, want in [("blk.1.post_attention_norm.weight", "after layer 1"),
                          ("blk.3.attn_norm.weight", "after layer 3"),
                          ("output.weight", "LM head")]:
-        path = _rewrite(src, tmp_path / f"{target}.gguf", tensor_fn=poison(target))
+        path = rewrite_gguf(src, tmp_path / f"{target}.gguf", tensor_fn=poison(target))
         err = err_buf()
         m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
         assert m != ffi.NULL, ffi.string(err)
@@ -299,17 +264,6 @@ def test_native_tests_pass_under_sanitisers(san_build):
     assert " passed" in r.stdout and " failed" not in r.stdout, tail
 
 
-@pytest.fixture(scope="module")
-def nan_model(make_gguf, tmp_path_factory):
-    """The tiny f32 model with one NaN in blk.2's post-attention norm."""
-    def fn(name, a):
-        if name == "blk.2.post_attention_norm.weight":
-            a = a.copy()
-            a.reshape(-1)[3] = np.nan
-        return a
-    return _rewrite(make_gguf("f32"), tmp_path_factory.mktemp("nan") / "nan.gguf", tensor_fn=fn)
-
-
 def test_nonfinite_activations_of_quantised_products_propagate(tmp_path):
     """A NaN entering a Q8_0 / Q8_K-quantised product (the embedded Q8_0 model, a NaN norm weight
     in layer 0) must not vanish in the activation quantiser (it used to become 0: finite garbage
@@ -322,7 +276,7 @@ def test_nonfinite_activations_of_quantised_products_propagate(tmp_path):
             a = a.copy()
             a.reshape(-1)[0] = np.nan
         return a
-    path = _rewrite(pathlib.Path(clover_gguf.DEFAULT_MODEL), tmp_path / "q8nan.gguf", tensor_fn=fn)
+    path = rewrite_gguf(pathlib.Path(clover_gguf.DEFAULT_MODEL), tmp_path / "q8nan.gguf", tensor_fn=fn)
     with Model(str(path), n_ctx=64, n_threads=1) as m:
         for mode in ("ar", "diffusion", "spec"):
             with pytest.raises(CloverError, match=r"non-finite value \(nan\) after layer 0"):

@@ -195,8 +195,10 @@ CLOVER_API size_t clover_struct_size(const char *name);
  * layer, and the scratch buffers. */
 typedef struct clover_context clover_context;
 
-/* Bytes of the per-context state for n_ctx tokens: the F32 KV cache of the attention layers
- * (2 x n_attn x n_ctx x n_head_kv x head_dim x 4) plus the GDN recurrent and conv states; -1
+/* Bytes of the per-context state in system memory for n_ctx tokens: the F32 KV cache of the
+ * attention layers (2 x n_attn x n_ctx x n_head_kv x head_dim x 4; none for a model whose
+ * forwards are resident on the GPU, clover_model_gpu_resident) plus the GDN recurrent and conv
+ * states; -1
  * for a NULL model or n_ctx <= 0, INT64_MAX when the size overflows. clover_context_new refuses
  * (CLOVER_E_NOMEM, "n_ctx: ...") a context that exceeds the memory the kernel reports as
  * available. Per-forward scratch is not included. */
