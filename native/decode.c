@@ -40,6 +40,12 @@ struct clover_decoder {
     int32_t n_masked;  /* diffusion: its slots still masked */
     int32_t n_streamed; /* diffusion: its leading slots already handed out */
     uint8_t *need;     /* [block_size] LM-head rows the next denoising pass needs */
+    clover_logit_op *ops; /* [n_vocab + n_logit_bias + n_end_ids + 2] a row's spec 5.4 edits */
+    /* a resident model's greedy denoising pass (denoise_on_gpu): every needed row's edits
+     * (gops, gops_cap entries) and their ranges (gstart [block_size + 1]) */
+    clover_logit_op *gops;
+    int64_t gops_cap;
+    int32_t *gstart;
 };
 
 /* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
@@ -119,7 +125,7 @@ void clover_decoder_free(clover_decoder *d) {
     if (!d) return;
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
-    free(d->proc), free(d->bias_ids), free(d->bias_values);
+    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -171,8 +177,11 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     d->scratch = malloc(sizeof(float) * (size_t)V);
     d->proc = malloc(sizeof(float) * (size_t)V);
     d->need = malloc((size_t)B);
+    d->ops = malloc(sizeof(clover_logit_op) * ((size_t)V + (size_t)d->p.n_logit_bias + (size_t)d->p.n_end_ids + 2));
+    d->gstart = malloc(sizeof(int32_t) * ((size_t)B + 1));
     if (!d->causal || !d->logits || !d->block || !d->filled || !d->conf || !d->cand || !d->nexp || !d->scratch ||
-        !d->proc || !d->need || clover_history_init(&d->hist, (int32_t)V, p->think_open_id, p->think_close_id))
+        !d->proc || !d->need || !d->ops || !d->gstart ||
+        clover_history_init(&d->hist, (int32_t)V, p->think_open_id, p->think_close_id))
         goto nomem;
     clover_history_prompt(&d->hist, prompt, n_prompt);
     clover_rng_seed(&d->rng, p->seed);
@@ -224,8 +233,7 @@ static int32_t emit(clover_decoder *d, const int32_t *tokens, int32_t n, int32_t
  * penalties count the emitted tokens plus pend[k] (k < n_pend, where on[k] when on is given:
  * the tokens already in the current block), the </think> ramp applies while a thinking section
  * is open at the slot (emitted tokens, then pend[k] for k < j), then the sampler. */
-static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const int32_t *pend,
-                           const unsigned char *on, int32_t n_pend, float *conf) {
+static int slot_push(clover_decoder *d, int32_t j, const int32_t *pend, const unsigned char *on, int32_t n_pend) {
     clover_history *h = &d->hist;
     int think = h->think_open;
     for (int32_t k = 0; k < n_pend; k++) {
@@ -233,10 +241,50 @@ static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const
         clover_history_push(h, pend[k]);
         if (k < j) think = clover_think_state(h, think, pend[k]);
     }
-    clover_process_logits(row, d->proc, h->n_vocab, &d->sp, h, d->st.n_generated + j, think);
+    return think; /* the think state at slot j */
+}
+
+static void slot_pop(clover_decoder *d, const int32_t *pend, const unsigned char *on, int32_t n_pend) {
     for (int32_t k = n_pend - 1; k >= 0; k--)
-        if (!on || on[k]) clover_history_pop(h, pend[k]);
+        if (!on || on[k]) clover_history_pop(&d->hist, pend[k]);
+}
+
+static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const int32_t *pend,
+                           const unsigned char *on, int32_t n_pend, float *conf) {
+    clover_history *h = &d->hist;
+    const int think = slot_push(d, j, pend, on, n_pend);
+    clover_process_logits(row, d->proc, h->n_vocab, &d->sp, h, d->st.n_generated + j, think, d->ops);
+    slot_pop(d, pend, on, n_pend);
     return clover_sample(d->proc, h->n_vocab, &d->sp, &d->rng, conf, d->scratch, NULL);
+}
+
+/* denoise's forward and candidates for a resident model at temperature 0: each needed row's
+ * spec 5.4 edits (those sample_slot would apply) go to the GPU with the block, which selects
+ * there (clover_block_forward_greedy): an id and a confidence per row come back, not logits. */
+static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
+    const int32_t B = d->p.block_size, shift = d->c->m->hp.logits_shift;
+    int64_t n_ops = 0;
+    for (int32_t r = 0; r < B; r++) {
+        d->gstart[r] = (int32_t)n_ops;
+        if (!d->need[r]) continue;
+        const int32_t j = shift ? r + 1 : r;
+        const int think = slot_push(d, j, d->block, d->filled, B);
+        const int64_t need = n_ops + clover_logit_ops_max(&d->sp, &d->hist);
+        if (need > d->gops_cap) {
+            clover_logit_op *g = realloc(d->gops, sizeof(clover_logit_op) * (size_t)(2 * need));
+            if (!g) {
+                slot_pop(d, d->block, d->filled, B);
+                return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the sampler's edits");
+            }
+            d->gops = g, d->gops_cap = 2 * need;
+        }
+        n_ops += clover_logit_ops(&d->sp, &d->hist, d->st.n_generated + j, think, d->gops + n_ops);
+        slot_pop(d, d->block, d->filled, B);
+    }
+    d->gstart[B] = (int32_t)n_ops;
+    /* row r predicts slot r + shift: its id and confidence land in cand, conf of that slot */
+    return clover_block_forward_greedy(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
+                                       d->cand + shift, d->conf + shift, d->nexp, err, err_size);
 }
 
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
@@ -299,16 +347,18 @@ static int denoise(clover_decoder *d, char *err, size_t err_size) {
     for (int32_t r = 0; r < B; r++) d->need[r] = 0;
     for (int32_t j = 0; j < B; j++)
         if (!d->filled[j]) d->need[shift ? j - 1 : j] = 1; /* shift: slot 0 is always filled */
-    int rc = clover_block_forward_rows(c, d->block, B, d->p.coreset_top_p, d->logits, d->need, d->nexp, err,
-                                       err_size);
+    const int on_gpu = c->m->resident && !(d->sp.temperature > 0.0f);
+    int rc = on_gpu ? denoise_on_gpu(d, err, err_size)
+                    : clover_block_forward_rows(c, d->block, B, d->p.coreset_top_p, d->logits, d->need, d->nexp, err,
+                                                err_size);
     if (rc) return rc;
     d->st.n_forward_denoise++;
     count_experts(d);
     int32_t best = -1, n_fill = 0;
     for (int32_t j = 0; j < B; j++) {
         if (d->filled[j]) continue;
-        const float *row = d->logits + (int64_t)(shift ? j - 1 : j) * V;
-        d->cand[j] = sample_slot(d, row, j, d->block, d->filled, B, &d->conf[j]);
+        if (!on_gpu) d->cand[j] = sample_slot(d, d->logits + (int64_t)(shift ? j - 1 : j) * V, j, d->block, d->filled,
+                                              B, &d->conf[j]);
         if (best < 0 || d->conf[j] > d->conf[best]) best = j;
     }
     for (int32_t j = 0; j < B; j++) {

@@ -7,6 +7,7 @@
 #define CLOVER_ENGINE_H
 
 #include "clover.h"
+#include "cuda/cuda_backend.h"
 #include "quants.h"
 
 #include <stdarg.h>
@@ -91,6 +92,8 @@ struct clover_context {
      * gdn_on_dev[slot] covers it too), and the verify record on the device (rec_*'s layout) */
     void *res_ws;
     size_t res_cap;
+    void *ops_dev; /* clover_block_forward_greedy's edits on the device (ops_cap entries) */
+    int64_t ops_cap;
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
@@ -130,6 +133,17 @@ typedef struct {
     float bias_slope, bias_max;
 } clover_sampler_params;
 
+/* The greedy denoising pass of a resident model (clover_model_gpu_resident; spec 5.2-5.4 at
+ * temperature 0): clover_block_forward_rows, but for each row t with rows[t] != 0 the LM head's
+ * row is edited on the GPU by ops[ops_start[t] .. ops_start[t+1]) (clover_logit_ops, with sp's
+ * penalties; ops_start: B + 1 values, empty ranges for the other rows) and reduced there to
+ * id[t], conf[t] as clover_sample gives them at temperature 0: no logits cross to the host.
+ * CLOVER_E_STATE when the model is not resident; else as clover_block_forward_rows. */
+int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+                                const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
+                                const clover_sampler_params *sp, int32_t *id, float *conf, int32_t *n_experts_out,
+                                char *err, size_t err_size);
+
 /* The sampling fields of p (pointers borrowed, so p's arrays must outlive sp). */
 void clover_sampler_params_init(clover_sampler_params *sp, const clover_gen_params *p, int32_t mask_token_id);
 /* Validate the sampling fields of p (temperature, top_k, top_p, min_p, penalties, logit_bias,
@@ -161,11 +175,21 @@ void clover_history_push(clover_history *h, int32_t t);
 void clover_history_pop(clover_history *h, int32_t t);
 /* Think state after token t given the state before it. */
 int clover_think_state(const clover_history *h, int open, int32_t t);
-/* Spec 5.4 on a copy: out = logits with penalties over h (may be NULL: none), then logit_bias and
- * the ramps for generated index n (the </think> ramp only if think_open); the mask token gets
- * -inf. logits is not modified. */
+/* Spec 5.4 as a list of edits of a logits row (clover_logit_op, cuda/cuda_backend.h): penalties
+ * over h (may be NULL: none), then logit_bias and the ramps for generated index n (the </think>
+ * ramp only if think_open), then -inf for the mask token. ops: clover_logit_ops_max(sp, h)
+ * entries; returns how many were written. Only the ids listed change, so the edits can be
+ * applied where the logits are (clover_apply_logit_ops here, clover_cuda_greedy_d on the GPU). */
+int32_t clover_logit_ops_max(const clover_sampler_params *sp, const clover_history *h);
+int32_t clover_logit_ops(const clover_sampler_params *sp, const clover_history *h, int64_t n, int think_open,
+                         clover_logit_op *ops);
+/* Apply n_ops edits to the row z[n_vocab] in order (ids outside [0, n_vocab) are skipped). */
+void clover_apply_logit_ops(float *z, int32_t n_vocab, const clover_logit_op *ops, int32_t n_ops,
+                            const clover_sampler_params *sp);
+/* Spec 5.4 on a copy: out = logits edited by clover_logit_ops (ops: its scratch, as sized there).
+ * logits is not modified. */
 void clover_process_logits(const float *logits, float *out, int32_t n_vocab, const clover_sampler_params *sp,
-                           const clover_history *h, int64_t n, int think_open);
+                           const clover_history *h, int64_t n, int think_open, clover_logit_op *ops);
 
 typedef struct {
     uint64_t s[2];

@@ -736,7 +736,7 @@ void clover_context_free(clover_context *c) {
     clover_cuda_free(c->gdn_dev), clover_cuda_free(c->gdn_snap_dev);
     free(c->gdn_on_dev), free(c->snap_on_dev);
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
-    clover_cuda_free(c->rec_dev);
+    clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev);
     free(c);
 }
 
@@ -831,7 +831,17 @@ typedef struct {
     int32_t *n_experts_out;
     char *err;
     size_t err_size;
+    const struct greedy_req *greedy; /* clover_block_forward_greedy's request, else NULL */
 } fwd;
+
+/* clover_block_forward_greedy's edits and outputs (see there). */
+typedef struct greedy_req {
+    const clover_logit_op *ops;
+    const int32_t *ops_start;
+    const clover_sampler_params *sp;
+    int32_t *id;
+    float *conf;
+} greedy_req;
 
 /* ------------------------------------------------------------------ gated attention (spec 2.2) */
 
@@ -1809,7 +1819,8 @@ enum { RES_ROWS = 512, RES_LM = 32 };
 typedef struct {
     float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
     float *gt, *up, *ys, *sg, *logits;
-    int32_t *sel, *start, *prow, *pair, *idx;
+    int32_t *sel, *start, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf: greedy selection */
+    float *gconf;
     int32_t *flags; /* [n_layer][2] non-finite after the mixer / the MoE, then [n_layer][2] clover_cuda_route_d stats */
     void *tiles;
 } res_bufs;
@@ -1841,6 +1852,7 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->sg = take(base, &off, T, F), b->logits = take(base, &off, LM * hp->n_vocab, F);
     b->sel = take(base, &off, P, I), b->start = take(base, &off, E + 1, I), b->prow = take(base, &off, P, I);
     b->pair = take(base, &off, P, I), b->idx = take(base, &off, T, I);
+    b->gstart = take(base, &off, T + 1, I), b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
     b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I), b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
     return off;
 }
@@ -1993,6 +2005,47 @@ static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n,
     return rc;
 }
 
+/* res_lm_head with greedy selection (clover_block_forward_greedy): the needed rows' edits go up
+ * with them, and only an id and a confidence per row come back. */
+static int res_lm_greedy(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    const greedy_req *g = f->greedy;
+    const int64_t H = m->hp.n_embd, T = f->T, n_ops = g->ops_start[T];
+    char *err = f->err;
+    const size_t es = f->err_size;
+    int32_t *start = malloc(sizeof(int32_t) * (size_t)(n + 1)), *id = malloc(sizeof(int32_t) * (size_t)n);
+    float *conf = malloc(sizeof(float) * (size_t)n);
+    int rc = start && id && conf ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
+    for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) start[i] = g->ops_start[idx[i]]; /* the needed rows' ranges */
+    if (rc == CLOVER_OK) start[n] = (int32_t)n_ops;
+    if (rc == CLOVER_OK && n_ops > c->ops_cap) {
+        clover_cuda_free(c->ops_dev);
+        c->ops_dev = NULL;
+        c->ops_cap = 0;
+        if ((rc = clover_cuda_alloc(sizeof(clover_logit_op) * (size_t)n_ops, &c->ops_dev, err, es)) == CLOVER_OK)
+            c->ops_cap = n_ops;
+    }
+    if (rc == CLOVER_OK && n_ops) rc = clover_cuda_write(c->ops_dev, 0, g->ops, sizeof(clover_logit_op) * (size_t)n_ops, err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b->gstart, 0, start, sizeof(int32_t) * (size_t)(n + 1), err, es);
+    const clover_sampler_params *sp = g->sp;
+    for (int64_t g0 = 0; g0 < n && rc == CLOVER_OK; g0 += RES_LM) {
+        const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM;
+        if ((rc = clover_cuda_rmsnorm_d(b->x, H, b->idx + g0, m->output_norm_dev, H, ng, m->hp.rms_eps, b->xn, H, err,
+                                        es)) ||
+            (rc = mm_d(f, &m->output, b->xn, ng, b->logits)))
+            break;
+        rc = clover_cuda_greedy_d(b->logits, ng, m->hp.n_vocab, c->ops_dev, b->gstart + g0, sp->repetition_penalty,
+                                  sp->frequency_penalty, sp->presence_penalty, sp->mask_token_id, b->gid + g0,
+                                  b->gconf + g0, err, es);
+    }
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
+    for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
+    free(start), free(id), free(conf);
+    return rc;
+}
+
 /* One resident pass over f->T rows (a prefill's rows from rec_row of its recording). */
 static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int64_t logit_row0,
                     const uint8_t *rows) {
@@ -2014,7 +2067,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
-        if (logits && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
+        if ((logits || f->greedy) && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
     }
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
@@ -2029,7 +2082,8 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
             break;
         rc = res_moe(f, ly, il, &b);
     }
-    if (rc == CLOVER_OK && n && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
+    if (rc == CLOVER_OK && n && !(rc = check_abort(f, (int)L)))
+        rc = f->greedy ? res_lm_greedy(f, &b, idx, n) : res_lm_head(f, &b, idx, n, logits, rows);
     /* the flags after the logits (no wait in between); a non-finite layer output is named first */
     if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++)
@@ -2038,7 +2092,8 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
                                 "%lld rows)", il, il, flags[2 * il] ? (m->layers[il].is_attn ? "attention" : "gated deltanet")
                                                                    : "moe", (long long)T);
     if (rc == CLOVER_OK && !rows && n) rc = check_finite(f, logits, n * V, -1, NULL);
-    for (int64_t i = 0; rows && i < n && rc == CLOVER_OK; i++) rc = check_finite(f, logits + idx[i] * V, V, -1, NULL);
+    for (int64_t i = 0; rows && !f->greedy && i < n && rc == CLOVER_OK; i++)
+        rc = check_finite(f, logits + idx[i] * V, V, -1, NULL);
     for (int il = 0; il < L && rc == CLOVER_OK; il++) {
         if (f->n_experts_out) f->n_experts_out[il] = flags[2 * L + 2 * il];
         if (f->mode == MODE_BLOCK) c->nexp_full[il] = flags[2 * L + 2 * il + 1];
@@ -2128,7 +2183,7 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
                               "at most %d tokens", n, c->rec_cap);
-    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size};
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, NULL};
     rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
     if (rc == CLOVER_OK) {
         c->n_past += n;
@@ -2284,14 +2339,11 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
     return rc;
 }
 
-int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
-                         int32_t *n_experts_out, char *err, size_t err_size) {
-    return clover_block_forward_rows(c, tokens, B, coreset_top_p, logits, NULL, n_experts_out, err, err_size);
-}
 
-int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
-                              float *logits, const uint8_t *rows, int32_t *n_experts_out, char *err,
-                              size_t err_size) {
+
+static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
+                         const uint8_t *rows, const greedy_req *greedy, int32_t *n_experts_out, char *err,
+                         size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (!c->m->hp.is_clover)
         return clover_set_err(err, err_size, CLOVER_E_STATE,
@@ -2304,6 +2356,30 @@ int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t 
                               c->n_past, c->n_ctx);
     int rc = check_tokens(c->m, tokens, B, err, err_size);
     if (rc) return rc;
-    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size};
+    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, greedy};
     return forward(&f, tokens, logits, 0, rows);
+}
+
+int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+                              float *logits, const uint8_t *rows, int32_t *n_experts_out, char *err,
+                              size_t err_size) {
+    return block_forward(c, tokens, B, coreset_top_p, logits, rows, NULL, n_experts_out, err, err_size);
+}
+
+int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+                                const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
+                                const clover_sampler_params *sp, int32_t *id, float *conf, int32_t *n_experts_out,
+                                char *err, size_t err_size) {
+    if (!c || !rows || !ops_start || !sp || !id || !conf || (!ops && B > 0 && ops_start[B] > 0))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "block_forward_greedy: NULL argument");
+    if (!c->m->resident)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "block_forward_greedy: the model's forwards are not "
+                              "resident on the GPU");
+    const greedy_req g = {ops, ops_start, sp, id, conf};
+    return block_forward(c, tokens, B, coreset_top_p, NULL, rows, &g, n_experts_out, err, err_size);
+}
+
+int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
+                         int32_t *n_experts_out, char *err, size_t err_size) {
+    return clover_block_forward_rows(c, tokens, B, coreset_top_p, logits, NULL, n_experts_out, err, err_size);
 }

@@ -155,36 +155,61 @@ static float ramp(const clover_sampler_params *sp, int64_t n, int32_t start) {
     return (float)(x < sp->bias_max ? x : sp->bias_max);
 }
 
-void clover_process_logits(const float *logits, float *out, int32_t n_vocab, const clover_sampler_params *sp,
-                           const clover_history *h, int64_t n, int think_open) {
-    memcpy(out, logits, sizeof(float) * (size_t)n_vocab);
+int32_t clover_logit_ops_max(const clover_sampler_params *sp, const clover_history *h) {
+    return (h ? h->n_seen : 0) + sp->n_bias + 1 + sp->n_end_ids + 1;
+}
+
+int32_t clover_logit_ops(const clover_sampler_params *sp, const clover_history *h, int64_t n, int think_open,
+                         clover_logit_op *ops) {
+    int32_t n_ops = 0;
     /* penalties (spec 5.4), in llama.cpp's order: repetition (CTRL: over prompt + generated,
      * positive logits divided, others multiplied), then frequency and presence over the generated
      * tokens (committed plus filled in the current block); frequency is OpenAI's, the spec is
      * silent on it, and counts the same history as presence. */
     const float rep = sp->repetition_penalty, pres = sp->presence_penalty, freq = sp->frequency_penalty;
-    if (h && (rep != 1.0f || pres != 0.0f || freq != 0.0f)) {
-        for (int32_t k = 0; k < h->n_seen; k++) {
-            const int32_t i = h->seen[k], c = h->count[i];
-            float z = out[i];
-            if (rep != 1.0f) z = z > 0.0f ? z / rep : z * rep;
-            if (c > 0) z -= (float)c * freq + pres;
-            out[i] = z;
-        }
-    }
+    if (h && (rep != 1.0f || pres != 0.0f || freq != 0.0f))
+        for (int32_t k = 0; k < h->n_seen; k++)
+            ops[n_ops++] = (clover_logit_op){CLOVER_OP_PENALTY, h->seen[k], h->count[h->seen[k]], 0.0f};
     /* soft biases: the caller's logit_bias (repeated ids add up), then the ramps of spec 5.4 */
-    for (int32_t k = 0; k < sp->n_bias; k++) out[sp->bias_ids[k]] += sp->bias_values[k];
+    for (int32_t k = 0; k < sp->n_bias; k++)
+        ops[n_ops++] = (clover_logit_op){CLOVER_OP_ADD, sp->bias_ids[k], 0, sp->bias_values[k]};
     if (sp->bias_slope > 0.0f && sp->bias_max > 0.0f) {
         if (think_open && sp->think_close_id >= 0)
-            out[sp->think_close_id] += ramp(sp, n, sp->think_close_bias_start);
+            ops[n_ops++] = (clover_logit_op){CLOVER_OP_ADD, sp->think_close_id, 0, ramp(sp, n, sp->think_close_bias_start)};
         const float b = ramp(sp, n, sp->eos_bias_start);
         for (int32_t k = 0; k < sp->n_end_ids && b > 0.0f; k++) {
             int dup = 0; /* an id listed twice gets the ramp once */
             for (int32_t q = 0; q < k && !dup; q++) dup = sp->end_ids[q] == sp->end_ids[k];
-            if (!dup) out[sp->end_ids[k]] += b;
+            if (!dup) ops[n_ops++] = (clover_logit_op){CLOVER_OP_ADD, sp->end_ids[k], 0, b};
         }
     }
-    if (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab) out[sp->mask_token_id] = -INFINITY;
+    if (sp->mask_token_id >= 0) ops[n_ops++] = (clover_logit_op){CLOVER_OP_MASK, sp->mask_token_id, 0, 0.0f};
+    return n_ops;
+}
+
+void clover_apply_logit_ops(float *z, int32_t n_vocab, const clover_logit_op *ops, int32_t n_ops,
+                            const clover_sampler_params *sp) {
+    const float rep = sp->repetition_penalty, pres = sp->presence_penalty, freq = sp->frequency_penalty;
+    for (int32_t k = 0; k < n_ops; k++) {
+        const clover_logit_op o = ops[k];
+        if (o.id < 0 || o.id >= n_vocab) continue;
+        if (o.kind == CLOVER_OP_PENALTY) {
+            float v = z[o.id];
+            if (rep != 1.0f) v = v > 0.0f ? v / rep : v * rep;
+            if (o.count > 0) v -= (float)o.count * freq + pres;
+            z[o.id] = v;
+        } else if (o.kind == CLOVER_OP_ADD) {
+            z[o.id] += o.value;
+        } else {
+            z[o.id] = -INFINITY;
+        }
+    }
+}
+
+void clover_process_logits(const float *logits, float *out, int32_t n_vocab, const clover_sampler_params *sp,
+                           const clover_history *h, int64_t n, int think_open, clover_logit_op *ops) {
+    memcpy(out, logits, sizeof(float) * (size_t)n_vocab);
+    clover_apply_logit_ops(out, n_vocab, ops, clover_logit_ops(sp, h, n, think_open, ops), sp);
 }
 
 /* ---------------------------------------------------------------- sampling (spec 5.3) */
@@ -325,7 +350,14 @@ int32_t clover_sample_logits(const float *logits, int32_t n_vocab, int32_t mask_
     for (int32_t i = 0; i < n_generated; i++) clover_history_add(&h, generated[i]);
     clover_sampler_params sp;
     clover_sampler_params_init(&sp, p, mask_token_id);
-    clover_process_logits(logits, out, n_vocab, &sp, &h, n_generated, h.think_open);
+    clover_logit_op *ops = malloc(sizeof(clover_logit_op) * (size_t)clover_logit_ops_max(&sp, &h));
+    if (!ops) {
+        clover_history_free(&h);
+        free(out), free(scratch);
+        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for %d logits", n_vocab);
+    }
+    clover_process_logits(logits, out, n_vocab, &sp, &h, n_generated, h.think_open, ops);
+    free(ops);
     if (processed) memcpy(processed, out, sizeof(float) * (size_t)n_vocab);
     clover_rng rng;
     clover_rng_seed(&rng, p->seed);

@@ -1115,3 +1115,76 @@ extern "C" int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *b
     LAUNCH(k_add, cover(n), dim3(256))(x, o, n, bad);
     return launched(CLOVER_OK, "add_d", err, err_size);
 }
+
+/* native/sampler.c clover_apply_logit_ops on row blockIdx.x of Z, by one thread, in order. */
+__global__ void k_logit_ops(float *Z, int64_t V, const clover_logit_op *ops, const int32_t *start, float rep, float freq,
+                            float pres) {
+    float *z = Z + (int64_t)blockIdx.x * V;
+    for (int32_t k = start[blockIdx.x]; k < start[blockIdx.x + 1]; k++) {
+        const clover_logit_op o = ops[k];
+        if (o.id < 0 || o.id >= V) continue;
+        if (o.kind == CLOVER_OP_PENALTY) {
+            float v = z[o.id];
+            if (rep != 1.0f) v = v > 0.0f ? v / rep : v * rep;
+            if (o.count > 0) v -= (float)o.count * freq + pres;
+            z[o.id] = v;
+        } else if (o.kind == CLOVER_OP_ADD) {
+            z[o.id] += o.value;
+        } else {
+            z[o.id] = -INFINITY;
+        }
+    }
+}
+
+/* clover_sample at temperature 0 (native/sampler.c) on row blockIdx.x of Z, 256 threads: the
+ * argmax over ids other than mask (the lowest id among equal maxima, the CPU's first strict
+ * maximum), then 1 / sum of exp(z - z_max) in double, as tree reductions. */
+__global__ void k_greedy(const float *Z, int64_t V, int32_t mask, int32_t *ids, float *conf) {
+    __shared__ float sv[256];
+    __shared__ int32_t si[256];
+    __shared__ double ss[256];
+    const float *z = Z + (int64_t)blockIdx.x * V;
+    const int tid = threadIdx.x;
+    float bv = -FLT_MAX;
+    int32_t bi = -1;
+    for (int64_t i = tid; i < V; i += 256) {
+        if (i == mask) continue;
+        if (bi < 0 || z[i] > bv) bv = z[i], bi = (int32_t)i;
+    }
+    sv[tid] = bv, si[tid] = bi;
+    __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) {
+        if (tid < s) {
+            const float ov = sv[tid + s];
+            const int32_t oi = si[tid + s];
+            if (oi >= 0 && (si[tid] < 0 || ov > sv[tid] || (ov == sv[tid] && oi < si[tid]))) sv[tid] = ov, si[tid] = oi;
+        }
+        __syncthreads();
+    }
+    const float zmax = sv[0];
+    const int32_t best = si[0];
+    double sum = 0;
+    for (int64_t i = tid; i < V && best >= 0; i += 256)
+        if (i != mask) sum += exp((double)z[i] - zmax);
+    __syncthreads(); /* every thread has read sv[0] and si[0] */
+    ss[tid] = sum;
+    __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) {
+        if (tid < s) ss[tid] += ss[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        ids[blockIdx.x] = best;
+        conf[blockIdx.x] = best < 0 ? 0.0f : (float)(1.0 / ss[0]);
+    }
+}
+
+extern "C" int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
+                                    float repetition, float frequency, float presence, int32_t mask_id, int32_t *id,
+                                    float *conf, char *err, size_t err_size) {
+    if (!z || !start || !id || !conf || n <= 0 || n > INT32_MAX || V <= 0 || V > INT32_MAX)
+        return bad_arg(err, err_size, "greedy_d: bad arguments");
+    LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence);
+    LAUNCH(k_greedy, dim3((unsigned)n), dim3(256))(z, V, mask_id, id, conf);
+    return launched(CLOVER_OK, "greedy_d", err, err_size);
+}

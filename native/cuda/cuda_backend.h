@@ -144,6 +144,23 @@ int clover_cuda_swiglu_d(float *g, const float *u, int64_t n, char *err, size_t 
 int clover_cuda_moe_combine_d(float *x, const float *yg, const float *pw, const int32_t *pair, int32_t k,
                               const float *ys, const float *sg, int64_t T, int64_t H, int32_t *bad, char *err,
                               size_t err_size);
+/* One edit of a logits row by the sampler's processing (spec 5.4; native/sampler.c
+ * clover_logit_ops): PENALTY: z[id] through the repetition penalty, then minus count * frequency
+ * + presence when count > 0; ADD: z[id] += value; MASK: z[id] = -inf. */
+typedef struct {
+    int32_t kind, id, count;
+    float value;
+} clover_logit_op;
+enum { CLOVER_OP_PENALTY = 0, CLOVER_OP_ADD = 1, CLOVER_OP_MASK = 2 };
+/* Greedy selection on the GPU (spec 5.3 at temperature 0, as clover_sample): for each of the n
+ * rows of z [n][V] (device, edited in place), the edits ops[start[r] .. start[r+1]) (device;
+ * start: n + 1 int32) with the penalties repetition, frequency, presence, then id[r] = the argmax
+ * (lowest id on ties, never mask_id) and conf[r] = its softmax probability, 1 / sum over ids
+ * other than mask_id of exp(z - z_max) in double (id and conf: device, n each; id -1 and conf 0
+ * when no id is left). */
+int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
+                         float repetition, float frequency, float presence, int32_t mask_id, int32_t *id, float *conf,
+                         char *err, size_t err_size);
 /* x += o over n values; *bad (int32) = 1 when a result is not finite. */
 int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size);
 
