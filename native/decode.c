@@ -46,6 +46,8 @@ struct clover_decoder {
     clover_logit_op *gops;
     int64_t gops_cap;
     int32_t *gstart;
+    int32_t next_tok; /* ar on a resident model at temperature 0: the next token, selected on the GPU */
+    int have_next;
 };
 
 /* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
@@ -289,7 +291,8 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
 
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
     float conf;
-    int32_t t = sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    int32_t t = d->have_next ? d->next_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    d->have_next = 0;
     *n_out = emit(d, &t, 1, out);
     if (is_end(d, t) && *n_out == 1) {
         d->done = 1;
@@ -301,7 +304,15 @@ static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, s
         d->st.finish_reason = CLOVER_FINISH_LENGTH;
         return 0;
     }
-    int rc = clover_prefill(d->c, &t, 1, d->causal, 0, err, err_size);
+    int rc;
+    if (d->c->m->resident && !(d->sp.temperature > 0.0f)) {
+        /* the next token's edits are known now (t is in the history): select it on the GPU */
+        const int32_t n_ops = clover_logit_ops(&d->sp, &d->hist, d->st.n_generated, d->hist.think_open, d->ops);
+        rc = clover_prefill_greedy(d->c, &t, 1, d->ops, n_ops, &d->sp, &d->next_tok, &conf, err, err_size);
+        d->have_next = rc == CLOVER_OK;
+    } else {
+        rc = clover_prefill(d->c, &t, 1, d->causal, 0, err, err_size);
+    }
     if (rc) return rc;
     d->st.n_forward_decode++;
     return 1;

@@ -143,6 +143,12 @@ int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
                                 const clover_sampler_params *sp, int32_t *id, float *conf, int32_t *n_experts_out,
                                 char *err, size_t err_size);
+/* clover_prefill of n <= 512 tokens on a resident model with greedy selection of the last row
+ * on the GPU (as clover_block_forward_greedy, with its n_ops edits): *id and *conf instead of
+ * logits. CLOVER_E_STATE when the model is not resident. */
+int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, const clover_logit_op *ops,
+                          int32_t n_ops, const clover_sampler_params *sp, int32_t *id, float *conf, char *err,
+                          size_t err_size);
 
 /* The sampling fields of p (pointers borrowed, so p's arrays must outlive sp). */
 void clover_sampler_params_init(clover_sampler_params *sp, const clover_gen_params *p, int32_t mask_token_id);

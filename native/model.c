@@ -2091,8 +2091,8 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite value after layer %d (blk.%d) %s (on the GPU, "
                                 "%lld rows)", il, il, flags[2 * il] ? (m->layers[il].is_attn ? "attention" : "gated deltanet")
                                                                    : "moe", (long long)T);
-    if (rc == CLOVER_OK && !rows && n) rc = check_finite(f, logits, n * V, -1, NULL);
-    for (int64_t i = 0; rows && !f->greedy && i < n && rc == CLOVER_OK; i++)
+    if (rc == CLOVER_OK && logits && !rows && n) rc = check_finite(f, logits, n * V, -1, NULL);
+    for (int64_t i = 0; logits && rows && i < n && rc == CLOVER_OK; i++)
         rc = check_finite(f, logits + idx[i] * V, V, -1, NULL);
     for (int il = 0; il < L && rc == CLOVER_OK; il++) {
         if (f->n_experts_out) f->n_experts_out[il] = flags[2 * L + 2 * il];
@@ -2171,8 +2171,8 @@ done:
     return rc;
 }
 
-int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
-                   char *err, size_t err_size) {
+static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   const greedy_req *greedy, char *err, size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (n <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d must be > 0", n);
     if ((int64_t)c->n_past + n > c->n_ctx)
@@ -2183,7 +2183,7 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
                               "at most %d tokens", n, c->rec_cap);
-    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, NULL};
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, greedy};
     rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
     if (rc == CLOVER_OK) {
         c->n_past += n;
@@ -2191,6 +2191,36 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     } else {
         clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
     }
+    return rc;
+}
+
+int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   char *err, size_t err_size) {
+    return prefill(c, tokens, n, logits, all_logits, NULL, err, err_size);
+}
+
+int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, const clover_logit_op *ops,
+                          int32_t n_ops, const clover_sampler_params *sp, int32_t *id, float *conf, char *err,
+                          size_t err_size) {
+    if (!c || !sp || !id || !conf || (n_ops > 0 && !ops) || n_ops < 0)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_greedy: NULL argument or n_ops < 0");
+    if (!c->m->resident)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "prefill_greedy: the model's forwards are not resident "
+                              "on the GPU");
+    if (n <= 0 || n > RES_ROWS)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_greedy", n,
+                              (int)RES_ROWS);
+    int32_t *start = malloc(sizeof(int32_t) * ((size_t)n + 1)), *ids = malloc(sizeof(int32_t) * (size_t)n);
+    float *confs = malloc(sizeof(float) * (size_t)n);
+    int rc = start && ids && confs ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    if (rc == CLOVER_OK) {
+        for (int32_t t = 0; t < n; t++) start[t] = 0; /* the edits are the last row's */
+        start[n] = n_ops;
+        const greedy_req g = {ops, start, sp, ids, confs};
+        rc = prefill(c, tokens, n, NULL, 0, &g, err, err_size);
+    }
+    if (rc == CLOVER_OK) *id = ids[n - 1], *conf = confs[n - 1];
+    free(start), free(ids), free(confs);
     return rc;
 }
 

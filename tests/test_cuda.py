@@ -536,21 +536,23 @@ def test_non_finite_values_on_the_gpu_name_the_layer(nan_model, monkeypatch, res
 
 @gpu
 def test_greedy_selection_on_the_gpu_applies_the_samplers_edits(make_gguf):
-    """Diffusion at temperature 0 on a resident model selects on the GPU
-    (clover_block_forward_greedy: the sampler's spec 5.4 edits of each needed row go up, an id
-    and a confidence come back): with logit_bias, with penalties (negative, so that they change
-    this random model's output) and with the end-token ramp, the tokens equal the CPU's, and
-    each setting changes them from the plain run (so the edits are exercised)."""
+    """Diffusion and ar at temperature 0 on a resident model select on the GPU
+    (clover_block_forward_greedy, clover_prefill_greedy: the sampler's spec 5.4 edits of each
+    needed row go up, an id and a confidence come back): with logit_bias, with penalties
+    (negative, so that they change this random model's output) and with the end-token ramp, the
+    tokens equal the CPU's, and each setting changes them from the plain run (so the edits are
+    exercised)."""
     from clover_gguf import Model
 
     path = make_gguf("f32", **GEN_MODEL)
     with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
         assert lib.clover_model_gpu_resident(g._model) == 1
         ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
-        plain = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode="diffusion", end_ids=[])[0]
-        for kw in (dict(logit_bias={plain[2]: -40.0, plain[5]: -40.0, 100: 9.0}, end_ids=[]),
-                   dict(repeat_penalty=0.5, presence_penalty=-8.0, frequency_penalty=-1.0, end_ids=[]),
-                   dict(end_ids=[plain[6]], eos_bias_start=1, bias_slope=4.0, bias_max=20.0)):
-            want = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode="diffusion", **kw)[0]
-            assert want != plain, kw
-            assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode="diffusion", **kw)[0] == want, kw
+        for mode in ("diffusion", "ar"):
+            plain = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0]
+            for kw in (dict(logit_bias={plain[2]: -40.0, plain[5]: -40.0, 100: 9.0}, end_ids=[]),
+                       dict(repeat_penalty=0.5, presence_penalty=-8.0, frequency_penalty=-1.0, end_ids=[]),
+                       dict(end_ids=[plain[6]], eos_bias_start=1, bias_slope=4.0, bias_max=20.0)):
+                want = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, **kw)[0]
+                assert want != plain, (mode, kw)
+                assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, **kw)[0] == want, (mode, kw)
