@@ -260,33 +260,45 @@ static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const
     return clover_sample(d->proc, h->n_vocab, &d->sp, &d->rng, conf, d->scratch, NULL);
 }
 
+/* Append to gops (grown as needed) the spec 5.4 edits sample_slot would apply to slot j with
+ * those pending tokens; *n_ops: the entries so far. */
+static int row_ops(clover_decoder *d, int64_t *n_ops, int32_t j, const int32_t *pend, const unsigned char *on,
+                   int32_t n_pend, char *err, size_t err_size) {
+    const int think = slot_push(d, j, pend, on, n_pend);
+    const int64_t need = *n_ops + clover_logit_ops_max(&d->sp, &d->hist);
+    if (need > d->gops_cap) {
+        clover_logit_op *g = realloc(d->gops, sizeof(clover_logit_op) * (size_t)(2 * need));
+        if (!g) {
+            slot_pop(d, pend, on, n_pend);
+            return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the sampler's edits");
+        }
+        d->gops = g, d->gops_cap = 2 * need;
+    }
+    *n_ops += clover_logit_ops(&d->sp, &d->hist, d->st.n_generated + j, think, d->gops + *n_ops);
+    slot_pop(d, pend, on, n_pend);
+    return CLOVER_OK;
+}
+
+/* Whether a greedy selection can run on the GPU: a resident model at temperature 0. */
+static int select_on_gpu(const clover_decoder *d) { return d->c->m->resident && !(d->sp.temperature > 0.0f); }
+
 /* denoise's forward and candidates for a resident model at temperature 0: each needed row's
  * spec 5.4 edits (those sample_slot would apply) go to the GPU with the block, which selects
  * there (clover_block_forward_greedy): an id and a confidence per row come back, not logits. */
 static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
     const int32_t B = d->p.block_size, shift = d->c->m->hp.logits_shift;
     int64_t n_ops = 0;
-    for (int32_t r = 0; r < B; r++) {
+    int rc = CLOVER_OK;
+    for (int32_t r = 0; r < B && rc == CLOVER_OK; r++) {
         d->gstart[r] = (int32_t)n_ops;
-        if (!d->need[r]) continue;
-        const int32_t j = shift ? r + 1 : r;
-        const int think = slot_push(d, j, d->block, d->filled, B);
-        const int64_t need = n_ops + clover_logit_ops_max(&d->sp, &d->hist);
-        if (need > d->gops_cap) {
-            clover_logit_op *g = realloc(d->gops, sizeof(clover_logit_op) * (size_t)(2 * need));
-            if (!g) {
-                slot_pop(d, d->block, d->filled, B);
-                return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the sampler's edits");
-            }
-            d->gops = g, d->gops_cap = 2 * need;
-        }
-        n_ops += clover_logit_ops(&d->sp, &d->hist, d->st.n_generated + j, think, d->gops + n_ops);
-        slot_pop(d, d->block, d->filled, B);
+        if (d->need[r]) rc = row_ops(d, &n_ops, shift ? r + 1 : r, d->block, d->filled, B, err, err_size);
     }
     d->gstart[B] = (int32_t)n_ops;
     /* row r predicts slot r + shift: its id and confidence land in cand, conf of that slot */
-    return clover_block_forward_greedy(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
-                                       d->cand + shift, d->conf + shift, d->nexp, err, err_size);
+    if (rc == CLOVER_OK)
+        rc = clover_block_forward_greedy(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
+                                         d->cand + shift, d->conf + shift, d->nexp, err, err_size);
+    return rc;
 }
 
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
@@ -305,10 +317,13 @@ static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, s
         return 0;
     }
     int rc;
-    if (d->c->m->resident && !(d->sp.temperature > 0.0f)) {
-        /* the next token's edits are known now (t is in the history): select it on the GPU */
-        const int32_t n_ops = clover_logit_ops(&d->sp, &d->hist, d->st.n_generated, d->hist.think_open, d->ops);
-        rc = clover_prefill_greedy(d->c, &t, 1, d->ops, n_ops, &d->sp, &d->next_tok, &conf, err, err_size);
+    if (select_on_gpu(d)) { /* the next token's edits are known now (t is in the history) */
+        int64_t n_ops = 0;
+        d->gstart[0] = 0;
+        rc = row_ops(d, &n_ops, 0, NULL, NULL, 0, err, err_size);
+        d->gstart[1] = (int32_t)n_ops;
+        if (rc == CLOVER_OK)
+            rc = clover_prefill_greedy(d->c, &t, 1, 0, d->gops, d->gstart, &d->sp, &d->next_tok, &conf, err, err_size);
         d->have_next = rc == CLOVER_OK;
     } else {
         rc = clover_prefill(d->c, &t, 1, d->causal, 0, err, err_size);
@@ -487,24 +502,56 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         return 1;
     }
     for (int32_t j = 1; j < B; j++) d->block[j] = hp->mask_token_id;
-    int rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
+    /* on the GPU, the draft's edits must not depend on the drafted tokens: no penalties, and no
+     * </think> ramp that a drafted think token could switch */
+    const clover_sampler_params *sp = &d->sp;
+    const int gpu = select_on_gpu(d),
+              draft_gpu = gpu && sp->repetition_penalty == 1.0f && sp->presence_penalty == 0.0f &&
+                          sp->frequency_penalty == 0.0f &&
+                          !(sp->bias_slope > 0.0f && sp->bias_max > 0.0f && sp->think_close_id >= 0);
+    int rc = CLOVER_OK;
+    if (draft_gpu) { /* row j - 1 predicts slot j (logits_shift) */
+        int64_t n_ops = 0;
+        for (int32_t r = 0; r < B && rc == CLOVER_OK; r++) {
+            d->gstart[r] = (int32_t)n_ops, d->need[r] = r < B - 1;
+            if (r < B - 1) rc = row_ops(d, &n_ops, r + 1, d->block, NULL, r + 1, err, err_size);
+        }
+        d->gstart[B] = (int32_t)n_ops;
+        if (rc == CLOVER_OK)
+            rc = clover_block_forward_greedy(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp,
+                                             d->block + 1, d->conf + 1, d->nexp, err, err_size);
+    } else {
+        rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
+    }
     if (rc) return rc;
     d->st.n_forward_draft++;
     count_experts(d);
-    for (int32_t j = 1; j < B; j++) /* slot j is predicted by row j - 1 (logits_shift) */
+    for (int32_t j = 1; j < B && !draft_gpu; j++) /* slot j is predicted by row j - 1 (logits_shift) */
         d->block[j] = sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
-    const int chunked = c->gdn_chunked;
-    c->gdn_chunked = 0;
-    rc = clover_prefill(c, d->block, B, d->logits, 1, err, err_size);
-    c->gdn_chunked = chunked;
+    if (gpu) { /* a_i's edits: after block[0..i], known now */
+        int64_t n_ops = 0;
+        for (int32_t i = 0; i < B && rc == CLOVER_OK; i++) {
+            d->gstart[i] = (int32_t)n_ops;
+            rc = row_ops(d, &n_ops, i + 1, d->block, NULL, i + 1, err, err_size);
+        }
+        d->gstart[B] = (int32_t)n_ops;
+        if (rc == CLOVER_OK)
+            rc = clover_prefill_greedy(c, d->block, B, 1, d->gops, d->gstart, sp, d->cand, d->conf, err, err_size);
+    } else {
+        const int chunked = c->gdn_chunked;
+        c->gdn_chunked = 0;
+        rc = clover_prefill(c, d->block, B, d->logits, 1, err, err_size);
+        c->gdn_chunked = chunked;
+    }
     if (rc) return rc;
     d->st.n_forward_verify++;
     int32_t acc = 0, next = -1;
     for (int32_t i = 0; i < B; i++) {
         /* a_i predicts slot i + 1 after block[0..i] (spec 5.4 history as ar would have it) */
-        const int32_t a = sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf);
+        const int32_t a =
+            gpu ? d->cand[i] : sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf);
         if (i + 1 < B && d->block[i + 1] == a) {
             acc++;
             continue;

@@ -63,7 +63,8 @@ struct clover_context {
     clover_model *m;
     int32_t n_ctx, n_threads, n_past;
     int gdn_chunked;
-    float *k_cache, *v_cache;  /* [n_attn][n_ctx][n_head_kv*head_dim] */
+    float *k_cache, *v_cache;  /* [n_attn][n_ctx][n_head_kv*head_dim] (kv_host; else unused: resident model) */
+    int kv_host;
     /* the KV cache of the attention layers offloaded to the GPU, on the device (allocated at
      * their first forward; one [n_ctx][n_head_kv*head_dim] block per offloaded layer, in layer
      * order); rows [0, kv_dev_rows[slot]) equal the host cache's */
@@ -143,12 +144,13 @@ int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
                                 const clover_sampler_params *sp, int32_t *id, float *conf, int32_t *n_experts_out,
                                 char *err, size_t err_size);
-/* clover_prefill of n <= 512 tokens on a resident model with greedy selection of the last row
- * on the GPU (as clover_block_forward_greedy, with its n_ops edits): *id and *conf instead of
- * logits. CLOVER_E_STATE when the model is not resident. */
-int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, const clover_logit_op *ops,
-                          int32_t n_ops, const clover_sampler_params *sp, int32_t *id, float *conf, char *err,
-                          size_t err_size);
+/* clover_prefill of n <= 512 tokens on a resident model with greedy selection on the GPU (as
+ * clover_block_forward_greedy, the edits of row t in ops[ops_start[t] .. ops_start[t+1]),
+ * ops_start: n + 1 values) of every row (all_rows: id, conf [n]) or of the last (id, conf [1])
+ * instead of logits. CLOVER_E_STATE when the model is not resident. */
+int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
+                          const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
+                          int32_t *id, float *conf, char *err, size_t err_size);
 
 /* The sampling fields of p (pointers borrowed, so p's arrays must outlive sp). */
 void clover_sampler_params_init(clover_sampler_params *sp, const clover_gen_params *p, int32_t mask_token_id);

@@ -478,12 +478,15 @@ static int make_resident(clover_model *m, char *err, size_t err_size) {
     int rc = CLOVER_OK;
     for (int il = 0; il < m->hp.n_layer && rc == CLOVER_OK; il++) {
         layer_vectors(&m->hp, &m->layers[il], v);
-        for (int i = 0; v[i].host && rc == CLOVER_OK; i++)
+        for (int i = 0; v[i].host && rc == CLOVER_OK; i++) {
             rc = clover_cuda_upload(v[i].host, sizeof(float) * (size_t)v[i].n, (void **)v[i].dev, err, err_size);
+            m->gpu_bytes += rc == CLOVER_OK ? (int64_t)sizeof(float) * v[i].n : 0;
+        }
     }
     if (rc == CLOVER_OK)
         rc = clover_cuda_upload(m->output_norm, sizeof(float) * (size_t)m->hp.n_embd, (void **)&m->output_norm_dev, err,
                                 err_size);
+    m->gpu_bytes += rc == CLOVER_OK ? (int64_t)sizeof(float) * m->hp.n_embd : 0;
     m->resident = rc == CLOVER_OK;
     return rc;
 }
@@ -708,6 +711,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     /* a resident model's forwards use the device KV cache only (res_attention) */
     c->k_cache = alloc_floats(m->resident ? 0 : m->n_attn, n_ctx, kv);
     c->v_cache = alloc_floats(m->resident ? 0 : m->n_attn, n_ctx, kv);
+    c->kv_host = !m->resident;
     c->gdn_state = alloc_floats(m->n_gdn, gdn_state_floats(hp), 1);
     c->conv_state = alloc_floats(m->n_gdn, hp->ssm_d_conv - 1, conv_channels(hp));
     c->nexp_full = calloc((size_t)hp->n_layer, sizeof(int32_t));
@@ -911,6 +915,20 @@ static int kv_dev_alloc(clover_context *c, char *err, size_t err_size) {
     return rc;
 }
 
+/* Bring rows [kv_dev_rows[slot], pos) of attention layer slot's device KV cache up to date with
+ * the host cache (rows a CPU forward wrote since). */
+static int kv_dev_catch_up(clover_context *c, int slot, int64_t pos, char *err, size_t err_size) {
+    const int64_t have = c->kv_dev_rows[slot];
+    if (have >= pos) return CLOVER_OK;
+    const size_t row = sizeof(float) * (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim;
+    const size_t layer_bytes = row * (size_t)c->n_ctx, host = layer_bytes * (size_t)slot;
+    const size_t dev = layer_bytes * (size_t)offloaded_attn(c->m, slot);
+    const size_t off = row * (size_t)have, n = row * (size_t)(pos - have);
+    int rc = clover_cuda_write(c->k_dev, dev + off, (const char *)c->k_cache + host + off, n, err, err_size);
+    if (rc == CLOVER_OK) rc = clover_cuda_write(c->v_dev, dev + off, (const char *)c->v_cache + host + off, n, err, err_size);
+    return rc;
+}
+
 /* Attention of an offloaded layer on the GPU (clover_cuda_attention): the context's device KV
  * cache (the offloaded layers only) is allocated at the first call and brought up to date with
  * the host cache (rows a CPU forward wrote since) before the new rows go in; q, k, v as
@@ -923,16 +941,9 @@ static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const 
     const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)kvd;
     int rc = kv_dev_alloc(c, f->err, f->err_size);
     if (rc != CLOVER_OK) return rc;
-    const size_t host = layer_bytes * (size_t)ly->slot, dev = layer_bytes * (size_t)offloaded_attn(c->m, ly->slot);
-    const size_t row = sizeof(float) * (size_t)kvd;
+    const size_t dev = layer_bytes * (size_t)offloaded_attn(c->m, ly->slot);
     const int64_t have = c->kv_dev_rows[ly->slot];
-    if (have < f->pos0) {
-        const size_t off = row * (size_t)have, n = row * (size_t)(f->pos0 - have);
-        rc = clover_cuda_write(c->k_dev, dev + off, (const char *)c->k_cache + host + off, n, f->err, f->err_size);
-        if (rc == CLOVER_OK)
-            rc = clover_cuda_write(c->v_dev, dev + off, (const char *)c->v_cache + host + off, n, f->err, f->err_size);
-        if (rc != CLOVER_OK) return rc;
-    }
+    if ((rc = kv_dev_catch_up(c, ly->slot, f->pos0, f->err, f->err_size)) != CLOVER_OK) return rc;
     rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + dev), (float *)((char *)c->v_dev + dev),
                                    c->n_ctx, f->pos0, f->T, hp->n_head, hp->n_head_kv, hp->head_dim,
                                    f->mode == MODE_PREFIX, scale, att, f->err, f->err_size);
@@ -1885,7 +1896,10 @@ static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
     char *err = f->err;
     const size_t es = f->err_size;
     int rc = kv_dev_alloc(c, err, es);
+    /* a context that ran on the CPU before the model became resident has its rows on the host */
+    if (rc == CLOVER_OK && c->kv_host) rc = kv_dev_catch_up(c, ly->slot, f->pos0, err, es);
     if (rc) return rc;
+    c->kv_dev_rows[ly->slot] = f->pos0 + T;
     float *kc = (float *)c->k_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd; /* every layer offloaded */
     float *vc = (float *)c->v_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
     float *k_new = kc + f->pos0 * kvd, *v_new = vc + f->pos0 * kvd;
@@ -2041,7 +2055,12 @@ static int res_lm_greedy(fwd *f, const res_bufs *b, const int32_t *idx, int64_t 
     }
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
-    for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
+    for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
+        if (!isfinite(conf[i])) /* a NaN or infinite logit makes the softmax sum non-finite */
+            rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite logit from the LM head (output.weight), row "
+                                "%lld (on the GPU)", (long long)idx[i]);
+        g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
+    }
     free(start), free(id), free(conf);
     return rc;
 }
@@ -2171,6 +2190,20 @@ done:
     return rc;
 }
 
+/* ops_start of a greedy request: non-decreasing from 0, empty ranges for the rows not selected
+ * (rows[t] == 0; rows NULL: all but the last). */
+static int check_ops_start(const int32_t *ops_start, const uint8_t *rows, int32_t n, char *err, size_t err_size) {
+    if (n <= 0) return CLOVER_OK;
+    if (ops_start[0] != 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "ops_start[0]: %d must be 0", ops_start[0]);
+    for (int32_t t = 0; t < n; t++) {
+        const int selected = rows ? rows[t] != 0 : t == n - 1;
+        if (ops_start[t + 1] < ops_start[t] || (!selected && ops_start[t + 1] != ops_start[t]))
+            return clover_set_err(err, err_size, CLOVER_E_ARG, "ops_start[%d]: %d after %d (must not decrease, and "
+                                  "rows without selection have no edits)", t + 1, ops_start[t + 1], ops_start[t]);
+    }
+    return CLOVER_OK;
+}
+
 static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
                    const greedy_req *greedy, char *err, size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
@@ -2199,28 +2232,29 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     return prefill(c, tokens, n, logits, all_logits, NULL, err, err_size);
 }
 
-int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, const clover_logit_op *ops,
-                          int32_t n_ops, const clover_sampler_params *sp, int32_t *id, float *conf, char *err,
-                          size_t err_size) {
-    if (!c || !sp || !id || !conf || (n_ops > 0 && !ops) || n_ops < 0)
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_greedy: NULL argument or n_ops < 0");
+int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
+                          const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
+                          int32_t *id, float *conf, char *err, size_t err_size) {
+    if (!c || !ops_start || !sp || !id || !conf || (n > 0 && ops_start[n] > 0 && !ops))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_greedy: NULL argument");
     if (!c->m->resident)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "prefill_greedy: the model's forwards are not resident "
                               "on the GPU");
     if (n <= 0 || n > RES_ROWS)
         return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_greedy", n,
                               (int)RES_ROWS);
-    int32_t *start = malloc(sizeof(int32_t) * ((size_t)n + 1)), *ids = malloc(sizeof(int32_t) * (size_t)n);
+    uint8_t *rows = malloc((size_t)n);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
     float *confs = malloc(sizeof(float) * (size_t)n);
-    int rc = start && ids && confs ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    int rc = rows && ids && confs ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    for (int32_t t = 0; t < n && rc == CLOVER_OK; t++) rows[t] = all_rows || t == n - 1;
+    if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, n, err, err_size);
     if (rc == CLOVER_OK) {
-        for (int32_t t = 0; t < n; t++) start[t] = 0; /* the edits are the last row's */
-        start[n] = n_ops;
-        const greedy_req g = {ops, start, sp, ids, confs};
-        rc = prefill(c, tokens, n, NULL, 0, &g, err, err_size);
+        const greedy_req g = {ops, ops_start, sp, ids, confs};
+        rc = prefill(c, tokens, n, NULL, all_rows, &g, err, err_size);
     }
-    if (rc == CLOVER_OK) *id = ids[n - 1], *conf = confs[n - 1];
-    free(start), free(ids), free(confs);
+    for (int32_t t = all_rows ? 0 : n - 1, k = 0; t < n && rc == CLOVER_OK; t++, k++) id[k] = ids[t], conf[k] = confs[t];
+    free(rows), free(ids), free(confs);
     return rc;
 }
 
@@ -2405,6 +2439,8 @@ int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_
     if (!c->m->resident)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "block_forward_greedy: the model's forwards are not "
                               "resident on the GPU");
+    int rc = check_ops_start(ops_start, rows, B, err, err_size);
+    if (rc) return rc;
     const greedy_req g = {ops, ops_start, sp, id, conf};
     return block_forward(c, tokens, B, coreset_top_p, NULL, rows, &g, n_experts_out, err, err_size);
 }

@@ -536,23 +536,55 @@ def test_non_finite_values_on_the_gpu_name_the_layer(nan_model, monkeypatch, res
 
 @gpu
 def test_greedy_selection_on_the_gpu_applies_the_samplers_edits(make_gguf):
-    """Diffusion and ar at temperature 0 on a resident model select on the GPU
+    """Every mode at temperature 0 on a resident model selects on the GPU
     (clover_block_forward_greedy, clover_prefill_greedy: the sampler's spec 5.4 edits of each
-    needed row go up, an id and a confidence come back): with logit_bias, with penalties
-    (negative, so that they change this random model's output) and with the end-token ramp, the
-    tokens equal the CPU's, and each setting changes them from the plain run (so the edits are
-    exercised)."""
+    needed row go up, an id and a confidence come back; spec's draft only when its edits cannot
+    depend on the drafted tokens, so with penalties it selects on the CPU): with logit_bias,
+    with penalties (negative, so that they change this random model's output) and with the
+    end-token ramp, the tokens equal the CPU's, and each setting changes them from the plain run
+    (so the edits are exercised)."""
     from clover_gguf import Model
 
     path = make_gguf("f32", **GEN_MODEL)
     with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
         assert lib.clover_model_gpu_resident(g._model) == 1
         ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
-        for mode in ("diffusion", "ar"):
+        for mode in ("diffusion", "ar", "spec"):
             plain = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0]
             for kw in (dict(logit_bias={plain[2]: -40.0, plain[5]: -40.0, 100: 9.0}, end_ids=[]),
                        dict(repeat_penalty=0.5, presence_penalty=-8.0, frequency_penalty=-1.0, end_ids=[]),
                        dict(end_ids=[plain[6]], eos_bias_start=1, bias_slope=4.0, bias_max=20.0)):
-                want = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, **kw)[0]
+                want, st = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, **kw)
                 assert want != plain, (mode, kw)
-                assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, **kw)[0] == want, (mode, kw)
+                got, st_g = g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, **kw)
+                assert got == want, (mode, kw)
+                # spec: the drafts (which decide acceptance, not tokens) were the CPU's too
+                assert st_g["accept_hist"] == st["accept_hist"], (mode, kw)
+
+
+@gpu
+def test_context_used_on_the_cpu_then_resident(make_gguf):
+    """C API order the Python API never takes: a context prefilled on the CPU, then the model
+    offloaded whole (resident); the next prefill's logits equal the CPU's for the whole text
+    (the host KV rows, GDN state and conv history are brought to the GPU at first use)."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    err = err_buf()
+    with Model(path, n_ctx=256, n_threads=2) as cpu:
+        p1, p2 = cpu.tokenize("def fibonacci(n):\n    if n < 2:"), cpu.tokenize("\n        return n")
+        want = cpu.prefix_logits(p1 + p2)[-1]
+    m = lib.clover_model_load(str(path).encode(), err, len(err))
+    assert m != ffi.NULL, ffi.string(err)
+    c = lib.clover_context_new(m, 256, 2, err, len(err))
+    try:
+        assert lib.clover_prefill(c, ffi.new("int32_t[]", p1), len(p1), ffi.NULL, 0, err, len(err)) == 0
+        assert lib.clover_model_offload(m, 1 << 20, 0, err, len(err)) > 0, ffi.string(err)
+        assert lib.clover_model_gpu_resident(m) == 1
+        got = np.zeros(len(want), np.float32)
+        assert lib.clover_prefill(c, ffi.new("int32_t[]", p2), len(p2), ffi.cast("float *", got.ctypes.data), 0, err,
+                                  len(err)) == 0, ffi.string(err)
+        assert np.max(np.abs(got - want)) <= 2e-3 * float(np.std(want)) + 1e-4, float(np.max(np.abs(got - want)))
+    finally:
+        lib.clover_context_free(c)
+        lib.clover_model_free(m)

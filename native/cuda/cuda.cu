@@ -808,8 +808,12 @@ __device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowe
             const int oe = __shfl_xor_sync(0xffffffffu, be, o);
             if (oe >= 0 && (be < 0 || ov > bv || (ov == bv && oe < be))) bv = ov, be = oe;
         }
+        /* lane 0's pick for every lane: with NaN probabilities (a non-finite layer, reported
+         * after the pass) the lanes' reductions may disagree, and ids must stay valid */
+        be = __shfl_sync(0xffffffffu, be, 0);
+        if (be < 0) be = 0;
         if (lane == 0) idx[s] = be;
-        if (be >= 0 && (be & 31) == lane) taken |= 1u << (be >> 5);
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
     }
 }
 
