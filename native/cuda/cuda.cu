@@ -823,14 +823,15 @@ __device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowe
  * start[e+1])), prow and pw [T k] (row and weight of each bucketed pair, rows ascending within a
  * bucket), pair [T][k] (row t's pair indices ascending), tiles (n_tiles; those past the used
  * ones get nr = 0), stats[0] experts used, stats[1] experts in some row's own top-k (coreset
- * only). A warp per row for the softmax and top-k; the coreset's sums (in double) and the
- * bucketing run on one thread in the CPU's order, its sort as ranks on a thread per expert. */
+ * only). A warp per row for the softmax and top-k, a thread per expert for the coreset's mass
+ * (in double, in the CPU's order), its sort (as ranks) and the bucketing; the O(E) prefix sums
+ * and tile list on one thread. */
 #define E_MAX 1024
 __global__ void __launch_bounds__(1024)
     k_route(float *P, int64_t T, int64_t E, int k, float top_p, int coreset, int32_t *sel, float *wsel, int32_t *start,
             int32_t *prow, float *pw, int32_t *pair, tile *tiles, int64_t n_tiles, int32_t *stats) {
     __shared__ double S[E_MAX];
-    __shared__ int32_t order[E_MAX], fill[E_MAX];
+    __shared__ int32_t order[E_MAX], fill[E_MAX], bstart[E_MAX + 1];
     __shared__ unsigned char allowed[E_MAX];
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, n_warps = nt >> 5;
     for (int64_t t = warp; t < T; t += n_warps) {
@@ -846,10 +847,14 @@ __global__ void __launch_bounds__(1024)
     if (coreset) {
         for (int64_t t = warp; t < T; t += n_warps) topk_warp(P + t * E, E, NULL, k, sel + t * k);
         __syncthreads();
+        for (int64_t e = tid; e < E; e += nt) { /* expert e's mass over the rows, in row order as the CPU adds it */
+            double acc = 0;
+            for (int64_t i = 0; i < T * k; i++)
+                if (sel[i] == e) acc += P[(i / k) * E + e];
+            S[e] = acc;
+        }
+        __syncthreads();
         if (tid == 0) {
-            for (int64_t e = 0; e < E; e++) S[e] = 0;
-            for (int64_t t = 0; t < T; t++)
-                for (int s = 0; s < k; s++) S[sel[t * k + s]] += P[t * E + sel[t * k + s]];
             double tot = 0;
             for (int64_t e = 0; e < E; e++) tot += S[e];
             for (int64_t e = 0; e < E; e++) S[e] = tot > 0 ? S[e] / tot : 0;
@@ -889,28 +894,43 @@ __global__ void __launch_bounds__(1024)
         }
     }
     __syncthreads();
-    if (tid != 0) return;
-    for (int64_t e = 0; e <= E; e++) start[e] = 0;
-    for (int64_t i = 0; i < T * k; i++) start[sel[i] + 1]++;
-    int32_t n_used = 0;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e], n_used += start[e + 1] > start[e];
-    for (int64_t e = 0; e < E; e++) fill[e] = start[e];
-    for (int64_t t = 0; t < T; t++) {
+    /* bucketing by expert, a thread per expert walking the pairs in order (so rows ascend
+     * within a bucket, as the CPU's counting sort puts them) */
+    for (int64_t e = tid; e < E; e += nt) {
+        int32_t c = 0;
+        for (int64_t i = 0; i < T * k; i++) c += sel[i] == e;
+        fill[e] = c;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int32_t n_used = 0;
+        int64_t n = 0;
+        bstart[0] = 0;
+        for (int64_t e = 0; e < E; e++) {
+            bstart[e + 1] = bstart[e] + fill[e], n_used += fill[e] > 0;
+            for (int32_t t0 = bstart[e]; t0 < bstart[e + 1]; t0 += ROWS)
+                tiles[n++] = tile{(int32_t)e, t0, bstart[e + 1] - t0 < ROWS ? bstart[e + 1] - t0 : ROWS};
+        }
+        for (; n < n_tiles; n++) tiles[n] = tile{0, 0, 0};
+        stats[0] = n_used;
+    }
+    __syncthreads();
+    for (int64_t e = tid; e < E; e += nt) {
+        int32_t q = bstart[e];
+        for (int64_t i = 0; i < T * k; i++)
+            if (sel[i] == e) prow[q] = (int32_t)(i / k), pw[q] = wsel[i], pair[i] = q++;
+    }
+    for (int64_t e = tid; e <= E; e += nt) start[e] = bstart[e];
+    __syncthreads();
+    for (int64_t t = tid; t < T; t += nt) { /* row t's pair indices ascending (the CPU's summation order) */
         int32_t *pr = pair + t * k;
-        for (int s = 0; s < k; s++) {
-            const int32_t q = fill[sel[t * k + s]]++;
-            prow[q] = (int32_t)t, pw[q] = wsel[t * k + s];
-            int u = s; /* insertion: row t's pair indices ascending (the CPU's summation order) */
+        for (int s = 1; s < k; s++) {
+            const int32_t q = pr[s];
+            int u = s;
             for (; u > 0 && pr[u - 1] > q; u--) pr[u] = pr[u - 1];
             pr[u] = q;
         }
     }
-    int64_t n = 0;
-    for (int64_t e = 0; e < E; e++)
-        for (int32_t t0 = start[e]; t0 < start[e + 1]; t0 += ROWS)
-            tiles[n++] = tile{(int32_t)e, t0, start[e + 1] - t0 < ROWS ? start[e + 1] - t0 : ROWS};
-    for (; n < n_tiles; n++) tiles[n] = tile{0, 0, 0};
-    stats[0] = n_used;
 }
 
 /* Y[q] = X[rows[q]] for n rows of H. */
