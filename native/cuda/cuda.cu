@@ -12,8 +12,8 @@
  * native/quants.c, i.e. ggml's block layouts) and multiplied in float32 with activations
  * rounded as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below), so results differ
  * from the CPU path only in float rounding (tests/test_cuda.py states the tolerances).
- * Not here yet: tensor cores for the many-row case, the sampler on the GPU, CUDA graphs, a
- * chunked GDN prefill (see the issue note).
+ * Not here yet: tensor cores for the many-row case, sampling at temperature > 0, CUDA graphs,
+ * a chunked GDN prefill (see the issue note).
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error
  * code from clover_cuda_devices, not a library that fails to load). */
