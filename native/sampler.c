@@ -189,21 +189,8 @@ int32_t clover_logit_ops(const clover_sampler_params *sp, const clover_history *
 
 void clover_apply_logit_ops(float *z, int32_t n_vocab, const clover_logit_op *ops, int32_t n_ops,
                             const clover_sampler_params *sp) {
-    const float rep = sp->repetition_penalty, pres = sp->presence_penalty, freq = sp->frequency_penalty;
-    for (int32_t k = 0; k < n_ops; k++) {
-        const clover_logit_op o = ops[k];
-        if (o.id < 0 || o.id >= n_vocab) continue;
-        if (o.kind == CLOVER_OP_PENALTY) {
-            float v = z[o.id];
-            if (rep != 1.0f) v = v > 0.0f ? v / rep : v * rep;
-            if (o.count > 0) v -= (float)o.count * freq + pres;
-            z[o.id] = v;
-        } else if (o.kind == CLOVER_OP_ADD) {
-            z[o.id] += o.value;
-        } else {
-            z[o.id] = -INFINITY;
-        }
-    }
+    for (int32_t k = 0; k < n_ops; k++)
+        clover_logit_op_apply(z, n_vocab, ops[k], sp->repetition_penalty, sp->frequency_penalty, sp->presence_penalty);
 }
 
 void clover_process_logits(const float *logits, float *out, int32_t n_vocab, const clover_sampler_params *sp,

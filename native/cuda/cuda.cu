@@ -1144,20 +1144,7 @@ extern "C" int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *b
 __global__ void k_logit_ops(float *Z, int64_t V, const clover_logit_op *ops, const int32_t *start, float rep, float freq,
                             float pres) {
     float *z = Z + (int64_t)blockIdx.x * V;
-    for (int32_t k = start[blockIdx.x]; k < start[blockIdx.x + 1]; k++) {
-        const clover_logit_op o = ops[k];
-        if (o.id < 0 || o.id >= V) continue;
-        if (o.kind == CLOVER_OP_PENALTY) {
-            float v = z[o.id];
-            if (rep != 1.0f) v = v > 0.0f ? v / rep : v * rep;
-            if (o.count > 0) v -= (float)o.count * freq + pres;
-            z[o.id] = v;
-        } else if (o.kind == CLOVER_OP_ADD) {
-            z[o.id] += o.value;
-        } else {
-            z[o.id] = -INFINITY;
-        }
-    }
+    for (int32_t k = start[blockIdx.x]; k < start[blockIdx.x + 1]; k++) clover_logit_op_apply(z, V, ops[k], rep, freq, pres);
 }
 
 /* clover_sample at temperature 0 (native/sampler.c) on row blockIdx.x of Z, 256 threads: the

@@ -3,6 +3,7 @@
  * CLOVER_E_DEVICE ("built without CUDA") otherwise. All return CLOVER_* codes (clover.h). */
 #ifndef CLOVER_CUDA_BACKEND_H
 #define CLOVER_CUDA_BACKEND_H
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #ifdef __cplusplus
@@ -152,6 +153,27 @@ typedef struct {
     float value;
 } clover_logit_op;
 enum { CLOVER_OP_PENALTY = 0, CLOVER_OP_ADD = 1, CLOVER_OP_MASK = 2 };
+#ifdef __CUDACC__
+#define CLOVER_OP_HD __host__ __device__
+#else
+#define CLOVER_OP_HD
+#endif
+/* Apply edit o to the row z[V] (ids outside [0, V) are skipped): one definition for the CPU
+ * (native/sampler.c clover_apply_logit_ops) and the GPU (cuda.cu k_logit_ops). */
+static inline CLOVER_OP_HD void clover_logit_op_apply(float *z, int64_t V, clover_logit_op o, float repetition,
+                                                      float frequency, float presence) {
+    if (o.id < 0 || o.id >= V) return;
+    if (o.kind == CLOVER_OP_PENALTY) {
+        float v = z[o.id];
+        if (repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
+        if (o.count > 0) v -= (float)o.count * frequency + presence;
+        z[o.id] = v;
+    } else if (o.kind == CLOVER_OP_ADD) {
+        z[o.id] += o.value;
+    } else {
+        z[o.id] = -INFINITY;
+    }
+}
 /* Greedy selection on the GPU (spec 5.3 at temperature 0, as clover_sample): for each of the n
  * rows of z [n][V] (device, edited in place), the edits ops[start[r] .. start[r+1]) (device;
  * start: n + 1 int32) with the penalties repetition, frequency, presence, then id[r] = the argmax
