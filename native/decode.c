@@ -301,6 +301,24 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
     return rc;
 }
 
+/* Prefill tokens[0..n) (the prefix-mode forward of a decode step or a diffusion commit) and take
+ * the causal prediction of the next slot: selected on the GPU when select_on_gpu (its edits
+ * are known now: the history already holds the tokens), kept in next_tok; else its logits go to
+ * causal for sample_slot. */
+static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, char *err, size_t err_size) {
+    d->have_next = 0;
+    if (!select_on_gpu(d) || n > CLOVER_GREEDY_MAX_ROWS) return clover_prefill(d->c, tokens, n, d->causal, 0, err, err_size);
+    int64_t n_ops = 0;
+    for (int32_t t = 0; t < n; t++) d->gstart[t] = 0; /* the edits are the last row's */
+    int rc = row_ops(d, &n_ops, 0, NULL, NULL, 0, err, err_size);
+    d->gstart[n] = (int32_t)n_ops;
+    float conf;
+    if (rc == CLOVER_OK)
+        rc = clover_prefill_greedy(d->c, tokens, n, 0, d->gops, d->gstart, &d->sp, &d->next_tok, &conf, err, err_size);
+    d->have_next = rc == CLOVER_OK;
+    return rc;
+}
+
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
     float conf;
     int32_t t = d->have_next ? d->next_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
@@ -316,18 +334,7 @@ static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, s
         d->st.finish_reason = CLOVER_FINISH_LENGTH;
         return 0;
     }
-    int rc;
-    if (select_on_gpu(d)) { /* the next token's edits are known now (t is in the history) */
-        int64_t n_ops = 0;
-        d->gstart[0] = 0;
-        rc = row_ops(d, &n_ops, 0, NULL, NULL, 0, err, err_size);
-        d->gstart[1] = (int32_t)n_ops;
-        if (rc == CLOVER_OK)
-            rc = clover_prefill_greedy(d->c, &t, 1, 0, d->gops, d->gstart, &d->sp, &d->next_tok, &conf, err, err_size);
-        d->have_next = rc == CLOVER_OK;
-    } else {
-        rc = clover_prefill(d->c, &t, 1, d->causal, 0, err, err_size);
-    }
+    int rc = prefill_next(d, &t, 1, err, err_size);
     if (rc) return rc;
     d->st.n_forward_decode++;
     return 1;
@@ -358,7 +365,8 @@ static void start_block(clover_decoder *d) {
     d->in_block = 1;
     if (hp->logits_shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
         float conf;
-        d->block[0] = sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+        d->block[0] = d->have_next ? d->next_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+        d->have_next = 0;
         d->filled[0] = 1;
         d->n_masked--;
     }
@@ -373,7 +381,7 @@ static int denoise(clover_decoder *d, char *err, size_t err_size) {
     for (int32_t r = 0; r < B; r++) d->need[r] = 0;
     for (int32_t j = 0; j < B; j++)
         if (!d->filled[j]) d->need[shift ? j - 1 : j] = 1; /* shift: slot 0 is always filled */
-    const int on_gpu = c->m->resident && !(d->sp.temperature > 0.0f);
+    const int on_gpu = select_on_gpu(d);
     int rc = on_gpu ? denoise_on_gpu(d, err, err_size)
                     : clover_block_forward_rows(c, d->block, B, d->p.coreset_top_p, d->logits, d->need, d->nexp, err,
                                                 err_size);
@@ -454,7 +462,7 @@ static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char 
     d->st.n_generated += n_final;
     if (d->done) return 0;
     /* commit: prefix-mode forward of the block writes the caches and gives the next slot 0 */
-    int rc = clover_prefill(c, d->block, B, d->causal, 0, err, err_size);
+    int rc = prefill_next(d, d->block, B, err, err_size);
     if (rc) return rc;
     d->st.n_forward_commit++;
     return 1;
@@ -530,7 +538,7 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         d->block[j] = sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
-    if (gpu) { /* a_i's edits: after block[0..i], known now */
+    if (gpu && B <= CLOVER_GREEDY_MAX_ROWS) { /* a_i's edits: after block[0..i], known now */
         int64_t n_ops = 0;
         for (int32_t i = 0; i < B && rc == CLOVER_OK; i++) {
             d->gstart[i] = (int32_t)n_ops;
@@ -550,8 +558,9 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     int32_t acc = 0, next = -1;
     for (int32_t i = 0; i < B; i++) {
         /* a_i predicts slot i + 1 after block[0..i] (spec 5.4 history as ar would have it) */
-        const int32_t a =
-            gpu ? d->cand[i] : sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf);
+        const int32_t a = gpu && B <= CLOVER_GREEDY_MAX_ROWS
+                              ? d->cand[i]
+                              : sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf);
         if (i + 1 < B && d->block[i + 1] == a) {
             acc++;
             continue;

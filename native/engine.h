@@ -144,6 +144,7 @@ int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
                                 const clover_sampler_params *sp, int32_t *id, float *conf, int32_t *n_experts_out,
                                 char *err, size_t err_size);
+enum { CLOVER_GREEDY_MAX_ROWS = 512 }; /* clover_prefill_greedy's n (one resident pass, model.c RES_ROWS) */
 /* clover_prefill of n <= 512 tokens on a resident model with greedy selection on the GPU (as
  * clover_block_forward_greedy, the edits of row t in ops[ops_start[t] .. ops_start[t+1]),
  * ops_start: n + 1 values) of every row (all_rows: id, conf [n]) or of the last (id, conf [1])

@@ -1825,7 +1825,7 @@ static int check_finite(fwd *f, const float *x, int64_t n, int il, const char *w
  * the logits rows it needs. The KV cache, GDN state and conv history stay on the device (the
  * host copies are brought up to date by save_state only). Prefill runs in passes of at most
  * RES_ROWS rows (causal, so several passes equal one); the LM head in groups of RES_LM rows. */
-enum { RES_ROWS = 512, RES_LM = 32 };
+enum { RES_ROWS = CLOVER_GREEDY_MAX_ROWS, RES_LM = 32 };
 
 typedef struct {
     float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
