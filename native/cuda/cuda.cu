@@ -494,6 +494,33 @@ extern "C" int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int6
     return rc;
 }
 
+/* The routed experts of clover_cuda_experts / clover_cuda_experts_d on device xg [P][H] into yg
+ * [P][H] over the n_tiles tiles TL (device): gate and up from xg rounded for their types (into
+ * g_x, so xg is untouched; once when both round alike), SwiGLU, down. xg is not read after the
+ * down product starts, so yg may be xg. Caller holds g_lock; launches only (no launched()). */
+static int experts_on_device(const clover_cuda_weight *gate, const clover_cuda_weight *up,
+                             const clover_cuda_weight *down, const tile *TL, int64_t n_tiles, int64_t P, const float *xg,
+                             float *yg, char *err, size_t err_size) {
+    const int64_t H = gate->ne0, I = gate->ne1;
+    int rc = grow(&g_x, sizeof(float) * (size_t)(P * H), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(P * I), err, err_size);
+    float *X = (float *)g_x.p, *G = (float *)g_gate.p, *U = (float *)g_up.p;
+    const float *Xg = act_block(gate->type) ? X : xg, *Xu = act_block(up->type) ? X : xg;
+    if (rc == CLOVER_OK) rc = round_act(gate->type, (float *)xg, P, H, err, err_size, X);
+    if (rc == CLOVER_OK) rc = product(gate->type, gate->dev, gate->stride, H, I, Xg, P, G, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type))
+        rc = round_act(up->type, (float *)xg, P, H, err, err_size, X);
+    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, Xu, P, U, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK) {
+        const int64_t nb = (P * I + 255) / 256;
+        LAUNCH(k_swiglu, dim3((unsigned)(nb < 65535 ? nb : 65535)), dim3(256))(G, U, P * I);
+        rc = round_act(down->type, G, P, I, err, err_size);
+    }
+    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, G, P, yg, TL, n_tiles, err, err_size);
+    return rc;
+}
+
 /* Checks of clover_cuda_experts' arguments; NULL when they are usable. */
 static const char *experts_args_error(const clover_cuda_weight *gate, const clover_cuda_weight *up,
                                       const clover_cuda_weight *down, int64_t n_expert, const int64_t *start,
@@ -518,7 +545,7 @@ extern "C" int clover_cuda_experts(const clover_cuda_weight *gate, const clover_
                                    const float *xg, float *yg, char *err, size_t err_size) {
     const char *bad = experts_args_error(gate, up, down, n_expert, start, xg, yg);
     if (bad) return bad_arg(err, err_size, bad);
-    const int64_t H = gate->ne0, I = gate->ne1, P = start[n_expert];
+    const int64_t H = gate->ne0, P = start[n_expert];
     if (P == 0) return CLOVER_OK;
     /* tiles: ROWS pairs at a time within each expert's bucket */
     int64_t n_tiles = 0;
@@ -533,31 +560,15 @@ extern "C" int clover_cuda_experts(const clover_cuda_weight *gate, const clover_
         for (int64_t t0 = start[e]; t0 < start[e + 1]; t0 += ROWS)
             tiles[n++] = tile{(int32_t)e, (int32_t)t0, (int32_t)(start[e + 1] - t0 < ROWS ? start[e + 1] - t0 : ROWS)};
     pthread_mutex_lock(&g_lock);
-    int rc = grow(&g_x, sizeof(float) * (size_t)(P * H), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(P * H), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(P * I), err, err_size);
+    /* xg goes up into g_y, which also takes the result: experts_on_device reads xg only before
+     * the down product writes yg */
+    int rc = grow(&g_y, sizeof(float) * (size_t)(P * H), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_tiles, sizeof(tile) * (size_t)n_tiles, err, err_size);
-    float *X = (float *)g_x.p, *Y = (float *)g_y.p, *G = (float *)g_gate.p, *U = (float *)g_up.p;
-    const tile *TL = (const tile *)g_tiles.p;
+    float *Y = (float *)g_y.p;
     const size_t x_bytes = sizeof(float) * (size_t)(P * H);
     if (rc == CLOVER_OK) rc = copy(g_tiles.p, tiles, sizeof(tile) * (size_t)n_tiles, cudaMemcpyHostToDevice, err, err_size);
-    /* gate and up, each with x rounded for its type (a fresh copy when the two differ) */
-    if (rc == CLOVER_OK) rc = copy(X, xg, x_bytes, cudaMemcpyHostToDevice, err, err_size);
-    if (rc == CLOVER_OK) rc = round_act(gate->type, X, P, H, err, err_size);
-    if (rc == CLOVER_OK)
-        rc = product(gate->type, gate->dev, gate->stride, H, I, X, P, G, TL, n_tiles, err, err_size);
-    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type)) {
-        rc = copy(X, xg, x_bytes, cudaMemcpyHostToDevice, err, err_size);
-        if (rc == CLOVER_OK) rc = round_act(up->type, X, P, H, err, err_size);
-    }
-    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, X, P, U, TL, n_tiles, err, err_size);
-    if (rc == CLOVER_OK) {
-        const int64_t nb = (P * I + 255) / 256;
-        LAUNCH(k_swiglu, dim3((unsigned)(nb < 65535 ? nb : 65535)), dim3(256))(G, U, P * I);
-        rc = round_act(down->type, G, P, I, err, err_size);
-    }
-    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, G, P, Y, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK) rc = copy(Y, xg, x_bytes, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = experts_on_device(gate, up, down, (const tile *)g_tiles.p, n_tiles, P, Y, Y, err, err_size);
     rc = launched(rc, "experts", err, err_size);
     if (rc == CLOVER_OK) rc = copy(yg, Y, x_bytes, cudaMemcpyDeviceToHost, err, err_size);
     pthread_mutex_unlock(&g_lock);
@@ -1095,24 +1106,8 @@ extern "C" int clover_cuda_experts_d(const clover_cuda_weight *gate, const clove
     if (H <= 0 || I <= 0 || I > INT32_MAX || H > INT32_MAX || up->ne0 != H || up->ne1 != I || down->ne0 != I ||
         down->ne1 != H || P > INT64_MAX / 4 / (H > I ? H : I))
         return bad_arg(err, err_size, "experts_d: gate/up must be [I][H] and down [H][I]");
-    const tile *TL = (const tile *)tiles;
     pthread_mutex_lock(&g_lock);
-    int rc = grow(&g_x, sizeof(float) * (size_t)(P * H), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(P * I), err, err_size);
-    float *X = (float *)g_x.p, *G = (float *)g_gate.p, *U = (float *)g_up.p;
-    const float *Xg = act_block(gate->type) ? X : xg, *Xu = act_block(up->type) ? X : xg;
-    if (rc == CLOVER_OK) rc = round_act(gate->type, (float *)xg, P, H, err, err_size, X);
-    if (rc == CLOVER_OK) rc = product(gate->type, gate->dev, gate->stride, H, I, Xg, P, G, TL, n_tiles, err, err_size);
-    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type))
-        rc = round_act(up->type, (float *)xg, P, H, err, err_size, X);
-    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, Xu, P, U, TL, n_tiles, err, err_size);
-    if (rc == CLOVER_OK) {
-        const int64_t nb = (P * I + 255) / 256;
-        LAUNCH(k_swiglu, dim3((unsigned)(nb < 65535 ? nb : 65535)), dim3(256))(G, U, P * I);
-        rc = round_act(down->type, G, P, I, err, err_size);
-    }
-    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, G, P, yg, TL, n_tiles, err, err_size);
+    int rc = experts_on_device(gate, up, down, (const tile *)tiles, n_tiles, P, xg, yg, err, err_size);
     rc = launched(rc, "experts_d", err, err_size);
     pthread_mutex_unlock(&g_lock);
     return rc;
