@@ -201,15 +201,84 @@ void clover_process_logits(const float *logits, float *out, int32_t n_vocab, con
 
 /* ---------------------------------------------------------------- sampling (spec 5.3) */
 
-typedef struct {
-    float z;
-    int32_t id;
-} zid;
+/* Candidate a ranks before b: larger z, then smaller id (a total order on distinct ids). */
+static int cand_before(clover_cand a, clover_cand b) { return a.z > b.z || (a.z == b.z && a.id < b.id); }
 
-static int by_z_desc(const void *a, const void *b) {
-    const zid *x = a, *y = b;
-    if (x->z != y->z) return x->z < y->z ? 1 : -1;
-    return x->id < y->id ? -1 : x->id > y->id;
+static int by_rank(const void *a, const void *b) {
+    const clover_cand *x = a, *y = b;
+    return cand_before(*x, *y) ? -1 : cand_before(*y, *x);
+}
+
+/* The k best candidates of logits[n_vocab] other than mask (1 <= k <= their count) into h,
+ * sorted: a heap rooted at the worst one kept, O(n_vocab log k), then a sort of the k. */
+static void top_k_cands(const float *logits, int32_t n_vocab, int32_t mask, int32_t k, clover_cand *h) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        if (i == mask) continue;
+        const clover_cand c = {logits[i], i};
+        int32_t j;
+        if (n < k) { /* sift up past the parents that rank before c */
+            for (j = n++; j > 0 && cand_before(h[(j - 1) / 2], c); j = (j - 1) / 2) h[j] = h[(j - 1) / 2];
+        } else if (cand_before(c, h[0])) { /* c replaces the root and sinks below the children it ranks before */
+            for (j = 0; 2 * j + 1 < k;) {
+                const int32_t l = 2 * j + 1, w = l + 1 < k && cand_before(h[l], h[l + 1]) ? l + 1 : l;
+                if (!cand_before(c, h[w])) break;
+                h[j] = h[w];
+                j = w;
+            }
+        } else {
+            continue;
+        }
+        h[j] = c;
+    }
+    qsort(h, (size_t)k, sizeof *h, by_rank);
+}
+
+/* Index j of weights w[0..n) drawn with probability w[j] / sum (u uniform in [0, 1)); -1 if
+ * rounding leaves none. *sum receives the total. */
+static int32_t draw(const float *w, int32_t n, clover_rng *rng, double *sum) {
+    double s = 0, cum = 0;
+    for (int32_t j = 0; j < n; j++) s += w[j];
+    const double u = (double)clover_rng_uniform(rng) * s;
+    *sum = s;
+    for (int32_t j = 0; j < n; j++) {
+        cum += w[j];
+        if (u < cum && w[j] > 0) return j;
+    }
+    return -1;
+}
+
+int32_t clover_sample_top(const clover_cand *cand, int32_t n, const clover_sampler_params *sp, clover_rng *rng,
+                          float *confidence, float *scratch) {
+    const float T = sp->temperature, zmax = cand[0].z;
+    /* top-k */
+    if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
+    /* tempered weights relative to the argmax (cand[0], weight 1) */
+    double sum = 0;
+    for (int32_t j = 0; j < n; j++) sum += (scratch[j] = (float)exp((double)(cand[j].z - zmax) / T));
+    /* top-p: the shortest prefix whose mass (renormalised over the top-k) reaches top_p */
+    if (sp->top_p < 1.0f) {
+        double cum = 0;
+        for (int32_t j = 0; j < n; j++) {
+            cum += scratch[j] / sum;
+            if (cum >= sp->top_p) {
+                n = j + 1;
+                break;
+            }
+        }
+    }
+    /* min-p: keep p_j >= min_p * p_max; p_j / p_max is the weight, so the kept set is a prefix */
+    if (sp->min_p > 0.0f)
+        for (int32_t j = 1; j < n; j++)
+            if (scratch[j] < (double)sp->min_p) {
+                n = j;
+                break;
+            }
+    const int32_t pick = draw(scratch, n, rng, &sum);
+    const clover_cand c = cand[pick < 0 ? 0 : pick]; /* rounding at the end: the argmax */
+    const float p_argmax = (float)(1.0 / sum), ratio = expf((c.z - zmax) / T); /* the argmax has weight 1 */
+    *confidence = ratio < p_argmax ? ratio : p_argmax;
+    return c.id;
 }
 
 int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler_params *sp, clover_rng *rng,
@@ -236,65 +305,29 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
         return best;
     }
     const float T = sp->temperature;
-    const double min_p = sp->min_p > 0.0f ? sp->min_p : 0.0;
-    const int sorted = (sp->top_k > 0 && sp->top_k < n_vocab) || sp->top_p < 1.0f;
-    int32_t n = 0;
-    zid *cand = NULL;
-    if (sorted) {
-        cand = malloc(sizeof(zid) * (size_t)n_vocab);
+    if ((sp->top_k > 0 && sp->top_k < n_vocab) || sp->top_p < 1.0f) { /* candidates sorted by rank */
+        const int32_t n = n_vocab - (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab),
+                      k = sp->top_k > 0 && sp->top_k < n ? sp->top_k : n;
+        clover_cand *cand = malloc(sizeof(clover_cand) * (size_t)k);
         if (!cand) { /* no memory: fall back to the greedy candidate */
             *confidence = 1.0f;
             return best;
         }
-        for (int32_t i = 0; i < n_vocab; i++)
-            if (i != sp->mask_token_id) cand[n++] = (zid){logits[i], i};
-        qsort(cand, (size_t)n, sizeof(zid), by_z_desc);
-        /* top-k */
-        if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
-        /* tempered weights relative to the argmax (cand[0], weight 1) */
-        double sum = 0;
-        for (int32_t j = 0; j < n; j++) sum += (scratch[j] = (float)exp((double)(cand[j].z - zmax) / T));
-        /* top-p: the shortest prefix whose mass (renormalised over the top-k) reaches top_p */
-        if (sp->top_p < 1.0f) {
-            double cum = 0;
-            for (int32_t j = 0; j < n; j++) {
-                cum += scratch[j] / sum;
-                if (cum >= sp->top_p) {
-                    n = j + 1;
-                    break;
-                }
-            }
-        }
-        /* min-p: keep p_j >= min_p * p_max; p_j / p_max is the weight, so the kept set is a prefix */
-        if (min_p > 0.0)
-            for (int32_t j = 1; j < n; j++)
-                if (scratch[j] < min_p) {
-                    n = j;
-                    break;
-                }
-    } else {
-        for (int32_t i = 0; i < n_vocab; i++) {
-            float w = i == sp->mask_token_id ? 0.0f : (float)exp((double)(logits[i] - zmax) / T);
-            scratch[i] = w < min_p && i != best ? 0.0f : w; /* min-p without sorting */
-        }
-        n = n_vocab;
+        top_k_cands(logits, n_vocab, sp->mask_token_id, k, cand);
+        const int32_t id = clover_sample_top(cand, k, sp, rng, confidence, scratch);
+        free(cand);
+        return id;
     }
-    double sum = 0;
-    for (int32_t j = 0; j < n; j++) sum += scratch[j];
-    double u = (double)clover_rng_uniform(rng) * sum, cum = 0;
-    int32_t pick = -1;
-    for (int32_t j = 0; j < n; j++) {
-        cum += scratch[j];
-        if (u < cum && scratch[j] > 0) {
-            pick = j;
-            break;
-        }
+    /* no top-k or top-p: weights in vocabulary order, min-p without sorting */
+    const double min_p = sp->min_p > 0.0f ? sp->min_p : 0.0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        float w = i == sp->mask_token_id ? 0.0f : (float)exp((double)(logits[i] - zmax) / T);
+        scratch[i] = w < min_p && i != best ? 0.0f : w;
     }
-    int32_t id = pick < 0 ? best : sorted ? cand[pick].id : pick; /* rounding at the end: the argmax */
-    float p_argmax = (float)(1.0 / sum); /* the argmax has weight exp(0) = 1 */
-    float ratio = expf((logits[id] - zmax) / T);
+    double sum;
+    const int32_t pick = draw(scratch, n_vocab, rng, &sum), id = pick < 0 ? best : pick;
+    const float p_argmax = (float)(1.0 / sum), ratio = expf((logits[id] - zmax) / T);
     *confidence = ratio < p_argmax ? ratio : p_argmax;
-    free(cand);
     return id;
 }
 

@@ -235,6 +235,18 @@ def test_top_k_1_equals_greedy_at_any_temperature():
         assert t == 3 and c == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("top_k", [1, 5, 17, 64])
+def test_top_k_keeps_the_k_best_by_rank_with_ties_and_the_mask(top_k):
+    """The top-k set is the first k of (z descending, id ascending) without the mask token: rows
+    of many tied values (ints in [0, 6)), drawn at a high temperature so every kept id shows."""
+    rng = np.random.default_rng(top_k)
+    z = rng.integers(0, 6, 500).astype(np.float32)
+    mask = int(np.argmax(z))  # a top value, which must not count
+    order = sorted((i for i in range(z.size) if i != mask), key=lambda i: (-z[i], i))
+    drawn = {sample(z, mask=mask, seed=s, temperature=1e4, top_k=top_k)[0] for s in range(40 * top_k)}
+    assert drawn == set(order[:top_k])
+
+
 def test_fixed_seed_is_reproducible_and_the_seed_matters():
     kw = dict(temperature=1.5, top_k=8, top_p=0.9, min_p=0.05, presence_penalty=0.5, generated=[3, 8])
     a = [sample(ROW, seed=s, **kw)[:2] for s in range(30)]

@@ -174,6 +174,14 @@ static inline CLOVER_OP_HD void clover_logit_op_apply(float *z, int64_t V, clove
         z[o.id] = -INFINITY;
     }
 }
+/* A sampling candidate (spec 5.3): a processed logit and its token id. Candidate lists are sorted
+ * by z descending, ties by id ascending (native/sampler.c clover_sample_top). */
+typedef struct {
+    float z;
+    int32_t id;
+} clover_cand;
+/* The most candidates per row clover_cuda_top_k_d selects (top_k of the GPU path). */
+enum { CLOVER_CUDA_TOP_K_MAX = 256 };
 /* Greedy selection on the GPU (spec 5.3 at temperature 0, as clover_sample): for each of the n
  * rows of z [n][V] (device, edited in place), the edits ops[start[r] .. start[r+1]) (device;
  * start: n + 1 int32) with the penalties repetition, frequency, presence, then id[r] = the argmax
@@ -183,6 +191,14 @@ static inline CLOVER_OP_HD void clover_logit_op_apply(float *z, int64_t V, clove
 int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                          float repetition, float frequency, float presence, int32_t mask_id, int32_t *id, float *conf,
                          char *err, size_t err_size);
+/* Top-k selection on the GPU (spec 5.3, the candidates clover_sample keeps after top-k): for each
+ * of the n rows of z [n][V] (device, edited in place by ops as clover_cuda_greedy_d), the k
+ * largest logits of ids other than mask_id, sorted by z descending then id ascending, into
+ * cand[r][0..k) (device; 1 <= k <= CLOVER_CUDA_TOP_K_MAX and k <= the ids other than mask_id),
+ * and bad[r] (device float) = 0, or NaN when the row holds a NaN or infinite value. */
+int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
+                        float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
+                        clover_cand *cand, float *bad, char *err, size_t err_size);
 /* x += o over n values; *bad (int32) = 1 when a result is not finite. */
 int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size);
 
