@@ -41,12 +41,15 @@ struct clover_decoder {
     int32_t n_streamed; /* diffusion: its leading slots already handed out */
     uint8_t *need;     /* [block_size] LM-head rows the next denoising pass needs */
     clover_logit_op *ops; /* [n_vocab + n_logit_bias + n_end_ids + 2] a row's spec 5.4 edits */
-    /* a resident model's greedy denoising pass (denoise_on_gpu): every needed row's edits
-     * (gops, gops_cap entries) and their ranges (gstart [block_size + 1]) */
+    /* selection on the GPU (select_on_gpu): every needed row's edits (gops, gops_cap entries)
+     * and their ranges (gstart [block_size + 1]); sel_k: clover_select_k, and above 0 the rows'
+     * candidates (tops [block_size][sel_k]) */
     clover_logit_op *gops;
     int64_t gops_cap;
     int32_t *gstart;
-    int32_t next_tok; /* ar on a resident model at temperature 0: the next token, selected on the GPU */
+    int32_t sel_k;
+    clover_cand *tops;
+    int32_t next_tok; /* prefill_next's selection on the GPU: the id (sel_k 0), else tops[0] */
     int have_next;
 };
 
@@ -127,7 +130,7 @@ void clover_decoder_free(clover_decoder *d) {
     if (!d) return;
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
-    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart);
+    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart), free(d->tops);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -188,6 +191,8 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     clover_history_prompt(&d->hist, prompt, n_prompt);
     clover_rng_seed(&d->rng, p->seed);
     clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
+    d->sel_k = clover_select_k(&d->sp, (int32_t)V);
+    if (d->sel_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->sel_k)))) goto nomem;
     if (p->n_reuse != 0 && (p->n_reuse < 0 || p->n_reuse != c->n_past || p->n_reuse >= n_prompt)) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_reuse: %d must be 0 or the %d cached tokens (< n_prompt %d)",
                        p->n_reuse, c->n_past, n_prompt);
@@ -279,12 +284,19 @@ static int row_ops(clover_decoder *d, int64_t *n_ops, int32_t j, const int32_t *
     return CLOVER_OK;
 }
 
-/* Whether a greedy selection can run on the GPU: a resident model at temperature 0. */
-static int select_on_gpu(const clover_decoder *d) { return d->c->m->resident && !(d->sp.temperature > 0.0f); }
+/* Whether the selection runs on the GPU (clover_block_forward_select): a resident model at
+ * temperature 0, or above it with a top_k that cuts (clover_select_k). */
+static int select_on_gpu(const clover_decoder *d) { return d->c->m->resident && d->sel_k >= 0; }
 
-/* denoise's forward and candidates for a resident model at temperature 0: each needed row's
- * spec 5.4 edits (those sample_slot would apply) go to the GPU with the block, which selects
- * there (clover_block_forward_greedy): an id and a confidence per row come back, not logits. */
+/* A draw from row r of the GPU's candidates (sel_k > 0), as sample_slot would draw from that row. */
+static int32_t top_draw(clover_decoder *d, int64_t r, float *conf) {
+    return clover_sample_top(d->tops + r * d->sel_k, d->sel_k, &d->sp, &d->rng, conf, d->scratch);
+}
+
+/* denoise's forward and candidates for select_on_gpu: each needed row's spec 5.4 edits (those
+ * sample_slot would apply) go to the GPU with the block, which selects there
+ * (clover_block_forward_select): an id and a confidence per row, or its top-k candidates, come
+ * back, not logits. */
 static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
     const int32_t B = d->p.block_size, shift = d->c->m->hp.logits_shift;
     int64_t n_ops = 0;
@@ -296,33 +308,41 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
     d->gstart[B] = (int32_t)n_ops;
     /* row r predicts slot r + shift: its id and confidence land in cand, conf of that slot */
     if (rc == CLOVER_OK)
-        rc = clover_block_forward_greedy(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
-                                         d->cand + shift, d->conf + shift, d->nexp, err, err_size);
+        rc = clover_block_forward_select(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
+                                         d->cand + shift, d->conf + shift, d->tops, d->nexp, err, err_size);
     return rc;
 }
 
 /* Prefill tokens[0..n) (the prefix-mode forward of a decode step or a diffusion commit) and take
  * the causal prediction of the next slot: selected on the GPU when select_on_gpu (its edits
- * are known now: the history already holds the tokens), kept in next_tok; else its logits go to
+ * are known now: the history already holds the tokens), for next_token; else its logits go to
  * causal for sample_slot. */
 static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, char *err, size_t err_size) {
     d->have_next = 0;
-    if (!select_on_gpu(d) || n > CLOVER_GREEDY_MAX_ROWS) return clover_prefill(d->c, tokens, n, d->causal, 0, err, err_size);
+    if (!select_on_gpu(d) || n > CLOVER_SELECT_MAX_ROWS) return clover_prefill(d->c, tokens, n, d->causal, 0, err, err_size);
     int64_t n_ops = 0;
     for (int32_t t = 0; t < n; t++) d->gstart[t] = 0; /* the edits are the last row's */
     int rc = row_ops(d, &n_ops, 0, NULL, NULL, 0, err, err_size);
     d->gstart[n] = (int32_t)n_ops;
     float conf;
     if (rc == CLOVER_OK)
-        rc = clover_prefill_greedy(d->c, tokens, n, 0, d->gops, d->gstart, &d->sp, &d->next_tok, &conf, err, err_size);
+        rc = clover_prefill_select(d->c, tokens, n, 0, d->gops, d->gstart, &d->sp, &d->next_tok, &conf, d->tops, err,
+                                   err_size);
     d->have_next = rc == CLOVER_OK;
     return rc;
 }
 
-static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
+/* The next slot's token: prefill_next's selection when it made one, else drawn from causal. */
+static int32_t next_token(clover_decoder *d) {
     float conf;
-    int32_t t = d->have_next ? d->next_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    const int have = d->have_next;
     d->have_next = 0;
+    if (!have) return sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    return d->sel_k ? top_draw(d, 0, &conf) : d->next_tok;
+}
+
+static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
+    int32_t t = next_token(d);
     *n_out = emit(d, &t, 1, out);
     if (is_end(d, t) && *n_out == 1) {
         d->done = 1;
@@ -364,9 +384,7 @@ static void start_block(clover_decoder *d) {
     d->n_streamed = 0;
     d->in_block = 1;
     if (hp->logits_shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
-        float conf;
-        d->block[0] = d->have_next ? d->next_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
-        d->have_next = 0;
+        d->block[0] = next_token(d);
         d->filled[0] = 1;
         d->n_masked--;
     }
@@ -391,8 +409,9 @@ static int denoise(clover_decoder *d, char *err, size_t err_size) {
     int32_t best = -1, n_fill = 0;
     for (int32_t j = 0; j < B; j++) {
         if (d->filled[j]) continue;
-        if (!on_gpu) d->cand[j] = sample_slot(d, d->logits + (int64_t)(shift ? j - 1 : j) * V, j, d->block, d->filled,
-                                              B, &d->conf[j]);
+        const int64_t r = shift ? j - 1 : j; /* the row predicting slot j */
+        if (!on_gpu) d->cand[j] = sample_slot(d, d->logits + r * V, j, d->block, d->filled, B, &d->conf[j]);
+        else if (d->sel_k) d->cand[j] = top_draw(d, r, &d->conf[j]);
         if (best < 0 || d->conf[j] > d->conf[best]) best = j;
     }
     for (int32_t j = 0; j < B; j++) {
@@ -526,19 +545,20 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         }
         d->gstart[B] = (int32_t)n_ops;
         if (rc == CLOVER_OK)
-            rc = clover_block_forward_greedy(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp,
-                                             d->block + 1, d->conf + 1, d->nexp, err, err_size);
+            rc = clover_block_forward_select(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp,
+                                             d->block + 1, d->conf + 1, d->tops, d->nexp, err, err_size);
     } else {
         rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
     }
     if (rc) return rc;
     d->st.n_forward_draft++;
     count_experts(d);
-    for (int32_t j = 1; j < B && !draft_gpu; j++) /* slot j is predicted by row j - 1 (logits_shift) */
-        d->block[j] = sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
+    for (int32_t j = 1; j < B && (!draft_gpu || d->sel_k); j++) /* slot j is predicted by row j - 1 (logits_shift) */
+        d->block[j] = draft_gpu ? top_draw(d, j - 1, &conf)
+                                : sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
-    if (gpu && B <= CLOVER_GREEDY_MAX_ROWS) { /* a_i's edits: after block[0..i], known now */
+    if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known now */
         int64_t n_ops = 0;
         for (int32_t i = 0; i < B && rc == CLOVER_OK; i++) {
             d->gstart[i] = (int32_t)n_ops;
@@ -546,7 +566,8 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         }
         d->gstart[B] = (int32_t)n_ops;
         if (rc == CLOVER_OK)
-            rc = clover_prefill_greedy(c, d->block, B, 1, d->gops, d->gstart, sp, d->cand, d->conf, err, err_size);
+            rc = clover_prefill_select(c, d->block, B, 1, d->gops, d->gstart, sp, d->cand, d->conf, d->tops, err,
+                                       err_size);
     } else {
         const int chunked = c->gdn_chunked;
         c->gdn_chunked = 0;
@@ -558,9 +579,10 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     int32_t acc = 0, next = -1;
     for (int32_t i = 0; i < B; i++) {
         /* a_i predicts slot i + 1 after block[0..i] (spec 5.4 history as ar would have it) */
-        const int32_t a = gpu && B <= CLOVER_GREEDY_MAX_ROWS
-                              ? d->cand[i]
-                              : sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf);
+        const int32_t a = !gpu || B > CLOVER_SELECT_MAX_ROWS
+                              ? sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf)
+                          : d->sel_k ? top_draw(d, i, &conf)
+                                     : d->cand[i];
         if (i + 1 < B && d->block[i + 1] == a) {
             acc++;
             continue;

@@ -835,17 +835,19 @@ typedef struct {
     int32_t *n_experts_out;
     char *err;
     size_t err_size;
-    const struct greedy_req *greedy; /* clover_block_forward_greedy's request, else NULL */
+    const struct select_req *sreq; /* clover_block_forward_select's request, else NULL */
 } fwd;
 
-/* clover_block_forward_greedy's edits and outputs (see there). */
-typedef struct greedy_req {
+/* clover_block_forward_select's edits and outputs (see there); k: clover_select_k of sp. */
+typedef struct select_req {
     const clover_logit_op *ops;
     const int32_t *ops_start;
     const clover_sampler_params *sp;
+    int32_t k;
     int32_t *id;
     float *conf;
-} greedy_req;
+    clover_cand *cand;
+} select_req;
 
 /* ------------------------------------------------------------------ gated attention (spec 2.2) */
 
@@ -1825,13 +1827,14 @@ static int check_finite(fwd *f, const float *x, int64_t n, int il, const char *w
  * the logits rows it needs. The KV cache, GDN state and conv history stay on the device (the
  * host copies are brought up to date by save_state only). Prefill runs in passes of at most
  * RES_ROWS rows (causal, so several passes equal one); the LM head in groups of RES_LM rows. */
-enum { RES_ROWS = CLOVER_GREEDY_MAX_ROWS, RES_LM = 32 };
+enum { RES_ROWS = CLOVER_SELECT_MAX_ROWS, RES_LM = 32 };
 
 typedef struct {
     float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
     float *gt, *up, *ys, *sg, *logits;
-    int32_t *sel, *start, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf: greedy selection */
+    int32_t *sel, *start, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf, gcand: selection */
     float *gconf;
+    clover_cand *gcand;
     int32_t *flags; /* [n_layer][2] non-finite after the mixer / the MoE, then [n_layer][2] clover_cuda_route_d stats */
     void *tiles;
 } res_bufs;
@@ -1864,6 +1867,7 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->sel = take(base, &off, P, I), b->start = take(base, &off, E + 1, I), b->prow = take(base, &off, P, I);
     b->pair = take(base, &off, P, I), b->idx = take(base, &off, T, I);
     b->gstart = take(base, &off, T + 1, I), b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
+    b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
     b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I), b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
     return off;
 }
@@ -2019,18 +2023,19 @@ static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n,
     return rc;
 }
 
-/* res_lm_head with greedy selection (clover_block_forward_greedy): the needed rows' edits go up
- * with them, and only an id and a confidence per row come back. */
-static int res_lm_greedy(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
+/* res_lm_head with the selection on the GPU (clover_block_forward_select): the needed rows' edits
+ * go up with them, and per row an id and a confidence (k 0) or k candidates come back. */
+static int res_lm_select(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
     clover_context *c = f->c;
     const clover_model *m = c->m;
-    const greedy_req *g = f->greedy;
-    const int64_t H = m->hp.n_embd, T = f->T, n_ops = g->ops_start[T];
+    const select_req *g = f->sreq;
+    const int64_t H = m->hp.n_embd, T = f->T, n_ops = g->ops_start[T], K = g->k;
     char *err = f->err;
     const size_t es = f->err_size;
     int32_t *start = malloc(sizeof(int32_t) * (size_t)(n + 1)), *id = malloc(sizeof(int32_t) * (size_t)n);
     float *conf = malloc(sizeof(float) * (size_t)n);
-    int rc = start && id && conf ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
+    clover_cand *cand = K ? malloc(sizeof(clover_cand) * (size_t)(n * K)) : NULL;
+    int rc = start && id && conf && (cand || !K) ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) start[i] = g->ops_start[idx[i]]; /* the needed rows' ranges */
     if (rc == CLOVER_OK) start[n] = (int32_t)n_ops;
     if (rc == CLOVER_OK && n_ops > c->ops_cap) {
@@ -2043,25 +2048,31 @@ static int res_lm_greedy(fwd *f, const res_bufs *b, const int32_t *idx, int64_t 
     if (rc == CLOVER_OK && n_ops) rc = clover_cuda_write(c->ops_dev, 0, g->ops, sizeof(clover_logit_op) * (size_t)n_ops, err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b->gstart, 0, start, sizeof(int32_t) * (size_t)(n + 1), err, es);
     const clover_sampler_params *sp = g->sp;
+    const float rp = sp->repetition_penalty, fp = sp->frequency_penalty, pp = sp->presence_penalty;
     for (int64_t g0 = 0; g0 < n && rc == CLOVER_OK; g0 += RES_LM) {
-        const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM;
+        const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM, V = m->hp.n_vocab;
         if ((rc = clover_cuda_rmsnorm_d(b->x, H, b->idx + g0, m->output_norm_dev, H, ng, m->hp.rms_eps, b->xn, H, err,
                                         es)) ||
             (rc = mm_d(f, &m->output, b->xn, ng, b->logits)))
             break;
-        rc = clover_cuda_greedy_d(b->logits, ng, m->hp.n_vocab, c->ops_dev, b->gstart + g0, sp->repetition_penalty,
-                                  sp->frequency_penalty, sp->presence_penalty, sp->mask_token_id, b->gid + g0,
-                                  b->gconf + g0, err, es);
+        rc = K ? clover_cuda_top_k_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
+                                     (int32_t)K, b->gcand + g0 * K, b->gconf + g0, err, es)
+               : clover_cuda_greedy_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
+                                      b->gid + g0, b->gconf + g0, err, es);
     }
-    if (rc == CLOVER_OK) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
+    if (rc == CLOVER_OK && !K) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
+    if (rc == CLOVER_OK && K) rc = clover_cuda_read(b->gcand, 0, cand, sizeof(clover_cand) * (size_t)(n * K), err, es);
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
-        if (!isfinite(conf[i])) /* a NaN or infinite logit makes the softmax sum non-finite */
+        if (!isfinite(conf[i])) /* a NaN or infinite logit: a non-finite softmax sum, or k_top_k's flag */
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite logit from the LM head (output.weight), row "
                                 "%lld (on the GPU)", (long long)idx[i]);
-        g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
+        else if (K)
+            memcpy(g->cand + (int64_t)idx[i] * K, cand + i * K, sizeof(clover_cand) * (size_t)K);
+        else
+            g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
     }
-    free(start), free(id), free(conf);
+    free(start), free(id), free(conf), free(cand);
     return rc;
 }
 
@@ -2086,7 +2097,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
-        if ((logits || f->greedy) && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
+        if ((logits || f->sreq) && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
     }
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
@@ -2102,7 +2113,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
         rc = res_moe(f, ly, il, &b);
     }
     if (rc == CLOVER_OK && n && !(rc = check_abort(f, (int)L)))
-        rc = f->greedy ? res_lm_greedy(f, &b, idx, n) : res_lm_head(f, &b, idx, n, logits, rows);
+        rc = f->sreq ? res_lm_select(f, &b, idx, n) : res_lm_head(f, &b, idx, n, logits, rows);
     /* the flags after the logits (no wait in between); a non-finite layer output is named first */
     if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++)
@@ -2190,7 +2201,21 @@ done:
     return rc;
 }
 
-/* ops_start of a greedy request: non-decreasing from 0, empty ranges for the rows not selected
+/* A selection request's model and outputs: resident, and id and conf (k 0) or cand (k > 0). */
+static int check_select(const clover_context *c, const clover_sampler_params *sp, const int32_t *id, const float *conf,
+                        const clover_cand *cand, const char *what, char *err, size_t err_size) {
+    if (!c->m->resident)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "%s: the model's forwards are not resident on the GPU", what);
+    const int32_t k = clover_select_k(sp, c->m->hp.n_vocab);
+    if (k < 0)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: temperature %g with top_k %d: the selection needs "
+                              "temperature 0 or top_k in [1, %d]", what, sp->temperature, sp->top_k,
+                              (int)CLOVER_CUDA_TOP_K_MAX);
+    if (k ? !cand : !id || !conf) return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: NULL output", what);
+    return CLOVER_OK;
+}
+
+/* ops_start of a selection request: non-decreasing from 0, empty ranges for the rows not selected
  * (rows[t] == 0; rows NULL: all but the last). */
 static int check_ops_start(const int32_t *ops_start, const uint8_t *rows, int32_t n, char *err, size_t err_size) {
     if (n <= 0) return CLOVER_OK;
@@ -2205,7 +2230,7 @@ static int check_ops_start(const int32_t *ops_start, const uint8_t *rows, int32_
 }
 
 static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
-                   const greedy_req *greedy, char *err, size_t err_size) {
+                   const select_req *sreq, char *err, size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (n <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d must be > 0", n);
     if ((int64_t)c->n_past + n > c->n_ctx)
@@ -2216,7 +2241,7 @@ static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
                               "at most %d tokens", n, c->rec_cap);
-    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, greedy};
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq};
     rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
     if (rc == CLOVER_OK) {
         c->n_past += n;
@@ -2232,29 +2257,32 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     return prefill(c, tokens, n, logits, all_logits, NULL, err, err_size);
 }
 
-int clover_prefill_greedy(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
+int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
                           const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
-                          int32_t *id, float *conf, char *err, size_t err_size) {
-    if (!c || !ops_start || !sp || !id || !conf || (n > 0 && ops_start[n] > 0 && !ops))
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_greedy: NULL argument");
-    if (!c->m->resident)
-        return clover_set_err(err, err_size, CLOVER_E_STATE, "prefill_greedy: the model's forwards are not resident "
-                              "on the GPU");
+                          int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size) {
+    if (!c || !ops_start || !sp || (n > 0 && ops_start[n] > 0 && !ops))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_select: NULL argument");
+    int rc = check_select(c, sp, id, conf, cand, "prefill_select", err, err_size);
+    if (rc) return rc;
     if (n <= 0 || n > RES_ROWS)
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_greedy", n,
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_select", n,
                               (int)RES_ROWS);
+    const int32_t K = clover_select_k(sp, c->m->hp.n_vocab);
     uint8_t *rows = malloc((size_t)n);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
     float *confs = malloc(sizeof(float) * (size_t)n);
-    int rc = rows && ids && confs ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    clover_cand *cands = K ? malloc(sizeof(clover_cand) * (size_t)n * (size_t)K) : NULL;
+    rc = rows && ids && confs && (cands || !K) ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
     for (int32_t t = 0; t < n && rc == CLOVER_OK; t++) rows[t] = all_rows || t == n - 1;
     if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, n, err, err_size);
     if (rc == CLOVER_OK) {
-        const greedy_req g = {ops, ops_start, sp, ids, confs};
+        const select_req g = {ops, ops_start, sp, K, ids, confs, cands};
         rc = prefill(c, tokens, n, NULL, all_rows, &g, err, err_size);
     }
-    for (int32_t t = all_rows ? 0 : n - 1, k = 0; t < n && rc == CLOVER_OK; t++, k++) id[k] = ids[t], conf[k] = confs[t];
-    free(rows), free(ids), free(confs);
+    const int32_t t0 = all_rows ? 0 : n - 1; /* the rows handed back, from row t0 */
+    if (rc == CLOVER_OK && K) memcpy(cand, cands + (int64_t)t0 * K, sizeof(clover_cand) * (size_t)(n - t0) * (size_t)K);
+    for (int32_t t = t0; t < n && rc == CLOVER_OK && !K; t++) id[t - t0] = ids[t], conf[t - t0] = confs[t];
+    free(rows), free(ids), free(confs), free(cands);
     return rc;
 }
 
@@ -2406,7 +2434,7 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
 
 
 static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
-                         const uint8_t *rows, const greedy_req *greedy, int32_t *n_experts_out, char *err,
+                         const uint8_t *rows, const select_req *sreq, int32_t *n_experts_out, char *err,
                          size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (!c->m->hp.is_clover)
@@ -2420,7 +2448,7 @@ static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, fl
                               c->n_past, c->n_ctx);
     int rc = check_tokens(c->m, tokens, B, err, err_size);
     if (rc) return rc;
-    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, greedy};
+    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq};
     return forward(&f, tokens, logits, 0, rows);
 }
 
@@ -2430,18 +2458,16 @@ int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t 
     return block_forward(c, tokens, B, coreset_top_p, logits, rows, NULL, n_experts_out, err, err_size);
 }
 
-int clover_block_forward_greedy(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+int clover_block_forward_select(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
-                                const clover_sampler_params *sp, int32_t *id, float *conf, int32_t *n_experts_out,
-                                char *err, size_t err_size) {
-    if (!c || !rows || !ops_start || !sp || !id || !conf || (!ops && B > 0 && ops_start[B] > 0))
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "block_forward_greedy: NULL argument");
-    if (!c->m->resident)
-        return clover_set_err(err, err_size, CLOVER_E_STATE, "block_forward_greedy: the model's forwards are not "
-                              "resident on the GPU");
-    int rc = check_ops_start(ops_start, rows, B, err, err_size);
+                                const clover_sampler_params *sp, int32_t *id, float *conf, clover_cand *cand,
+                                int32_t *n_experts_out, char *err, size_t err_size) {
+    if (!c || !rows || !ops_start || !sp || (!ops && B > 0 && ops_start[B] > 0))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "block_forward_select: NULL argument");
+    int rc = check_select(c, sp, id, conf, cand, "block_forward_select", err, err_size);
+    if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, B, err, err_size);
     if (rc) return rc;
-    const greedy_req g = {ops, ops_start, sp, id, conf};
+    const select_req g = {ops, ops_start, sp, clover_select_k(sp, c->m->hp.n_vocab), id, conf, cand};
     return block_forward(c, tokens, B, coreset_top_p, NULL, rows, &g, n_experts_out, err, err_size);
 }
 

@@ -16,7 +16,10 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
   (forward, block-mode copy, backward branch) against float64;
 - whole-model logits with every layer offloaded against the CPU, and greedy tokens identical
   to the CPU in ar, diffusion and spec, for the whole offload and a partial one, at F32, Q8_0
-  and Q4_K_M, and across the placements of issue 8. Under the emulator (about 1000x slower
+  and Q4_K_M, and across the placements of issue 8;
+- selection on the GPU of a resident model: greedy with the sampler's edits, and top-k
+  (clover_cuda_top_k_d against a numpy sort, then sampled tokens equal to the CPU's seed for
+  seed in every mode). Under the emulator (about 1000x slower
   than the CPU engine) the model has 8-token blocks and 16 tokens are generated, not 32-token
   blocks and 32 tokens: the same code paths in a few minutes.
 """
@@ -58,6 +61,11 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
 int clover_context_checkpoint(void *c, int32_t n_max, char *err, size_t err_size);
 int clover_context_rollback(void *c, int32_t n_keep, char *err, size_t err_size);
+typedef struct { int32_t kind, id, count; float value; } clover_logit_op;
+typedef struct { float z; int32_t id; } clover_cand;
+int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
+                        float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
+                        clover_cand *cand, float *bad, char *err, size_t err_size);
 int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err, size_t err_size);
 """)
@@ -537,7 +545,7 @@ def test_non_finite_values_on_the_gpu_name_the_layer(nan_model, monkeypatch, res
 @gpu
 def test_greedy_selection_on_the_gpu_applies_the_samplers_edits(make_gguf):
     """Every mode at temperature 0 on a resident model selects on the GPU
-    (clover_block_forward_greedy, clover_prefill_greedy: the sampler's spec 5.4 edits of each
+    (clover_block_forward_select, clover_prefill_select: the sampler's spec 5.4 edits of each
     needed row go up, an id and a confidence come back; spec's draft only when its edits cannot
     depend on the drafted tokens, so with penalties it selects on the CPU): with logit_bias,
     with penalties (negative, so that they change this random model's output) and with the
@@ -560,6 +568,86 @@ def test_greedy_selection_on_the_gpu_applies_the_samplers_edits(make_gguf):
                 assert got == want, (mode, kw)
                 # spec: the drafts (which decide acceptance, not tokens) were the CPU's too
                 assert st_g["accept_hist"] == st["accept_hist"], (mode, kw)
+
+
+def _dev(a: np.ndarray):
+    """A device copy of a (freed by the caller with clover_cuda_free)."""
+    d = _cffi.new("void **")
+    assert _clib.clover_cuda_upload(_cffi.cast("void *", a.ctypes.data), a.nbytes, d, _cffi.NULL, 0) == 0
+    return d[0]
+
+
+@gpu
+@pytest.mark.parametrize("V, k", [(300, 1), (300, 7), (5000, 256), (248320, 20)])
+def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V, k):
+    """clover_cuda_top_k_d against a numpy sort by (z descending, id ascending) of each edited row
+    without the mask: rows of few distinct values (ties everywhere, -0.0 beside +0.0), a row of
+    distinct floats, logit_bias edits (ADD) on some rows, and a NaN row, which sets its flag."""
+    rng = np.random.default_rng(V + k)
+    rows = [rng.integers(-3, 4, V).astype(np.float32), rng.standard_normal(V).astype(np.float32) * 4,
+            np.where(rng.random(V) < 0.5, -0.0, 0.0).astype(np.float32), rng.integers(0, 3, V).astype(np.float32)]
+    rows[3][rng.integers(0, V)] = np.nan
+    z = np.stack(rows)
+    mask = int(np.argmax(rows[0]))
+    ops = [(1, int(rng.integers(0, V)), 0, 2.5), (1, int(rng.integers(0, V)), 0, -1.0), (1, mask, 0, 9.0),
+           (2, mask, 0, 0.0)]
+    start = np.array([0, 2, 2, 4, 4], np.int32)  # rows 0 and 2 get edits, both end by masking
+    want_z = z.copy()
+    for r in (0, 2):
+        for kind, i, _, v in ops[start[r]:start[r + 1]] if r == 0 else ops[2:]:
+            want_z[r, i] = -np.inf if kind == 2 else want_z[r, i] + np.float32(v)
+    c_ops = _cffi.new("clover_logit_op[]", [dict(kind=o[0], id=o[1], count=o[2], value=o[3]) for o in ops])
+    c_ops_host = np.frombuffer(_cffi.buffer(c_ops), np.uint8).copy()
+    dz, dops, dstart = _dev(z), _dev(c_ops_host), _dev(start)
+    dcand, dbad = _cffi.new("void **"), _cffi.new("void **")
+    assert _clib.clover_cuda_alloc(8 * 4 * k, dcand, _cffi.NULL, 0) == 0
+    assert _clib.clover_cuda_alloc(4 * 4, dbad, _cffi.NULL, 0) == 0
+    try:
+        err = _cffi.new("char[256]")
+        assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, k, dcand[0], dbad[0], err,
+                                         256) == 0, _cffi.string(err)
+        cand, bad = np.zeros(4 * k * 2, np.int32), np.zeros(4, np.float32)
+        assert _clib.clover_cuda_read(dcand[0], 0, _cffi.cast("void *", cand.ctypes.data), cand.nbytes, _cffi.NULL, 0) == 0
+        assert _clib.clover_cuda_read(dbad[0], 0, _cffi.cast("void *", bad.ctypes.data), bad.nbytes, _cffi.NULL, 0) == 0
+        cz, cid = cand.view(np.float32)[0::2].reshape(4, k), cand[1::2].reshape(4, k)
+        for r in range(3):
+            order = sorted((i for i in range(V) if i != mask), key=lambda i: (-want_z[r, i], i))[:k]
+            assert cid[r].tolist() == order, r
+            np.testing.assert_array_equal(cz[r], want_z[r, order])
+        assert bad[:3].tolist() == [0, 0, 0] and np.isnan(bad[3])
+        assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, 257, dcand[0], dbad[0], err,
+                                         256) == lib.CLOVER_E_ARG
+    finally:
+        for d in (dz, dops, dstart, dcand[0], dbad[0]):
+            _clib.clover_cuda_free(d)
+
+
+@gpu
+def test_sampling_with_top_k_selects_on_the_gpu_and_draws_as_the_cpu(make_gguf):
+    """Above temperature 0 with a top_k that cuts (<= 256), a resident model selects each needed
+    row's top-k candidates on the GPU (clover_cuda_top_k_d: edits, then a radix select) and the
+    host draws from them (clover_sample_top) in the CPU's order, so every mode's tokens equal the
+    CPU's seed for seed: top_k alone, with top_p / min_p / logit_bias, and with penalties (spec's
+    drafts then sample on the CPU); the kernel test covers the cap of 256 candidates. The seed
+    changes the output, so these are draws, not the argmax."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+        assert lib.clover_model_gpu_resident(g._model) == 1
+        ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n")
+        for mode in ("diffusion", "ar", "spec"):
+            outs = set()
+            for kw in (dict(temperature=1.0, top_k=20, seed=1),
+                       dict(temperature=1.0, top_k=20, seed=2),
+                       dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, logit_bias={100: 3.0}, seed=3),
+                       dict(temperature=1.3, top_k=12, repeat_penalty=0.7, presence_penalty=-2.0, seed=4)):
+                want, st = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[], **kw)
+                got, st_g = g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[], **kw)
+                assert got == want, (mode, kw)
+                assert st_g["accept_hist"] == st["accept_hist"], (mode, kw)
+                outs.add(tuple(want))
+            assert len(outs) == 4, mode  # each seed gave other tokens
 
 
 @gpu

@@ -1194,3 +1194,89 @@ extern "C" int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover
     LAUNCH(k_greedy, dim3((unsigned)n), dim3(256))(z, V, mask_id, id, conf);
     return launched(CLOVER_OK, "greedy_d", err, err_size);
 }
+
+/* Rank key of candidate (z, id) for k_top_k: larger z first (IEEE bits mapped to an unsigned
+ * order, -0 as +0 so equal floats tie as on the CPU), then smaller id; distinct per id. */
+__device__ __forceinline__ uint64_t cand_key(float z, int64_t i) {
+    uint32_t b = 0;
+    if (z != 0.0f) memcpy(&b, &z, 4);
+    b = b & 0x80000000u ? ~b : b | 0x80000000u;
+    return (uint64_t)b << 32 | (uint32_t) ~(uint32_t)i;
+}
+
+enum { TOP_K_THREADS = 1024 };
+
+/* clover_sample's top-k candidates (native/sampler.c top_k_cands) of row blockIdx.x of Z: a radix
+ * select over the 64-bit rank keys, 8 bits a pass from the top (a 256-bin histogram of the keys
+ * that share the prefix chosen so far), until the bin holding the k-th key is taken whole; then
+ * the keys at or above that bin (exactly k) are gathered and placed by rank. Usually 3-4 passes
+ * over the row: the float's top bits, then mantissa bits, separate the candidates. */
+__global__ void __launch_bounds__(TOP_K_THREADS) k_top_k(const float *Z, int64_t V, int32_t mask, int32_t k,
+                                                          clover_cand *out, float *bad) {
+    __shared__ uint32_t hist[256];
+    __shared__ uint64_t sel[CLOVER_CUDA_TOP_K_MAX];
+    __shared__ uint64_t s_prefix;
+    __shared__ int32_t s_need, s_done, s_bad;
+    __shared__ uint32_t s_n;
+    const float *z = Z + (int64_t)blockIdx.x * V;
+    const int tid = threadIdx.x;
+    if (tid == 0) s_bad = 0, s_n = 0;
+    uint64_t prefix = 0;
+    int32_t need = k;
+    int shift = 56;
+    for (;; shift -= 8) {
+        for (int i = tid; i < 256; i += TOP_K_THREADS) hist[i] = 0;
+        __syncthreads();
+        const uint64_t hi = shift == 56 ? 0 : ~0ull << (shift + 8);
+        int nonfinite = 0;
+        for (int64_t i = tid; i < V; i += TOP_K_THREADS) {
+            if (i == mask) continue; /* -inf by its edit */
+            const float v = z[i];
+            if (shift == 56 && !isfinite(v)) nonfinite = 1;
+            const uint64_t key = cand_key(v, i);
+            if ((key & hi) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+        }
+        if (nonfinite) s_bad = 1;
+        __syncthreads();
+        if (tid == 0) { /* the bin, from the top, where the count reaches need */
+            uint32_t cum = 0;
+            int d = 255;
+            while (d > 0 && cum + hist[d] < (uint32_t)need) cum += hist[d--];
+            s_need = need - (int32_t)cum;
+            s_prefix = prefix | (uint64_t)d << shift;
+            s_done = hist[d] == (uint32_t)s_need;
+        }
+        __syncthreads();
+        prefix = s_prefix, need = s_need;
+        if (s_done || shift == 0) break;
+    }
+    const uint64_t top = prefix >> shift;
+    for (int64_t i = tid; i < V; i += TOP_K_THREADS) {
+        if (i == mask) continue;
+        const uint64_t key = cand_key(z[i], i);
+        if (key >> shift >= top) {
+            const uint32_t slot = atomicAdd(&s_n, 1u);
+            if (slot < CLOVER_CUDA_TOP_K_MAX) sel[slot] = key;
+        }
+    }
+    __syncthreads();
+    for (int j = tid; j < k; j += TOP_K_THREADS) {
+        int r = 0;
+        for (int q = 0; q < k; q++) r += sel[q] > sel[j];
+        const int32_t id = (int32_t) ~(uint32_t)sel[j];
+        out[(int64_t)blockIdx.x * k + r] = clover_cand{z[id], id};
+    }
+    if (tid == 0) bad[blockIdx.x] = s_bad ? NAN : 0.0f;
+}
+
+extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
+                                   float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
+                                   clover_cand *cand, float *bad, char *err, size_t err_size) {
+    const int64_t ids = V - (mask_id >= 0 && mask_id < V);
+    if (!z || !start || !cand || !bad || n <= 0 || n > INT32_MAX || V <= 0 || V > INT32_MAX || k < 1 ||
+        k > CLOVER_CUDA_TOP_K_MAX || k > ids)
+        return bad_arg(err, err_size, "top_k_d: bad arguments");
+    LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence);
+    LAUNCH(k_top_k, dim3((unsigned)n), dim3(TOP_K_THREADS))(z, V, mask_id, k, cand, bad);
+    return launched(CLOVER_OK, "top_k_d", err, err_size);
+}

@@ -195,7 +195,7 @@ int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *
  * of the n rows of z [n][V] (device, edited in place by ops as clover_cuda_greedy_d), the k
  * largest logits of ids other than mask_id, sorted by z descending then id ascending, into
  * cand[r][0..k) (device; 1 <= k <= CLOVER_CUDA_TOP_K_MAX and k <= the ids other than mask_id),
- * and bad[r] (device float) = 0, or NaN when the row holds a NaN or infinite value. */
+ * and bad[r] (device float) = 0, or NaN when a value other than mask_id's is NaN or infinite. */
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                         float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
                         clover_cand *cand, float *bad, char *err, size_t err_size);

@@ -92,6 +92,12 @@ static inline float __uint_as_float(uint32_t b) {
     return f;
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
+/* Fibers switch only at barriers and shuffles, so a plain read-modify-write is atomic here. */
+template <class V> static inline V atomicAdd(V *p, V v) {
+    const V old = *p;
+    *p = old + v;
+    return old;
+}
 
 /* Run body on every thread of every block of the grid (blocks in order); returns
  * cudaErrorInvalidConfiguration for an empty grid or more than 1024 threads per block. */
