@@ -290,7 +290,7 @@ static int select_on_gpu(const clover_decoder *d) { return d->c->m->resident && 
 
 /* A draw from row r of the GPU's candidates (sel_k > 0), as sample_slot would draw from that row. */
 static int32_t top_draw(clover_decoder *d, int64_t r, float *conf) {
-    return clover_sample_top(d->tops + r * d->sel_k, d->sel_k, &d->sp, &d->rng, conf, d->scratch);
+    return clover_sample_top(d->tops + r * d->sel_k, d->sel_k, &d->sp, &d->rng, conf, d->scratch, 0.0);
 }
 
 /* denoise's forward and candidates for select_on_gpu: each needed row's spec 5.4 edits (those

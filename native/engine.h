@@ -223,10 +223,12 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
                       clover_rng *rng, float *confidence, float *scratch, int32_t *iscratch);
 /* clover_sample above temperature 0 when its candidates are sorted (top_k or top_p set): from
  * cand[0..n) (n >= 1), the best n candidates of the processed row in rank order (z descending,
- * ties by id ascending; n >= min(top_k, ids other than the mask) so top-k can cut them), the
- * top-k, top-p, min-p cuts, one draw from rng and the confidence (spec 5.3). scratch: n floats.
- * Lets the candidates come from elsewhere (clover_cuda_top_k_d) with the same result. */
+ * ties by id ascending), the top-k, top-p, min-p cuts, one draw from rng and the confidence
+ * (spec 5.3). Either top_k cuts (n >= min(top_k, ids other than the mask); total 0: top-p
+ * renormalises over the top-k), or total is the whole row's tempered weight, sum over ids other
+ * than the mask of exp((z - z_max) / T), and the top-p prefix ends within the n. scratch: n
+ * floats. Lets the candidates come from elsewhere (clover_cuda_top_k_d) with the same result. */
 int32_t clover_sample_top(const clover_cand *cand, int32_t n, const clover_sampler_params *sp, clover_rng *rng,
-                          float *confidence, float *scratch);
+                          float *confidence, float *scratch, double total);
 
 #endif

@@ -210,12 +210,18 @@ static int by_rank(const void *a, const void *b) {
 }
 
 /* The k best candidates of logits[n_vocab] other than mask (1 <= k <= their count) into h,
- * sorted: a heap rooted at the worst one kept, O(n_vocab log k), then a sort of the k. */
+ * sorted: a heap rooted at the worst one kept, O(n_vocab log k), then a sort of the k; all of
+ * them (k = their count) by one sort. */
 static void top_k_cands(const float *logits, int32_t n_vocab, int32_t mask, int32_t k, clover_cand *h) {
+    const int all = k == n_vocab - (mask >= 0 && mask < n_vocab);
     int32_t n = 0;
     for (int32_t i = 0; i < n_vocab; i++) {
         if (i == mask) continue;
         const clover_cand c = {logits[i], i};
+        if (all) {
+            h[n++] = c;
+            continue;
+        }
         int32_t j;
         if (n < k) { /* sift up past the parents that rank before c */
             for (j = n++; j > 0 && cand_before(h[(j - 1) / 2], c); j = (j - 1) / 2) h[j] = h[(j - 1) / 2];
@@ -248,14 +254,27 @@ static int32_t draw(const float *w, int32_t n, clover_rng *rng, double *sum) {
     return -1;
 }
 
+/* Tempered weight of logit z relative to the argmax's zmax (weight 1), spec 5.3. */
+static float weight(float z, float zmax, float T) { return (float)exp((double)(z - zmax) / T); }
+
+/* Whether the top-p prefix (mass over total reaching top_p) ends within cand[0..n). */
+static int top_p_within(const clover_cand *cand, int32_t n, float T, double total, float top_p) {
+    double cum = 0;
+    for (int32_t j = 0; j < n; j++)
+        if ((cum += weight(cand[j].z, cand[0].z, T) / total) >= top_p) return 1;
+    return 0;
+}
+
 int32_t clover_sample_top(const clover_cand *cand, int32_t n, const clover_sampler_params *sp, clover_rng *rng,
-                          float *confidence, float *scratch) {
+                          float *confidence, float *scratch, double total) {
     const float T = sp->temperature, zmax = cand[0].z;
     /* top-k */
     if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
-    /* tempered weights relative to the argmax (cand[0], weight 1) */
+    /* tempered weights relative to the argmax (cand[0], weight 1); top-p renormalises over the
+     * top-k, or over the whole row (total) when top-k keeps it all */
     double sum = 0;
-    for (int32_t j = 0; j < n; j++) sum += (scratch[j] = (float)exp((double)(cand[j].z - zmax) / T));
+    for (int32_t j = 0; j < n; j++) sum += (scratch[j] = weight(cand[j].z, zmax, T));
+    if (total > 0) sum = total;
     /* top-p: the shortest prefix whose mass (renormalised over the top-k) reaches top_p */
     if (sp->top_p < 1.0f) {
         double cum = 0;
@@ -306,22 +325,31 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
     }
     const float T = sp->temperature;
     if ((sp->top_k > 0 && sp->top_k < n_vocab) || sp->top_p < 1.0f) { /* candidates sorted by rank */
-        const int32_t n = n_vocab - (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab),
-                      k = sp->top_k > 0 && sp->top_k < n ? sp->top_k : n;
-        clover_cand *cand = malloc(sizeof(clover_cand) * (size_t)k);
+        const int32_t n = n_vocab - (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab);
+        const int cut = sp->top_k > 0 && sp->top_k < n;
+        clover_cand *cand = malloc(sizeof(clover_cand) * (size_t)(cut ? sp->top_k : n));
         if (!cand) { /* no memory: fall back to the greedy candidate */
             *confidence = 1.0f;
             return best;
         }
-        top_k_cands(logits, n_vocab, sp->mask_token_id, k, cand);
-        const int32_t id = clover_sample_top(cand, k, sp, rng, confidence, scratch);
+        /* top-p alone: the whole row's weight, then the best 256, 4096 or all candidates, the
+         * fewest among which the top-p prefix ends (rather than sorting the vocabulary) */
+        double total = 0;
+        for (int32_t i = 0; i < n_vocab && !cut; i++)
+            if (i != sp->mask_token_id) total += weight(logits[i], zmax, T);
+        int32_t k = cut ? sp->top_k : n < 256 ? n : 256;
+        for (;; k = k * 16 > n / 4 ? n : k * 16) {
+            top_k_cands(logits, n_vocab, sp->mask_token_id, k, cand);
+            if (cut || k == n || top_p_within(cand, k, T, total, sp->top_p)) break;
+        }
+        const int32_t id = clover_sample_top(cand, k, sp, rng, confidence, scratch, cut ? 0.0 : total);
         free(cand);
         return id;
     }
     /* no top-k or top-p: weights in vocabulary order, min-p without sorting */
     const double min_p = sp->min_p > 0.0f ? sp->min_p : 0.0;
     for (int32_t i = 0; i < n_vocab; i++) {
-        float w = i == sp->mask_token_id ? 0.0f : (float)exp((double)(logits[i] - zmax) / T);
+        float w = i == sp->mask_token_id ? 0.0f : weight(logits[i], zmax, T);
         scratch[i] = w < min_p && i != best ? 0.0f : w;
     }
     double sum;

@@ -247,6 +247,27 @@ def test_top_k_keeps_the_k_best_by_rank_with_ties_and_the_mask(top_k):
     assert drawn == set(order[:top_k])
 
 
+@pytest.mark.parametrize("span", [40, 1000, 6000])
+def test_top_p_alone_cuts_where_the_reference_does_on_a_large_row(span):
+    """top_p without top_k on 20000 ids: the sampler takes the best 256, 4096 or all candidates,
+    whichever holds the top-p prefix, so prefixes of about 40, 1000 and 6000 ids exercise each
+    size. The draws stay inside ref_dist's support and reach its far end (the cut is not early)."""
+    V = 20000
+    rng = np.random.default_rng(span)
+    z = np.full(V, -20.0, np.float32)  # a tail of negligible mass
+    z[:span] = 2.0 + np.linspace(0.0, 0.05, span)[::-1]  # a near-flat head of span ids
+    perm = rng.permutation(V)
+    zp = np.empty_like(z)
+    zp[perm] = z
+    T, top_p = 1.0, 0.9
+    support = np.flatnonzero(ref_dist(zp, T, top_p=top_p) > 0)
+    assert 0.8 * span < support.size <= span
+    rank = {int(i): r for r, i in enumerate(sorted(support, key=lambda i: (-zp[i], i)))}
+    drawn = [sample(zp, seed=s, temperature=T, top_p=top_p)[0] for s in range(800)]
+    assert set(drawn) <= set(rank), "drawn outside the top-p prefix"
+    assert max(rank[t] for t in drawn) >= 0.9 * support.size - 1
+
+
 def test_fixed_seed_is_reproducible_and_the_seed_matters():
     kw = dict(temperature=1.5, top_k=8, top_p=0.9, min_p=0.05, presence_penalty=0.5, generated=[3, 8])
     a = [sample(ROW, seed=s, **kw)[:2] for s in range(30)]
