@@ -185,9 +185,9 @@ int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *
 }
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                         float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
-                        clover_cand *cand, float *bad, char *err, size_t err_size) {
+                        clover_cand *cand, float *bad, float *pre, char *err, size_t err_size) {
     (void)z, (void)n, (void)V, (void)ops, (void)start, (void)repetition, (void)frequency, (void)presence, (void)mask_id;
-    (void)k, (void)cand, (void)bad;
+    (void)k, (void)cand, (void)bad, (void)pre;
     return no_cuda(err, err_size);
 }
 #endif

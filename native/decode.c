@@ -48,7 +48,10 @@ struct clover_decoder {
     int64_t gops_cap;
     int32_t *gstart;
     int32_t sel_k;
-    clover_cand *tops;
+    clover_cand *tops; /* [block_size][k] for a selection of k <= tops_k candidates a row */
+    int32_t tops_k;
+    float *gpre; /* spec's draft with penalties: the inputs of gops' edits (gpre_cap entries) */
+    int64_t gpre_cap;
     int32_t next_tok; /* prefill_next's selection on the GPU: the id (sel_k 0), else tops[0] */
     int have_next;
 };
@@ -130,7 +133,7 @@ void clover_decoder_free(clover_decoder *d) {
     if (!d) return;
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
-    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart), free(d->tops);
+    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart), free(d->tops), free(d->gpre);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -192,7 +195,11 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     clover_rng_seed(&d->rng, p->seed);
     clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
     d->sel_k = clover_select_k(&d->sp, (int32_t)V);
-    if (d->sel_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->sel_k)))) goto nomem;
+    /* spec's greedy draft with penalties takes min(B, ids) candidates a row (draft_pick) */
+    const int32_t ids = (int32_t)V - (m->hp.mask_token_id >= 0 && m->hp.mask_token_id < V);
+    d->tops_k = p->mode == CLOVER_MODE_SPEC && B <= CLOVER_CUDA_TOP_K_MAX ? (int32_t)(B < ids ? B : ids) : 0;
+    if (d->sel_k > d->tops_k) d->tops_k = d->sel_k;
+    if (d->tops_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->tops_k)))) goto nomem;
     if (p->n_reuse != 0 && (p->n_reuse < 0 || p->n_reuse != c->n_past || p->n_reuse >= n_prompt)) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_reuse: %d must be 0 or the %d cached tokens (< n_prompt %d)",
                        p->n_reuse, c->n_past, n_prompt);
@@ -309,7 +316,8 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
     /* row r predicts slot r + shift: its id and confidence land in cand, conf of that slot */
     if (rc == CLOVER_OK)
         rc = clover_block_forward_select(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
-                                         d->cand + shift, d->conf + shift, d->tops, d->nexp, err, err_size);
+                                         d->sel_k, d->cand + shift, d->conf + shift, d->tops, NULL, d->nexp, err,
+                                         err_size);
     return rc;
 }
 
@@ -326,8 +334,8 @@ static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, cha
     d->gstart[n] = (int32_t)n_ops;
     float conf;
     if (rc == CLOVER_OK)
-        rc = clover_prefill_select(d->c, tokens, n, 0, d->gops, d->gstart, &d->sp, &d->next_tok, &conf, d->tops, err,
-                                   err_size);
+        rc = clover_prefill_select(d->c, tokens, n, 0, d->gops, d->gstart, &d->sp, d->sel_k, &d->next_tok, &conf,
+                                   d->tops, err, err_size);
     d->have_next = rc == CLOVER_OK;
     return rc;
 }
@@ -501,6 +509,44 @@ static int32_t emit_until_end(clover_decoder *d, const int32_t *block, int32_t n
     return got;
 }
 
+/* Spec's greedy draft of slot j on the GPU with penalties (step_spec): row j - 1's best tops_k
+ * candidates under the history's edits only, with the inputs of those edits in gpre. Slot j's
+ * penalties also count the drafted block[0..j); being >= 0 (repetition >= 1) they only lower
+ * those tokens' logits, so the argmax (spec 5.3) is among the candidates up to the first one not
+ * drafted (tops_k > j, so there is one, unless the candidates are every id). A drafted
+ * candidate's logit is redone from its raw value with slot j's edits for it, in the CPU's order
+ * (clover_logit_ops), so the pick equals sample_slot's. */
+static int32_t draft_pick(clover_decoder *d, int32_t j) {
+    const clover_cand *c = d->tops + (int64_t)(j - 1) * d->tops_k;
+    const clover_sampler_params *sp = &d->sp;
+    const int32_t q0 = d->gstart[j - 1], q1 = d->gstart[j];
+    const int think = slot_push(d, j, d->block, NULL, j);
+    const int32_t n_ops = clover_logit_ops(sp, &d->hist, d->st.n_generated + j, think, d->ops);
+    slot_pop(d, d->block, NULL, j);
+    int32_t best = -1;
+    float bz = 0.0f;
+    for (int32_t q = 0; q < d->tops_k; q++) {
+        const int32_t t = c[q].id;
+        int drafted = 0;
+        for (int32_t i = 0; i < j && !drafted; i++) drafted = d->block[i] == t;
+        float z = c[q].z;
+        for (int32_t e = q0; e < q1 && drafted; e++) /* the raw logit: what its first edit found */
+            if (d->gops[e].id == t) {
+                z = d->gpre[e];
+                break;
+            }
+        for (int32_t e = 0; e < n_ops && drafted; e++)
+            if (d->ops[e].id == t) {
+                clover_logit_op o = d->ops[e];
+                o.id = 0;
+                clover_logit_op_apply(&z, 1, o, sp->repetition_penalty, sp->frequency_penalty, sp->presence_penalty);
+            }
+        if (best < 0 || z > bz || (z == bz && t < best)) best = t, bz = z;
+        if (!drafted) break;
+    }
+    return best;
+}
+
 /* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...],
  * verify [s, d_1..] in one prefix-mode forward giving a_0..a_{B-1}; accept the longest run
  * d_i == a_{i-1}, emit s, d_1..d_c, roll the caches back to the kept tokens and seed the next
@@ -529,33 +575,44 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         return 1;
     }
     for (int32_t j = 1; j < B; j++) d->block[j] = hp->mask_token_id;
-    /* on the GPU, the draft's edits must not depend on the drafted tokens: no penalties, and no
-     * </think> ramp that a drafted think token could switch */
+    /* on the GPU, the draft's edits must not depend on the drafted tokens (no </think> ramp above
+     * 0 in this block, which a drafted think token could switch), or only through penalties
+     * that lower their logits, at temperature 0 (draft_pick) */
     const clover_sampler_params *sp = &d->sp;
     const int gpu = select_on_gpu(d),
-              draft_gpu = gpu && sp->repetition_penalty == 1.0f && sp->presence_penalty == 0.0f &&
-                          sp->frequency_penalty == 0.0f &&
-                          !(sp->bias_slope > 0.0f && sp->bias_max > 0.0f && sp->think_close_id >= 0);
+              pens = sp->repetition_penalty != 1.0f || sp->presence_penalty != 0.0f || sp->frequency_penalty != 0.0f,
+              lowering = sp->repetition_penalty >= 1.0f && sp->presence_penalty >= 0.0f && sp->frequency_penalty >= 0.0f,
+              think_ramp = sp->bias_slope > 0.0f && sp->bias_max > 0.0f && sp->think_close_id >= 0 &&
+                           d->st.n_generated + B - 1 > sp->think_close_bias_start,
+              draft_gpu = gpu && !think_ramp && (!pens || (d->sel_k == 0 && lowering && B <= CLOVER_CUDA_TOP_K_MAX));
+    const int32_t k = pens ? d->tops_k : d->sel_k; /* draft_gpu: candidates a row */
     int rc = CLOVER_OK;
-    if (draft_gpu) { /* row j - 1 predicts slot j (logits_shift) */
+    if (draft_gpu) { /* row j - 1 predicts slot j (logits_shift); with penalties, the history's edits only */
         int64_t n_ops = 0;
         for (int32_t r = 0; r < B && rc == CLOVER_OK; r++) {
             d->gstart[r] = (int32_t)n_ops, d->need[r] = r < B - 1;
-            if (r < B - 1) rc = row_ops(d, &n_ops, r + 1, d->block, NULL, r + 1, err, err_size);
+            if (r < B - 1) rc = row_ops(d, &n_ops, r + 1, d->block, NULL, pens ? 0 : r + 1, err, err_size);
         }
         d->gstart[B] = (int32_t)n_ops;
+        if (rc == CLOVER_OK && pens && n_ops > d->gpre_cap) {
+            float *g = realloc(d->gpre, sizeof(float) * (size_t)n_ops);
+            if (g) d->gpre = g, d->gpre_cap = n_ops;
+            else rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for the sampler's edits");
+        }
         if (rc == CLOVER_OK)
-            rc = clover_block_forward_select(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp,
-                                             d->block + 1, d->conf + 1, d->tops, d->nexp, err, err_size);
+            rc = clover_block_forward_select(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp, k,
+                                             d->block + 1, d->conf + 1, d->tops, pens ? d->gpre : NULL, d->nexp, err,
+                                             err_size);
     } else {
         rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
     }
     if (rc) return rc;
     d->st.n_forward_draft++;
     count_experts(d);
-    for (int32_t j = 1; j < B && (!draft_gpu || d->sel_k); j++) /* slot j is predicted by row j - 1 (logits_shift) */
-        d->block[j] = draft_gpu ? top_draw(d, j - 1, &conf)
-                                : sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf);
+    for (int32_t j = 1; j < B && (!draft_gpu || k); j++) /* slot j is predicted by row j - 1 (logits_shift) */
+        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf)
+                      : pens     ? draft_pick(d, j)
+                                 : top_draw(d, j - 1, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
     if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known now */
@@ -566,8 +623,8 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         }
         d->gstart[B] = (int32_t)n_ops;
         if (rc == CLOVER_OK)
-            rc = clover_prefill_select(c, d->block, B, 1, d->gops, d->gstart, sp, d->cand, d->conf, d->tops, err,
-                                       err_size);
+            rc = clover_prefill_select(c, d->block, B, 1, d->gops, d->gstart, sp, d->sel_k, d->cand, d->conf, d->tops,
+                                       err, err_size);
     } else {
         const int chunked = c->gdn_chunked;
         c->gdn_chunked = 0;

@@ -93,7 +93,7 @@ struct clover_context {
      * gdn_on_dev[slot] covers it too), and the verify record on the device (rec_*'s layout) */
     void *res_ws;
     size_t res_cap;
-    void *ops_dev; /* clover_block_forward_select's edits on the device (ops_cap entries) */
+    void *ops_dev, *pre_dev; /* clover_block_forward_select's edits and their inputs on the device (ops_cap each) */
     int64_t ops_cap;
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
@@ -138,24 +138,27 @@ typedef struct {
  * 5.3-5.4 on the GPU: clover_block_forward_rows, but for each row t with rows[t] != 0 the LM
  * head's row is edited on the GPU by ops[ops_start[t] .. ops_start[t+1]) (clover_logit_ops, with
  * sp's penalties; ops_start: B + 1 values, empty ranges for the other rows) and reduced there;
- * no logits rows cross to the host. With k = clover_select_k(sp, n_vocab):
- *   k == 0 (temperature 0): id[t], conf[t] as clover_sample gives them (id, conf [B]);
- *   k > 0: cand[t][0..k), the row's best k candidates in rank order, for clover_sample_top,
- *          which then draws as clover_sample would from the whole row (cand [B][k]).
- * CLOVER_E_STATE when the model is not resident, CLOVER_E_ARG when k < 0; else as
+ * no logits rows cross to the host:
+ *   k == 0 (temperature 0 only): id[t], conf[t] as clover_sample gives them (id, conf [B]);
+ *   k in [1, CLOVER_CUDA_TOP_K_MAX]: cand[t][0..k), the row's best k candidates in rank order
+ *          (cand [B][k]), e.g. for clover_sample_top with k = clover_select_k, which then draws
+ *          as clover_sample would from the whole row; pre (NULL, or ops_start[B] floats): the
+ *          value each edit found before it applied (clover_cuda_top_k_d).
+ * CLOVER_E_STATE when the model is not resident, CLOVER_E_ARG for a bad k; else as
  * clover_block_forward_rows. */
 int clover_block_forward_select(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
-                                const clover_sampler_params *sp, int32_t *id, float *conf, clover_cand *cand,
-                                int32_t *n_experts_out, char *err, size_t err_size);
+                                const clover_sampler_params *sp, int32_t k, int32_t *id, float *conf,
+                                clover_cand *cand, float *pre, int32_t *n_experts_out, char *err, size_t err_size);
 enum { CLOVER_SELECT_MAX_ROWS = 512 }; /* clover_prefill_select's n (one resident pass, model.c RES_ROWS) */
 /* clover_prefill of n <= 512 tokens on a resident model with the selection on the GPU (as
- * clover_block_forward_select, the edits of row t in ops[ops_start[t] .. ops_start[t+1]),
- * ops_start: n + 1 values) of every row (all_rows: id, conf [n] or cand [n][k]) or of the last
- * (id, conf [1] or cand [1][k]) instead of logits. CLOVER_E_STATE when the model is not resident. */
+ * clover_block_forward_select, k candidates per row, the edits of row t in
+ * ops[ops_start[t] .. ops_start[t+1]), ops_start: n + 1 values) of every row (all_rows: id, conf
+ * [n] or cand [n][k]) or of the last (id, conf [1] or cand [1][k]) instead of logits.
+ * CLOVER_E_STATE when the model is not resident. */
 int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
                           const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
-                          int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size);
+                          int32_t k, int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size);
 /* Candidates per row that a selection on the GPU hands back for sp over n_vocab ids: 0 at
  * temperature 0 (an id and a confidence instead); k = min(top_k, ids other than the mask) when
  * clover_sample would sort and top-k cuts (0 < top_k <= CLOVER_CUDA_TOP_K_MAX, top_k < n_vocab);

@@ -740,7 +740,7 @@ void clover_context_free(clover_context *c) {
     clover_cuda_free(c->gdn_dev), clover_cuda_free(c->gdn_snap_dev);
     free(c->gdn_on_dev), free(c->snap_on_dev);
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
-    clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev);
+    clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
     free(c);
 }
 
@@ -838,7 +838,7 @@ typedef struct {
     const struct select_req *sreq; /* clover_block_forward_select's request, else NULL */
 } fwd;
 
-/* clover_block_forward_select's edits and outputs (see there); k: clover_select_k of sp. */
+/* clover_block_forward_select's edits and outputs (see there). */
 typedef struct select_req {
     const clover_logit_op *ops;
     const int32_t *ops_start;
@@ -847,6 +847,7 @@ typedef struct select_req {
     int32_t *id;
     float *conf;
     clover_cand *cand;
+    float *pre;
 } select_req;
 
 /* ------------------------------------------------------------------ gated attention (spec 2.2) */
@@ -2024,7 +2025,8 @@ static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n,
 }
 
 /* res_lm_head with the selection on the GPU (clover_block_forward_select): the needed rows' edits
- * go up with them, and per row an id and a confidence (k 0) or k candidates come back. */
+ * go up with them, and per row an id and a confidence (k 0) or k candidates (and, if asked, the
+ * edits' inputs) come back. */
 static int res_lm_select(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
     clover_context *c = f->c;
     const clover_model *m = c->m;
@@ -2039,10 +2041,11 @@ static int res_lm_select(fwd *f, const res_bufs *b, const int32_t *idx, int64_t 
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) start[i] = g->ops_start[idx[i]]; /* the needed rows' ranges */
     if (rc == CLOVER_OK) start[n] = (int32_t)n_ops;
     if (rc == CLOVER_OK && n_ops > c->ops_cap) {
-        clover_cuda_free(c->ops_dev);
-        c->ops_dev = NULL;
+        clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
+        c->ops_dev = c->pre_dev = NULL;
         c->ops_cap = 0;
-        if ((rc = clover_cuda_alloc(sizeof(clover_logit_op) * (size_t)n_ops, &c->ops_dev, err, es)) == CLOVER_OK)
+        if ((rc = clover_cuda_alloc(sizeof(clover_logit_op) * (size_t)n_ops, &c->ops_dev, err, es)) == CLOVER_OK &&
+            (rc = clover_cuda_alloc(sizeof(float) * (size_t)n_ops, &c->pre_dev, err, es)) == CLOVER_OK)
             c->ops_cap = n_ops;
     }
     if (rc == CLOVER_OK && n_ops) rc = clover_cuda_write(c->ops_dev, 0, g->ops, sizeof(clover_logit_op) * (size_t)n_ops, err, es);
@@ -2056,13 +2059,16 @@ static int res_lm_select(fwd *f, const res_bufs *b, const int32_t *idx, int64_t 
             (rc = mm_d(f, &m->output, b->xn, ng, b->logits)))
             break;
         rc = K ? clover_cuda_top_k_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
-                                     (int32_t)K, b->gcand + g0 * K, b->gconf + g0, err, es)
+                                     (int32_t)K, b->gcand + g0 * K, b->gconf + g0, g->pre ? c->pre_dev : NULL, err,
+                                     es)
                : clover_cuda_greedy_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
                                       b->gid + g0, b->gconf + g0, err, es);
     }
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
     if (rc == CLOVER_OK && !K) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK && K) rc = clover_cuda_read(b->gcand, 0, cand, sizeof(clover_cand) * (size_t)(n * K), err, es);
+    if (rc == CLOVER_OK && K && g->pre && n_ops)
+        rc = clover_cuda_read(c->pre_dev, 0, g->pre, sizeof(float) * (size_t)n_ops, err, es);
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
         if (!isfinite(conf[i])) /* a NaN or infinite logit: a non-finite softmax sum, or k_top_k's flag */
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite logit from the LM head (output.weight), row "
@@ -2202,15 +2208,15 @@ done:
 }
 
 /* A selection request's model and outputs: resident, and id and conf (k 0) or cand (k > 0). */
-static int check_select(const clover_context *c, const clover_sampler_params *sp, const int32_t *id, const float *conf,
-                        const clover_cand *cand, const char *what, char *err, size_t err_size) {
+static int check_select(const clover_context *c, const clover_sampler_params *sp, int32_t k, const int32_t *id,
+                        const float *conf, const clover_cand *cand, const char *what, char *err, size_t err_size) {
     if (!c->m->resident)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "%s: the model's forwards are not resident on the GPU", what);
-    const int32_t k = clover_select_k(sp, c->m->hp.n_vocab);
-    if (k < 0)
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: temperature %g with top_k %d: the selection needs "
-                              "temperature 0 or top_k in [1, %d]", what, sp->temperature, sp->top_k,
-                              (int)CLOVER_CUDA_TOP_K_MAX);
+    const int32_t V = c->m->hp.n_vocab, ids = V - (sp->mask_token_id >= 0 && sp->mask_token_id < V);
+    if (k < 0 || k > CLOVER_CUDA_TOP_K_MAX || k > ids || (k == 0 && sp->temperature > 0.0f))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "k: %d candidates at temperature %g: needs 0 (temperature "
+                              "0) or [1, %d] and at most the %d ids other than the mask (%s)", k, sp->temperature,
+                              (int)CLOVER_CUDA_TOP_K_MAX, ids, what);
     if (k ? !cand : !id || !conf) return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: NULL output", what);
     return CLOVER_OK;
 }
@@ -2259,15 +2265,14 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
 
 int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
                           const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
-                          int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size) {
+                          int32_t K, int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size) {
     if (!c || !ops_start || !sp || (n > 0 && ops_start[n] > 0 && !ops))
         return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_select: NULL argument");
-    int rc = check_select(c, sp, id, conf, cand, "prefill_select", err, err_size);
+    int rc = check_select(c, sp, K, id, conf, cand, "prefill_select", err, err_size);
     if (rc) return rc;
     if (n <= 0 || n > RES_ROWS)
         return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_select", n,
                               (int)RES_ROWS);
-    const int32_t K = clover_select_k(sp, c->m->hp.n_vocab);
     uint8_t *rows = malloc((size_t)n);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
     float *confs = malloc(sizeof(float) * (size_t)n);
@@ -2276,7 +2281,7 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
     for (int32_t t = 0; t < n && rc == CLOVER_OK; t++) rows[t] = all_rows || t == n - 1;
     if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, n, err, err_size);
     if (rc == CLOVER_OK) {
-        const select_req g = {ops, ops_start, sp, K, ids, confs, cands};
+        const select_req g = {ops, ops_start, sp, K, ids, confs, cands, NULL};
         rc = prefill(c, tokens, n, NULL, all_rows, &g, err, err_size);
     }
     const int32_t t0 = all_rows ? 0 : n - 1; /* the rows handed back, from row t0 */
@@ -2460,14 +2465,14 @@ int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t 
 
 int clover_block_forward_select(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
-                                const clover_sampler_params *sp, int32_t *id, float *conf, clover_cand *cand,
-                                int32_t *n_experts_out, char *err, size_t err_size) {
+                                const clover_sampler_params *sp, int32_t k, int32_t *id, float *conf,
+                                clover_cand *cand, float *pre, int32_t *n_experts_out, char *err, size_t err_size) {
     if (!c || !rows || !ops_start || !sp || (!ops && B > 0 && ops_start[B] > 0))
         return clover_set_err(err, err_size, CLOVER_E_ARG, "block_forward_select: NULL argument");
-    int rc = check_select(c, sp, id, conf, cand, "block_forward_select", err, err_size);
+    int rc = check_select(c, sp, k, id, conf, cand, "block_forward_select", err, err_size);
     if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, B, err, err_size);
     if (rc) return rc;
-    const select_req g = {ops, ops_start, sp, clover_select_k(sp, c->m->hp.n_vocab), id, conf, cand};
+    const select_req g = {ops, ops_start, sp, k, id, conf, cand, pre};
     return block_forward(c, tokens, B, coreset_top_p, NULL, rows, &g, n_experts_out, err, err_size);
 }
 

@@ -65,7 +65,7 @@ typedef struct { int32_t kind, id, count; float value; } clover_logit_op;
 typedef struct { float z; int32_t id; } clover_cand;
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                         float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
-                        clover_cand *cand, float *bad, char *err, size_t err_size);
+                        clover_cand *cand, float *bad, float *pre, char *err, size_t err_size);
 int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err, size_t err_size);
 """)
@@ -547,7 +547,8 @@ def test_greedy_selection_on_the_gpu_applies_the_samplers_edits(make_gguf):
     """Every mode at temperature 0 on a resident model selects on the GPU
     (clover_block_forward_select, clover_prefill_select: the sampler's spec 5.4 edits of each
     needed row go up, an id and a confidence come back; spec's draft only when its edits cannot
-    depend on the drafted tokens, so with penalties it selects on the CPU): with logit_bias,
+    depend on the drafted tokens or only through penalties that lower logits, so with these
+    negative penalties it selects on the CPU): with logit_bias,
     with penalties (negative, so that they change this random model's output) and with the
     end-token ramp, the tokens equal the CPU's, and each setting changes them from the plain run
     (so the edits are exercised)."""
@@ -582,7 +583,8 @@ def _dev(a: np.ndarray):
 def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V, k):
     """clover_cuda_top_k_d against a numpy sort by (z descending, id ascending) of each edited row
     without the mask: rows of few distinct values (ties everywhere, -0.0 beside +0.0), a row of
-    distinct floats, logit_bias edits (ADD) on some rows, and a NaN row, which sets its flag."""
+    distinct floats, logit_bias edits (ADD) on some rows, and a NaN row, which sets its flag; pre
+    holds the value each edit found."""
     rng = np.random.default_rng(V + k)
     rows = [rng.integers(-3, 4, V).astype(np.float32), rng.standard_normal(V).astype(np.float32) * 4,
             np.where(rng.random(V) < 0.5, -0.0, 0.0).astype(np.float32), rng.integers(0, 3, V).astype(np.float32)]
@@ -592,21 +594,26 @@ def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V,
     ops = [(1, int(rng.integers(0, V)), 0, 2.5), (1, int(rng.integers(0, V)), 0, -1.0), (1, mask, 0, 9.0),
            (2, mask, 0, 0.0)]
     start = np.array([0, 2, 2, 4, 4], np.int32)  # rows 0 and 2 get edits, both end by masking
-    want_z = z.copy()
+    want_z, want_pre = z.copy(), np.zeros(len(ops), np.float32)
     for r in (0, 2):
-        for kind, i, _, v in ops[start[r]:start[r + 1]] if r == 0 else ops[2:]:
+        for q in range(start[r], start[r + 1]):
+            kind, i, _, v = ops[q]
+            want_pre[q] = want_z[r, i]
             want_z[r, i] = -np.inf if kind == 2 else want_z[r, i] + np.float32(v)
     c_ops = _cffi.new("clover_logit_op[]", [dict(kind=o[0], id=o[1], count=o[2], value=o[3]) for o in ops])
     c_ops_host = np.frombuffer(_cffi.buffer(c_ops), np.uint8).copy()
     dz, dops, dstart = _dev(z), _dev(c_ops_host), _dev(start)
-    dcand, dbad = _cffi.new("void **"), _cffi.new("void **")
+    dcand, dbad, dpre = _cffi.new("void **"), _cffi.new("void **"), _cffi.new("void **")
     assert _clib.clover_cuda_alloc(8 * 4 * k, dcand, _cffi.NULL, 0) == 0
     assert _clib.clover_cuda_alloc(4 * 4, dbad, _cffi.NULL, 0) == 0
+    assert _clib.clover_cuda_alloc(4 * len(ops), dpre, _cffi.NULL, 0) == 0
     try:
         err = _cffi.new("char[256]")
-        assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, k, dcand[0], dbad[0], err,
-                                         256) == 0, _cffi.string(err)
-        cand, bad = np.zeros(4 * k * 2, np.int32), np.zeros(4, np.float32)
+        assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, k, dcand[0], dbad[0], dpre[0],
+                                         err, 256) == 0, _cffi.string(err)
+        cand, bad, pre = np.zeros(4 * k * 2, np.int32), np.zeros(4, np.float32), np.zeros(len(ops), np.float32)
+        assert _clib.clover_cuda_read(dpre[0], 0, _cffi.cast("void *", pre.ctypes.data), pre.nbytes, _cffi.NULL, 0) == 0
+        np.testing.assert_array_equal(pre, want_pre)  # each edit's input, for the host to redo edits
         assert _clib.clover_cuda_read(dcand[0], 0, _cffi.cast("void *", cand.ctypes.data), cand.nbytes, _cffi.NULL, 0) == 0
         assert _clib.clover_cuda_read(dbad[0], 0, _cffi.cast("void *", bad.ctypes.data), bad.nbytes, _cffi.NULL, 0) == 0
         cz, cid = cand.view(np.float32)[0::2].reshape(4, k), cand[1::2].reshape(4, k)
@@ -615,10 +622,10 @@ def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V,
             assert cid[r].tolist() == order, r
             np.testing.assert_array_equal(cz[r], want_z[r, order])
         assert bad[:3].tolist() == [0, 0, 0] and np.isnan(bad[3])
-        assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, 257, dcand[0], dbad[0], err,
-                                         256) == lib.CLOVER_E_ARG
+        assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, 257, dcand[0], dbad[0],
+                                         _cffi.NULL, err, 256) == lib.CLOVER_E_ARG
     finally:
-        for d in (dz, dops, dstart, dcand[0], dbad[0]):
+        for d in (dz, dops, dstart, dcand[0], dbad[0], dpre[0]):
             _clib.clover_cuda_free(d)
 
 
@@ -648,6 +655,30 @@ def test_sampling_with_top_k_selects_on_the_gpu_and_draws_as_the_cpu(make_gguf):
                 assert st_g["accept_hist"] == st["accept_hist"], (mode, kw)
                 outs.add(tuple(want))
             assert len(outs) == 4, mode  # each seed gave other tokens
+
+
+@gpu
+def test_spec_greedy_draft_with_penalties_selects_on_the_gpu(make_gguf):
+    """spec at temperature 0 with penalties that only lower logits (presence, frequency >= 0,
+    repetition >= 1: the defaults of a Clover GGUF) drafts on the GPU: each row's candidates under
+    the history's edits come back and the host redoes the drafted tokens' logits (draft_pick). Six
+    logit_bias ids 3 apart with presence 10 and frequency 4 make greedy decoding cycle through
+    them, so a draft is accepted only if it counted its own drafted tokens: the CPU accepts long
+    runs, and the GPU's tokens and accept histogram equal the CPU's."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+        assert lib.clover_model_gpu_resident(g._model) == 1
+        ids = cpu.tokenize("def fibonacci(n):")
+        kw = dict(max_tokens=GEN_TOKENS, mode="spec", end_ids=[], presence_penalty=10.0, frequency_penalty=4.0,
+                  repeat_penalty=1.1, logit_bias={100 + 7 * i: 60.0 - 3.0 * i for i in range(6)})
+        want, st = cpu.generate_tokens(ids, **kw)
+        assert set(want) == {100 + 7 * i for i in range(6)}
+        hist = st["accept_hist"]
+        assert sum(a * n for a, n in enumerate(hist)) >= GEN_TOKENS // 2, hist  # most drafted tokens accepted
+        got, st_g = g.generate_tokens(ids, **kw)
+        assert got == want and st_g["accept_hist"] == hist
 
 
 @gpu

@@ -1137,9 +1137,12 @@ extern "C" int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *b
 
 /* native/sampler.c clover_apply_logit_ops on row blockIdx.x of Z, by one thread, in order. */
 __global__ void k_logit_ops(float *Z, int64_t V, const clover_logit_op *ops, const int32_t *start, float rep, float freq,
-                            float pres) {
+                            float pres, float *pre) {
     float *z = Z + (int64_t)blockIdx.x * V;
-    for (int32_t k = start[blockIdx.x]; k < start[blockIdx.x + 1]; k++) clover_logit_op_apply(z, V, ops[k], rep, freq, pres);
+    for (int32_t k = start[blockIdx.x]; k < start[blockIdx.x + 1]; k++) {
+        if (pre && ops[k].id >= 0 && ops[k].id < V) pre[k] = z[ops[k].id];
+        clover_logit_op_apply(z, V, ops[k], rep, freq, pres);
+    }
 }
 
 /* clover_sample at temperature 0 (native/sampler.c) on row blockIdx.x of Z, 256 threads: the
@@ -1190,7 +1193,7 @@ extern "C" int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover
                                     float *conf, char *err, size_t err_size) {
     if (!z || !start || !id || !conf || n <= 0 || n > INT32_MAX || V <= 0 || V > INT32_MAX)
         return bad_arg(err, err_size, "greedy_d: bad arguments");
-    LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence);
+    LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence, (float *)NULL);
     LAUNCH(k_greedy, dim3((unsigned)n), dim3(256))(z, V, mask_id, id, conf);
     return launched(CLOVER_OK, "greedy_d", err, err_size);
 }
@@ -1271,12 +1274,12 @@ __global__ void __launch_bounds__(TOP_K_THREADS) k_top_k(const float *Z, int64_t
 
 extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                                    float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
-                                   clover_cand *cand, float *bad, char *err, size_t err_size) {
+                                   clover_cand *cand, float *bad, float *pre, char *err, size_t err_size) {
     const int64_t ids = V - (mask_id >= 0 && mask_id < V);
     if (!z || !start || !cand || !bad || n <= 0 || n > INT32_MAX || V <= 0 || V > INT32_MAX || k < 1 ||
         k > CLOVER_CUDA_TOP_K_MAX || k > ids)
         return bad_arg(err, err_size, "top_k_d: bad arguments");
-    LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence);
+    LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence, pre);
     LAUNCH(k_top_k, dim3((unsigned)n), dim3(TOP_K_THREADS))(z, V, mask_id, k, cand, bad);
     return launched(CLOVER_OK, "top_k_d", err, err_size);
 }
