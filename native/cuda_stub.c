@@ -139,9 +139,9 @@ int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const flo
 }
 
 int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float coreset_top_p, int32_t *sel, float *wsel,
-                        int32_t *start, int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats, char *err,
+                        int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats, char *err,
                         size_t err_size) {
-    (void)probs, (void)T, (void)E, (void)k, (void)coreset_top_p, (void)sel, (void)wsel, (void)start, (void)prow;
+    (void)probs, (void)T, (void)E, (void)k, (void)coreset_top_p, (void)sel, (void)wsel, (void)prow;
     (void)pw, (void)pair, (void)tiles, (void)stats;
     return no_cuda(err, err_size);
 }

@@ -1833,7 +1833,7 @@ enum { RES_ROWS = CLOVER_SELECT_MAX_ROWS, RES_LM = 32 };
 typedef struct {
     float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
     float *gt, *up, *ys, *sg, *logits;
-    int32_t *sel, *start, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf, gcand: selection */
+    int32_t *sel, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf, gcand: selection */
     float *gconf;
     clover_cand *gcand;
     int32_t *flags; /* [n_layer][2] non-finite after the mixer / the MoE, then [n_layer][2] clover_cuda_route_d stats */
@@ -1865,7 +1865,7 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->xg = take(base, &off, P * H, F), b->yg = take(base, &off, P * H, F);
     b->gt = take(base, &off, T * Is, F), b->up = take(base, &off, T * Is, F), b->ys = take(base, &off, T * H, F);
     b->sg = take(base, &off, T, F), b->logits = take(base, &off, LM * hp->n_vocab, F);
-    b->sel = take(base, &off, P, I), b->start = take(base, &off, E + 1, I), b->prow = take(base, &off, P, I);
+    b->sel = take(base, &off, P, I), b->prow = take(base, &off, P, I);
     b->pair = take(base, &off, P, I), b->idx = take(base, &off, T, I);
     b->gstart = take(base, &off, T + 1, I), b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
     b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
@@ -1988,7 +1988,7 @@ static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
     int rc;
     if ((rc = mm_d(f, &ly->router, b->xn, T, b->probs)) ||
         (rc = clover_cuda_route_d(b->probs, T, E, (int32_t)k, f->mode == MODE_BLOCK ? f->coreset_top_p : 0.0f, b->sel,
-                                  b->wsel, b->start, b->prow, b->pw, b->pair, b->tiles,
+                                  b->wsel, b->prow, b->pw, b->pair, b->tiles,
                                   b->flags + 2 * hp->n_layer + 2 * il, err, es)) ||
         (rc = clover_cuda_gather_d(b->xn, b->prow, P, H, b->xg, err, es)) ||
         (rc = clover_cuda_experts_d(&g, &u, &dn, b->tiles, clover_cuda_route_tiles(P, E), P, b->xg, b->yg, err, es)) ||

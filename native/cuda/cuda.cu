@@ -830,17 +830,16 @@ __device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowe
 
 /* MoE routing (spec 2.3 step 1; the coreset of spec 5.6 when coreset != 0), as moe_layer and
  * coreset in model.c, in one block of 32 warps: rows of P (logits [T][E]) become softmax
- * probabilities; sel/wsel [T][k] scratch; out: start [E+1] (expert e's pairs [start[e],
- * start[e+1])), prow and pw [T k] (row and weight of each bucketed pair, rows ascending within a
- * bucket), pair [T][k] (row t's pair indices ascending), tiles (n_tiles; those past the used
+ * probabilities; sel/wsel [T][k] scratch; out: prow and pw [T k] (row and weight of each pair,
+ * bucketed by expert, rows ascending within a bucket), pair [T][k] (row t's pair indices ascending), tiles (n_tiles; those past the used
  * ones get nr = 0), stats[0] experts used, stats[1] experts in some row's own top-k (coreset
  * only). A warp per row for the softmax and top-k, a thread per expert for the coreset's mass
  * (in double, in the CPU's order), its sort (as ranks) and the bucketing; the O(E) prefix sums
  * and tile list on one thread. */
 #define E_MAX 1024
 __global__ void __launch_bounds__(1024)
-    k_route(float *P, int64_t T, int64_t E, int k, float top_p, int coreset, int32_t *sel, float *wsel, int32_t *start,
-            int32_t *prow, float *pw, int32_t *pair, tile *tiles, int64_t n_tiles, int32_t *stats) {
+    k_route(float *P, int64_t T, int64_t E, int k, float top_p, int coreset, int32_t *sel, float *wsel, int32_t *prow,
+            float *pw, int32_t *pair, tile *tiles, int64_t n_tiles, int32_t *stats) {
     __shared__ double S[E_MAX];
     __shared__ int32_t order[E_MAX], fill[E_MAX], bstart[E_MAX + 1];
     __shared__ unsigned char allowed[E_MAX];
@@ -931,7 +930,6 @@ __global__ void __launch_bounds__(1024)
         for (int64_t i = 0; i < T * k; i++)
             if (sel[i] == e) prow[q] = (int32_t)(i / k), pw[q] = wsel[i], pair[i] = q++;
     }
-    for (int64_t e = tid; e <= E; e += nt) start[e] = bstart[e];
     __syncthreads();
     for (int64_t t = tid; t < T; t += nt) { /* row t's pair indices ascending (the CPU's summation order) */
         int32_t *pr = pair + t * k;
@@ -1079,12 +1077,12 @@ extern "C" int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix
 }
 
 extern "C" int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float coreset_top_p, int32_t *sel,
-                                   float *wsel, int32_t *start, int32_t *prow, float *pw, int32_t *pair, void *tiles,
-                                   int32_t *stats, char *err, size_t err_size) {
-    if (!probs || !sel || !wsel || !start || !prow || !pw || !pair || !tiles || !stats || T <= 0 || E <= 0 ||
+                                   float *wsel, int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats,
+                                   char *err, size_t err_size) {
+    if (!probs || !sel || !wsel || !prow || !pw || !pair || !tiles || !stats || T <= 0 || E <= 0 ||
         E > E_MAX || k <= 0 || k > E || T > INT32_MAX / k / 2)
         return bad_arg(err, err_size, "route_d: bad arguments (n_expert <= 1024)");
-    LAUNCH(k_route, dim3(1), dim3(1024))(probs, T, E, k, coreset_top_p, coreset_top_p > 0.0f, sel, wsel, start, prow, pw,
+    LAUNCH(k_route, dim3(1), dim3(1024))(probs, T, E, k, coreset_top_p, coreset_top_p > 0.0f, sel, wsel, prow, pw,
                                         pair, (tile *)tiles, clover_cuda_route_tiles(T * k, E), stats);
     return launched(CLOVER_OK, "route_d", err, err_size);
 }

@@ -124,12 +124,12 @@ int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const flo
 static inline int64_t clover_cuda_route_tiles(int64_t P, int64_t E) { return P / 8 + 1 + (E < P ? E : P); }
 /* MoE routing of moe_layer (spec 2.3 step 1; coreset_top_p > 0: the block-mode coreset of
  * spec 5.6, else none): probs [T][E] router logits -> softmax; sel [T k] int32 and wsel [T k]
- * scratch; out: start [E+1] int32 (expert e's pairs [start[e], start[e+1])), prow [T k] int32 and
- * pw [T k] (each bucketed pair's row and weight), pair [T][k] int32 (row t's pairs, ascending),
+ * scratch; out: prow [T k] int32 and pw [T k] (each pair's row and weight, bucketed by expert:
+ * expert by expert, rows ascending), pair [T][k] int32 (row t's pairs, ascending),
  * tiles (clover_cuda_route_tiles(T k, E) of 3 int32), stats [2] int32 (experts used; experts in
  * some row's own top-k, written only with the coreset). E <= 1024. */
 int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float coreset_top_p, int32_t *sel, float *wsel,
-                        int32_t *start, int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats, char *err,
+                        int32_t *prow, float *pw, int32_t *pair, void *tiles, int32_t *stats, char *err,
                         size_t err_size);
 /* y[q] = x[rows[q]] for n rows of H floats (rows: int32). */
 int clover_cuda_gather_d(const float *x, const int32_t *rows, int64_t n, int64_t H, float *y, char *err,
