@@ -82,9 +82,9 @@ static int no_cuda(char *err, size_t err_size) {
     return CLOVER_E_DEVICE;
 }
 
-int clover_cuda_matmul_d(int type, const void *w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
+int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const float *x, int64_t T, float *const *y,
                          char *err, size_t err_size) {
-    (void)type, (void)w, (void)ne0, (void)ne1, (void)x, (void)T, (void)y;
+    (void)n, (void)w, (void)x, (void)T, (void)y;
     return no_cuda(err, err_size);
 }
 

@@ -1888,10 +1888,15 @@ static int res_workspace(clover_context *c, int64_t T, res_bufs *b, char *err, s
     return CLOVER_OK;
 }
 
-/* y [T][ne1] = w x on the device. */
-static int mm_d(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) {
-    return clover_cuda_matmul_d(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, f->err, f->err_size);
+/* y[i] [T][ne1] = w[i] x on the device for n <= 4 weights on the same input (rounded once). */
+static int mm_n_d(fwd *f, int n, const clover_tensor *const *w, const float *x, int64_t T, float *const *y) {
+    clover_cuda_weight cw[4];
+    for (int i = 0; i < n; i++) cw[i] = cuda_weight(w[i]);
+    return clover_cuda_matmul_d(n, cw, x, T, y, f->err, f->err_size);
 }
+
+/* y [T][ne1] = w x on the device. */
+static int mm_d(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) { return mm_n_d(f, 1, &w, x, T, &y); }
 
 /* attention_layer on the device: K and V go straight into the device cache. */
 static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
@@ -1908,8 +1913,9 @@ static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
     float *kc = (float *)c->k_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd; /* every layer offloaded */
     float *vc = (float *)c->v_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
     float *k_new = kc + f->pos0 * kvd, *v_new = vc + f->pos0 * kvd;
-    if ((rc = mm_d(f, &ly->wq, b->xn, T, b->qg)) || (rc = mm_d(f, &ly->wk, b->xn, T, k_new)) ||
-        (rc = mm_d(f, &ly->wv, b->xn, T, v_new)) ||
+    const clover_tensor *w[3] = {&ly->wq, &ly->wk, &ly->wv};
+    float *y[3] = {b->qg, k_new, v_new};
+    if ((rc = mm_n_d(f, 3, w, b->xn, T, y)) ||
         (rc = clover_cuda_head_norm_rope_d(b->qg, T, nh, nh * 2 * hd, 2 * hd, ly->dev.q_norm, hd, hp->rms_eps, f->pos0,
                                            hp->rope_dim, hp->rope_theta, err, es)) ||
         (rc = clover_cuda_head_norm_rope_d(k_new, T, nkv, kvd, hd, ly->dev.k_norm, hd, hp->rms_eps, f->pos0, hp->rope_dim,
@@ -1943,8 +1949,9 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
     if (rc) return rc;
     float *state = (float *)c->gdn_dev + (size_t)ly->slot * (size_t)gdn_state_floats(hp);
     float *hist = (float *)c->conv_dev + (size_t)ly->slot * (size_t)((d.K - 1) * C);
-    if ((rc = mm_d(f, &ly->wqkv, b->xn, T, b->qkv)) || (rc = mm_d(f, &ly->wz, b->xn, T, b->z)) ||
-        (rc = mm_d(f, &ly->wbeta, b->xn, T, b->b)) || (rc = mm_d(f, &ly->walpha, b->xn, T, b->a)) ||
+    const clover_tensor *w[4] = {&ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha}, *wb[2] = {&ly->wbeta_bwd, &ly->walpha_bwd};
+    float *y[4] = {b->qkv, b->z, b->b, b->a}, *yb[2] = {b->bb, b->ab};
+    if ((rc = mm_n_d(f, 4, w, b->xn, T, y)) ||
         (rc = clover_cuda_conv_d(0, ly->dev.conv, hist, b->qkv, T, C, (int32_t)d.K, b->cv, err, es)) ||
         (rc = clover_cuda_gdn_prep_d(b->cv, T, C, d.Hk, d.dk, 1e-6f, b->b, b->a, ly->dev.ssm_a, ly->dev.dt_bias, d.Hv, err,
                                      es)))
@@ -1964,7 +1971,7 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
     rc = clover_cuda_gdn_d(block ? CLOVER_GDN_FORWARD_COPY : CLOVER_GDN_FORWARD, b->cv, b->b, b->a, T, d.Hk, d.Hv, d.dk,
                            d.dv, C, state, b->og, err, es);
     if (rc) return rc;
-    if (bwd && ((rc = mm_d(f, &ly->wbeta_bwd, b->xn, T, b->bb)) || (rc = mm_d(f, &ly->walpha_bwd, b->xn, T, b->ab)) ||
+    if (bwd && ((rc = mm_n_d(f, 2, wb, b->xn, T, yb)) ||
                 (rc = clover_cuda_conv_d(1, ly->dev.conv_bwd, NULL, b->qkv, T, C, (int32_t)d.K, b->cvb, err, es)) ||
                 (rc = clover_cuda_gdn_prep_d(b->cvb, T, C, d.Hk, d.dk, 1e-6f, b->bb, b->ab, ly->dev.ssm_a_bwd,
                                              ly->dev.dt_bias_bwd, d.Hv, err, es)) ||
@@ -1985,15 +1992,15 @@ static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
     const size_t es = f->err_size;
     const clover_cuda_weight g = cuda_weight(&ly->gate_exps), u = cuda_weight(&ly->up_exps),
                              dn = cuda_weight(&ly->down_exps);
+    const clover_tensor *w[4] = {&ly->router, &ly->shexp_gate, &ly->gate_sh, &ly->up_sh};
+    float *y[4] = {b->probs, b->sg, b->gt, b->up};
     int rc;
-    if ((rc = mm_d(f, &ly->router, b->xn, T, b->probs)) ||
+    if ((rc = mm_n_d(f, 4, w, b->xn, T, y)) || /* the router and the shared expert's input products */
         (rc = clover_cuda_route_d(b->probs, T, E, (int32_t)k, f->mode == MODE_BLOCK ? f->coreset_top_p : 0.0f, b->sel,
                                   b->wsel, b->prow, b->pw, b->pair, b->tiles,
                                   b->flags + 2 * hp->n_layer + 2 * il, err, es)) ||
         (rc = clover_cuda_gather_d(b->xn, b->prow, P, H, b->xg, err, es)) ||
         (rc = clover_cuda_experts_d(&g, &u, &dn, b->tiles, clover_cuda_route_tiles(P, E), P, b->xg, b->yg, err, es)) ||
-        (rc = mm_d(f, &ly->shexp_gate, b->xn, T, b->sg)) || (rc = mm_d(f, &ly->gate_sh, b->xn, T, b->gt)) ||
-        (rc = mm_d(f, &ly->up_sh, b->xn, T, b->up)) ||
         (rc = clover_cuda_swiglu_d(b->gt, b->up, T * hp->n_ff_shexp, err, es)) ||
         (rc = mm_d(f, &ly->down_sh, b->gt, T, b->ys)))
         return rc;

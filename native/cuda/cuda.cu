@@ -979,19 +979,30 @@ static dim3 cover(int64_t n) { return dim3((unsigned)((n + 255) / 256)); }
 
 static bool too_big(int64_t n) { return n <= 0 || (n + 255) / 256 > INT32_MAX; }
 
-extern "C" int clover_cuda_matmul_d(int type, const void *w, int64_t ne0, int64_t ne1, const float *x, int64_t T,
-                                    float *y, char *err, size_t err_size) {
-    if (!w || !x || !y || ne0 <= 0 || ne1 <= 0 || T <= 0 || ne1 > INT32_MAX || ne0 > INT64_MAX / 4 / T)
+extern "C" int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const float *x, int64_t T, float *const *y,
+                                    char *err, size_t err_size) {
+    const int64_t ne0 = n > 0 && w ? w[0].ne0 : 0;
+    if (n <= 0 || !w || !x || !y || ne0 <= 0 || T <= 0 || ne0 > INT64_MAX / 4 / T)
         return bad_arg(err, err_size, "matmul_d: bad arguments");
+    for (int i = 0; i < n; i++)
+        if (!w[i].dev || !y[i] || w[i].ne0 != ne0 || w[i].ne1 <= 0 || w[i].ne1 > INT32_MAX)
+            return bad_arg(err, err_size, "matmul_d: bad weight (one matrix each, the same ne0)");
     pthread_mutex_lock(&g_lock);
-    const float *X = x;
     int rc = CLOVER_OK;
-    if (act_block(type)) { /* the rounded copy in scratch: x is read by other products too */
-        rc = grow(&g_x, sizeof(float) * (size_t)(T * ne0), err, err_size);
-        if (rc == CLOVER_OK) rc = round_act(type, (float *)x, T, ne0, err, err_size, (float *)g_x.p);
-        X = (const float *)g_x.p;
+    /* by activation format: none, Q8_0 (32), Q8_K (256); the rounded copy in scratch (x is read
+     * by other products too) */
+    for (int ab = 0; ab <= 256 && rc == CLOVER_OK; ab = ab ? ab * 8 : 32) {
+        const float *X = x;
+        for (int i = 0; i < n && rc == CLOVER_OK; i++) {
+            if (act_block(w[i].type) != ab) continue;
+            if (ab && X == x) {
+                rc = grow(&g_x, sizeof(float) * (size_t)(T * ne0), err, err_size);
+                if (rc == CLOVER_OK) rc = round_act(w[i].type, (float *)x, T, ne0, err, err_size, (float *)g_x.p);
+                X = (const float *)g_x.p;
+            }
+            if (rc == CLOVER_OK) rc = product(w[i].type, w[i].dev, 0, ne0, w[i].ne1, X, T, y[i], NULL, 0, err, err_size);
+        }
     }
-    if (rc == CLOVER_OK) rc = product(type, w, 0, ne0, ne1, X, T, y, NULL, 0, err, err_size);
     rc = launched(rc, "matmul_d", err, err_size);
     pthread_mutex_unlock(&g_lock);
     return rc;

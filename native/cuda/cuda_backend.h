@@ -84,9 +84,11 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
  * CLOVER_E_ARG (arguments, named in err), CLOVER_E_NOMEM (scratch), CLOVER_E_DEVICE (a launch,
  * or an earlier asynchronous failure). Each mirrors the CPU function of model.c named. */
 
-/* clover_cuda_matmul on device x [T][ne0] into y [T][ne1] (x is not modified). */
-int clover_cuda_matmul_d(int type, const void *w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
-                         char *err, size_t err_size);
+/* clover_cuda_matmul of n weights w[i] (one matrix each, the same ne0) on device x [T][ne0] into
+ * y[i] [T][w[i].ne1] (x is not modified): x is rounded once per activation format the types
+ * need (Q8_0 or Q8_K), not once per product, so q/k/v and the like cost one rounding. */
+int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const float *x, int64_t T, float *const *y, char *err,
+                         size_t err_size);
 /* rmsnorm: row r of y (y_stride floats apart) = row idx[r] (r when idx is NULL) of x
  * (x_stride apart) * rsqrt(mean(x^2) + eps) * w, n values per row, for rows rows; idx: int32. */
 int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int32_t *idx, const float *w, int64_t n,
