@@ -95,17 +95,17 @@ int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int32_t *idx, 
 }
 
 int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t row_stride, int64_t head_stride,
-                                 const float *w, int64_t hd, float eps, int64_t pos0, int32_t rope_dim, float theta,
-                                 char *err, size_t err_size) {
-    (void)x, (void)T, (void)n_head, (void)row_stride, (void)head_stride, (void)w, (void)hd, (void)eps, (void)pos0;
+                                 const float *w, int64_t hd, float eps, const int64_t *pos, int32_t rope_dim,
+                                 float theta, char *err, size_t err_size) {
+    (void)x, (void)T, (void)n_head, (void)row_stride, (void)head_stride, (void)w, (void)hd, (void)eps, (void)pos;
     (void)rope_dim, (void)theta;
     return no_cuda(err, err_size);
 }
 
-int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, int64_t pos0, int64_t T,
+int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos, int64_t T,
                             int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
                             size_t err_size) {
-    (void)q, (void)k_cache, (void)v_cache, (void)pos0, (void)T, (void)n_head, (void)n_kv, (void)hd, (void)causal;
+    (void)q, (void)k_cache, (void)v_cache, (void)pos, (void)T, (void)n_head, (void)n_kv, (void)hd, (void)causal;
     (void)scale, (void)out;
     return no_cuda(err, err_size);
 }
@@ -188,6 +188,22 @@ int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *o
                         clover_cand *cand, float *bad, float *pre, char *err, size_t err_size) {
     (void)z, (void)n, (void)V, (void)ops, (void)start, (void)repetition, (void)frequency, (void)presence, (void)mask_id;
     (void)k, (void)cand, (void)bad, (void)pre;
+    return no_cuda(err, err_size);
+}
+int clover_cuda_capture_begin(char *err, size_t err_size) { return no_cuda(err, err_size); }
+int clover_cuda_capture_end(void **graph, char *err, size_t err_size) {
+    *graph = NULL;
+    return no_cuda(err, err_size);
+}
+int clover_cuda_graph_launch(void *graph, char *err, size_t err_size) {
+    (void)graph;
+    return no_cuda(err, err_size);
+}
+void clover_cuda_graph_free(void *graph) { (void)graph; }
+int64_t clover_cuda_scratch_epoch(void) { return 0; }
+int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
+                           const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size) {
+    (void)k_cache, (void)v_cache, (void)n_ctx, (void)kvd, (void)pos, (void)k_new, (void)v_new, (void)T;
     return no_cuda(err, err_size);
 }
 #endif

@@ -57,6 +57,7 @@ struct clover_model {
      * (model.c res_forward), the activations staying on the GPU from embedding to logits */
     int resident;
     float *output_norm_dev;
+    int64_t dev_epoch; /* offloads so far: a CUDA graph of a pass holds the weights' device addresses */
 };
 
 struct clover_context {
@@ -95,6 +96,14 @@ struct clover_context {
     size_t res_cap;
     void *ops_dev, *pre_dev; /* clover_block_forward_select's edits and their inputs on the device (ops_cap each) */
     int64_t ops_cap;
+    /* ar's decode steps through a CUDA graph (model.c res_run_graph; graphs: not disabled by
+     * CLOVER_CUDA_GRAPHS=0): the graph, the key it was recorded under (graph_key_set: the last
+     * plain pass's key), and the replays so far */
+    int graphs;
+    void *graph;
+    unsigned char graph_key[128];
+    int graph_key_set;
+    int64_t n_graph_launches;
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
@@ -159,6 +168,8 @@ enum { CLOVER_SELECT_MAX_ROWS = 512 }; /* clover_prefill_select's n (one residen
 int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
                           const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
                           int32_t k, int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size);
+/* How many passes of c replayed a CUDA graph (model.c res_run_graph), for tests. */
+int64_t clover_context_graph_launches(const clover_context *c);
 /* Candidates per row that a selection on the GPU hands back for sp over n_vocab ids: 0 at
  * temperature 0 (an id and a confidence instead); k = min(top_k, ids other than the mask) when
  * clover_sample would sort and top-k cuts (0 < top_k <= CLOVER_CUDA_TOP_K_MAX, top_k < n_vocab);

@@ -458,6 +458,7 @@ static void free_gpu(clover_model *m) {
     m->n_gpu_layers = 0;
     m->gpu_bytes = 0;
     m->resident = 0;
+    m->dev_epoch++;
 }
 
 /* Dimensions within the resident forward's kernels (native/cuda/cuda_backend.h). */
@@ -490,6 +491,8 @@ static int make_resident(clover_model *m, char *err, size_t err_size) {
     m->resident = rc == CLOVER_OK;
     return rc;
 }
+
+int64_t clover_context_graph_launches(const clover_context *c) { return c ? c->n_graph_launches : 0; }
 
 int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_devices(info, info_size); }
 
@@ -706,6 +709,8 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->n_ctx = n_ctx;
     c->n_threads = n_threads;
     c->gdn_chunked = 1;
+    const char *graphs = getenv("CLOVER_CUDA_GRAPHS");
+    c->graphs = !(graphs && strcmp(graphs, "0") == 0);
     atomic_init(&c->abort_req, 0);
     int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
     /* a resident model's forwards use the device KV cache only (res_attention) */
@@ -727,6 +732,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
 
 void clover_context_free(clover_context *c) {
     if (!c) return;
+    clover_cuda_graph_free(c->graph);
     free(c->k_cache);
     free(c->v_cache);
     free(c->gdn_state);
@@ -1838,6 +1844,8 @@ typedef struct {
     clover_cand *gcand;
     int32_t *flags; /* [n_layer][2] non-finite after the mixer / the MoE, then [n_layer][2] clover_cuda_route_d stats */
     void *tiles;
+    float *kn, *vn; /* the new K, V rows before they go into the cache at *pos */
+    int64_t *pos;   /* [1] the pass's first position (read by the kernels, so a graph can replay) */
 } res_bufs;
 
 /* n elements of elem bytes at base + *off (NULL when base is NULL), *off moved past them. */
@@ -1870,6 +1878,8 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->gstart = take(base, &off, T + 1, I), b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
     b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
     b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I), b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
+    b->kn = take(base, &off, T * hp->n_head_kv * hd, F), b->vn = take(base, &off, T * hp->n_head_kv * hd, F);
+    b->pos = take(base, &off, 1, sizeof(int64_t));
     return off;
 }
 
@@ -1898,29 +1908,26 @@ static int mm_n_d(fwd *f, int n, const clover_tensor *const *w, const float *x, 
 /* y [T][ne1] = w x on the device. */
 static int mm_d(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) { return mm_n_d(f, 1, &w, x, T, &y); }
 
-/* attention_layer on the device: K and V go straight into the device cache. */
+/* attention_layer on the device: the new K and V rows go into the device cache at *b->pos
+ * (res_prepare made the cache ready). */
 static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim, kvd = nkv * hd;
     char *err = f->err;
     const size_t es = f->err_size;
-    int rc = kv_dev_alloc(c, err, es);
-    /* a context that ran on the CPU before the model became resident has its rows on the host */
-    if (rc == CLOVER_OK && c->kv_host) rc = kv_dev_catch_up(c, ly->slot, f->pos0, err, es);
-    if (rc) return rc;
-    c->kv_dev_rows[ly->slot] = f->pos0 + T;
     float *kc = (float *)c->k_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd; /* every layer offloaded */
     float *vc = (float *)c->v_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
-    float *k_new = kc + f->pos0 * kvd, *v_new = vc + f->pos0 * kvd;
     const clover_tensor *w[3] = {&ly->wq, &ly->wk, &ly->wv};
-    float *y[3] = {b->qg, k_new, v_new};
+    float *y[3] = {b->qg, b->kn, b->vn};
+    int rc;
     if ((rc = mm_n_d(f, 3, w, b->xn, T, y)) ||
-        (rc = clover_cuda_head_norm_rope_d(b->qg, T, nh, nh * 2 * hd, 2 * hd, ly->dev.q_norm, hd, hp->rms_eps, f->pos0,
+        (rc = clover_cuda_head_norm_rope_d(b->qg, T, nh, nh * 2 * hd, 2 * hd, ly->dev.q_norm, hd, hp->rms_eps, b->pos,
                                            hp->rope_dim, hp->rope_theta, err, es)) ||
-        (rc = clover_cuda_head_norm_rope_d(k_new, T, nkv, kvd, hd, ly->dev.k_norm, hd, hp->rms_eps, f->pos0, hp->rope_dim,
+        (rc = clover_cuda_head_norm_rope_d(b->kn, T, nkv, kvd, hd, ly->dev.k_norm, hd, hp->rms_eps, b->pos, hp->rope_dim,
                                            hp->rope_theta, err, es)) ||
-        (rc = clover_cuda_attention_d(b->qg, kc, vc, f->pos0, T, nh, nkv, hd, f->mode == MODE_PREFIX,
+        (rc = clover_cuda_kv_store_d(kc, vc, c->n_ctx, kvd, b->pos, b->kn, b->vn, T, err, es)) ||
+        (rc = clover_cuda_attention_d(b->qg, kc, vc, b->pos, T, nh, nkv, hd, f->mode == MODE_PREFIX,
                                       1.0f / sqrtf((float)hd), b->att, err, es)))
         return rc;
     return mm_d(f, &ly->wo, b->att, T, b->o);
@@ -1945,9 +1952,8 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
     const int64_t T = f->T, C = d.C;
     char *err = f->err;
     const size_t es = f->err_size;
-    int rc = gdn_slot_to_device(c, ly->slot, err, es);
-    if (rc) return rc;
-    float *state = (float *)c->gdn_dev + (size_t)ly->slot * (size_t)gdn_state_floats(hp);
+    int rc;
+    float *state = (float *)c->gdn_dev + (size_t)ly->slot * (size_t)gdn_state_floats(hp); /* res_prepare put it there */
     float *hist = (float *)c->conv_dev + (size_t)ly->slot * (size_t)((d.K - 1) * C);
     const clover_tensor *w[4] = {&ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha}, *wb[2] = {&ly->wbeta_bwd, &ly->walpha_bwd};
     float *y[4] = {b->qkv, b->z, b->b, b->a}, *yb[2] = {b->bb, b->ab};
@@ -2031,51 +2037,73 @@ static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n,
     return rc;
 }
 
-/* res_lm_head with the selection on the GPU (clover_block_forward_select): the needed rows' edits
- * go up with them, and per row an id and a confidence (k 0) or k candidates (and, if asked, the
- * edits' inputs) come back. */
-static int res_lm_select(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
+/* The selection's uploads (clover_block_forward_select): the needed rows' edit ranges, and the
+ * edits (ops_dev, grown as needed). */
+static int res_select_upload(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
     clover_context *c = f->c;
-    const clover_model *m = c->m;
     const select_req *g = f->sreq;
-    const int64_t H = m->hp.n_embd, T = f->T, n_ops = g->ops_start[T], K = g->k;
+    const int64_t n_ops = g->ops_start[f->T];
     char *err = f->err;
     const size_t es = f->err_size;
-    int32_t *start = malloc(sizeof(int32_t) * (size_t)(n + 1)), *id = malloc(sizeof(int32_t) * (size_t)n);
-    float *conf = malloc(sizeof(float) * (size_t)n);
-    clover_cand *cand = K ? malloc(sizeof(clover_cand) * (size_t)(n * K)) : NULL;
-    int rc = start && id && conf && (cand || !K) ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
+    int32_t *start = malloc(sizeof(int32_t) * (size_t)(n + 1));
+    int rc = start ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) start[i] = g->ops_start[idx[i]]; /* the needed rows' ranges */
     if (rc == CLOVER_OK) start[n] = (int32_t)n_ops;
-    if (rc == CLOVER_OK && n_ops > c->ops_cap) {
+    if (rc == CLOVER_OK && n_ops > c->ops_cap) { /* doubling from 4096: a graph holds the address (graph_key) */
+        const int64_t cap = n_ops > 2048 ? 2 * n_ops : 4096;
         clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
         c->ops_dev = c->pre_dev = NULL;
         c->ops_cap = 0;
-        if ((rc = clover_cuda_alloc(sizeof(clover_logit_op) * (size_t)n_ops, &c->ops_dev, err, es)) == CLOVER_OK &&
-            (rc = clover_cuda_alloc(sizeof(float) * (size_t)n_ops, &c->pre_dev, err, es)) == CLOVER_OK)
-            c->ops_cap = n_ops;
+        if ((rc = clover_cuda_alloc(sizeof(clover_logit_op) * (size_t)cap, &c->ops_dev, err, es)) == CLOVER_OK &&
+            (rc = clover_cuda_alloc(sizeof(float) * (size_t)cap, &c->pre_dev, err, es)) == CLOVER_OK)
+            c->ops_cap = cap;
     }
     if (rc == CLOVER_OK && n_ops) rc = clover_cuda_write(c->ops_dev, 0, g->ops, sizeof(clover_logit_op) * (size_t)n_ops, err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b->gstart, 0, start, sizeof(int32_t) * (size_t)(n + 1), err, es);
+    free(start);
+    return rc;
+}
+
+/* res_lm_head with the selection on the GPU, the launches only (res_select_upload before,
+ * res_select_read after): per needed row an id and a confidence (k 0) or k candidates. */
+static int res_select_run(fwd *f, const res_bufs *b, int64_t n) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    const select_req *g = f->sreq;
     const clover_sampler_params *sp = g->sp;
+    const int64_t H = m->hp.n_embd, K = g->k, V = m->hp.n_vocab;
     const float rp = sp->repetition_penalty, fp = sp->frequency_penalty, pp = sp->presence_penalty;
+    int rc = CLOVER_OK;
     for (int64_t g0 = 0; g0 < n && rc == CLOVER_OK; g0 += RES_LM) {
-        const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM, V = m->hp.n_vocab;
-        if ((rc = clover_cuda_rmsnorm_d(b->x, H, b->idx + g0, m->output_norm_dev, H, ng, m->hp.rms_eps, b->xn, H, err,
-                                        es)) ||
+        const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM;
+        if ((rc = clover_cuda_rmsnorm_d(b->x, H, b->idx + g0, m->output_norm_dev, H, ng, m->hp.rms_eps, b->xn, H, f->err,
+                                        f->err_size)) ||
             (rc = mm_d(f, &m->output, b->xn, ng, b->logits)))
             break;
         rc = K ? clover_cuda_top_k_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
-                                     (int32_t)K, b->gcand + g0 * K, b->gconf + g0, g->pre ? c->pre_dev : NULL, err,
-                                     es)
+                                     (int32_t)K, b->gcand + g0 * K, b->gconf + g0, g->pre ? c->pre_dev : NULL, f->err,
+                                     f->err_size)
                : clover_cuda_greedy_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
-                                      b->gid + g0, b->gconf + g0, err, es);
+                                      b->gid + g0, b->gconf + g0, f->err, f->err_size);
     }
+    return rc;
+}
+
+/* The selection's results into the request's id / conf or cand rows (and pre). */
+static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
+    const select_req *g = f->sreq;
+    const int64_t K = g->k, n_ops = g->ops_start[f->T];
+    char *err = f->err;
+    const size_t es = f->err_size;
+    int32_t *id = malloc(sizeof(int32_t) * (size_t)n);
+    float *conf = malloc(sizeof(float) * (size_t)n);
+    clover_cand *cand = K ? malloc(sizeof(clover_cand) * (size_t)(n * K)) : NULL;
+    int rc = id && conf && (cand || !K) ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
     if (rc == CLOVER_OK && !K) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK && K) rc = clover_cuda_read(b->gcand, 0, cand, sizeof(clover_cand) * (size_t)(n * K), err, es);
     if (rc == CLOVER_OK && K && g->pre && n_ops)
-        rc = clover_cuda_read(c->pre_dev, 0, g->pre, sizeof(float) * (size_t)n_ops, err, es);
+        rc = clover_cuda_read(f->c->pre_dev, 0, g->pre, sizeof(float) * (size_t)n_ops, err, es);
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
         if (!isfinite(conf[i])) /* a NaN or infinite logit: a non-finite softmax sum, or k_top_k's flag */
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite logit from the LM head (output.weight), row "
@@ -2085,7 +2113,107 @@ static int res_lm_select(fwd *f, const res_bufs *b, const int32_t *idx, int64_t 
         else
             g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
     }
-    free(start), free(id), free(conf), free(cand);
+    free(id), free(conf), free(cand);
+    return rc;
+}
+
+/* The host side of a resident pass before its launches: the device KV cache allocated and (for a
+ * context used on the CPU before residency) caught up, the GDN states and conv history on the
+ * device, the attention layers' row counts. */
+static int res_prepare(fwd *f) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    int rc = kv_dev_alloc(c, f->err, f->err_size);
+    for (int il = 0; il < m->hp.n_layer && rc == CLOVER_OK; il++) {
+        const clover_layer *ly = &m->layers[il];
+        if (!ly->is_attn) {
+            rc = gdn_slot_to_device(c, ly->slot, f->err, f->err_size);
+            continue;
+        }
+        if (c->kv_host) rc = kv_dev_catch_up(c, ly->slot, f->pos0, f->err, f->err_size);
+        if (rc == CLOVER_OK) c->kv_dev_rows[ly->slot] = f->pos0 + f->T;
+    }
+    return rc;
+}
+
+/* The launches of a resident pass: the layers, then with a selection request the LM head and the
+ * selection on the n rows of b->idx (else res_lm_head follows, reading its logits back). */
+static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    const clover_hparams *hp = &m->hp;
+    const int64_t T = f->T, H = hp->n_embd, L = hp->n_layer;
+    char *err = f->err;
+    const size_t es = f->err_size;
+    int rc = CLOVER_OK;
+    for (int il = 0; il < L && rc == CLOVER_OK; il++) {
+        const clover_layer *ly = &m->layers[il];
+        if ((rc = check_abort(f, il)) ||
+            (rc = clover_cuda_rmsnorm_d(b->x, H, NULL, ly->dev.attn_norm, H, T, hp->rms_eps, b->xn, H, err, es)) ||
+            (rc = ly->is_attn ? res_attention(f, ly, b) : res_gdn(f, ly, b, rec_row)) ||
+            (rc = clover_cuda_add_d(b->x, b->o, T * H, b->flags + 2 * il, err, es)) ||
+            (rc = clover_cuda_rmsnorm_d(b->x, H, NULL, ly->dev.post_norm, H, T, hp->rms_eps, b->xn, H, err, es)))
+            break;
+        rc = res_moe(f, ly, il, b);
+    }
+    if (rc == CLOVER_OK && n && f->sreq && !(rc = check_abort(f, (int)L))) rc = res_select_run(f, b, n);
+    return rc;
+}
+
+/* What a CUDA graph of a pass depends on beyond the device memory it reads: when any of it
+ * changes, the graph is recorded again. */
+typedef struct {
+    const void *ws, *ops, *pre, *k, *v, *gdn, *conv;
+    int64_t scratch_epoch, model_epoch, T, n;
+    int32_t k_cand, mask, mode;
+    float rp, fp, pp;
+} graph_key;
+_Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph_key), "clover_context.graph_key too small");
+
+static graph_key graph_key_of(const fwd *f, int64_t n) {
+    const clover_context *c = f->c;
+    const clover_sampler_params *sp = f->sreq->sp;
+    graph_key k;
+    memset(&k, 0, sizeof k); /* padding too: keys are compared with memcmp */
+    k.ws = c->res_ws, k.ops = c->ops_dev, k.pre = f->sreq->pre ? c->pre_dev : NULL;
+    k.k = c->k_dev, k.v = c->v_dev, k.gdn = c->gdn_dev, k.conv = c->conv_dev;
+    k.scratch_epoch = clover_cuda_scratch_epoch(), k.model_epoch = c->m->dev_epoch, k.T = f->T, k.n = n;
+    k.k_cand = f->sreq->k, k.mask = sp->mask_token_id, k.mode = f->mode;
+    k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
+    return k;
+}
+
+/* res_run through a CUDA graph (ar's decode steps: one row, the selection on the GPU, no
+ * recording): the first pass with a new key runs plainly (its scratch grows then), the next one
+ * records a graph, and the following ones replay it. CLOVER_CUDA_GRAPHS=0 turns this off. */
+static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
+    clover_context *c = f->c;
+    const graph_key before = graph_key_of(f, n);
+    if (c->graph && memcmp(&before, c->graph_key, sizeof before) != 0) {
+        clover_cuda_graph_free(c->graph);
+        c->graph = NULL;
+    }
+    int rc;
+    if (!c->graph && c->graph_key_set && memcmp(&before, c->graph_key, sizeof before) == 0) {
+        if ((rc = clover_cuda_capture_begin(f->err, f->err_size)) != CLOVER_OK) return rc;
+        rc = res_run(f, b, 0, n);
+        const int rc2 = clover_cuda_capture_end(&c->graph, f->err, f->err_size);
+        if (rc == CLOVER_OK) rc = rc2;
+        if (rc != CLOVER_OK) {
+            clover_cuda_graph_free(c->graph);
+            c->graph = NULL;
+            return rc;
+        }
+    }
+    if (c->graph) {
+        if ((rc = check_abort(f, 0)) == CLOVER_OK && (rc = clover_cuda_graph_launch(c->graph, f->err, f->err_size)) == CLOVER_OK)
+            c->n_graph_launches++;
+        return rc;
+    }
+    rc = res_run(f, b, 0, n);
+    const graph_key after = graph_key_of(f, n); /* the scratch the pass grew */
+    memcpy(c->graph_key, &after, sizeof after);
+    c->graph_key_set = rc == CLOVER_OK;
     return rc;
 }
 
@@ -2100,9 +2228,10 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     const size_t es = f->err_size;
     res_bufs b;
     int rc = res_workspace(c, T, &b, err, es);
+    if (rc == CLOVER_OK) rc = res_prepare(f);
     if (rc) return rc;
     /* uploads first (each waits for the device): the embedding rows (dequantised here, a row
-     * each, as the CPU), the LM head's row list, cleared flags */
+     * each, as the CPU), the position, the LM head's row list, cleared flags */
     float *x = malloc(sizeof(float) * (size_t)(T * H));
     int32_t *flags = calloc((size_t)(4 * L), sizeof(int32_t)), *idx = malloc(sizeof(int32_t) * (size_t)T);
     int64_t n = 0;
@@ -2113,20 +2242,16 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
         if ((logits || f->sreq) && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
     }
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b.pos, 0, &f->pos0, sizeof(int64_t), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     if (rc == CLOVER_OK && n) rc = clover_cuda_write(b.idx, 0, idx, sizeof(int32_t) * (size_t)n, err, es);
-    for (int il = 0; il < L && rc == CLOVER_OK; il++) {
-        const clover_layer *ly = &m->layers[il];
-        if ((rc = check_abort(f, il)) ||
-            (rc = clover_cuda_rmsnorm_d(b.x, H, NULL, ly->dev.attn_norm, H, T, hp->rms_eps, b.xn, H, err, es)) ||
-            (rc = ly->is_attn ? res_attention(f, ly, &b) : res_gdn(f, ly, &b, rec_row)) ||
-            (rc = clover_cuda_add_d(b.x, b.o, T * H, b.flags + 2 * il, err, es)) ||
-            (rc = clover_cuda_rmsnorm_d(b.x, H, NULL, ly->dev.post_norm, H, T, hp->rms_eps, b.xn, H, err, es)))
-            break;
-        rc = res_moe(f, ly, il, &b);
+    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_upload(f, &b, idx, n);
+    if (rc == CLOVER_OK) {
+        const int graph = c->graphs && T == 1 && n == 1 && f->sreq && f->mode == MODE_PREFIX && !c->rec_on;
+        rc = graph ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
     }
-    if (rc == CLOVER_OK && n && !(rc = check_abort(f, (int)L)))
-        rc = f->sreq ? res_lm_select(f, &b, idx, n) : res_lm_head(f, &b, idx, n, logits, rows);
+    if (rc == CLOVER_OK && n && !f->sreq && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
+    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n);
     /* the flags after the logits (no wait in between); a non-finite layer output is named first */
     if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++)

@@ -61,6 +61,7 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
 int clover_context_checkpoint(void *c, int32_t n_max, char *err, size_t err_size);
 int clover_context_rollback(void *c, int32_t n_keep, char *err, size_t err_size);
+int64_t clover_context_graph_launches(const void *c);
 typedef struct { int32_t kind, id, count; float value; } clover_logit_op;
 typedef struct { float z; int32_t id; } clover_cand;
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
@@ -679,6 +680,33 @@ def test_spec_greedy_draft_with_penalties_selects_on_the_gpu(make_gguf):
         assert sum(a * n for a, n in enumerate(hist)) >= GEN_TOKENS // 2, hist  # most drafted tokens accepted
         got, st_g = g.generate_tokens(ids, **kw)
         assert got == want and st_g["accept_hist"] == hist
+
+
+@gpu
+def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
+    """ar's decode steps on a resident model run through a CUDA graph (model.c res_run_graph): the
+    first step runs plainly, the second records the graph and runs it, the rest replay it with the
+    position, token and edits in device memory. Greedy with penalties and sampled top-k tokens
+    equal the CPU's, the graph ran at every step but the first, and CLOVER_CUDA_GRAPHS=0 gives the
+    same tokens with no replay. Under the emulator a capture also fails on any copy or
+    allocation, as on a GPU."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    n = 2 * GEN_TOKENS
+    runs = (dict(presence_penalty=0.5, repeat_penalty=1.2, logit_bias={100: 2.0}), dict(temperature=1.0, top_k=16, seed=3))
+    with Model(path, n_ctx=512, n_threads=2) as cpu:
+        ids = cpu.tokenize("def fibonacci(n):")
+        want = [cpu.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **kw)[0] for kw in runs]
+    for graphs in ("1", "0"):
+        monkeypatch.setenv("CLOVER_CUDA_GRAPHS", graphs)
+        with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+            assert lib.clover_model_gpu_resident(g._model) == 1
+            for kw, w in zip(runs, want):
+                before = _clib.clover_context_graph_launches(g._ctx)
+                assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **kw)[0] == w, (graphs, kw)
+                replays = _clib.clover_context_graph_launches(g._ctx) - before
+                assert replays == (n - 2 if graphs == "1" else 0), (graphs, kw, replays)  # n - 1 steps, 1 plain
 
 
 @gpu

@@ -42,8 +42,21 @@
 #ifdef CLOVER_CUDA_EMU
 #define LAUNCH(k, grid, block) clover_emu_launch(k, grid, block)
 #else
-#define LAUNCH(k, grid, block) k<<<grid, block>>>
+#define LAUNCH(k, grid, block) k<<<grid, block, 0, stream()>>>
 #endif
+
+/* The stream every kernel runs on: a blocking stream, so the synchronous copies (legacy stream)
+ * stay ordered with it, and one that can be captured into a CUDA graph (clover_cuda_capture_*).
+ * Created at the first launch (once, from any thread). */
+static cudaStream_t g_stream;
+static pthread_once_t g_stream_once = PTHREAD_ONCE_INIT;
+static void stream_create(void) {
+    if (cudaStreamCreate(&g_stream) != cudaSuccess) g_stream = 0; /* the legacy stream: no graphs */
+}
+static cudaStream_t stream(void) {
+    pthread_once(&g_stream_once, stream_create);
+    return g_stream;
+}
 
 static void set_err(char *err, size_t n, const char *what, cudaError_t e) {
     if (err && n) snprintf(err, n, "CUDA: %s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
@@ -244,8 +257,9 @@ static int act_block(int type) {
  * (q then gate), K/V: the layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t:
  * pos0 + t + 1 (causal, prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
 #define HD_MAX 256
-__global__ void k_attention(const float *Q, const float *K, const float *V, float *O, int64_t pos0, int64_t T,
-                            int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
+__global__ void k_attention(const float *Q, const float *K, const float *V, float *O, const int64_t *pos_p, int64_t pos0,
+                            int64_t T, int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
+    if (pos_p) pos0 = *pos_p; /* the position on the device (a graph replays with a new one) */
     const int64_t h = blockIdx.x, t = t_base + blockIdx.y, kvd = n_kv * hd, off = (h / (n_head / n_kv)) * hd;
     const int lane = threadIdx.x, nd = (int)(hd / 32);
     const float *q = Q + (t * n_head + h) * 2 * hd;
@@ -321,9 +335,11 @@ struct scratch {
     size_t cap; /* bytes */
 };
 static scratch g_x, g_y, g_gate, g_up, g_tiles;
+static int64_t g_epoch; /* scratch reallocations so far (a captured graph holds their addresses) */
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
     if (bytes <= s->cap) return CLOVER_OK;
+    g_epoch++;
     if (s->p) cudaFree(s->p);
     s->p = NULL;
     s->cap = 0;
@@ -622,7 +638,7 @@ extern "C" int clover_cuda_attention(const float *q, const float *k_new, const f
     if (rc == CLOVER_OK) {
         for (int64_t t0 = 0; t0 < T; t0 += 65535) /* gridDim.y <= 65535 */
             LAUNCH(k_attention, dim3((unsigned)n_head, (unsigned)(T - t0 < 65535 ? T - t0 : 65535)), dim3(32))(
-                Q, k_cache, v_cache, O, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+                Q, k_cache, v_cache, O, (const int64_t *)NULL, pos0, T, t0, n_head, n_kv, hd, causal, scale);
         rc = launched(rc, "attention", err, err_size);
     }
     if (rc == CLOVER_OK)
@@ -698,8 +714,9 @@ __global__ void k_rmsnorm(const float *X, int64_t xs, const int32_t *idx, const 
 /* attention_layer's per-head rmsnorm then rope_neox (model.c; spec 2.2 step 2) on head
  * blockIdx.x of row t = blockIdx.y (hd floats at X + t ts + h hs) at position pos0 + t: the
  * first rd dimensions rotate, angles in double as on the CPU. One warp per head. */
-__global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *w, int64_t hd, float eps, int64_t pos0,
-                                 int rd, float theta) {
+__global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *w, int64_t hd, float eps,
+                                 const int64_t *pos_p, int64_t pos0, int rd, float theta) {
+    if (pos_p) pos0 = *pos_p;
     __shared__ float v[HD_MAX];
     float *x = X + (int64_t)blockIdx.y * ts + (int64_t)blockIdx.x * hs;
     double ss = 0;
@@ -1016,26 +1033,42 @@ extern "C" int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int
 }
 
 extern "C" int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t row_stride, int64_t head_stride,
-                                            const float *w, int64_t hd, float eps, int64_t pos0, int32_t rope_dim,
+                                            const float *w, int64_t hd, float eps, const int64_t *pos, int32_t rope_dim,
                                             float theta, char *err, size_t err_size) {
-    if (!x || !w || T <= 0 || T > 65535 || n_head <= 0 || n_head > INT32_MAX || hd <= 0 || hd > HD_MAX ||
+    if (!x || !w || !pos || T <= 0 || T > 65535 || n_head <= 0 || n_head > INT32_MAX || hd <= 0 || hd > HD_MAX ||
         rope_dim < 0 || rope_dim > hd || rope_dim % 2)
         return bad_arg(err, err_size, "head_norm_rope_d: bad arguments (T <= 65535, head_dim <= 256, even rope_dim)");
-    LAUNCH(k_head_norm_rope, dim3((unsigned)n_head, (unsigned)T), dim3(32))(x, row_stride, head_stride, w, hd, eps, pos0,
-                                                                           rope_dim, theta);
+    LAUNCH(k_head_norm_rope, dim3((unsigned)n_head, (unsigned)T), dim3(32))(x, row_stride, head_stride, w, hd, eps, pos,
+                                                                           (int64_t)0, rope_dim, theta);
     return launched(CLOVER_OK, "head_norm_rope_d", err, err_size);
 }
 
-extern "C" int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, int64_t pos0,
+extern "C" int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos,
                                        int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale,
                                        float *out, char *err, size_t err_size) {
-    if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_head <= 0 || n_head > 65535 || n_kv <= 0 ||
+    if (!q || !k_cache || !v_cache || !out || !pos || T <= 0 || n_head <= 0 || n_head > 65535 || n_kv <= 0 ||
         n_head % n_kv || hd <= 0 || hd % 32 || hd > HD_MAX)
         return bad_arg(err, err_size, "attention_d: bad arguments");
     for (int64_t t0 = 0; t0 < T; t0 += 65535)
         LAUNCH(k_attention, dim3((unsigned)n_head, (unsigned)(T - t0 < 65535 ? T - t0 : 65535)), dim3(32))(
-            q, k_cache, v_cache, out, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+            q, k_cache, v_cache, out, pos, (int64_t)0, T, t0, n_head, n_kv, hd, causal, scale);
     return launched(CLOVER_OK, "attention_d", err, err_size);
+}
+
+/* Rows t < T of kn, vn ([T][kvd]) into rows *pos + t of the caches ([n_ctx][kvd]). */
+__global__ void k_kv_store(float *kc, float *vc, const float *kn, const float *vn, const int64_t *pos, int64_t n_ctx,
+                           int64_t T, int64_t kvd) {
+    const int64_t t = blockIdx.x, p = *pos + t;
+    if (p < 0 || p >= n_ctx) return; /* the host checked n_ctx; never past the cache */
+    for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) kc[p * kvd + i] = kn[t * kvd + i], vc[p * kvd + i] = vn[t * kvd + i];
+}
+
+extern "C" int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
+                                      const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size) {
+    if (!k_cache || !v_cache || !pos || !k_new || !v_new || T <= 0 || T > INT32_MAX || kvd <= 0 || n_ctx < T)
+        return bad_arg(err, err_size, "kv_store_d: bad arguments");
+    LAUNCH(k_kv_store, dim3((unsigned)T), dim3(256))(k_cache, v_cache, k_new, v_new, pos, n_ctx, T, kvd);
+    return launched(CLOVER_OK, "kv_store_d", err, err_size);
 }
 
 extern "C" int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C,
@@ -1291,4 +1324,57 @@ extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_
     LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence, pre);
     LAUNCH(k_top_k, dim3((unsigned)n), dim3(TOP_K_THREADS))(z, V, mask_id, k, cand, bad);
     return launched(CLOVER_OK, "top_k_d", err, err_size);
+}
+
+/* ---- CUDA graphs (cuda_backend.h) */
+
+extern "C" int64_t clover_cuda_scratch_epoch(void) {
+    pthread_mutex_lock(&g_lock);
+    const int64_t e = g_epoch;
+    pthread_mutex_unlock(&g_lock);
+    return e;
+}
+
+extern "C" int clover_cuda_capture_begin(char *err, size_t err_size) {
+    cudaStream_t s = stream();
+    if (!s) {
+        if (err && err_size) snprintf(err, err_size, "CUDA: no stream to capture");
+        return CLOVER_E_DEVICE;
+    }
+    const cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    if (e == cudaSuccess) return CLOVER_OK;
+    set_err(err, err_size, "cudaStreamBeginCapture", e);
+    return CLOVER_E_DEVICE;
+}
+
+extern "C" int clover_cuda_capture_end(void **graph, char *err, size_t err_size) {
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    *graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(stream(), &g);
+    if (e == cudaSuccess) {
+        e = cudaGraphInstantiate(&x, g, 0);
+        cudaGraphDestroy(g);
+    }
+    (void)cudaGetLastError(); /* a failed capture leaves its error: reported here, not at the next launch */
+    if (e != cudaSuccess) {
+        set_err(err, err_size, "capturing a CUDA graph", e);
+        return CLOVER_E_DEVICE;
+    }
+    *graph = (void *)x;
+    return CLOVER_OK;
+}
+
+extern "C" int clover_cuda_graph_launch(void *graph, char *err, size_t err_size) {
+    if (!graph) return bad_arg(err, err_size, "graph_launch: no graph");
+    const cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, stream());
+    if (e != cudaSuccess) {
+        set_err(err, err_size, "cudaGraphLaunch", e);
+        return CLOVER_E_DEVICE;
+    }
+    return launched(CLOVER_OK, "graph_launch", err, err_size);
+}
+
+extern "C" void clover_cuda_graph_free(void *graph) {
+    if (graph) cudaGraphExecDestroy((cudaGraphExec_t)graph);
 }

@@ -94,14 +94,14 @@ int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const float *x, int
 int clover_cuda_rmsnorm_d(const float *x, int64_t x_stride, const int32_t *idx, const float *w, int64_t n,
                           int64_t rows, float eps, float *y, int64_t y_stride, char *err, size_t err_size);
 /* attention_layer's q/k heads: head h of row t (hd floats at x + t row_stride + h head_stride)
- * rmsnormed with w, then NeoX RoPE on its first rope_dim values at position pos0 + t (spec 2.2
- * step 2). T <= 65535, hd <= 256. */
+ * rmsnormed with w, then NeoX RoPE on its first rope_dim values at position *pos + t (spec 2.2
+ * step 2; pos: device int64, read when the kernel runs). T <= 65535, hd <= 256. */
 int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t row_stride, int64_t head_stride,
-                                 const float *w, int64_t hd, float eps, int64_t pos0, int32_t rope_dim, float theta,
-                                 char *err, size_t err_size);
+                                 const float *w, int64_t hd, float eps, const int64_t *pos, int32_t rope_dim,
+                                 float theta, char *err, size_t err_size);
 /* clover_cuda_attention on device q [T][n_head][2 hd] against the layer's cache rows
- * [0, pos0 + T) (the new rows already written), out [T][n_head][hd]. */
-int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, int64_t pos0, int64_t T,
+ * [0, *pos + T) (pos: device int64; the new rows already written), out [T][n_head][hd]. */
+int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos, int64_t T,
                             int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
                             size_t err_size);
 /* conv_causal (anti = 0; hist: the K-1 previous rows [K-1][C]) or conv_anticausal (anti = 1) of
@@ -203,6 +203,23 @@ int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                         float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
                         clover_cand *cand, float *bad, float *pre, char *err, size_t err_size);
+/* CUDA graphs of the device-resident forward: between clover_cuda_capture_begin and
+ * clover_cuda_capture_end the kernels that this thread's clover_cuda_*_d calls queue are recorded
+ * (not run) into *graph, which clover_cuda_graph_launch then runs, each launch with the arguments
+ * it was recorded with, so what changes between runs must sit in device memory (a position: the
+ * pos arguments below). Nothing but launches may happen while capturing: no allocation, copy or
+ * memset (the capture fails with CLOVER_E_DEVICE at its end). A graph holds the device addresses
+ * it saw: clover_cuda_scratch_epoch changes whenever the backend's own scratch moves, and a
+ * graph recorded before must not run after. */
+int clover_cuda_capture_begin(char *err, size_t err_size);
+int clover_cuda_capture_end(void **graph, char *err, size_t err_size);
+int clover_cuda_graph_launch(void *graph, char *err, size_t err_size);
+void clover_cuda_graph_free(void *graph);
+int64_t clover_cuda_scratch_epoch(void);
+/* Rows t < T of k_new, v_new [T][kvd] into rows *pos + t of k_cache, v_cache [n_ctx][kvd] (pos:
+ * device int64; rows at or past n_ctx are not written). */
+int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
+                           const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size);
 /* x += o over n values; *bad (int32) = 1 when a result is not finite. */
 int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size);
 

@@ -46,6 +46,8 @@ typedef enum {
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
 } cudaError_t;
 typedef enum { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice,
                cudaMemcpyDefault } cudaMemcpyKind;
@@ -65,6 +67,26 @@ cudaError_t cudaMemset(void *p, int v, size_t n);
 cudaError_t cudaGetLastError(void);
 const char *cudaGetErrorString(cudaError_t e);
 const char *cudaGetErrorName(cudaError_t e);
+
+/* Streams and graphs: one stream (launches run at once, in order); between
+ * cudaStreamBeginCapture and cudaStreamEndCapture launches are recorded instead, and
+ * cudaGraphLaunch replays them with the arguments they were given. What a real capture forbids
+ * fails here too: cudaMalloc, cudaFree, cudaMemcpy and cudaMemset while capturing return
+ * cudaErrorStreamCaptureUnsupported and invalidate the capture. */
+typedef struct clover_emu_stream *cudaStream_t;
+typedef struct clover_emu_graph *cudaGraph_t;
+typedef struct clover_emu_graph *cudaGraphExec_t;
+typedef enum { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed }
+    cudaStreamCaptureMode;
+cudaError_t cudaStreamCreate(cudaStream_t *s);
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s);
+cudaError_t cudaGraphDestroy(cudaGraph_t g);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x);
+/* While a capture is open: record the launch instead of running it. */
+bool clover_emu_record(const std::function<void()> &launch);
 
 /* device-side intrinsics */
 void __syncthreads(void);
@@ -109,6 +131,9 @@ template <class... P> struct clover_emu_launcher {
     size_t smem;
     template <class... A> void operator()(A &&...a) const {
         std::tuple<P...> args(std::forward<A>(a)...);
+        const clover_emu_launcher self = *this;
+        if (clover_emu_record([self, args] { clover_emu_run(self.grid, self.block, self.smem, [&] { std::apply(self.k, args); }); }))
+            return;
         clover_emu_run(grid, block, smem, [&] { std::apply(k, args); });
     }
 };

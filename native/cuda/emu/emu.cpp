@@ -72,6 +72,14 @@ std::mutex g_mem;
 size_t g_allocated;
 const size_t TOTAL = (size_t)4 << 30;
 cudaError_t g_last = cudaSuccess; /* the last launch's error, for cudaGetLastError */
+struct clover_emu_graph *g_capture; /* the open capture, else NULL */
+bool g_capture_ok;
+/* A call a capture does not allow: it invalidates the open capture (true), else is allowed. */
+bool capture_forbids() {
+    if (!g_capture) return false;
+    g_capture_ok = false;
+    return true;
+}
 
 void fiber_entry() {
     (*g_body)();
@@ -212,8 +220,9 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
 }
 /* Each allocation carries its size in a 256-byte header (kept 256-aligned, as cudaMalloc's). */
 cudaError_t cudaMalloc(void **p, size_t n) {
-    std::lock_guard<std::mutex> lock(g_mem);
     *p = NULL;
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
+    std::lock_guard<std::mutex> lock(g_mem);
     if (n > TOTAL - g_allocated) return cudaErrorMemoryAllocation;
     char *b = (char *)aligned_alloc(256, 256 + ((n + 255) & ~(size_t)255));
     if (!b) return cudaErrorMemoryAllocation;
@@ -223,6 +232,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     if (!p) return cudaSuccess;
     std::lock_guard<std::mutex> lock(g_mem);
     char *b = (char *)p - 256;
@@ -234,11 +244,66 @@ cudaError_t cudaFree(void *p) {
 }
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
     (void)kind;
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     if (n) memmove(dst, src, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) {
+    if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     if (n) memset(p, v, n);
+    return cudaSuccess;
+}
+
+struct clover_emu_stream {
+    int unused;
+};
+struct clover_emu_graph {
+    std::vector<std::function<void()>> launches;
+};
+cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    static clover_emu_stream the_stream;
+    *s = &the_stream;
+    return cudaSuccess;
+}
+bool clover_emu_record(const std::function<void()> &launch) {
+    if (!g_capture) return false;
+    g_capture->launches.push_back(launch);
+    return true;
+}
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+    (void)mode;
+    if (!s || g_capture) return cudaErrorInvalidValue;
+    g_capture = new clover_emu_graph;
+    g_capture_ok = true;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
+    if (!s || !g_capture) return cudaErrorInvalidValue;
+    *g = g_capture;
+    g_capture = NULL;
+    if (g_capture_ok) return cudaSuccess;
+    delete *g;
+    *g = NULL;
+    return cudaErrorStreamCaptureInvalidated;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags) {
+    (void)flags;
+    if (!g) return cudaErrorInvalidValue;
+    *x = new clover_emu_graph(*g);
+    return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s) {
+    (void)s;
+    if (!x || g_capture) return cudaErrorInvalidValue;
+    for (const auto &launch : x->launches) launch();
+    return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+    delete g;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x) {
+    delete x;
     return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) {
@@ -253,6 +318,8 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     default: return "unknown error";
     }
 }
@@ -262,6 +329,8 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
     default: return "cudaErrorUnknown";
     }
 }
