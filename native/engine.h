@@ -96,14 +96,16 @@ struct clover_context {
     size_t res_cap;
     void *ops_dev, *pre_dev; /* clover_block_forward_select's edits and their inputs on the device (ops_cap each) */
     int64_t ops_cap;
-    /* ar's decode steps through a CUDA graph (model.c res_run_graph; graphs: not disabled by
-     * CLOVER_CUDA_GRAPHS=0): the graph, the key it was recorded under (graph_key_set: the last
-     * plain pass's key), and the replays so far */
+    /* resident passes through CUDA graphs (model.c res_run_graph; graphs: not disabled by
+     * CLOVER_CUDA_GRAPHS=0): a few recorded graphs (exec, NULL until recorded) by the key of the
+     * pass they replay (a key is seen once plainly first), least recently used out; replays so far */
     int graphs;
-    void *graph;
-    unsigned char graph_key[128];
-    int graph_key_set;
-    int64_t n_graph_launches;
+    struct {
+        void *exec;
+        unsigned char key[128];
+        int64_t used;
+    } graph[4];
+    int64_t graph_clock, n_graph_launches;
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use

@@ -732,7 +732,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
 
 void clover_context_free(clover_context *c) {
     if (!c) return;
-    clover_cuda_graph_free(c->graph);
+    for (int i = 0; i < 4; i++) clover_cuda_graph_free(c->graph[i].exec);
     free(c->k_cache);
     free(c->v_cache);
     free(c->gdn_state);
@@ -2089,8 +2089,9 @@ static int res_select_run(fwd *f, const res_bufs *b, int64_t n) {
     return rc;
 }
 
-/* The selection's results into the request's id / conf or cand rows (and pre). */
-static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
+/* The selection's results into the request's id / conf or cand rows (and pre); rows (when not
+ * NULL): only the rows t with rows[t] != 0 are wanted (a graph's pass selects on every row). */
+static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, const uint8_t *rows) {
     const select_req *g = f->sreq;
     const int64_t K = g->k, n_ops = g->ops_start[f->T];
     char *err = f->err;
@@ -2105,6 +2106,7 @@ static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_
     if (rc == CLOVER_OK && K && g->pre && n_ops)
         rc = clover_cuda_read(f->c->pre_dev, 0, g->pre, sizeof(float) * (size_t)n_ops, err, es);
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
+        if (rows && !rows[idx[i]]) continue;
         if (!isfinite(conf[i])) /* a NaN or infinite logit: a non-finite softmax sum, or k_top_k's flag */
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite logit from the LM head (output.weight), row "
                                 "%lld (on the GPU)", (long long)idx[i]);
@@ -2166,9 +2168,9 @@ typedef struct {
     const void *ws, *ops, *pre, *k, *v, *gdn, *conv;
     int64_t scratch_epoch, model_epoch, T, n;
     int32_t k_cand, mask, mode;
-    float rp, fp, pp;
+    float rp, fp, pp, coreset_top_p;
 } graph_key;
-_Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph_key), "clover_context.graph_key too small");
+_Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph[0].key), "clover_context.graph key too small");
 
 static graph_key graph_key_of(const fwd *f, int64_t n) {
     const clover_context *c = f->c;
@@ -2180,41 +2182,50 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     k.scratch_epoch = clover_cuda_scratch_epoch(), k.model_epoch = c->m->dev_epoch, k.T = f->T, k.n = n;
     k.k_cand = f->sreq->k, k.mask = sp->mask_token_id, k.mode = f->mode;
     k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
+    k.coreset_top_p = f->coreset_top_p;
     return k;
 }
 
-/* res_run through a CUDA graph (ar's decode steps: one row, the selection on the GPU, no
- * recording): the first pass with a new key runs plainly (its scratch grows then), the next one
- * records a graph, and the following ones replay it. CLOVER_CUDA_GRAPHS=0 turns this off. */
+/* res_run through a CUDA graph (passes of at most RES_LM rows with the selection on the GPU and
+ * no recording: ar's decode steps, diffusion's denoising passes and commits, spec's drafts): the
+ * first pass with a new key runs plainly (its scratch grows then), the next one records a graph,
+ * and the following ones replay it. The context keeps the graphs of its last four keys, so a
+ * diffusion block's commit and denoising passes keep theirs. CLOVER_CUDA_GRAPHS=0 turns this
+ * off. */
 static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
     clover_context *c = f->c;
-    const graph_key before = graph_key_of(f, n);
-    if (c->graph && memcmp(&before, c->graph_key, sizeof before) != 0) {
-        clover_cuda_graph_free(c->graph);
-        c->graph = NULL;
-    }
-    int rc;
-    if (!c->graph && c->graph_key_set && memcmp(&before, c->graph_key, sizeof before) == 0) {
-        if ((rc = clover_cuda_capture_begin(f->err, f->err_size)) != CLOVER_OK) return rc;
-        rc = res_run(f, b, 0, n);
-        const int rc2 = clover_cuda_capture_end(&c->graph, f->err, f->err_size);
-        if (rc == CLOVER_OK) rc = rc2;
-        if (rc != CLOVER_OK) {
-            clover_cuda_graph_free(c->graph);
-            c->graph = NULL;
-            return rc;
+    const int N = (int)(sizeof c->graph / sizeof c->graph[0]);
+    graph_key key = graph_key_of(f, n);
+    int i = 0, rc;
+    while (i < N && !(c->graph[i].used && memcmp(&key, c->graph[i].key, sizeof key) == 0)) i++;
+    if (i < N) { /* seen before: record it if not yet, then replay */
+        c->graph[i].used = ++c->graph_clock;
+        if (!c->graph[i].exec) {
+            if ((rc = clover_cuda_capture_begin(f->err, f->err_size)) != CLOVER_OK) return rc;
+            rc = res_run(f, b, 0, n);
+            const int rc2 = clover_cuda_capture_end(&c->graph[i].exec, f->err, f->err_size);
+            if (rc == CLOVER_OK) rc = rc2;
+            if (rc != CLOVER_OK) {
+                clover_cuda_graph_free(c->graph[i].exec);
+                c->graph[i].exec = NULL;
+                return rc;
+            }
         }
-    }
-    if (c->graph) {
-        if ((rc = check_abort(f, 0)) == CLOVER_OK && (rc = clover_cuda_graph_launch(c->graph, f->err, f->err_size)) == CLOVER_OK)
+        if ((rc = check_abort(f, 0)) == CLOVER_OK &&
+            (rc = clover_cuda_graph_launch(c->graph[i].exec, f->err, f->err_size)) == CLOVER_OK)
             c->n_graph_launches++;
         return rc;
     }
-    rc = res_run(f, b, 0, n);
-    const graph_key after = graph_key_of(f, n); /* the scratch the pass grew */
-    memcpy(c->graph_key, &after, sizeof after);
-    c->graph_key_set = rc == CLOVER_OK;
-    return rc;
+    rc = res_run(f, b, 0, n); /* first seen: plainly, then its key (with the scratch it grew) in the oldest slot */
+    if (rc != CLOVER_OK) return rc;
+    for (int j = i = 0; j < N; j++)
+        if (c->graph[j].used < c->graph[i].used) i = j;
+    clover_cuda_graph_free(c->graph[i].exec);
+    c->graph[i].exec = NULL;
+    key = graph_key_of(f, n);
+    memcpy(c->graph[i].key, &key, sizeof key);
+    c->graph[i].used = ++c->graph_clock;
+    return CLOVER_OK;
 }
 
 /* One resident pass over f->T rows (a prefill's rows from rec_row of its recording). */
@@ -2236,22 +2247,23 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     int32_t *flags = calloc((size_t)(4 * L), sizeof(int32_t)), *idx = malloc(sizeof(int32_t) * (size_t)T);
     int64_t n = 0;
     if (!x || !flags || !idx) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
+    /* through a graph, a block pass selects on every row (the same launches each time), and only
+     * the rows asked for are read */
+    const int graph = c->graphs && f->sreq && !c->rec_on && T <= RES_LM;
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
-        if ((logits || f->sreq) && (rows ? rows[t] != 0 : t >= logit_row0)) idx[n++] = (int32_t)t;
+        if ((logits || f->sreq) && (rows && !(graph && f->mode == MODE_BLOCK) ? rows[t] != 0 : t >= logit_row0))
+            idx[n++] = (int32_t)t;
     }
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.pos, 0, &f->pos0, sizeof(int64_t), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     if (rc == CLOVER_OK && n) rc = clover_cuda_write(b.idx, 0, idx, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK && n && f->sreq) rc = res_select_upload(f, &b, idx, n);
-    if (rc == CLOVER_OK) {
-        const int graph = c->graphs && T == 1 && n == 1 && f->sreq && f->mode == MODE_PREFIX && !c->rec_on;
-        rc = graph ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
-    }
+    if (rc == CLOVER_OK) rc = graph ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
     if (rc == CLOVER_OK && n && !f->sreq && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
-    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n);
+    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n, rows);
     /* the flags after the logits (no wait in between); a non-finite layer output is named first */
     if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++)

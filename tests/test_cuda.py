@@ -710,6 +710,30 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
 
 
 @gpu
+def test_diffusion_and_spec_passes_replay_cuda_graphs(make_gguf):
+    """Diffusion's denoising passes (a block pass that selects on every row, only the masked
+    slots' rows read) and commits, and spec's drafts, replay CUDA graphs too, a graph per pass
+    shape kept across blocks (all but the first pass of each shape replay): tokens and spec's
+    accept histogram equal the CPU's (graphs off: the ar test)."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    kw = dict(max_tokens=2 * GEN_TOKENS, end_ids=[], presence_penalty=0.5, repeat_penalty=1.2)
+    with Model(path, n_ctx=512, n_threads=2) as cpu:
+        ids = cpu.tokenize("def fibonacci(n):")
+        want = {mode: cpu.generate_tokens(ids, mode=mode, **kw) for mode in ("diffusion", "spec")}
+    with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+        for mode, (toks, st) in want.items():
+            before = _clib.clover_context_graph_launches(g._ctx)
+            got, st_g = g.generate_tokens(ids, mode=mode, **kw)
+            assert got == toks and st_g["accept_hist"] == st["accept_hist"], mode
+            # every pass but the first of each shape (spec: its drafts; its verifies record)
+            passes = st_g["n_forward_denoise"] + st_g["n_forward_commit"] if mode == "diffusion" else st_g["n_forward_draft"]
+            replays = _clib.clover_context_graph_launches(g._ctx) - before
+            assert replays == passes - (2 if mode == "diffusion" else 1), (mode, replays, passes)
+
+
+@gpu
 def test_context_used_on_the_cpu_then_resident(make_gguf):
     """C API order the Python API never takes: a context prefilled on the CPU, then the model
     offloaded whole (resident); the next prefill's logits equal the CPU's for the whole text
