@@ -62,6 +62,16 @@ for mode in c:
 print("greedy tokens identical in all modes:", ok)
 PY
 
+step "modes on the GPU without CUDA graphs (CLOVER_CUDA_GRAPHS=0): tokens/s, and the graphs' speed-up"
+CLOVER_CUDA_GRAPHS=0 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tail -1 > "$out/modes_gpu_nographs.json"
+$py - "$out/modes_gpu.json" "$out/modes_gpu_nographs.json" <<'PY'
+import json, sys
+g, n = (json.load(open(p)) for p in sys.argv[1:3])
+for mode in g:
+    a, b = g[mode]["tokens_per_second"], n[mode]["tokens_per_second"]
+    print(f"{mode:9s} graphs {a:8.1f} t/s  no graphs {b:8.1f} t/s  x{a / b:.2f}  same tokens: {g[mode]['ids'] == n[mode]['ids']}")
+PY
+
 step "bench (pp512, tg128, block forward): GPU (resident forward, then the per-product path), then CPU"
 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt"
 CLOVER_GPU_RESIDENT=0 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
@@ -90,6 +100,18 @@ for t in r["results"]:
     print(f"{t['test']}: {tps:.2f} t/s{extra}")
 print("block forward / tg step:", r.get("block_vs_tg"))
 PY
+        if [ "$placement" = "-ngl all" ]; then  # decoding as generate runs it: selection on the GPU, CUDA graphs
+            $py bench/modes.py "$full" -n 64 -t "$(nproc)" -ngl -1 --json | tail -1 > "$out/modes_full.json" || true
+            $py - "$out/modes_full.json" "$out/bench_full.json" "$bw" <<'PY' || true
+import json, sys
+m, r, bw = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), float(sys.argv[3])
+bpt = r["model"]["bytes_per_token"]
+for mode, v in m.items():
+    tps = v["tokens_per_second"]
+    bwp = f", ar at {100 * tps * bpt / bw:.0f}% of the bandwidth limit" if mode == "ar" and bw else ""
+    print(f"generate {mode}: {tps:.2f} t/s, {v['tokens_per_forward']:.2f} tokens/forward{bwp}")
+PY
+        fi
     done
 fi
 step "done (GPU tests exit status $tests_rc)"
