@@ -133,7 +133,8 @@ void clover_decoder_free(clover_decoder *d) {
     if (!d) return;
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
-    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart), free(d->tops), free(d->gpre);
+    free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart);
+    free(d->tops), free(d->gpre);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -327,7 +328,8 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
  * causal for sample_slot. */
 static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, char *err, size_t err_size) {
     d->have_next = 0;
-    if (!select_on_gpu(d) || n > CLOVER_SELECT_MAX_ROWS) return clover_prefill(d->c, tokens, n, d->causal, 0, err, err_size);
+    if (!select_on_gpu(d) || n > CLOVER_SELECT_MAX_ROWS)
+        return clover_prefill(d->c, tokens, n, d->causal, 0, err, err_size);
     int64_t n_ops = 0;
     for (int32_t t = 0; t < n; t++) d->gstart[t] = 0; /* the edits are the last row's */
     int rc = row_ops(d, &n_ops, 0, NULL, NULL, 0, err, err_size);

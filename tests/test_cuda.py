@@ -694,7 +694,8 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
 
     path = make_gguf("f32", **GEN_MODEL)
     n = 2 * GEN_TOKENS
-    runs = (dict(presence_penalty=0.5, repeat_penalty=1.2, logit_bias={100: 2.0}), dict(temperature=1.0, top_k=16, seed=3))
+    runs = (dict(presence_penalty=0.5, repeat_penalty=1.2, logit_bias={100: 2.0}),
+            dict(temperature=1.0, top_k=16, seed=3))
     with Model(path, n_ctx=512, n_threads=2) as cpu:
         ids = cpu.tokenize("def fibonacci(n):")
         want = [cpu.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **kw)[0] for kw in runs]
@@ -728,7 +729,8 @@ def test_diffusion_and_spec_passes_replay_cuda_graphs(make_gguf):
             got, st_g = g.generate_tokens(ids, mode=mode, **kw)
             assert got == toks and st_g["accept_hist"] == st["accept_hist"], mode
             # every pass but the first of each shape (spec: its drafts; its verifies record)
-            passes = st_g["n_forward_denoise"] + st_g["n_forward_commit"] if mode == "diffusion" else st_g["n_forward_draft"]
+            passes = (st_g["n_forward_denoise"] + st_g["n_forward_commit"] if mode == "diffusion"
+                      else st_g["n_forward_draft"])
             replays = _clib.clover_context_graph_launches(g._ctx) - before
             assert replays == passes - (2 if mode == "diffusion" else 1), (mode, replays, passes)
 

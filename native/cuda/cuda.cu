@@ -848,8 +848,8 @@ __device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowe
 /* MoE routing (spec 2.3 step 1; the coreset of spec 5.6 when coreset != 0), as moe_layer and
  * coreset in model.c, in one block of 32 warps: rows of P (logits [T][E]) become softmax
  * probabilities; sel/wsel [T][k] scratch; out: prow and pw [T k] (row and weight of each pair,
- * bucketed by expert, rows ascending within a bucket), pair [T][k] (row t's pair indices ascending), tiles (n_tiles; those past the used
- * ones get nr = 0), stats[0] experts used, stats[1] experts in some row's own top-k (coreset
+ * bucketed by expert, rows ascending within a bucket), pair [T][k] (row t's pair indices
+ * ascending), tiles (n_tiles; those past the used ones get nr = 0), stats[0] experts used, stats[1] experts in some row's own top-k (coreset
  * only). A warp per row for the softmax and top-k, a thread per expert for the coreset's mass
  * (in double, in the CPU's order), its sort (as ranks) and the bucketing; the O(E) prefix sums
  * and tile list on one thread. */
@@ -1060,7 +1060,8 @@ __global__ void k_kv_store(float *kc, float *vc, const float *kn, const float *v
                            int64_t T, int64_t kvd) {
     const int64_t t = blockIdx.x, p = *pos + t;
     if (p < 0 || p >= n_ctx) return; /* the host checked n_ctx; never past the cache */
-    for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) kc[p * kvd + i] = kn[t * kvd + i], vc[p * kvd + i] = vn[t * kvd + i];
+    for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x)
+        kc[p * kvd + i] = kn[t * kvd + i], vc[p * kvd + i] = vn[t * kvd + i];
 }
 
 extern "C" int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,

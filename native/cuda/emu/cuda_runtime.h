@@ -132,8 +132,10 @@ template <class... P> struct clover_emu_launcher {
     template <class... A> void operator()(A &&...a) const {
         std::tuple<P...> args(std::forward<A>(a)...);
         const clover_emu_launcher self = *this;
-        if (clover_emu_record([self, args] { clover_emu_run(self.grid, self.block, self.smem, [&] { std::apply(self.k, args); }); }))
-            return;
+        const auto replay = [self, args] {
+            clover_emu_run(self.grid, self.block, self.smem, [&] { std::apply(self.k, args); });
+        };
+        if (clover_emu_record(replay)) return;
         clover_emu_run(grid, block, smem, [&] { std::apply(k, args); });
     }
 };
