@@ -173,9 +173,9 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
 /* How many passes of c replayed a CUDA graph (model.c res_run_graph), for tests. */
 int64_t clover_context_graph_launches(const clover_context *c);
 /* Candidates per row that a selection on the GPU hands back for sp over n_vocab ids: 0 at
- * temperature 0 (an id and a confidence instead); k = min(top_k, ids other than the mask) when
- * clover_sample would sort and top-k cuts (0 < top_k <= CLOVER_CUDA_TOP_K_MAX, top_k < n_vocab);
- * else -1 (top_k 0 or larger: the whole row is needed, so it goes to the host). */
+ * temperature 0 (an id and a confidence instead); top_k when clover_sample's top-k cuts
+ * (0 < top_k <= CLOVER_CUDA_TOP_K_MAX and top_k < the ids other than the mask); else -1 (the
+ * whole row is needed, so it goes to the host). */
 int32_t clover_select_k(const clover_sampler_params *sp, int32_t n_vocab);
 
 /* The sampling fields of p (pointers borrowed, so p's arrays must outlive sp). */

@@ -494,6 +494,13 @@ static int make_resident(clover_model *m, char *err, size_t err_size) {
 
 int64_t clover_context_graph_launches(const clover_context *c) { return c ? c->n_graph_launches : 0; }
 
+/* CUDA graphs record every launch on the backend's one stream, so they run only while the process
+ * has a single context: g_graph_mu is held over a graph's pass (record or replay) and over the
+ * count's changes, so no other context's launches or copies can fall into a recording, and no
+ * other context's forward can move the scratch a graph holds. */
+static pthread_mutex_t g_graph_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_n_contexts;
+
 int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_devices(info, info_size); }
 
 int clover_gpu_memory(int64_t *free_bytes, int64_t *total_bytes) { return clover_cuda_mem_info(free_bytes, total_bytes); }
@@ -709,6 +716,9 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->n_ctx = n_ctx;
     c->n_threads = n_threads;
     c->gdn_chunked = 1;
+    pthread_mutex_lock(&g_graph_mu);
+    g_n_contexts++;
+    pthread_mutex_unlock(&g_graph_mu);
     const char *graphs = getenv("CLOVER_CUDA_GRAPHS");
     c->graphs = !(graphs && strcmp(graphs, "0") == 0);
     atomic_init(&c->abort_req, 0);
@@ -732,6 +742,9 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
 
 void clover_context_free(clover_context *c) {
     if (!c) return;
+    pthread_mutex_lock(&g_graph_mu);
+    g_n_contexts--;
+    pthread_mutex_unlock(&g_graph_mu);
     for (int i = 0; i < 4; i++) clover_cuda_graph_free(c->graph[i].exec);
     free(c->k_cache);
     free(c->v_cache);
@@ -2201,14 +2214,18 @@ static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
     if (i < N) { /* seen before: record it if not yet, then replay */
         c->graph[i].used = ++c->graph_clock;
         if (!c->graph[i].exec) {
-            if ((rc = clover_cuda_capture_begin(f->err, f->err_size)) != CLOVER_OK) return rc;
-            rc = res_run(f, b, 0, n);
-            const int rc2 = clover_cuda_capture_end(&c->graph[i].exec, f->err, f->err_size);
-            if (rc == CLOVER_OK) rc = rc2;
+            rc = clover_cuda_capture_begin(f->err, f->err_size);
+            if (rc == CLOVER_OK) {
+                rc = res_run(f, b, 0, n);
+                const int rc2 = clover_cuda_capture_end(&c->graph[i].exec, f->err, f->err_size);
+                if (rc == CLOVER_OK) rc = rc2;
+            }
             if (rc != CLOVER_OK) {
                 clover_cuda_graph_free(c->graph[i].exec);
                 c->graph[i].exec = NULL;
-                return rc;
+                if (rc == CLOVER_E_ABORTED) return rc;
+                c->graphs = 0; /* the device cannot record this: plain passes from now on */
+                return res_run(f, b, 0, n);
             }
         }
         if ((rc = check_abort(f, 0)) == CLOVER_OK &&
@@ -2261,7 +2278,13 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     if (rc == CLOVER_OK && n) rc = clover_cuda_write(b.idx, 0, idx, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK && n && f->sreq) rc = res_select_upload(f, &b, idx, n);
-    if (rc == CLOVER_OK) rc = graph ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
+    if (rc == CLOVER_OK && graph) {
+        pthread_mutex_lock(&g_graph_mu);
+        rc = g_n_contexts == 1 ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
+        pthread_mutex_unlock(&g_graph_mu);
+    } else if (rc == CLOVER_OK) {
+        rc = res_run(f, &b, rec_row, n);
+    }
     if (rc == CLOVER_OK && n && !f->sreq && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
     if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n, rows);
     /* the flags after the logits (no wait in between); a non-finite layer output is named first */

@@ -361,9 +361,8 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
 
 int32_t clover_select_k(const clover_sampler_params *sp, int32_t n_vocab) {
     if (!(sp->temperature > 0.0f)) return 0;
-    if (sp->top_k <= 0 || sp->top_k > CLOVER_CUDA_TOP_K_MAX || sp->top_k >= n_vocab) return -1;
     const int32_t ids = n_vocab - (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab);
-    return sp->top_k < ids ? sp->top_k : ids;
+    return sp->top_k > 0 && sp->top_k <= CLOVER_CUDA_TOP_K_MAX && sp->top_k < ids ? sp->top_k : -1;
 }
 
 /* ---------------------------------------------------------------- one row, public (clover.h) */

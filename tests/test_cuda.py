@@ -687,8 +687,9 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
     """ar's decode steps on a resident model run through a CUDA graph (model.c res_run_graph): the
     first step runs plainly, the second records the graph and runs it, the rest replay it with the
     position, token and edits in device memory. Greedy with penalties and sampled top-k tokens
-    equal the CPU's, the graph ran at every step but the first, and CLOVER_CUDA_GRAPHS=0 gives the
-    same tokens with no replay. Under the emulator a capture also fails on any copy or
+    equal the CPU's, the graph ran at every step but the first, and CLOVER_CUDA_GRAPHS=0, or a
+    second context alive in the process (graphs record the one stream all contexts launch on),
+    gives the same tokens with no replay. Under the emulator a capture also fails on any copy or
     allocation, as on a GPU."""
     from clover_gguf import Model
 
@@ -708,6 +709,10 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
                 assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **kw)[0] == w, (graphs, kw)
                 replays = _clib.clover_context_graph_launches(g._ctx) - before
                 assert replays == (n - 2 if graphs == "1" else 0), (graphs, kw, replays)  # n - 1 steps, 1 plain
+            with Model(path, n_ctx=64, n_threads=2):  # a second context in the process: no graphs
+                before = _clib.clover_context_graph_launches(g._ctx)
+                assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **runs[0])[0] == want[0]
+                assert _clib.clover_context_graph_launches(g._ctx) == before
 
 
 @gpu

@@ -1278,7 +1278,7 @@ __global__ void __launch_bounds__(TOP_K_THREADS) k_top_k(const float *Z, int64_t
         for (int64_t i = tid; i < V; i += TOP_K_THREADS) {
             if (i == mask) continue; /* -inf by its edit */
             const float v = z[i];
-            if (shift == 56 && !isfinite(v)) nonfinite = 1;
+            if (shift == 56 && (isnan(v) || v == INFINITY)) nonfinite = 1; /* -inf: an edit's, as greedy */
             const uint64_t key = cand_key(v, i);
             if ((key & hi) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
         }
@@ -1354,7 +1354,7 @@ extern "C" int clover_cuda_capture_end(void **graph, char *err, size_t err_size)
     *graph = NULL;
     cudaError_t e = cudaStreamEndCapture(stream(), &g);
     if (e == cudaSuccess) {
-        e = cudaGraphInstantiate(&x, g, 0);
+        e = cudaGraphInstantiateWithFlags(&x, g, 0);
         cudaGraphDestroy(g);
     }
     (void)cudaGetLastError(); /* a failed capture leaves its error: reported here, not at the next launch */

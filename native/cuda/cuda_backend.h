@@ -197,7 +197,8 @@ int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *
  * of the n rows of z [n][V] (device, edited in place by ops as clover_cuda_greedy_d), the k
  * largest logits of ids other than mask_id, sorted by z descending then id ascending, into
  * cand[r][0..k) (device; 1 <= k <= CLOVER_CUDA_TOP_K_MAX and k <= the ids other than mask_id),
- * and bad[r] (device float) = 0, or NaN when a value other than mask_id's is NaN or infinite.
+ * and bad[r] (device float) = 0, or NaN when a value other than mask_id's is NaN or +inf (-inf can
+ * be an edit's, and is a weight of 0 as in the greedy sum).
  * pre (device, as many floats as ops; NULL: not kept): pre[q] = the value edit q found, before it
  * applied, so the host can redo a row's edits for an id from its raw logit. */
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,

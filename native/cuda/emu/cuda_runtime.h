@@ -81,7 +81,7 @@ typedef enum { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cu
 cudaError_t cudaStreamCreate(cudaStream_t *s);
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g);
-cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags);
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags);
 cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s);
 cudaError_t cudaGraphDestroy(cudaGraph_t g);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x);

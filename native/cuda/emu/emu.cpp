@@ -286,7 +286,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
     *g = NULL;
     return cudaErrorStreamCaptureInvalidated;
 }
-cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags) {
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags) {
     (void)flags;
     if (!g) return cudaErrorInvalidValue;
     *x = new clover_emu_graph(*g);
