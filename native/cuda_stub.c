@@ -206,4 +206,8 @@ int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_
     (void)k_cache, (void)v_cache, (void)n_ctx, (void)kvd, (void)pos, (void)k_new, (void)v_new, (void)T;
     return no_cuda(err, err_size);
 }
+int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size) {
+    (void)dst, (void)src, (void)n;
+    return no_cuda(err, err_size);
+}
 #endif

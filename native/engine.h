@@ -102,7 +102,7 @@ struct clover_context {
     int graphs;
     struct {
         void *exec;
-        unsigned char key[128];
+        unsigned char key[160];
         int64_t used;
     } graph[4];
     int64_t graph_clock, n_graph_launches;

@@ -1979,11 +1979,10 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
     if (!block && c->rec_on) {
         float *rq, *rc_, *rb, *ra;
         rec_dev_slot(c, ly->slot, &rq, &rc_, &rb, &ra);
-        const size_t rowC = sizeof(float) * (size_t)C, rowH = sizeof(float) * (size_t)d.Hv;
-        if ((rc = clover_cuda_copy(rq + rec_row * C, b->qkv, rowC * (size_t)T, err, es)) ||
-            (rc = clover_cuda_copy(rc_ + rec_row * C, b->cv, rowC * (size_t)T, err, es)) ||
-            (rc = clover_cuda_copy(rb + rec_row * d.Hv, b->b, rowH * (size_t)T, err, es)) ||
-            (rc = clover_cuda_copy(ra + rec_row * d.Hv, b->a, rowH * (size_t)T, err, es)))
+        if ((rc = clover_cuda_copy_d(rq + rec_row * C, b->qkv, C * T, err, es)) ||
+            (rc = clover_cuda_copy_d(rc_ + rec_row * C, b->cv, C * T, err, es)) ||
+            (rc = clover_cuda_copy_d(rb + rec_row * d.Hv, b->b, d.Hv * T, err, es)) ||
+            (rc = clover_cuda_copy_d(ra + rec_row * d.Hv, b->a, d.Hv * T, err, es)))
             return rc;
     }
     if (!block && (rc = clover_cuda_conv_hist_d(hist, b->qkv, T, C, (int32_t)d.K, err, es))) return rc;
@@ -2178,9 +2177,9 @@ static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
 /* What a CUDA graph of a pass depends on beyond the device memory it reads: when any of it
  * changes, the graph is recorded again. */
 typedef struct {
-    const void *ws, *ops, *pre, *k, *v, *gdn, *conv;
+    const void *ws, *ops, *pre, *k, *v, *gdn, *conv, *rec;
     int64_t scratch_epoch, model_epoch, T, n;
-    int32_t k_cand, mask, mode;
+    int32_t k_cand, mask, mode, rec_on, rec_cap;
     float rp, fp, pp, coreset_top_p;
 } graph_key;
 _Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph[0].key), "clover_context.graph key too small");
@@ -2192,6 +2191,7 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     memset(&k, 0, sizeof k); /* padding too: keys are compared with memcmp */
     k.ws = c->res_ws, k.ops = c->ops_dev, k.pre = f->sreq->pre ? c->pre_dev : NULL;
     k.k = c->k_dev, k.v = c->v_dev, k.gdn = c->gdn_dev, k.conv = c->conv_dev;
+    k.rec = c->rec_on ? c->rec_dev : NULL, k.rec_on = c->rec_on, k.rec_cap = c->rec_on ? c->rec_cap : 0;
     k.scratch_epoch = clover_cuda_scratch_epoch(), k.model_epoch = c->m->dev_epoch, k.T = f->T, k.n = n;
     k.k_cand = f->sreq->k, k.mask = sp->mask_token_id, k.mode = f->mode;
     k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
@@ -2266,7 +2266,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     if (!x || !flags || !idx) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
     /* through a graph, a block pass selects on every row (the same launches each time), and only
      * the rows asked for are read */
-    const int graph = c->graphs && f->sreq && !c->rec_on && T <= RES_LM;
+    const int graph = c->graphs && f->sreq && T <= RES_LM && rec_row == 0;
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);

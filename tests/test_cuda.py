@@ -718,7 +718,8 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
 @gpu
 def test_diffusion_and_spec_passes_replay_cuda_graphs(make_gguf):
     """Diffusion's denoising passes (a block pass that selects on every row, only the masked
-    slots' rows read) and commits, and spec's drafts, replay CUDA graphs too, a graph per pass
+    slots' rows read) and commits, and spec's drafts and verifies (whose GDN inputs are recorded
+    for the rollback by copy kernels), replay CUDA graphs too, a graph per pass
     shape kept across blocks (all but the first pass of each shape replay): tokens and spec's
     accept histogram equal the CPU's (graphs off: the ar test)."""
     from clover_gguf import Model
@@ -733,11 +734,11 @@ def test_diffusion_and_spec_passes_replay_cuda_graphs(make_gguf):
             before = _clib.clover_context_graph_launches(g._ctx)
             got, st_g = g.generate_tokens(ids, mode=mode, **kw)
             assert got == toks and st_g["accept_hist"] == st["accept_hist"], mode
-            # every pass but the first of each shape (spec: its drafts; its verifies record)
+            # every pass but the first of each shape (diffusion: denoise, commit; spec: draft, verify)
             passes = (st_g["n_forward_denoise"] + st_g["n_forward_commit"] if mode == "diffusion"
-                      else st_g["n_forward_draft"])
+                      else st_g["n_forward_draft"] + st_g["n_forward_verify"])
             replays = _clib.clover_context_graph_launches(g._ctx) - before
-            assert replays == passes - (2 if mode == "diffusion" else 1), (mode, replays, passes)
+            assert replays == passes - 2, (mode, replays, passes)
 
 
 @gpu

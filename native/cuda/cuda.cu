@@ -1327,6 +1327,19 @@ extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_
     return launched(CLOVER_OK, "top_k_d", err, err_size);
 }
 
+__global__ void k_copy(float *dst, const float *src, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+extern "C" int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size) {
+    if (!dst || !src || n < 0) return bad_arg(err, err_size, "copy_d: bad arguments");
+    if (n == 0) return CLOVER_OK;
+    const int64_t blocks = (n + 255) / 256;
+    LAUNCH(k_copy, dim3((unsigned)(blocks < 4096 ? blocks : 4096)), dim3(256))(dst, src, n);
+    return launched(CLOVER_OK, "copy_d", err, err_size);
+}
+
 /* ---- CUDA graphs (cuda_backend.h) */
 
 extern "C" int64_t clover_cuda_scratch_epoch(void) {

@@ -217,6 +217,8 @@ int clover_cuda_capture_end(void **graph, char *err, size_t err_size);
 int clover_cuda_graph_launch(void *graph, char *err, size_t err_size);
 void clover_cuda_graph_free(void *graph);
 int64_t clover_cuda_scratch_epoch(void);
+/* dst[i] = src[i] for n floats, as a kernel (stream-ordered, so a graph can hold it). */
+int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size);
 /* Rows t < T of k_new, v_new [T][kvd] into rows *pos + t of k_cache, v_cache [n_ctx][kvd] (pos:
  * device int64; rows at or past n_ctx are not written). */
 int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
