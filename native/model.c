@@ -2199,8 +2199,8 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     return k;
 }
 
-/* res_run through a CUDA graph (passes of at most RES_LM rows with the selection on the GPU and
- * no recording: ar's decode steps, diffusion's denoising passes and commits, spec's drafts): the
+/* res_run through a CUDA graph (passes of at most RES_LM rows with the selection on the GPU: ar's
+ * decode steps, diffusion's denoising passes and commits, spec's drafts and verifies): the
  * first pass with a new key runs plainly (its scratch grows then), the next one records a graph,
  * and the following ones replay it. The context keeps the graphs of its last four keys, so a
  * diffusion block's commit and denoising passes keep theirs. CLOVER_CUDA_GRAPHS=0 turns this
