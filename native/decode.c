@@ -197,7 +197,7 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
     d->sel_k = clover_select_k(&d->sp, (int32_t)V);
     /* spec's greedy draft with penalties takes min(B, ids) candidates a row (draft_pick) */
-    const int32_t ids = (int32_t)V - (m->hp.mask_token_id >= 0 && m->hp.mask_token_id < V);
+    const int32_t ids = clover_cand_ids(V, m->hp.mask_token_id);
     d->tops_k = p->mode == CLOVER_MODE_SPEC && B <= CLOVER_CUDA_TOP_K_MAX ? (int32_t)(B < ids ? B : ids) : 0;
     if (d->sel_k > d->tops_k) d->tops_k = d->sel_k;
     if (d->tops_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->tops_k)))) goto nomem;

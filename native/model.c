@@ -745,7 +745,7 @@ void clover_context_free(clover_context *c) {
     pthread_mutex_lock(&g_graph_mu);
     g_n_contexts--;
     pthread_mutex_unlock(&g_graph_mu);
-    for (int i = 0; i < 4; i++) clover_cuda_graph_free(c->graph[i].exec);
+    for (size_t i = 0; i < sizeof c->graph / sizeof c->graph[0]; i++) clover_cuda_graph_free(c->graph[i].exec);
     free(c->k_cache);
     free(c->v_cache);
     free(c->gdn_state);
@@ -2379,7 +2379,7 @@ static int check_select(const clover_context *c, const clover_sampler_params *sp
                         const float *conf, const clover_cand *cand, const char *what, char *err, size_t err_size) {
     if (!c->m->resident)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "%s: the model's forwards are not resident on the GPU", what);
-    const int32_t V = c->m->hp.n_vocab, ids = V - (sp->mask_token_id >= 0 && sp->mask_token_id < V);
+    const int32_t ids = clover_cand_ids(c->m->hp.n_vocab, sp->mask_token_id);
     if (k < 0 || k > CLOVER_CUDA_TOP_K_MAX || k > ids || (k == 0 && sp->temperature > 0.0f))
         return clover_set_err(err, err_size, CLOVER_E_ARG, "k: %d candidates at temperature %g: needs 0 (temperature "
                               "0) or [1, %d] and at most the %d ids other than the mask (%s)", k, sp->temperature,

@@ -213,7 +213,7 @@ static int by_rank(const void *a, const void *b) {
  * sorted: a heap rooted at the worst one kept, O(n_vocab log k), then a sort of the k; all of
  * them (k = their count) by one sort. */
 static void top_k_cands(const float *logits, int32_t n_vocab, int32_t mask, int32_t k, clover_cand *h) {
-    const int all = k == n_vocab - (mask >= 0 && mask < n_vocab);
+    const int all = k == clover_cand_ids(n_vocab, mask);
     int32_t n = 0;
     for (int32_t i = 0; i < n_vocab; i++) {
         if (i == mask) continue;
@@ -257,6 +257,13 @@ static int32_t draw(const float *w, int32_t n, clover_rng *rng, double *sum) {
 /* Tempered weight of logit z relative to the argmax's zmax (weight 1), spec 5.3. */
 static float weight(float z, float zmax, float T) { return (float)exp((double)(z - zmax) / T); }
 
+/* Confidence of a drawn logit z (spec 5.3): min(p_argmax, exp((z - z_max) / T)), p_argmax = 1 /
+ * sum, the argmax having weight 1. */
+static float drawn_confidence(float z, float zmax, float T, double sum) {
+    const float p_argmax = (float)(1.0 / sum), ratio = expf((z - zmax) / T);
+    return ratio < p_argmax ? ratio : p_argmax;
+}
+
 /* Whether the top-p prefix (mass over total reaching top_p) ends within cand[0..n). */
 static int top_p_within(const clover_cand *cand, int32_t n, float T, double total, float top_p) {
     double cum = 0;
@@ -295,8 +302,7 @@ int32_t clover_sample_top(const clover_cand *cand, int32_t n, const clover_sampl
             }
     const int32_t pick = draw(scratch, n, rng, &sum);
     const clover_cand c = cand[pick < 0 ? 0 : pick]; /* rounding at the end: the argmax */
-    const float p_argmax = (float)(1.0 / sum), ratio = expf((c.z - zmax) / T); /* the argmax has weight 1 */
-    *confidence = ratio < p_argmax ? ratio : p_argmax;
+    *confidence = drawn_confidence(c.z, zmax, T, sum);
     return c.id;
 }
 
@@ -325,7 +331,7 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
     }
     const float T = sp->temperature;
     if ((sp->top_k > 0 && sp->top_k < n_vocab) || sp->top_p < 1.0f) { /* candidates sorted by rank */
-        const int32_t n = n_vocab - (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab);
+        const int32_t n = clover_cand_ids(n_vocab, sp->mask_token_id);
         const int cut = sp->top_k > 0 && sp->top_k < n;
         clover_cand *cand = malloc(sizeof(clover_cand) * (size_t)(cut ? sp->top_k : n));
         if (!cand) { /* no memory: fall back to the greedy candidate */
@@ -354,14 +360,13 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
     }
     double sum;
     const int32_t pick = draw(scratch, n_vocab, rng, &sum), id = pick < 0 ? best : pick;
-    const float p_argmax = (float)(1.0 / sum), ratio = expf((logits[id] - zmax) / T);
-    *confidence = ratio < p_argmax ? ratio : p_argmax;
+    *confidence = drawn_confidence(logits[id], zmax, T, sum);
     return id;
 }
 
 int32_t clover_select_k(const clover_sampler_params *sp, int32_t n_vocab) {
     if (!(sp->temperature > 0.0f)) return 0;
-    const int32_t ids = n_vocab - (sp->mask_token_id >= 0 && sp->mask_token_id < n_vocab);
+    const int32_t ids = clover_cand_ids(n_vocab, sp->mask_token_id);
     return sp->top_k > 0 && sp->top_k <= CLOVER_CUDA_TOP_K_MAX && sp->top_k < ids ? sp->top_k : -1;
 }
 

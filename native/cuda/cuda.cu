@@ -712,11 +712,11 @@ __global__ void k_rmsnorm(const float *X, int64_t xs, const int32_t *idx, const 
 }
 
 /* attention_layer's per-head rmsnorm then rope_neox (model.c; spec 2.2 step 2) on head
- * blockIdx.x of row t = blockIdx.y (hd floats at X + t ts + h hs) at position pos0 + t: the
+ * blockIdx.x of row t = blockIdx.y (hd floats at X + t ts + h hs) at position *pos_p + t: the
  * first rd dimensions rotate, angles in double as on the CPU. One warp per head. */
 __global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *w, int64_t hd, float eps,
-                                 const int64_t *pos_p, int64_t pos0, int rd, float theta) {
-    if (pos_p) pos0 = *pos_p;
+                                 const int64_t *pos_p, int rd, float theta) {
+    const int64_t pos0 = *pos_p; /* on the device: a graph replays with a new one */
     __shared__ float v[HD_MAX];
     float *x = X + (int64_t)blockIdx.y * ts + (int64_t)blockIdx.x * hs;
     double ss = 0;
@@ -849,8 +849,8 @@ __device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowe
  * coreset in model.c, in one block of 32 warps: rows of P (logits [T][E]) become softmax
  * probabilities; sel/wsel [T][k] scratch; out: prow and pw [T k] (row and weight of each pair,
  * bucketed by expert, rows ascending within a bucket), pair [T][k] (row t's pair indices
- * ascending), tiles (n_tiles; those past the used ones get nr = 0), stats[0] experts used, stats[1] experts in some row's own top-k (coreset
- * only). A warp per row for the softmax and top-k, a thread per expert for the coreset's mass
+ * ascending), tiles (n_tiles; those past the used ones get nr = 0), stats[0] experts used,
+ * stats[1] experts in some row's own top-k (coreset only). A warp per row for the softmax and top-k, a thread per expert for the coreset's mass
  * (in double, in the CPU's order), its sort (as ranks) and the bucketing; the O(E) prefix sums
  * and tile list on one thread. */
 #define E_MAX 1024
@@ -1039,7 +1039,7 @@ extern "C" int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head,
         rope_dim < 0 || rope_dim > hd || rope_dim % 2)
         return bad_arg(err, err_size, "head_norm_rope_d: bad arguments (T <= 65535, head_dim <= 256, even rope_dim)");
     LAUNCH(k_head_norm_rope, dim3((unsigned)n_head, (unsigned)T), dim3(32))(x, row_stride, head_stride, w, hd, eps, pos,
-                                                                           (int64_t)0, rope_dim, theta);
+                                                                           rope_dim, theta);
     return launched(CLOVER_OK, "head_norm_rope_d", err, err_size);
 }
 
@@ -1318,7 +1318,7 @@ __global__ void __launch_bounds__(TOP_K_THREADS) k_top_k(const float *Z, int64_t
 extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                                    float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
                                    clover_cand *cand, float *bad, float *pre, char *err, size_t err_size) {
-    const int64_t ids = V - (mask_id >= 0 && mask_id < V);
+    const int64_t ids = clover_cand_ids(V, mask_id);
     if (!z || !start || !cand || !bad || n <= 0 || n > INT32_MAX || V <= 0 || V > INT32_MAX || k < 1 ||
         k > CLOVER_CUDA_TOP_K_MAX || k > ids)
         return bad_arg(err, err_size, "top_k_d: bad arguments");
@@ -1328,15 +1328,14 @@ extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_
 }
 
 __global__ void k_copy(float *dst, const float *src, int64_t n) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = src[i];
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
 }
 
 extern "C" int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size) {
-    if (!dst || !src || n < 0) return bad_arg(err, err_size, "copy_d: bad arguments");
     if (n == 0) return CLOVER_OK;
-    const int64_t blocks = (n + 255) / 256;
-    LAUNCH(k_copy, dim3((unsigned)(blocks < 4096 ? blocks : 4096)), dim3(256))(dst, src, n);
+    if (!dst || !src || too_big(n)) return bad_arg(err, err_size, "copy_d: bad arguments");
+    LAUNCH(k_copy, cover(n), dim3(256))(dst, src, n);
     return launched(CLOVER_OK, "copy_d", err, err_size);
 }
 

@@ -182,6 +182,10 @@ typedef struct {
     float z;
     int32_t id;
 } clover_cand;
+/* The ids that can be candidates: n_vocab, less the mask token when it is one of them. */
+static inline int32_t clover_cand_ids(int64_t n_vocab, int32_t mask_id) {
+    return (int32_t)(n_vocab - (mask_id >= 0 && mask_id < n_vocab));
+}
 /* The most candidates per row clover_cuda_top_k_d selects (top_k of the GPU path). */
 enum { CLOVER_CUDA_TOP_K_MAX = 256 };
 /* Greedy selection on the GPU (spec 5.3 at temperature 0, as clover_sample): for each of the n
