@@ -415,9 +415,9 @@ def test_greedy_tokens_identical_across_placements(make_gguf):
 
 
 # byte offsets of fp16 fields in each block (kept finite when blocks are random bytes)
-FP16_AT = {"Q4_0": (0,), "IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
            "IQ4_XS": (0,)}
-BLOCK_BYTES = {"Q4_0": 18, "IQ4_NL": 18, "MXFP4": 17, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "IQ4_NL": 18, "MXFP4": 17, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 
 
 @pytest.fixture(scope="module")
@@ -436,16 +436,17 @@ def dq_check(tmp_path_factory):
     return exe
 
 
-@pytest.mark.parametrize("name", list(BLOCKS))
+@pytest.mark.parametrize("name", ["Q8_0", *BLOCKS])
 def test_gpu_dequantisation_equals_the_cpu_engine(dq_check, tmp_path, name):
     """native/cuda/dequant.cuh (element j of a block, as the kernels read it) equals the CPU
     engine's clover_to_f32 bit for bit, on blocks quantised from random floats and on random
     bytes (finite fp16 scales): the index and bit arithmetic of every format, checked without
-    a GPU."""
+    a GPU; and so does the integer form the products use (s * q_j + o from qpack/qscale, with
+    its alignment claims checked)."""
     import subprocess
 
     rng = np.random.default_rng(3)
-    type_ = BLOCKS[name]
+    type_ = {**PLAIN, **BLOCKS}[name]
     n = 256 * 16
     q = np.zeros(lib.clover_type_nbytes(type_, n), np.uint8)
     x = (rng.standard_normal(n) * rng.uniform(0.01, 5, n)).astype(np.float32)
@@ -460,11 +461,12 @@ def test_gpu_dequantisation_equals_the_cpu_engine(dq_check, tmp_path, name):
         assert lib.clover_to_f32(type_, ffi.cast("void *", blocks.ctypes.data), ffi.cast("float *", want.ctypes.data),
                                  n) == 0
         (tmp_path / "in").write_bytes(blocks.tobytes())
-        r = subprocess.run([str(dq_check), str(type_), str(tmp_path / "in"), str(tmp_path / "out")],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        got = np.fromfile(tmp_path / "out", np.float32)
-        np.testing.assert_array_equal(got, want)
+        for form in ([], ["int"]):
+            r = subprocess.run([str(dq_check), str(type_), str(tmp_path / "in"), str(tmp_path / "out"), *form],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, (form, r.stderr)
+            got = np.fromfile(tmp_path / "out", np.float32)
+            np.testing.assert_array_equal(got, want, err_msg=str(form))
 
 
 @gpu

@@ -6,6 +6,7 @@
 #define CLOVER_DEQUANT_CUH
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CLOVER_HD __host__ __device__ __forceinline__
@@ -116,5 +117,96 @@ template <> struct block_info<T_Q4_K> { static constexpr int n = 256, bytes = 14
 template <> struct block_info<T_Q5_K> { static constexpr int n = 256, bytes = 176; };
 template <> struct block_info<T_Q6_K> { static constexpr int n = 256, bytes = 210; };
 template <> struct block_info<T_IQ4_XS> { static constexpr int n = 256, bytes = 136; };
+
+/* The integer form of each block format, for the products' int8 dot products (cuda.cu
+ * k_matmul_q): element j of a block is s * q_j + o, with q_j an int8 and (s, o) the float scale
+ * and offset of j's group (32 elements; 16 for Q6_K), the same floats dq multiplies (so
+ * s * q_j + o == dq(b, j) bit for bit; tests/cuda/dq_check.cu). qpack<TYPE>(b, j): q_j .. q_j+3
+ * packed little-endian (j a multiple of 4; the four in one group); qscale<TYPE>(b, j): (s, o)
+ * of j's group. Offsets are nonzero for Q4_K and Q5_K only (has_offset). */
+struct qscale_t {
+    float s, o;
+};
+
+/* 4 bytes at p, A the alignment the layout guarantees (4, 2 or 1); off the GPU a wrong claim
+ * aborts, so dq_check and the CUDA emulator catch it. */
+template <int A> CLOVER_HD uint32_t ld4(const uint8_t *p) {
+#ifdef __CUDA_ARCH__
+    if (A == 4) return *(const uint32_t *)p;
+    if (A == 2) return (uint32_t)((const uint16_t *)p)[0] | ((uint32_t)((const uint16_t *)p)[1] << 16);
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+#else
+    if ((uintptr_t)p % A) abort();
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+#endif
+}
+
+/* the low (hi = 0) or high nibbles of 4 bytes, one per byte */
+CLOVER_HD uint32_t nib4(uint32_t v, int hi) { return (v >> (4 * hi)) & 0x0F0F0F0Fu; }
+
+/* bytes v_i - c_i as int8, for bytes v_i, c_i < 128 (no borrow crosses a byte) */
+CLOVER_HD uint32_t sub4(uint32_t v, uint32_t c) { return ((v | 0x80808080u) - c) ^ 0x80808080u; }
+
+/* kv[n_i] for 4 nibbles n_i, one per byte */
+CLOVER_HD uint32_t lut4(uint32_t n, const int8_t *kv) {
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)(uint8_t)kv[(n >> (8 * i)) & 15] << (8 * i);
+    return r;
+}
+
+template <int TYPE> CLOVER_HD uint32_t qpack(const uint8_t *b, int j);
+template <int TYPE> CLOVER_HD qscale_t qscale(const uint8_t *b, int j);
+template <int TYPE> struct has_offset { static constexpr bool v = TYPE == T_Q4_K || TYPE == T_Q5_K; };
+
+template <> CLOVER_HD uint32_t qpack<T_Q8_0>(const uint8_t *b, int j) { return ld4<2>(b + 2 + j); }
+template <> CLOVER_HD uint32_t qpack<T_Q4_0>(const uint8_t *b, int j) {
+    return sub4(nib4(ld4<2>(b + 2 + (j & 15)), j >= 16), 0x08080808u);
+}
+template <> CLOVER_HD uint32_t qpack<T_IQ4_NL>(const uint8_t *b, int j) {
+    return lut4(nib4(ld4<2>(b + 2 + (j & 15)), j >= 16), KV_IQ4NL);
+}
+template <> CLOVER_HD uint32_t qpack<T_MXFP4>(const uint8_t *b, int j) {
+    return lut4(nib4(ld4<1>(b + 1 + (j & 15)), j >= 16), KV_MXFP4);
+}
+template <> CLOVER_HD uint32_t qpack<T_Q4_K>(const uint8_t *b, int j) {
+    const int g = j / 32, l = j % 32;
+    return nib4(ld4<4>(b + 16 + 32 * (g / 2) + l), g & 1);
+}
+template <> CLOVER_HD uint32_t qpack<T_Q5_K>(const uint8_t *b, int j) {
+    const int g = j / 32, l = j % 32;
+    return nib4(ld4<4>(b + 48 + 32 * (g / 2) + l), g & 1) | (((ld4<4>(b + 16 + l) >> g) & 0x01010101u) << 4);
+}
+template <> CLOVER_HD uint32_t qpack<T_Q6_K>(const uint8_t *b, int j) {
+    const int n = j / 128, r = j % 128, qd = r / 32, l = r % 32;
+    const uint32_t lo = nib4(ld4<2>(b + 64 * n + l + ((qd & 1) ? 32 : 0)), qd >> 1);
+    const uint32_t hi = (ld4<2>(b + 128 + 32 * n + l) >> (2 * qd)) & 0x03030303u;
+    return sub4(lo | (hi << 4), 0x20202020u);
+}
+template <> CLOVER_HD uint32_t qpack<T_IQ4_XS>(const uint8_t *b, int j) {
+    const int ib = j / 32, jj = j % 32;
+    return lut4(nib4(ld4<4>(b + 8 + 16 * ib + (jj & 15)), jj >= 16), KV_IQ4NL);
+}
+
+template <> CLOVER_HD qscale_t qscale<T_Q8_0>(const uint8_t *b, int) { return {h2f(b), 0.0f}; }
+template <> CLOVER_HD qscale_t qscale<T_Q4_0>(const uint8_t *b, int) { return {h2f(b), 0.0f}; }
+template <> CLOVER_HD qscale_t qscale<T_IQ4_NL>(const uint8_t *b, int) { return {h2f(b), 0.0f}; }
+template <> CLOVER_HD qscale_t qscale<T_MXFP4>(const uint8_t *b, int) { return {e8m0_half(b[0]), 0.0f}; }
+template <> CLOVER_HD qscale_t qscale<T_Q4_K>(const uint8_t *b, int j) {
+    int s, m;
+    k4_scale_min(j / 32, b + 4, &s, &m);
+    return {h2f(b) * (float)s, -(h2f(b + 2) * (float)m)};
+}
+template <> CLOVER_HD qscale_t qscale<T_Q5_K>(const uint8_t *b, int j) { return qscale<T_Q4_K>(b, j); }
+template <> CLOVER_HD qscale_t qscale<T_Q6_K>(const uint8_t *b, int j) {
+    const int n = j / 128, r = j % 128;
+    return {h2f(b + 208) * (float)((const int8_t *)(b + 192 + 8 * n))[(r % 32) / 16 + 2 * (r / 32)], 0.0f};
+}
+template <> CLOVER_HD qscale_t qscale<T_IQ4_XS>(const uint8_t *b, int j) {
+    const int ib = j / 32, sh = b[2] | (b[3] << 8);
+    const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+    return {h2f(b) * (float)(ls - 32), 0.0f};
+}
 
 #endif

@@ -1,21 +1,36 @@
 /* dq_check.cu: the GPU kernels' dequantisation (native/cuda/dequant.cuh) run on the host, so
  * tests/test_cuda.py can compare it with the CPU engine's on a machine without a GPU.
- *   dq_check TYPE IN OUT   reads whole blocks of ggml type TYPE from file IN, writes float32 to OUT */
+ *   dq_check TYPE IN OUT [int]   reads whole blocks of ggml type TYPE from file IN, writes float32 to
+ *                                OUT: dq(b, j), or with `int` s * q_j + o from qpack and qscale */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../../native/cuda/dequant.cuh"
+
+static bool g_int; /* the integer form */
 
 template <int TYPE> static size_t run(const uint8_t *in, size_t nbytes, float *out) {
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes;
     const size_t nb = nbytes / BB;
     for (size_t b = 0; b < nb; b++)
-        for (int j = 0; j < BN; j++) out[b * BN + j] = dq<TYPE>(in + b * BB, j);
+        for (int j = 0; j < BN; j++) {
+            const uint8_t *blk = in + b * BB;
+            if (!g_int) {
+                out[b * BN + j] = dq<TYPE>(blk, j);
+                continue;
+            }
+            const qscale_t so = qscale<TYPE>(blk, j);
+            const int8_t q = (int8_t)(qpack<TYPE>(blk, j & ~3) >> (8 * (j & 3)));
+            out[b * BN + j] = so.s * (float)q + so.o;
+        }
     return nb * BN;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 4) return fprintf(stderr, "usage: dq_check TYPE IN OUT\n"), 2;
+    if (argc != 4 && !(argc == 5 && strcmp(argv[4], "int") == 0))
+        return fprintf(stderr, "usage: dq_check TYPE IN OUT [int]\n"), 2;
+    g_int = argc == 5;
     FILE *f = fopen(argv[2], "rb");
     if (!f) return perror(argv[2]), 2;
     fseek(f, 0, SEEK_END);
