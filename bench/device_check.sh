@@ -76,6 +76,8 @@ step "bench (pp512, tg128, block forward): GPU (resident forward, then the per-p
 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt"
 CLOVER_GPU_RESIDENT=0 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
     | tee "$out/bench_gpu_per_product.txt"
+step "bench on the GPU without tensor cores (CLOVER_CUDA_MMA=0: dp4a for every product)"
+CLOVER_CUDA_MMA=0 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu_dp4a.txt"
 $py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt"
 if [ "${CLOVER_DEVICE_FULL:-0}" = 1 ]; then  # issue 8: the full 40-layer model and placements
     step "40-layer real-dims Q4_K_M model (about 20 GiB, generated here)"

@@ -25,9 +25,11 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
 """
 from __future__ import annotations
 
+import re
 import shutil
 
 import cffi
+
 import numpy as np
 import pytest
 
@@ -133,29 +135,69 @@ def _cpu_matmul(type_: int, q: np.ndarray, ne0: int, ne1: int, x: np.ndarray) ->
     return y
 
 
-@gpu
-@pytest.mark.parametrize("name", list(PLAIN) + list(BLOCKS))
-@pytest.mark.parametrize("T", [1, 3, 9, 32])
-def test_matmul_every_type_equals_the_cpu_engine(name, T):
-    rng = np.random.default_rng(T)
-    type_ = {**PLAIN, **BLOCKS}[name]
-    ne0, ne1 = 1024, 67
-    q, w = _weights(name, type_, ne0, ne1, rng)
-    x = (rng.standard_normal((T, ne0)) * rng.uniform(0.01, 10, (T, 1))).astype(np.float32)
+def _gpu_matmul(type_: int, q: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
+    """clover_cuda_matmul of the quantised bytes q ([ne1, ne0], uploaded for the call) with x [T, ne0]."""
     dev = _cffi.new("void **")
     err = _cffi.new("char[]", 256)
     assert _clib.clover_cuda_upload(_cffi.cast("void *", q.ctypes.data), q.size, dev, err, 256) == 0, \
         _cffi.string(err)
     try:
-        y = np.zeros((T, ne1), np.float32)
-        rc = _clib.clover_cuda_matmul(type_, dev[0], ne0, ne1, _cffi.cast("float *", x.ctypes.data), T,
+        y = np.zeros((x.shape[0], ne1), np.float32)
+        rc = _clib.clover_cuda_matmul(type_, dev[0], ne0, ne1, _cffi.cast("float *", x.ctypes.data), x.shape[0],
                                       _cffi.cast("float *", y.ctypes.data), err, 256)
         assert rc == 0, _cffi.string(err)
     finally:
         _clib.clover_cuda_free(dev[0])
+    return y
+
+
+@gpu
+@pytest.mark.parametrize("name", list(PLAIN) + list(BLOCKS))
+@pytest.mark.parametrize("T,mma", [(1, "1"), (3, "1"), (9, "1"), (32, "1"), (41, "1"), (32, "0")])
+def test_matmul_every_type_equals_the_cpu_engine(name, T, mma, monkeypatch):
+    """One product per type against the CPU engine's, within 1e-5 of sum |w x|: 1 to 9 rows take
+    the dp4a kernel (k_matmul_q), 32 and 41 rows (a full group of 32 and a partial one) the
+    tensor-core kernel on a GPU of compute 8.0 or later, or k_matmul_q with CLOVER_CUDA_MMA=0;
+    67 weight rows leave a partial tile of 16."""
+    monkeypatch.setenv("CLOVER_CUDA_MMA", mma)
+    rng = np.random.default_rng(T)
+    type_ = {**PLAIN, **BLOCKS}[name]
+    ne0, ne1 = 1024, 67
+    q, w = _weights(name, type_, ne0, ne1, rng)
+    x = (rng.standard_normal((T, ne0)) * rng.uniform(0.01, 10, (T, 1))).astype(np.float32)
+    y = _gpu_matmul(type_, q, ne0, ne1, x)
     want = _cpu_matmul(type_, q, ne0, ne1, x)
     scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
     assert np.all(np.abs(y - want) <= 1e-5 * scale), (name, float(np.max(np.abs(y - want) / scale)))
+
+
+def _compute_capability() -> tuple[int, int]:
+    info = _cffi.new("char[]", 256)
+    assert lib.clover_gpu_devices(info, 256) > 0
+    m = re.search(r"compute (\d+)\.(\d+)", _cffi.string(info).decode())
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@gpu
+def test_many_row_products_take_the_tensor_core_kernel(monkeypatch):
+    """With compute 8.0 or later, 32 rows of Q4_K and Q6_K go through k_matmul_mma: its results
+    (within the CPU tolerance, as above) differ in the last bits from k_matmul_q's
+    (CLOVER_CUDA_MMA=0), which sums each row in another order; equal results would mean the
+    tensor-core path never ran."""
+    if _compute_capability() < (8, 0):
+        pytest.skip("int8 mma needs compute capability 8.0")
+    rng = np.random.default_rng(11)
+    ne0, ne1 = 2048, 40
+    x = rng.standard_normal((32, ne0)).astype(np.float32)
+    for name in ("Q4_K", "Q6_K"):
+        q, w = _weights(name, BLOCKS[name], ne0, ne1, rng)
+        monkeypatch.setenv("CLOVER_CUDA_MMA", "1")
+        y_mma = _gpu_matmul(BLOCKS[name], q, ne0, ne1, x)
+        monkeypatch.setenv("CLOVER_CUDA_MMA", "0")
+        y_dp4a = _gpu_matmul(BLOCKS[name], q, ne0, ne1, x)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+        assert np.all(np.abs(y_mma - y_dp4a) <= 2e-5 * scale), name
+        assert not np.array_equal(y_mma, y_dp4a), name
 
 
 @gpu

@@ -8,12 +8,12 @@
  *
  * A product y[t][r] = sum_j W[r][j] * x[t][j] (W: ne1 rows of ne0 values in its ggml type,
  * x: T rows of ne0 float32) runs one warp per weight row and group of ROWS activation rows.
- * Each weight element is dequantised once per group (the formulas of native/kquants.c and
- * native/quants.c, i.e. ggml's block layouts) and multiplied in float32 with activations
- * rounded as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below), so results differ
- * from the CPU path only in float rounding (tests/test_cuda.py states the tolerances).
- * Not here yet: tensor cores for the many-row case, sampling at temperature > 0, CUDA graphs,
- * a chunked GDN prefill (see the issue note).
+ * Block formats multiply their int8 values (dequant.cuh qpack, ggml's block layouts) with the
+ * activations quantised as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below) in exact
+ * integer dot products (dp4a; int8 tensor cores for many rows, mma.cuh), scaled per group of 32
+ * (16) values in float32; float formats multiply in float32. Results differ from the CPU path
+ * only in float rounding (tests/test_cuda.py states the tolerances). Not here yet: a chunked GDN
+ * prefill, float formats on tensor cores (see the issue note).
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error
  * code from clover_cuda_devices, not a library that fails to load). */
@@ -109,13 +109,12 @@ struct tile {
 
 struct rows_of_block {
     const uint8_t *w; /* weight row r */
-    const float *x;   /* activation row t0 */
     int64_t t0, r;
     int nr;
 };
 
-__device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t row_bytes, int64_t w_stride,
-                                                    const float *X, int64_t ne0, int64_t T, const tile *tiles) {
+__device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t row_bytes, int64_t w_stride, int64_t T,
+                                                    const tile *tiles) {
     rows_of_block b;
     b.r = blockIdx.x;
     int64_t e = 0;
@@ -127,38 +126,60 @@ __device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t ro
         b.nr = (int)(T - b.t0 < ROWS ? T - b.t0 : ROWS);
     }
     b.w = W + e * w_stride + b.r * row_bytes;
-    b.x = X + b.t0 * ne0;
     return b;
 }
 
-/* Block formats: the warp walks the row's blocks in order, lane l takes elements l, l+32, ... */
+/* a.b as 4 signed bytes each, plus c (__dp4a, sm_61 and later) */
+__device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
+    return __dp4a((int)a, (int)b, c);
+#else
+    for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+#endif
+}
+
+/* Block formats against activations in their int8 form (Q: [T][ne0] int8, D: [T][ne0 / 32]
+ * float, the scale of each 32 values; act_q8_* below): lane l takes the pieces of 8 elements
+ * p = l, l + 32, ...; a piece's 8 weight values are two qpack words of one group with scale s and
+ * offset o (dequant.cuh), so it adds d_a * (s * sum(q_w q_a) + o * sum(q_a)) to each activation
+ * row, the integer sums exact (dp4a), as the CPU's dot products form them (native/dot.h) up to
+ * the float order. */
 template <int TYPE>
-__global__ void k_matmul_blocks(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
-                                float *Y, const tile *tiles) {
+__global__ void k_matmul_q(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const int8_t *Q,
+                           const float *D, int64_t T, float *Y, const tile *tiles) {
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes;
-    const int64_t nb = ne0 / BN;
-    const rows_of_block b = block_rows(W, nb * BB, w_stride, X, ne0, T, tiles);
+    const rows_of_block b = block_rows(W, ne0 / BN * BB, w_stride, T, tiles);
     if (b.nr <= 0) return; /* an unused tile of a device-routed grouped product (the whole warp) */
+    const int8_t *q = Q + b.t0 * ne0;
+    const float *d = D + b.t0 * (ne0 / 32);
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
-    for (int64_t ib = 0; ib < nb; ib++) {
-        const uint8_t *blk = b.w + ib * BB;
-        for (int j = threadIdx.x; j < BN; j += 32) {
-            const float v = dq<TYPE>(blk, j);
-            const float *x = b.x + ib * BN + j;
-            for (int k = 0; k < ROWS; k++)
-                if (k < b.nr) acc[k] += v * x[k * ne0];
+    for (int64_t j = 8 * (int64_t)threadIdx.x; j < ne0; j += 8 * 32) {
+        const uint8_t *blk = b.w + j / BN * BB;
+        const int jj = (int)(j % BN);
+        const uint32_t w0 = qpack<TYPE>(blk, jj), w1 = qpack<TYPE>(blk, jj + 4);
+        const qscale_t so = qscale<TYPE>(blk, jj);
+        for (int k = 0; k < ROWS; k++) {
+            if (k >= b.nr) break;
+            const uint2 a = *(const uint2 *)(q + k * ne0 + j);
+            float v = so.s * (float)dp4a(w1, a.y, dp4a(w0, a.x, 0));
+            if (has_offset<TYPE>::v) v += so.o * (float)dp4a(0x01010101u, a.y, dp4a(0x01010101u, a.x, 0));
+            acc[k] += d[k * (ne0 / 32) + j / 32] * v;
         }
     }
     store_rows(acc, b.nr, Y, ne1, b.r, b.t0);
 }
 
+#include "mma.cuh"
+
 /* F32 / F16 / BF16 rows: lane l takes elements l, l+32, ... */
 template <int TYPE>
 __global__ void k_matmul_plain(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
                                float *Y, const tile *tiles) {
-    const rows_of_block b = block_rows(W, ne0 * (TYPE == T_F32 ? 4 : 2), w_stride, X, ne0, T, tiles);
+    const rows_of_block b = block_rows(W, ne0 * (TYPE == T_F32 ? 4 : 2), w_stride, T, tiles);
     if (b.nr <= 0) return;
+    const float *bx = X + b.t0 * ne0;
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
     for (int64_t j = threadIdx.x; j < ne0; j += 32) {
@@ -169,7 +190,7 @@ __global__ void k_matmul_plain(const uint8_t *W, int64_t w_stride, int64_t ne0, 
             const uint16_t h = ((const uint16_t *)b.w)[j];
             v = TYPE == T_F16 ? __half2float(__ushort_as_half(h)) : __uint_as_float((uint32_t)h << 16);
         }
-        const float *x = b.x + j;
+        const float *x = bx + j;
         for (int k = 0; k < ROWS; k++)
             if (k < b.nr) acc[k] += v * x[k * ne0];
     }
@@ -183,11 +204,11 @@ __global__ void k_swiglu(float *g, const float *u, int64_t n) {
 }
 
 /* Activations as the CPU engine multiplies them with quantised weights (native/dot.h): each
- * block of X replaced in place by the values d*q of its Q8_0 (32 values) or Q8_K (256 values)
- * quantisation, with the CPU's rounding, so that a GPU product differs from the CPU's only in
- * the float order of its sums (llama.cpp's CUDA backend quantises activations too, to Q8_1).
- * One warp per block, from X into Xr (which may be X); a block holding NaN or Inf becomes NaN, as
- * the CPU's NaN scale makes it. */
+ * block of X quantised to Q8_0 (32 values) or Q8_K (256 values) with the CPU's rounding, as int8
+ * values Q (same layout as X) and the scale D of every 32 values (a Q8_K block's scale
+ * repeated 8 times), so that a GPU product differs from the CPU's only in the float order of its
+ * sums (llama.cpp's CUDA backend quantises activations too, to Q8_1). One warp per block; a block
+ * holding NaN or Inf gets the scale NaN, as the CPU's NaN scale makes it. */
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -198,30 +219,35 @@ __device__ __forceinline__ int warp_or(int v) {
     return v;
 }
 
+__device__ __forceinline__ int warp_isum(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 /* Q8_0 (native/dot.c quantize_act_q8_0): d = fp16(amax/127), q = rint(x * (127/amax)). */
-__global__ void k_act_q8_0(const float *X, float *Xr) {
-    const float v = X[(int64_t)blockIdx.x * 32 + threadIdx.x], a = fabsf(v);
-    float *x = Xr + (int64_t)blockIdx.x * 32;
+__global__ void k_act_q8_0(const float *X, int8_t *Q, float *D, float *S) {
+    const int64_t i = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    const float v = X[i], a = fabsf(v);
     const float amax = warp_max(a);
-    if (warp_or(!(a <= FLT_MAX))) {
-        x[threadIdx.x] = NAN;
-        return;
-    }
+    const bool bad = warp_or(!(a <= FLT_MAX));
     const float d = __half2float(__float2half_rn(amax / 127.0f));
     const float r = rintf(v * (amax != 0.0f ? 127.0f / amax : 0.0f));
-    x[threadIdx.x] = (r >= -128.0f && r <= 127.0f) ? d * r : 0.0f;
+    const int q = !bad && r >= -128.0f && r <= 127.0f ? (int)r : 0;
+    Q[i] = (int8_t)q;
+    const int sum = warp_isum(q);
+    if (threadIdx.x == 0) D[blockIdx.x] = bad ? NAN : d, S[blockIdx.x] = bad ? NAN : d * (float)sum;
 }
 
 /* Q8_K (native/kquants.c q8_k_quant, ggml's quantize_row_q8_K_ref): vmax = the first element
  * of largest |x|, q = min(127, rint(x * -127/vmax)), d = 1 / (-127/vmax). Lane l holds
  * elements l + 32 i. */
-__global__ void k_act_q8_k(const float *X, float *Xr) {
-    float *x = Xr + (int64_t)blockIdx.x * 256;
+__global__ void k_act_q8_k(const float *X, int8_t *Q, float *D, float *S) {
+    const int64_t base = (int64_t)blockIdx.x * 256;
     const int lane = threadIdx.x;
     float v[8], a = 0.0f;
     int bad = 0;
     for (int i = 0; i < 8; i++) {
-        v[i] = X[(int64_t)blockIdx.x * 256 + lane + 32 * i];
+        v[i] = X[base + lane + 32 * i];
         bad |= !(fabsf(v[i]) <= FLT_MAX);
         a = fmaxf(a, fabsf(v[i]));
     }
@@ -232,12 +258,14 @@ __global__ void k_act_q8_k(const float *X, float *Xr) {
     for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
     const float vmax = __shfl_sync(0xffffffffu, v[(first & 255) / 32], first & 31);
     const int any_bad = warp_or(bad);
-    if (any_bad || amax == 0.0f) {
-        for (int i = 0; i < 8; i++) x[lane + 32 * i] = any_bad ? NAN : 0.0f;
-        return;
+    const bool zero = any_bad || amax == 0.0f;
+    const float iscale = zero ? 0.0f : -127.f / vmax, d = zero ? (any_bad ? NAN : 0.0f) : 1 / iscale;
+    for (int i = 0; i < 8; i++) { /* group i (elements 32i .. 32i + 31): v[i] of every lane */
+        const int q = zero ? 0 : (int)fminf(127.0f, rintf(iscale * v[i]));
+        Q[base + lane + 32 * i] = (int8_t)q;
+        const int sum = warp_isum(q);
+        if (lane == i) D[blockIdx.x * 8 + i] = d, S[blockIdx.x * 8 + i] = any_bad ? NAN : d * (float)sum;
     }
-    const float iscale = -127.f / vmax, d = 1 / iscale;
-    for (int i = 0; i < 8; i++) x[lane + 32 * i] = d * fminf(127.0f, rintf(iscale * v[i]));
 }
 
 /* Values per block of the activation format paired with weight type `type` (0: float32). */
@@ -334,7 +362,7 @@ struct scratch {
     void *p;
     size_t cap; /* bytes */
 };
-static scratch g_x, g_y, g_gate, g_up, g_tiles;
+static scratch g_x, g_y, g_gate, g_up, g_tiles, g_q; /* g_q: activations' int8 form */
 static int64_t g_epoch; /* scratch reallocations so far (a captured graph holds their addresses) */
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
@@ -358,9 +386,21 @@ static int bad_arg(char *err, size_t err_size, const char *what) {
     return CLOVER_E_ARG;
 }
 
-/* Round n_rows rows of ne0 activations on the device as the CPU pairs them with `type`, from X
- * into Xr (X itself when Xr is NULL). */
-static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err, size_t err_size, float *Xr = NULL) {
+/* The input of a product: float rows x (float weights) or their int8 form q, with the scale d
+ * and d * sum(q) s of every 32 values (block formats; see k_act_q8_0). */
+struct act {
+    const float *x;
+    const int8_t *q;
+    const float *d, *s;
+};
+
+/* Bytes of the int8 form of n values (ne0 a multiple of 32): the values, then the scales d and
+ * the sums s, each at a 16-byte boundary. */
+static size_t act_q_bytes(int64_t n) { return ((size_t)n + 15) / 16 * 16 + 2 * (((size_t)n / 32 * 4 + 15) / 16 * 16); }
+
+/* a's int8 form of n_rows rows of ne0 activations a.x, as the CPU pairs them with `type`, into
+ * g_q (grown by the caller to act_q_bytes(n_rows * ne0)); a float weight type leaves a as is. */
+static int round_act(int type, act *a, int64_t n_rows, int64_t ne0, char *err, size_t err_size) {
     const int ab = act_block(type);
     if (!ab || n_rows == 0) return CLOVER_OK;
     if (ne0 % ab) {
@@ -368,38 +408,70 @@ static int round_act(int type, float *X, int64_t n_rows, int64_t ne0, char *err,
         return CLOVER_E_ARG;
     }
     if (n_rows * (ne0 / ab) > INT32_MAX) return bad_arg(err, err_size, "activation rows: too many blocks for one launch");
-    if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n_rows * ne0 / 32)), dim3(32))(X, Xr ? Xr : X);
-    else LAUNCH(k_act_q8_k, dim3((unsigned)(n_rows * ne0 / 256)), dim3(32))(X, Xr ? Xr : X);
+    if (g_q.cap < act_q_bytes(n_rows * ne0)) return bad_arg(err, err_size, "activation scratch too small");
+    const size_t n = (size_t)(n_rows * ne0);
+    int8_t *q = (int8_t *)g_q.p;
+    float *d = (float *)(q + (n + 15) / 16 * 16), *sum = d + (n / 32 * 4 + 15) / 16 * 4;
+    if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n / 32)), dim3(32))(a->x, q, d, sum);
+    else LAUNCH(k_act_q8_k, dim3((unsigned)(n / 256)), dim3(32))(a->x, q, d, sum);
+    a->q = q, a->d = d, a->s = sum;
     return CLOVER_OK;
 }
 
+/* Whether the block formats' many-row products run on tensor cores (k_matmul_mma): a device of
+ * compute capability 8.0 or later (the emulator counts as one), unless CLOVER_CUDA_MMA=0. */
+static bool use_mma(void) {
+    static int major = -1;
+    if (major < 0) {
+        cudaDeviceProp p;
+        major = cudaGetDeviceProperties(&p, 0) == cudaSuccess ? p.major : 0;
+    }
+    const char *env = getenv("CLOVER_CUDA_MMA");
+    return major >= 8 && !(env && strcmp(env, "0") == 0);
+}
+
 /* Y = W X on the device: T rows of one matrix (tiles NULL) or the n_tiles tiles of a grouped
- * product (see block_rows); X already rounded by round_act. */
-static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
+ * product (see block_rows; T is then the tiles' rows in all); X in the form round_act gave it for
+ * `type`. Block formats go to tensor cores (groups of 32 rows, or tiles holding 2 rows or more on
+ * average) where use_mma, else to k_matmul_q. */
+static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64_t ne1, act X, int64_t T,
                    float *Y, const tile *tiles, int64_t n_tiles, char *err, size_t err_size) {
     const uint8_t *w = (const uint8_t *)W;
-    const int64_t n_groups = tiles ? n_tiles : (T + ROWS - 1) / ROWS;
+    if (act_block(type) && !X.q) return bad_arg(err, err_size, "product: activations not rounded");
+    const bool mma = act_block(type) && (tiles ? T >= 2 * n_tiles : T >= 16) && use_mma();
+    const int per = tiles ? 1 : mma ? 32 : ROWS; /* activation rows (tiles) per blockIdx.y */
+    const int64_t n_groups = tiles ? n_tiles : (T + per - 1) / per;
     for (int64_t g0 = 0; g0 < n_groups; g0 += 65535) { /* gridDim.y <= 65535 */
         const int64_t ng = n_groups - g0 < 65535 ? n_groups - g0 : 65535;
-        const dim3 grid((unsigned)ne1, (unsigned)ng), block(32);
-        const float *x = tiles ? X : X + g0 * ROWS * ne0;
-        float *y = tiles ? Y : Y + g0 * ROWS * ne1;
-        const int64_t t = tiles ? 0 : T - g0 * ROWS;
+        const dim3 grid((unsigned)(mma ? (ne1 + 15) / 16 : ne1), (unsigned)ng), block(32);
+        const int64_t t0 = tiles ? 0 : g0 * per;
+        const float *x = X.x ? X.x + t0 * ne0 : NULL;
+        const float *d = X.d ? X.d + t0 * (ne0 / 32) : NULL, *sum = X.s ? X.s + t0 * (ne0 / 32) : NULL;
+        const int8_t *q = X.q ? X.q + t0 * ne0 : NULL;
+        float *y = Y + t0 * ne1;
+        const int64_t t = T - t0;
         const tile *tl = tiles ? tiles + g0 : NULL;
         switch (type) {
-#define CASE(TY, K) case TY: LAUNCH(K<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl); break;
-            CASE(T_F32, k_matmul_plain)
-            CASE(T_F16, k_matmul_plain)
-            CASE(T_BF16, k_matmul_plain)
-            CASE(T_Q8_0, k_matmul_blocks)
-            CASE(T_Q4_0, k_matmul_blocks)
-            CASE(T_IQ4_NL, k_matmul_blocks)
-            CASE(T_MXFP4, k_matmul_blocks)
-            CASE(T_Q4_K, k_matmul_blocks)
-            CASE(T_Q5_K, k_matmul_blocks)
-            CASE(T_Q6_K, k_matmul_blocks)
-            CASE(T_IQ4_XS, k_matmul_blocks)
-#undef CASE
+#define PLAIN(TY) case TY: LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl); break;
+#define QUANT(TY)                                                                                                  \
+    case TY:                                                                                                       \
+        if (!mma) LAUNCH(k_matmul_q<TY>, grid, block)(w, w_stride, ne0, ne1, q, d, t, y, tl);                      \
+        else if (tiles) LAUNCH((k_matmul_mma<TY, 1>), grid, block)(w, w_stride, ne0, ne1, q, d, sum, t, y, tl);    \
+        else LAUNCH((k_matmul_mma<TY, 4>), grid, block)(w, w_stride, ne0, ne1, q, d, sum, t, y, tl);               \
+        break;
+            PLAIN(T_F32)
+            PLAIN(T_F16)
+            PLAIN(T_BF16)
+            QUANT(T_Q8_0)
+            QUANT(T_Q4_0)
+            QUANT(T_IQ4_NL)
+            QUANT(T_MXFP4)
+            QUANT(T_Q4_K)
+            QUANT(T_Q5_K)
+            QUANT(T_Q6_K)
+            QUANT(T_IQ4_XS)
+#undef PLAIN
+#undef QUANT
         default:
             if (err && err_size) snprintf(err, err_size, "CUDA matmul: ggml type %d not supported", type);
             return CLOVER_E_ARG;
@@ -498,11 +570,13 @@ extern "C" int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int6
     pthread_mutex_lock(&g_lock);
     int rc = grow(&g_x, sizeof(float) * (size_t)(T * ne0), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * ne1), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_q, act_q_bytes(T * ne0), err, err_size);
     float *X = (float *)g_x.p, *Y = (float *)g_y.p;
     if (rc == CLOVER_OK) rc = copy(X, x, sizeof(float) * (size_t)(T * ne0), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) {
-        rc = round_act(type, X, T, ne0, err, err_size);
-        if (rc == CLOVER_OK) rc = product(type, dev_w, 0, ne0, ne1, X, T, Y, NULL, 0, err, err_size);
+        act a = {X, NULL, NULL, NULL};
+        rc = round_act(type, &a, T, ne0, err, err_size);
+        if (rc == CLOVER_OK) rc = product(type, dev_w, 0, ne0, ne1, a, T, Y, NULL, 0, err, err_size);
         rc = launched(rc, "matmul", err, err_size);
     }
     if (rc == CLOVER_OK) rc = copy(y, Y, sizeof(float) * (size_t)(T * ne1), cudaMemcpyDeviceToHost, err, err_size);
@@ -511,29 +585,29 @@ extern "C" int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int6
 }
 
 /* The routed experts of clover_cuda_experts / clover_cuda_experts_d on device xg [P][H] into yg
- * [P][H] over the n_tiles tiles TL (device): gate and up from xg rounded for their types (into
- * g_x, so xg is untouched; once when both round alike), SwiGLU, down. xg is not read after the
- * down product starts, so yg may be xg. Caller holds g_lock; launches only (no launched()). */
+ * [P][H] over the n_tiles tiles TL (device): gate and up from xg's int8 form for their types
+ * (once when both round alike), SwiGLU, down. xg is not read after the down product starts, so
+ * yg may be xg. Caller holds g_lock; launches only (no launched()). */
 static int experts_on_device(const clover_cuda_weight *gate, const clover_cuda_weight *up,
                              const clover_cuda_weight *down, const tile *TL, int64_t n_tiles, int64_t P, const float *xg,
                              float *yg, char *err, size_t err_size) {
     const int64_t H = gate->ne0, I = gate->ne1;
-    int rc = grow(&g_x, sizeof(float) * (size_t)(P * H), err, err_size);
-    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
+    int rc = grow(&g_gate, sizeof(float) * (size_t)(P * I), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_up, sizeof(float) * (size_t)(P * I), err, err_size);
-    float *X = (float *)g_x.p, *G = (float *)g_gate.p, *U = (float *)g_up.p;
-    const float *Xg = act_block(gate->type) ? X : xg, *Xu = act_block(up->type) ? X : xg;
-    if (rc == CLOVER_OK) rc = round_act(gate->type, (float *)xg, P, H, err, err_size, X);
-    if (rc == CLOVER_OK) rc = product(gate->type, gate->dev, gate->stride, H, I, Xg, P, G, TL, n_tiles, err, err_size);
-    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type))
-        rc = round_act(up->type, (float *)xg, P, H, err, err_size, X);
-    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, Xu, P, U, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_q, act_q_bytes(P * (H > I ? H : I)), err, err_size);
+    float *G = (float *)g_gate.p, *U = (float *)g_up.p;
+    act a = {xg, NULL, NULL, NULL};
+    if (rc == CLOVER_OK) rc = round_act(gate->type, &a, P, H, err, err_size);
+    if (rc == CLOVER_OK) rc = product(gate->type, gate->dev, gate->stride, H, I, a, P, G, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK && act_block(up->type) != act_block(gate->type)) rc = round_act(up->type, &a, P, H, err, err_size);
+    if (rc == CLOVER_OK) rc = product(up->type, up->dev, up->stride, H, I, a, P, U, TL, n_tiles, err, err_size);
+    act g = {G, NULL, NULL, NULL};
     if (rc == CLOVER_OK) {
         const int64_t nb = (P * I + 255) / 256;
         LAUNCH(k_swiglu, dim3((unsigned)(nb < 65535 ? nb : 65535)), dim3(256))(G, U, P * I);
-        rc = round_act(down->type, G, P, I, err, err_size);
+        rc = round_act(down->type, &g, P, I, err, err_size);
     }
-    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, G, P, yg, TL, n_tiles, err, err_size);
+    if (rc == CLOVER_OK) rc = product(down->type, down->dev, down->stride, I, H, g, P, yg, TL, n_tiles, err, err_size);
     return rc;
 }
 
@@ -1006,18 +1080,16 @@ extern "C" int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const fl
             return bad_arg(err, err_size, "matmul_d: bad weight (one matrix each, the same ne0)");
     pthread_mutex_lock(&g_lock);
     int rc = CLOVER_OK;
-    /* by activation format: none, Q8_0 (32), Q8_K (256); the rounded copy in scratch (x is read
-     * by other products too) */
+    /* by activation format: none, Q8_0 (32), Q8_K (256); the int8 form in scratch */
     for (int ab = 0; ab <= 256 && rc == CLOVER_OK; ab = ab ? ab * 8 : 32) {
-        const float *X = x;
+        act a = {x, NULL, NULL, NULL};
         for (int i = 0; i < n && rc == CLOVER_OK; i++) {
             if (act_block(w[i].type) != ab) continue;
-            if (ab && X == x) {
-                rc = grow(&g_x, sizeof(float) * (size_t)(T * ne0), err, err_size);
-                if (rc == CLOVER_OK) rc = round_act(w[i].type, (float *)x, T, ne0, err, err_size, (float *)g_x.p);
-                X = (const float *)g_x.p;
+            if (ab && !a.q) {
+                rc = grow(&g_q, act_q_bytes(T * ne0), err, err_size);
+                if (rc == CLOVER_OK) rc = round_act(w[i].type, &a, T, ne0, err, err_size);
             }
-            if (rc == CLOVER_OK) rc = product(w[i].type, w[i].dev, 0, ne0, w[i].ne1, X, T, y[i], NULL, 0, err, err_size);
+            if (rc == CLOVER_OK) rc = product(w[i].type, w[i].dev, 0, ne0, w[i].ne1, a, T, y[i], NULL, 0, err, err_size);
         }
     }
     rc = launched(rc, "matmul_d", err, err_size);

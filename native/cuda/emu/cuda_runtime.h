@@ -34,6 +34,9 @@
 struct uint3 {
     unsigned x, y, z;
 };
+struct uint2 {
+    unsigned x, y;
+};
 struct dim3 {
     unsigned x, y, z;
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
