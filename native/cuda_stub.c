@@ -190,6 +190,11 @@ int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *o
     (void)k, (void)cand, (void)bad, (void)pre;
     return no_cuda(err, err_size);
 }
+int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_id, const clover_cand *cand,
+                            int32_t k, float temperature, double *total, char *err, size_t err_size) {
+    (void)z, (void)n, (void)V, (void)mask_id, (void)cand, (void)k, (void)temperature, (void)total;
+    return no_cuda(err, err_size);
+}
 int clover_cuda_capture_begin(char *err, size_t err_size) { return no_cuda(err, err_size); }
 int clover_cuda_capture_end(void **graph, char *err, size_t err_size) {
     *graph = NULL;

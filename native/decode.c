@@ -54,6 +54,11 @@ struct clover_decoder {
     int64_t gpre_cap;
     int32_t next_tok; /* prefill_next's selection on the GPU: the id (sel_k 0), else tops[0] */
     int have_next;
+    /* top-p alone on the GPU (clover_select_total): each selected row's weight (gtotal [block_size],
+     * next_total for prefill_next), 0 when the row's edited logits came back instead (into
+     * logits, or causal for prefill_next) */
+    int sel_total;
+    double *gtotal, next_total;
 };
 
 /* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
@@ -134,7 +139,7 @@ void clover_decoder_free(clover_decoder *d) {
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
     free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart);
-    free(d->tops), free(d->gpre);
+    free(d->tops), free(d->gpre), free(d->gtotal);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -196,6 +201,9 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     clover_rng_seed(&d->rng, p->seed);
     clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
     d->sel_k = clover_select_k(&d->sp, (int32_t)V);
+    d->sel_total = clover_select_total(&d->sp, (int32_t)V);
+    if (d->sel_total && B > CLOVER_SELECT_TOTAL_MAX_ROWS) d->sel_k = -1, d->sel_total = 0; /* rows to the host */
+    if (d->sel_total && !(d->gtotal = malloc(sizeof(double) * (size_t)B))) goto nomem;
     /* spec's greedy draft with penalties takes min(B, ids) candidates a row (draft_pick) */
     const int32_t ids = clover_cand_ids(V, m->hp.mask_token_id);
     d->tops_k = p->mode == CLOVER_MODE_SPEC && B <= CLOVER_CUDA_TOP_K_MAX ? (int32_t)(B < ids ? B : ids) : 0;
@@ -293,12 +301,22 @@ static int row_ops(clover_decoder *d, int64_t *n_ops, int32_t j, const int32_t *
 }
 
 /* Whether the selection runs on the GPU (clover_block_forward_select): a resident model at
- * temperature 0, or above it with a top_k that cuts (clover_select_k). */
+ * temperature 0, or above it with a top_k that cuts or top-p alone (clover_select_k). */
 static int select_on_gpu(const clover_decoder *d) { return d->c->m->resident && d->sel_k >= 0; }
 
-/* A draw from row r of the GPU's candidates (sel_k > 0), as sample_slot would draw from that row. */
+/* A draw from the GPU's candidates cand of a row (sel_k > 0), as sample_slot would draw from the
+ * row: for top-p alone with the row's weight total, or from the row's edited logits full when
+ * total is 0 (its top-p prefix does not end within the candidates). */
+static int32_t draw_cands(clover_decoder *d, const clover_cand *cand, double total, const float *full, float *conf) {
+    if (d->sel_total && total == 0.0)
+        return clover_sample(full, d->c->m->hp.n_vocab, &d->sp, &d->rng, conf, d->scratch, NULL);
+    return clover_sample_top(cand, d->sel_k, &d->sp, &d->rng, conf, d->scratch, d->sel_total ? total : 0.0);
+}
+
+/* draw_cands for row r of a block pass's selection (tops, gtotal, logits). */
 static int32_t top_draw(clover_decoder *d, int64_t r, float *conf) {
-    return clover_sample_top(d->tops + r * d->sel_k, d->sel_k, &d->sp, &d->rng, conf, d->scratch, 0.0);
+    return draw_cands(d, d->tops + r * d->sel_k, d->sel_total ? d->gtotal[r] : 0.0,
+                      d->logits + r * d->c->m->hp.n_vocab, conf);
 }
 
 /* denoise's forward and candidates for select_on_gpu: each needed row's spec 5.4 edits (those
@@ -317,8 +335,8 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
     /* row r predicts slot r + shift: its id and confidence land in cand, conf of that slot */
     if (rc == CLOVER_OK)
         rc = clover_block_forward_select(d->c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, &d->sp,
-                                         d->sel_k, d->cand + shift, d->conf + shift, d->tops, NULL, d->nexp, err,
-                                         err_size);
+                                         d->sel_k, d->cand + shift, d->conf + shift, d->tops, NULL, d->gtotal,
+                                         d->sel_total ? d->logits : NULL, d->nexp, err, err_size);
     return rc;
 }
 
@@ -337,7 +355,8 @@ static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, cha
     float conf;
     if (rc == CLOVER_OK)
         rc = clover_prefill_select(d->c, tokens, n, 0, d->gops, d->gstart, &d->sp, d->sel_k, &d->next_tok, &conf,
-                                   d->tops, err, err_size);
+                                   d->tops, d->sel_total ? &d->next_total : NULL, d->sel_total ? d->causal : NULL,
+                                   err, err_size);
     d->have_next = rc == CLOVER_OK;
     return rc;
 }
@@ -348,7 +367,7 @@ static int32_t next_token(clover_decoder *d) {
     const int have = d->have_next;
     d->have_next = 0;
     if (!have) return sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
-    return d->sel_k ? top_draw(d, 0, &conf) : d->next_tok;
+    return d->sel_k ? draw_cands(d, d->tops, d->next_total, d->causal, &conf) : d->next_tok;
 }
 
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
@@ -603,8 +622,9 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         }
         if (rc == CLOVER_OK)
             rc = clover_block_forward_select(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp, k,
-                                             d->block + 1, d->conf + 1, d->tops, pens ? d->gpre : NULL, d->nexp, err,
-                                             err_size);
+                                             d->block + 1, d->conf + 1, d->tops, pens ? d->gpre : NULL,
+                                             pens ? NULL : d->gtotal, !pens && d->sel_total ? d->logits : NULL, d->nexp,
+                                             err, err_size);
     } else {
         rc = clover_block_forward(c, d->block, B, d->p.coreset_top_p, d->logits, d->nexp, err, err_size);
     }
@@ -626,7 +646,7 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         d->gstart[B] = (int32_t)n_ops;
         if (rc == CLOVER_OK)
             rc = clover_prefill_select(c, d->block, B, 1, d->gops, d->gstart, sp, d->sel_k, d->cand, d->conf, d->tops,
-                                       err, err_size);
+                                       d->gtotal, d->sel_total ? d->logits : NULL, err, err_size);
     } else {
         const int chunked = c->gdn_chunked;
         c->gdn_chunked = 0;

@@ -106,6 +106,7 @@ struct clover_context {
         int64_t used;
     } graph[4];
     int64_t graph_clock, n_graph_launches;
+    int64_t n_full_rows; /* top-p selections whose row came back whole (res_select_read) */
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
@@ -155,28 +156,47 @@ typedef struct {
  *          (cand [B][k]), e.g. for clover_sample_top with k = clover_select_k, which then draws
  *          as clover_sample would from the whole row; pre (NULL, or ops_start[B] floats): the
  *          value each edit found before it applied (clover_cuda_top_k_d).
+ * total, logits (NULL, or both, for top-p alone: clover_select_total; B <=
+ * CLOVER_SELECT_TOTAL_MAX_ROWS): total[t] (double [B]) = the row's tempered weight over every id
+ * but the mask (clover_cuda_row_total_d) when its top-p prefix ends within its k candidates
+ * (clover_top_p_in_cands), else 0, and then the row's edited logits are in logits[t][0..V) (float
+ * [B][n_vocab]) for clover_sample.
  * CLOVER_E_STATE when the model is not resident, CLOVER_E_ARG for a bad k; else as
  * clover_block_forward_rows. */
 int clover_block_forward_select(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
                                 const clover_sampler_params *sp, int32_t k, int32_t *id, float *conf,
-                                clover_cand *cand, float *pre, int32_t *n_experts_out, char *err, size_t err_size);
+                                clover_cand *cand, float *pre, double *total, float *logits, int32_t *n_experts_out,
+                                char *err, size_t err_size);
 enum { CLOVER_SELECT_MAX_ROWS = 512 }; /* clover_prefill_select's n (one resident pass, model.c RES_ROWS) */
+enum { CLOVER_SELECT_TOTAL_MAX_ROWS = 32 }; /* rows of a selection with total (model.c RES_LM) */
 /* clover_prefill of n <= 512 tokens on a resident model with the selection on the GPU (as
  * clover_block_forward_select, k candidates per row, the edits of row t in
  * ops[ops_start[t] .. ops_start[t+1]), ops_start: n + 1 values) of every row (all_rows: id, conf
- * [n] or cand [n][k]) or of the last (id, conf [1] or cand [1][k]) instead of logits.
+ * [n] or cand [n][k], total [n], logits [n][V]) or of the last (id, conf [1] or cand [1][k],
+ * total [1], logits [1][V]) instead of logits; all_rows with total: n <= 32.
  * CLOVER_E_STATE when the model is not resident. */
 int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
                           const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
-                          int32_t k, int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size);
+                          int32_t k, int32_t *id, float *conf, clover_cand *cand, double *total, float *logits,
+                          char *err, size_t err_size);
 /* How many passes of c replayed a CUDA graph (model.c res_run_graph), for tests. */
 int64_t clover_context_graph_launches(const clover_context *c);
+/* How many rows of c's top-p selections on the GPU came back whole (their top-p prefix did not end
+ * within the candidates), for tests. */
+int64_t clover_context_full_rows(const clover_context *c);
 /* Candidates per row that a selection on the GPU hands back for sp over n_vocab ids: 0 at
  * temperature 0 (an id and a confidence instead); top_k when clover_sample's top-k cuts
- * (0 < top_k <= CLOVER_CUDA_TOP_K_MAX and top_k < the ids other than the mask); else -1 (the
- * whole row is needed, so it goes to the host). */
+ * (0 < top_k <= CLOVER_CUDA_TOP_K_MAX and top_k < the ids other than the mask);
+ * CLOVER_CUDA_TOP_K_MAX for top-p alone (clover_select_total); else -1 (the whole row is needed,
+ * so it goes to the host). */
 int32_t clover_select_k(const clover_sampler_params *sp, int32_t n_vocab);
+/* Whether sp samples with top-p alone (temperature > 0, top_p < 1, no top-k cut) over more than
+ * CLOVER_CUDA_TOP_K_MAX ids: the GPU then also hands back each row's weight (total). */
+int clover_select_total(const clover_sampler_params *sp, int32_t n_vocab);
+/* Whether the top-p prefix of a row (clover_sample's: candidates in rank order until their
+ * tempered weight over total reaches sp->top_p) ends within cand[0..n); total: the row's weight. */
+int clover_top_p_in_cands(const clover_cand *cand, int32_t n, const clover_sampler_params *sp, double total);
 
 /* The sampling fields of p (pointers borrowed, so p's arrays must outlive sp). */
 void clover_sampler_params_init(clover_sampler_params *sp, const clover_gen_params *p, int32_t mask_token_id);

@@ -494,6 +494,8 @@ static int make_resident(clover_model *m, char *err, size_t err_size) {
 
 int64_t clover_context_graph_launches(const clover_context *c) { return c ? c->n_graph_launches : 0; }
 
+int64_t clover_context_full_rows(const clover_context *c) { return c ? c->n_full_rows : 0; }
+
 /* CUDA graphs record every launch on the backend's one stream, so they run only while the process
  * has a single context: g_graph_mu is held over a graph's pass (record or replay) and over the
  * count's changes, so no other context's launches or copies can fall into a recording, and no
@@ -867,6 +869,9 @@ typedef struct select_req {
     float *conf;
     clover_cand *cand;
     float *pre;
+    double *total;       /* top-p alone: row t's weight at total[t] (0: its logits went to full) */
+    float *full;         /* row t's edited logits at full + (t - full_row0) V, when total[t] is 0 */
+    int64_t full_row0;
 } select_req;
 
 /* ------------------------------------------------------------------ gated attention (spec 2.2) */
@@ -1854,6 +1859,7 @@ typedef struct {
     float *gt, *up, *ys, *sg, *logits;
     int32_t *sel, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf, gcand: selection */
     float *gconf;
+    double *gtotal;
     clover_cand *gcand;
     int32_t *flags; /* [n_layer][2] non-finite after the mixer / the MoE, then [n_layer][2] clover_cuda_route_d stats */
     void *tiles;
@@ -1890,6 +1896,7 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->pair = take(base, &off, P, I), b->idx = take(base, &off, T, I);
     b->gstart = take(base, &off, T + 1, I), b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
     b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
+    b->gtotal = take(base, &off, T, sizeof(double));
     b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I), b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
     b->kn = take(base, &off, T * hp->n_head_kv * hd, F), b->vn = take(base, &off, T * hp->n_head_kv * hd, F);
     b->pos = take(base, &off, 1, sizeof(int64_t));
@@ -2077,7 +2084,8 @@ static int res_select_upload(fwd *f, const res_bufs *b, const int32_t *idx, int6
 }
 
 /* res_lm_head with the selection on the GPU, the launches only (res_select_upload before,
- * res_select_read after): per needed row an id and a confidence (k 0) or k candidates. */
+ * res_select_read after): per needed row an id and a confidence (k 0) or k candidates, and for
+ * top-p alone the row's weight (the edited logits stay in b->logits: n <= RES_LM). */
 static int res_select_run(fwd *f, const res_bufs *b, int64_t n) {
     clover_context *c = f->c;
     const clover_model *m = c->m;
@@ -2097,24 +2105,34 @@ static int res_select_run(fwd *f, const res_bufs *b, int64_t n) {
                                      f->err_size)
                : clover_cuda_greedy_d(b->logits, ng, V, c->ops_dev, b->gstart + g0, rp, fp, pp, sp->mask_token_id,
                                       b->gid + g0, b->gconf + g0, f->err, f->err_size);
+        if (rc == CLOVER_OK && g->total)
+            rc = clover_cuda_row_total_d(b->logits, ng, V, sp->mask_token_id, b->gcand + g0 * K, (int32_t)K,
+                                         sp->temperature, b->gtotal + g0, f->err, f->err_size);
     }
     return rc;
 }
 
 /* The selection's results into the request's id / conf or cand rows (and pre); rows (when not
- * NULL): only the rows t with rows[t] != 0 are wanted (a graph's pass selects on every row). */
+ * NULL): only the rows t with rows[t] != 0 are wanted (a graph's pass selects on every row). For
+ * top-p alone, a row whose top-p prefix does not end within its candidates gets total 0 and its
+ * edited logits from b->logits instead (the CPU sampler then takes the whole row). */
 static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, const uint8_t *rows) {
     const select_req *g = f->sreq;
-    const int64_t K = g->k, n_ops = g->ops_start[f->T];
+    const int64_t K = g->k, n_ops = g->ops_start[f->T], V = f->c->m->hp.n_vocab;
     char *err = f->err;
     const size_t es = f->err_size;
     int32_t *id = malloc(sizeof(int32_t) * (size_t)n);
     float *conf = malloc(sizeof(float) * (size_t)n);
     clover_cand *cand = K ? malloc(sizeof(clover_cand) * (size_t)(n * K)) : NULL;
-    int rc = id && conf && (cand || !K) ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
+    double *total = g->total ? malloc(sizeof(double) * (size_t)n) : NULL;
+    int rc = id && conf && (cand || !K) && (total || !g->total) ? CLOVER_OK
+                                                                 : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
+    if (rc == CLOVER_OK && g->total && n > RES_LM) /* the callers keep to this (CLOVER_SELECT_TOTAL_MAX_ROWS) */
+        rc = clover_set_err(err, es, CLOVER_E_ARG, "top-p selection of %lld rows: at most %d", (long long)n, (int)RES_LM);
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
     if (rc == CLOVER_OK && !K) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
     if (rc == CLOVER_OK && K) rc = clover_cuda_read(b->gcand, 0, cand, sizeof(clover_cand) * (size_t)(n * K), err, es);
+    if (rc == CLOVER_OK && total) rc = clover_cuda_read(b->gtotal, 0, total, sizeof(double) * (size_t)n, err, es);
     if (rc == CLOVER_OK && K && g->pre && n_ops)
         rc = clover_cuda_read(f->c->pre_dev, 0, g->pre, sizeof(float) * (size_t)n_ops, err, es);
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
@@ -2126,8 +2144,15 @@ static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_
             memcpy(g->cand + (int64_t)idx[i] * K, cand + i * K, sizeof(clover_cand) * (size_t)K);
         else
             g->id[idx[i]] = id[i], g->conf[idx[i]] = conf[i];
+        if (rc != CLOVER_OK || !total) continue;
+        g->total[idx[i]] = clover_top_p_in_cands(cand + i * K, (int32_t)K, g->sp, total[i]) ? total[i] : 0.0;
+        if (g->total[idx[i]] == 0.0) {
+            f->c->n_full_rows++;
+            rc = clover_cuda_read(b->logits, sizeof(float) * (size_t)(i * V), g->full + (idx[i] - g->full_row0) * V,
+                                  sizeof(float) * (size_t)V, err, es);
+        }
     }
-    free(id), free(conf), free(cand);
+    free(id), free(conf), free(cand), free(total);
     return rc;
 }
 
@@ -2179,8 +2204,8 @@ static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
 typedef struct {
     const void *ws, *ops, *pre, *k, *v, *gdn, *conv, *rec;
     int64_t scratch_epoch, model_epoch, T, n;
-    int32_t k_cand, mask, mode, rec_on, rec_cap;
-    float rp, fp, pp, coreset_top_p;
+    int32_t k_cand, mask, mode, rec_on, rec_cap, total;
+    float rp, fp, pp, coreset_top_p, temperature;
 } graph_key;
 _Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph[0].key), "clover_context.graph key too small");
 
@@ -2196,6 +2221,7 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     k.k_cand = f->sreq->k, k.mask = sp->mask_token_id, k.mode = f->mode;
     k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
     k.coreset_top_p = f->coreset_top_p;
+    k.total = f->sreq->total != NULL, k.temperature = f->sreq->total ? sp->temperature : 0.0f;
     return k;
 }
 
@@ -2388,6 +2414,18 @@ static int check_select(const clover_context *c, const clover_sampler_params *sp
     return CLOVER_OK;
 }
 
+/* A top-p selection's extra outputs (total, full; both or neither): k candidates a row above
+ * temperature 0, on at most CLOVER_SELECT_TOTAL_MAX_ROWS rows (n_rows: those the pass selects). */
+static int check_total(const clover_sampler_params *sp, int32_t k, const double *total, const float *full,
+                       int64_t n_rows, const char *what, char *err, size_t err_size) {
+    if (!total && !full) return CLOVER_OK;
+    if (!total || !full || k < 1 || !(sp->temperature > 0.0f) || n_rows > CLOVER_SELECT_TOTAL_MAX_ROWS)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: total and logits need each other, k > 0 candidates, "
+                              "temperature > 0 and at most %d rows (%lld)", what, (int)CLOVER_SELECT_TOTAL_MAX_ROWS,
+                              (long long)n_rows);
+    return CLOVER_OK;
+}
+
 /* ops_start of a selection request: non-decreasing from 0, empty ranges for the rows not selected
  * (rows[t] == 0; rows NULL: all but the last). */
 static int check_ops_start(const int32_t *ops_start, const uint8_t *rows, int32_t n, char *err, size_t err_size) {
@@ -2432,10 +2470,12 @@ int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
 
 int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
                           const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
-                          int32_t K, int32_t *id, float *conf, clover_cand *cand, char *err, size_t err_size) {
+                          int32_t K, int32_t *id, float *conf, clover_cand *cand, double *total, float *logits,
+                          char *err, size_t err_size) {
     if (!c || !ops_start || !sp || (n > 0 && ops_start[n] > 0 && !ops))
         return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_select: NULL argument");
     int rc = check_select(c, sp, K, id, conf, cand, "prefill_select", err, err_size);
+    if (rc == CLOVER_OK) rc = check_total(sp, K, total, logits, all_rows ? n : 1, "prefill_select", err, err_size);
     if (rc) return rc;
     if (n <= 0 || n > RES_ROWS)
         return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_select", n,
@@ -2444,17 +2484,21 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
     float *confs = malloc(sizeof(float) * (size_t)n);
     clover_cand *cands = K ? malloc(sizeof(clover_cand) * (size_t)n * (size_t)K) : NULL;
-    rc = rows && ids && confs && (cands || !K) ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    double *totals = total ? malloc(sizeof(double) * (size_t)n) : NULL;
+    rc = rows && ids && confs && (cands || !K) && (totals || !total)
+             ? CLOVER_OK
+             : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
     for (int32_t t = 0; t < n && rc == CLOVER_OK; t++) rows[t] = all_rows || t == n - 1;
     if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, n, err, err_size);
+    const int32_t t0 = all_rows ? 0 : n - 1; /* the rows handed back, from row t0 */
     if (rc == CLOVER_OK) {
-        const select_req g = {ops, ops_start, sp, K, ids, confs, cands, NULL};
+        const select_req g = {ops, ops_start, sp, K, ids, confs, cands, NULL, totals, logits, t0};
         rc = prefill(c, tokens, n, NULL, all_rows, &g, err, err_size);
     }
-    const int32_t t0 = all_rows ? 0 : n - 1; /* the rows handed back, from row t0 */
     if (rc == CLOVER_OK && K) memcpy(cand, cands + (int64_t)t0 * K, sizeof(clover_cand) * (size_t)(n - t0) * (size_t)K);
+    if (rc == CLOVER_OK && total) memcpy(total, totals + t0, sizeof(double) * (size_t)(n - t0));
     for (int32_t t = t0; t < n && rc == CLOVER_OK && !K; t++) id[t - t0] = ids[t], conf[t - t0] = confs[t];
-    free(rows), free(ids), free(confs), free(cands);
+    free(rows), free(ids), free(confs), free(cands), free(totals);
     return rc;
 }
 
@@ -2633,13 +2677,15 @@ int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t 
 int clover_block_forward_select(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
                                 const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
                                 const clover_sampler_params *sp, int32_t k, int32_t *id, float *conf,
-                                clover_cand *cand, float *pre, int32_t *n_experts_out, char *err, size_t err_size) {
+                                clover_cand *cand, float *pre, double *total, float *logits, int32_t *n_experts_out,
+                                char *err, size_t err_size) {
     if (!c || !rows || !ops_start || !sp || (!ops && B > 0 && ops_start[B] > 0))
         return clover_set_err(err, err_size, CLOVER_E_ARG, "block_forward_select: NULL argument");
     int rc = check_select(c, sp, k, id, conf, cand, "block_forward_select", err, err_size);
+    if (rc == CLOVER_OK) rc = check_total(sp, k, total, logits, B, "block_forward_select", err, err_size);
     if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, B, err, err_size);
     if (rc) return rc;
-    const select_req g = {ops, ops_start, sp, k, id, conf, cand, pre};
+    const select_req g = {ops, ops_start, sp, k, id, conf, cand, pre, total, logits, 0};
     return block_forward(c, tokens, B, coreset_top_p, NULL, rows, &g, n_experts_out, err, err_size);
 }
 

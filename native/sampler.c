@@ -367,7 +367,18 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
 int32_t clover_select_k(const clover_sampler_params *sp, int32_t n_vocab) {
     if (!(sp->temperature > 0.0f)) return 0;
     const int32_t ids = clover_cand_ids(n_vocab, sp->mask_token_id);
-    return sp->top_k > 0 && sp->top_k <= CLOVER_CUDA_TOP_K_MAX && sp->top_k < ids ? sp->top_k : -1;
+    if (sp->top_k > 0 && sp->top_k < ids) return sp->top_k <= CLOVER_CUDA_TOP_K_MAX ? sp->top_k : -1;
+    return clover_select_total(sp, n_vocab) ? CLOVER_CUDA_TOP_K_MAX : -1;
+}
+
+int clover_select_total(const clover_sampler_params *sp, int32_t n_vocab) {
+    const int32_t ids = clover_cand_ids(n_vocab, sp->mask_token_id);
+    return sp->temperature > 0.0f && !(sp->top_k > 0 && sp->top_k < ids) && sp->top_p < 1.0f &&
+           ids > CLOVER_CUDA_TOP_K_MAX;
+}
+
+int clover_top_p_in_cands(const clover_cand *cand, int32_t n, const clover_sampler_params *sp, double total) {
+    return top_p_within(cand, n, sp->temperature, total, sp->top_p);
 }
 
 /* ---------------------------------------------------------------- one row, public (clover.h) */

@@ -64,6 +64,7 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
 int clover_context_checkpoint(void *c, int32_t n_max, char *err, size_t err_size);
 int clover_context_rollback(void *c, int32_t n_keep, char *err, size_t err_size);
 int64_t clover_context_graph_launches(const void *c);
+int64_t clover_context_full_rows(const void *c);
 typedef struct { int32_t kind, id, count; float value; } clover_logit_op;
 typedef struct { float z; int32_t id; } clover_cand;
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
@@ -349,7 +350,8 @@ def _gdn_reference(conv, beta, g, S, Hk, dk, dv, backward):
 
 
 @gpu
-@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 64, 64), (1, 3, 128, 32), (2, 2, 32, 128), (16, 32, 128, 128)])
+@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 64, 64), (1, 3, 128, 32), (2, 2, 32, 128), (16, 32, 128, 128),
+                                         (1, 2, 256, 48), (1, 1, 20, 40)])
 def test_gdn_recurrence_on_the_device_equals_float64(Hk, Hv, dk, dv):
     """clover_cuda_gdn in its three kinds against the float64 delta rule: forward updates the
     device state (read back and compared), forward-on-a-copy leaves it as it was, backward
@@ -703,6 +705,36 @@ def test_sampling_with_top_k_selects_on_the_gpu_and_draws_as_the_cpu(make_gguf):
 
 
 @gpu
+def test_sampling_with_top_p_alone_selects_on_the_gpu_and_draws_as_the_cpu(make_gguf):
+    """Top-p without top-k above temperature 0 (2048 ids): the GPU hands back each needed row's
+    best 256 candidates and its weight (clover_cuda_row_total_d); a row whose top-p prefix ends
+    within them is drawn from them (clover_sample_top with that weight, the CPU's own path for
+    such a row), the others come back whole (the CPU sampler takes them). Every mode's tokens and
+    spec's accept histogram equal the CPU's seed for seed. A low temperature keeps the rows on
+    the GPU, a high one with top_p 0.99 sends some back whole: both occur, counted by
+    clover_context_full_rows; with min_p, logit_bias and penalties too."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+        assert lib.clover_model_gpu_resident(g._model) == 1
+        ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n")
+        for mode in ("diffusion", "ar", "spec"):
+            full = []
+            for kw in (dict(temperature=0.3, top_p=0.9, seed=1),
+                       dict(temperature=2.0, top_p=0.99, seed=2),
+                       dict(temperature=0.7, top_p=0.95, min_p=0.05, logit_bias={100: 3.0}, presence_penalty=0.5,
+                            seed=3)):
+                before = _clib.clover_context_full_rows(g._ctx)
+                want, st = cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[], **kw)
+                got, st_g = g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[], **kw)
+                assert got == want, (mode, kw)
+                assert st_g["accept_hist"] == st["accept_hist"], (mode, kw)
+                full.append(_clib.clover_context_full_rows(g._ctx) - before)
+            assert full[0] == 0 and full[1] > 0, (mode, full)
+
+
+@gpu
 def test_spec_greedy_draft_with_penalties_selects_on_the_gpu(make_gguf):
     """spec at temperature 0 with penalties that only lower logits (presence, frequency >= 0,
     repetition >= 1: the defaults of a Clover GGUF) drafts on the GPU: each row's candidates under
@@ -730,8 +762,9 @@ def test_spec_greedy_draft_with_penalties_selects_on_the_gpu(make_gguf):
 def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
     """ar's decode steps on a resident model run through a CUDA graph (model.c res_run_graph): the
     first step runs plainly, the second records the graph and runs it, the rest replay it with the
-    position, token and edits in device memory. Greedy with penalties and sampled top-k tokens
-    equal the CPU's, the graph ran at every step but the first, and CLOVER_CUDA_GRAPHS=0, or a
+    position, token and edits in device memory. Greedy with penalties, sampled top-k and top-p
+    alone (two temperatures: a graph each) tokens equal the CPU's, the graph ran at every step but
+    the first, and CLOVER_CUDA_GRAPHS=0, or a
     second context alive in the process (graphs record the one stream all contexts launch on),
     gives the same tokens with no replay. Under the emulator a capture also fails on any copy or
     allocation, as on a GPU."""
@@ -740,7 +773,9 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
     path = make_gguf("f32", **GEN_MODEL)
     n = 2 * GEN_TOKENS
     runs = (dict(presence_penalty=0.5, repeat_penalty=1.2, logit_bias={100: 2.0}),
-            dict(temperature=1.0, top_k=16, seed=3))
+            dict(temperature=1.0, top_k=16, seed=3),
+            dict(temperature=0.3, top_p=0.9, seed=5),  # top-p alone: the temperature is in the graph
+            dict(temperature=2.0, top_p=0.99, seed=6))
     with Model(path, n_ctx=512, n_threads=2) as cpu:
         ids = cpu.tokenize("def fibonacci(n):")
         want = [cpu.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **kw)[0] for kw in runs]

@@ -41,8 +41,12 @@
  * (native/cuda/emu, CLOVER_CUDA=EMU), which a host compiler builds, can run the same source. */
 #ifdef CLOVER_CUDA_EMU
 #define LAUNCH(k, grid, block) clover_emu_launch(k, grid, block)
+#define UNROLL
+#define UNROLL_4
 #else
 #define LAUNCH(k, grid, block) k<<<grid, block, 0, stream()>>>
+#define UNROLL _Pragma("unroll")
+#define UNROLL_4 _Pragma("unroll 4")
 #endif
 
 /* The stream every kernel runs on: a blocking stream, so the synchronous copies (legacy stream)
@@ -99,10 +103,12 @@ __device__ __forceinline__ void store_rows(float *acc, int nr, float *Y, int64_t
     if ((lane & 3) == 0 && k < nr) Y[(t0 + k) * ne1 + r] = s;
 }
 
-/* Which weight rows and activation rows a block of a product takes: blockIdx.x is the weight
- * row r; blockIdx.y is a group of up to ROWS activation rows, t0 = ROWS * blockIdx.y of one
- * matrix (tiles == NULL), or tiles[blockIdx.y] of a grouped product (expert e's matrix at
+/* Which weight rows and activation rows a warp of a product takes: a block holds WARPS warps
+ * (threadIdx.y), warp y of block x takes weight row r = WARPS x + y (none past ne1: nr = 0);
+ * blockIdx.y is a group of up to ROWS activation rows, t0 = ROWS * blockIdx.y of one matrix
+ * (tiles == NULL), or tiles[blockIdx.y] of a grouped product (expert e's matrix at
  * W + e * w_stride bytes, rows t0 .. t0 + nr - 1 of X and Y; nr = 0: an unused tile). */
+#define WARPS 4
 struct tile {
     int32_t e, t0, nr;
 };
@@ -113,10 +119,10 @@ struct rows_of_block {
     int nr;
 };
 
-__device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t row_bytes, int64_t w_stride, int64_t T,
-                                                    const tile *tiles) {
+__device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t row_bytes, int64_t w_stride, int64_t ne1,
+                                                    int64_t T, const tile *tiles) {
     rows_of_block b;
-    b.r = blockIdx.x;
+    b.r = (int64_t)blockIdx.x * WARPS + threadIdx.y;
     int64_t e = 0;
     if (tiles) {
         const tile tl = tiles[blockIdx.y];
@@ -125,6 +131,7 @@ __device__ __forceinline__ rows_of_block block_rows(const uint8_t *W, int64_t ro
         b.t0 = (int64_t)blockIdx.y * ROWS;
         b.nr = (int)(T - b.t0 < ROWS ? T - b.t0 : ROWS);
     }
+    if (b.r >= ne1) b.nr = 0, b.r = 0;
     b.w = W + e * w_stride + b.r * row_bytes;
     return b;
 }
@@ -149,12 +156,13 @@ template <int TYPE>
 __global__ void k_matmul_q(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const int8_t *Q,
                            const float *D, int64_t T, float *Y, const tile *tiles) {
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes;
-    const rows_of_block b = block_rows(W, ne0 / BN * BB, w_stride, T, tiles);
-    if (b.nr <= 0) return; /* an unused tile of a device-routed grouped product (the whole warp) */
+    const rows_of_block b = block_rows(W, ne0 / BN * BB, w_stride, ne1, T, tiles);
+    if (b.nr <= 0) return; /* past ne1, or an unused tile of a device-routed grouped product (the whole warp) */
     const int8_t *q = Q + b.t0 * ne0;
     const float *d = D + b.t0 * (ne0 / 32);
     float acc[ROWS];
     for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
+    UNROLL_4 /* several weight loads in flight per lane */
     for (int64_t j = 8 * (int64_t)threadIdx.x; j < ne0; j += 8 * 32) {
         const uint8_t *blk = b.w + j / BN * BB;
         const int jj = (int)(j % BN);
@@ -177,7 +185,7 @@ __global__ void k_matmul_q(const uint8_t *W, int64_t w_stride, int64_t ne0, int6
 template <int TYPE>
 __global__ void k_matmul_plain(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X, int64_t T,
                                float *Y, const tile *tiles) {
-    const rows_of_block b = block_rows(W, ne0 * (TYPE == T_F32 ? 4 : 2), w_stride, T, tiles);
+    const rows_of_block b = block_rows(W, ne0 * (TYPE == T_F32 ? 4 : 2), w_stride, ne1, T, tiles);
     if (b.nr <= 0) return;
     const float *bx = X + b.t0 * ne0;
     float acc[ROWS];
@@ -311,46 +319,79 @@ __global__ void k_attention(const float *Q, const float *K, const float *V, floa
     }
 }
 
-/* Gated DeltaNet recurrence (spec 2.1 step 6, 3.3) of value head h = blockIdx.x, one thread per
- * value dimension j (blockDim.x = dv), each holding column j of the head's state S [dk][dv]:
- * per row t, S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, in the order of the
- * CPU's delta_step and readout (native/model.c), so results differ only by FMA contraction and
- * expf. Forward: rows in order from S (written back when write_back); backward (the block's
- * anti-causal branch): rows in reverse from S = 0 with the readout before the update. conv:
- * [T][C] rows of q (Hk dk), k (Hk dk), v (Hv dv); value head h reads key head h % Hk. */
+/* Gated DeltaNet recurrence (spec 2.1 step 6, 3.3) of value head h = blockIdx.x: the state S
+ * [dk][dv] column by column (the columns are independent), GDN_COLS columns a block
+ * (blockIdx.y), GDN_SPLIT threads a column, thread p of a column holding its rows p R .. p R + R - 1
+ * in registers (R: the template's, at least dk / GDN_SPLIT). Per row t: S <- exp(g) S;
+ * S <- S + k (beta (v - S^T k))^T; o = S^T q, the dot products summed per thread, then over
+ * the column's threads (the CPU's delta_step and readout in native/model.c sum in row order, so
+ * results differ by that order, FMA contraction and expf). Forward: rows in order from S
+ * (written back when write_back); backward (the block's anti-causal branch): rows in reverse
+ * from S = 0 with the readout before the update. conv: [T][C] rows of q (Hk dk), k (Hk dk), v
+ * (Hv dv); value head h reads key head h % Hk. */
 #define DK_MAX 256
-__global__ void k_gdn(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
-                      int64_t dk, int64_t dv, int64_t C, float *S, int backward, int write_back, float *O) {
+enum { GDN_COLS = 32, GDN_SPLIT = 4 };
+static_assert(GDN_SPLIT == 4, "k_gdn sums a column over lanes xor 1, 2");
+template <int R>
+__global__ void __launch_bounds__(GDN_COLS *GDN_SPLIT)
+    k_gdn(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+          int64_t dv, int64_t C, float *S, int backward, int write_back, float *O) {
     __shared__ float kq[2 * DK_MAX];
-    const int64_t h = blockIdx.x;
-    const int j = threadIdx.x;
-    float s[DK_MAX];
-    float *Sh = S ? S + h * dk * dv : NULL;
-    for (int i = 0; i < dk; i++) s[i] = Sh ? Sh[i * dv + j] : 0.0f;
+    const int64_t h = blockIdx.x, j = (int64_t)blockIdx.y * GDN_COLS + threadIdx.x / GDN_SPLIT;
+    const int p = threadIdx.x % GDN_SPLIT;
+    const bool col = j < dv; /* threads past dv take part in the barriers and shuffles only */
+    float s[R];
+    float *Sh = S && col ? S + h * dk * dv : NULL;
+    UNROLL
+    for (int r = 0; r < R; r++) s[r] = Sh && p * R + r < dk ? Sh[(p * R + r) * dv + j] : 0.0f;
     for (int64_t step = 0; step < T; step++) {
         const int64_t t = backward ? T - 1 - step : step;
         const float *row = conv + t * C, *q = row + (h % Hk) * dk, *k = row + Hk * dk + (h % Hk) * dk;
-        const float v = row[2 * Hk * dk + h * dv + j];
+        const float v = col ? row[2 * Hk * dk + h * dv + j] : 0.0f;
         __syncthreads(); /* the previous row's reads of kq are done */
-        for (int64_t i = j; i < dk; i += blockDim.x) kq[i] = k[i], kq[DK_MAX + i] = q[i];
+        for (int64_t i = threadIdx.x; i < GDN_SPLIT * R; i += blockDim.x)
+            kq[i] = i < dk ? k[i] : 0.0f, kq[DK_MAX + i] = i < dk ? q[i] : 0.0f;
         __syncthreads();
-        float o = 0.0f;
-        if (backward)
-            for (int i = 0; i < dk; i++) o += s[i] * kq[DK_MAX + i];
-        const float eg = expf(g[t * Hv + h]);
-        float tmp = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            s[i] = s[i] * eg;
-            tmp += s[i] * kq[i];
+        const float *kk = kq + p * R, *qq = kq + DK_MAX + p * R;
+        float o = 0.0f, tmp = 0.0f;
+        if (backward) {
+            UNROLL
+            for (int r = 0; r < R; r++) o += s[r] * qq[r];
         }
+        const float eg = expf(g[t * Hv + h]);
+        UNROLL
+        for (int r = 0; r < R; r++) {
+            s[r] = s[r] * eg;
+            tmp += s[r] * kk[r];
+        }
+        tmp += __shfl_xor_sync(0xffffffffu, tmp, 1);
+        tmp += __shfl_xor_sync(0xffffffffu, tmp, 2);
         const float delta = (v - tmp) * beta[t * Hv + h];
-        for (int i = 0; i < dk; i++) s[i] += kq[i] * delta;
-        if (!backward)
-            for (int i = 0; i < dk; i++) o += s[i] * kq[DK_MAX + i];
-        O[(t * Hv + h) * dv + j] = o;
+        UNROLL
+        for (int r = 0; r < R; r++) s[r] += kk[r] * delta;
+        if (!backward) {
+            UNROLL
+            for (int r = 0; r < R; r++) o += s[r] * qq[r];
+        }
+        o += __shfl_xor_sync(0xffffffffu, o, 1);
+        o += __shfl_xor_sync(0xffffffffu, o, 2);
+        if (col && p == 0) O[(t * Hv + h) * dv + j] = o;
     }
-    if (Sh && write_back)
-        for (int i = 0; i < dk; i++) Sh[i * dv + j] = s[i];
+    if (Sh && write_back) {
+        UNROLL
+        for (int r = 0; r < R; r++)
+            if (p * R + r < dk) Sh[(p * R + r) * dv + j] = s[r];
+    }
+}
+
+/* k_gdn's launch for dk <= DK_MAX (rows a thread: the least of 8, 16, 32, 64 that covers dk). */
+static void gdn_launch(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                       int64_t dk, int64_t dv, int64_t C, float *S, int backward, int write_back, float *O) {
+    const dim3 grid((unsigned)Hv, (unsigned)((dv + GDN_COLS - 1) / GDN_COLS)), block(GDN_COLS * GDN_SPLIT);
+    if (dk <= GDN_SPLIT * 8) LAUNCH(k_gdn<8>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
+    else if (dk <= GDN_SPLIT * 16) LAUNCH(k_gdn<16>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
+    else if (dk <= GDN_SPLIT * 32) LAUNCH(k_gdn<32>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
+    else LAUNCH(k_gdn<64>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
 }
 
 /* ------------------------------------------------------------------ host side */
@@ -419,15 +460,19 @@ static int round_act(int type, act *a, int64_t n_rows, int64_t ne0, char *err, s
 }
 
 /* Whether the block formats' many-row products run on tensor cores (k_matmul_mma): a device of
- * compute capability 8.0 or later (the emulator counts as one), unless CLOVER_CUDA_MMA=0. */
+ * compute capability 8.0 or later (the emulator counts as one) running the kernel compiled for
+ * 8.0 or later (a build whose newest code for the device is older PTX has it trap), unless
+ * CLOVER_CUDA_MMA=0. */
 static bool use_mma(void) {
-    static int major = -1;
-    if (major < 0) {
+    static int ok = -1;
+    if (ok < 0) {
         cudaDeviceProp p;
-        major = cudaGetDeviceProperties(&p, 0) == cudaSuccess ? p.major : 0;
+        cudaFuncAttributes a;
+        ok = cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major >= 8 &&
+             cudaFuncGetAttributes(&a, k_matmul_mma<T_Q4_K, 4>) == cudaSuccess && a.ptxVersion >= 80;
     }
     const char *env = getenv("CLOVER_CUDA_MMA");
-    return major >= 8 && !(env && strcmp(env, "0") == 0);
+    return ok && !(env && strcmp(env, "0") == 0);
 }
 
 /* Y = W X on the device: T rows of one matrix (tiles NULL) or the n_tiles tiles of a grouped
@@ -443,7 +488,8 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
     const int64_t n_groups = tiles ? n_tiles : (T + per - 1) / per;
     for (int64_t g0 = 0; g0 < n_groups; g0 += 65535) { /* gridDim.y <= 65535 */
         const int64_t ng = n_groups - g0 < 65535 ? n_groups - g0 : 65535;
-        const dim3 grid((unsigned)(mma ? (ne1 + 15) / 16 : ne1), (unsigned)ng), block(32);
+        const dim3 grid((unsigned)(mma ? (ne1 + 15) / 16 : (ne1 + WARPS - 1) / WARPS), (unsigned)ng);
+        const dim3 block(32, mma ? 1 : WARPS);
         const int64_t t0 = tiles ? 0 : g0 * per;
         const float *x = X.x ? X.x + t0 * ne0 : NULL;
         const float *d = X.d ? X.d + t0 * (ne0 / 32) : NULL, *sum = X.s ? X.s + t0 * (ne0 / 32) : NULL;
@@ -744,8 +790,7 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
     if (rc == CLOVER_OK) rc = copy(G, g, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
     float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state; /* written back only by CLOVER_GDN_FORWARD */
     if (rc == CLOVER_OK) {
-        LAUNCH(k_gdn, dim3((unsigned)Hv), dim3((unsigned)dv))(X, B, G, T, Hk, Hv, dk, dv, C, S,
-                                                             kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, O);
+        gdn_launch(X, B, G, T, Hk, Hv, dk, dv, C, S, kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, O);
         rc = launched(rc, "gdn", err, err_size);
     }
     if (rc == CLOVER_OK) rc = copy(o, O, sizeof(float) * (size_t)(T * Hv * dv), cudaMemcpyDeviceToHost, err, err_size);
@@ -1179,9 +1224,8 @@ extern "C" int clover_cuda_gdn_d(int kind, const float *conv, const float *beta,
         Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX || dv <= 0 || dv > 1024 ||
         C < 2 * Hk * dk + Hv * dv)
         return bad_arg(err, err_size, "gdn_d: bad arguments");
-    LAUNCH(k_gdn, dim3((unsigned)Hv), dim3((unsigned)dv))(conv, beta, g, T, Hk, Hv, dk, dv, C,
-                                                         kind == CLOVER_GDN_BACKWARD ? NULL : state,
-                                                         kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
+    gdn_launch(conv, beta, g, T, Hk, Hv, dk, dv, C, kind == CLOVER_GDN_BACKWARD ? NULL : state,
+               kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
     return launched(CLOVER_OK, "gdn_d", err, err_size);
 }
 
@@ -1397,6 +1441,36 @@ extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_
     LAUNCH(k_logit_ops, dim3((unsigned)n), dim3(1))(z, V, ops, start, repetition, frequency, presence, pre);
     LAUNCH(k_top_k, dim3((unsigned)n), dim3(TOP_K_THREADS))(z, V, mask_id, k, cand, bad);
     return launched(CLOVER_OK, "top_k_d", err, err_size);
+}
+
+/* The tempered weight of row blockIdx.x of Z (edited) for top-p alone (native/sampler.c
+ * clover_sample): total = sum over ids other than mask of (float)exp((double)(z - zmax) / T) in
+ * double, zmax the row's first candidate (cand[row][0]); 256 threads, a fixed reduction order (not
+ * the CPU's vocabulary order). */
+__global__ void k_row_total(const float *Z, int64_t V, int32_t mask, const clover_cand *cand, int32_t k, float T,
+                            double *total) {
+    __shared__ double ss[256];
+    const float *z = Z + (int64_t)blockIdx.x * V;
+    const float zmax = cand[(int64_t)blockIdx.x * k].z;
+    double sum = 0;
+    for (int64_t i = threadIdx.x; i < V; i += 256)
+        if (i != mask) sum += (float)exp((double)(z[i] - zmax) / T);
+    ss[threadIdx.x] = sum;
+    __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) ss[threadIdx.x] += ss[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) total[blockIdx.x] = ss[0];
+}
+
+extern "C" int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_id, const clover_cand *cand,
+                                       int32_t k, float temperature, double *total, char *err, size_t err_size) {
+    if (!z || !cand || !total || n <= 0 || n > INT32_MAX || V <= 0 || V > INT32_MAX || k < 1 ||
+        !(temperature > 0.0f))
+        return bad_arg(err, err_size, "row_total_d: bad arguments");
+    LAUNCH(k_row_total, dim3((unsigned)n), dim3(256))(z, V, mask_id, cand, k, temperature, total);
+    return launched(CLOVER_OK, "row_total_d", err, err_size);
 }
 
 __global__ void k_copy(float *dst, const float *src, int64_t n) {

@@ -208,6 +208,13 @@ int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                         float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
                         clover_cand *cand, float *bad, float *pre, char *err, size_t err_size);
+/* The row weight that top-p alone needs (native/sampler.c clover_sample): for each of the n rows
+ * of z [n][V] (device, already edited by clover_cuda_top_k_d, whose k candidates a row cand
+ * [n][k] (device) give the row's maximum cand[r][0].z), total[r] (device double) = the sum over
+ * ids other than mask_id of (float)exp((double)(z - zmax) / temperature), temperature > 0; summed
+ * in another order than the CPU's. */
+int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_id, const clover_cand *cand,
+                            int32_t k, float temperature, double *total, char *err, size_t err_size);
 /* CUDA graphs of the device-resident forward: between clover_cuda_capture_begin and
  * clover_cuda_capture_end the kernels that this thread's clover_cuda_*_d calls queue are recorded
  * (not run) into *graph, which clover_cuda_graph_launch then runs, each launch with the arguments

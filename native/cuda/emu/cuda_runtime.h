@@ -60,6 +60,14 @@ struct cudaDeviceProp {
     size_t totalGlobalMem;
 };
 
+struct cudaFuncAttributes {
+    int ptxVersion, binaryVersion;
+};
+/* the emulator runs every kernel as compiled for compute 9.0 */
+template <class F> cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, F *) {
+    a->ptxVersion = a->binaryVersion = 90;
+    return cudaSuccess;
+}
 cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev);
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b);
