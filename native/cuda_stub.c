@@ -195,6 +195,7 @@ int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_i
     (void)z, (void)n, (void)V, (void)mask_id, (void)cand, (void)k, (void)temperature, (void)total;
     return no_cuda(err, err_size);
 }
+int clover_cuda_mma(void) { return 0; }
 int clover_cuda_capture_begin(char *err, size_t err_size) { return no_cuda(err, err_size); }
 int clover_cuda_capture_end(void **graph, char *err, size_t err_size) {
     *graph = NULL;

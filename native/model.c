@@ -1437,6 +1437,13 @@ static int gdn_slot_to_device(clover_context *c, int g, char *err, size_t err_si
     return rc;
 }
 
+/* The GPU's kind for a prefix-mode forward of T rows: the chunked form for prefills past one chunk
+ * of 64 rows (unless clover_context_set_gdn_chunked turned it off), else the recurrence (decode
+ * steps, spec's verify, short prefills). */
+static int gpu_gdn_forward(const clover_context *c, int64_t T) {
+    return c->gdn_chunked && T > 64 ? CLOVER_GDN_FORWARD_CHUNKED : CLOVER_GDN_FORWARD;
+}
+
 /* One GDN recurrence of an offloaded layer on the GPU (clover_cuda_gdn, kind CLOVER_GDN_*): the
  * layer's state is moved to the device at its first use there and stays (gdn_on_dev). */
 static int gpu_gdn(fwd *f, const clover_layer *ly, int kind, const gdn_dims *d, const float *cv, const float *b,
@@ -1494,7 +1501,7 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             else memmove(dst, hist + (d.K - 1 + src) * C, sizeof(float) * (size_t)C);
         }
         if (on_gpu) {
-            const int r = gpu_gdn(f, ly, CLOVER_GDN_FORWARD, &d, cv, b, a, o);
+            const int r = gpu_gdn(f, ly, gpu_gdn_forward(f->c, T), &d, cv, b, a, o);
             if (r != CLOVER_OK) {
                 rc = r;
                 goto done;
@@ -1853,6 +1860,8 @@ static int check_finite(fwd *f, const float *x, int64_t n, int il, const char *w
  * host copies are brought up to date by save_state only). Prefill runs in passes of at most
  * RES_ROWS rows (causal, so several passes equal one); the LM head in groups of RES_LM rows. */
 enum { RES_ROWS = CLOVER_SELECT_MAX_ROWS, RES_LM = 32 };
+/* a top-p selection's rows are read back from the LM head's one group of RES_LM rows */
+_Static_assert((int)CLOVER_SELECT_TOTAL_MAX_ROWS <= (int)RES_LM, "top-p selections must fit one LM-head group");
 
 typedef struct {
     float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
@@ -1993,8 +2002,8 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
             return rc;
     }
     if (!block && (rc = clover_cuda_conv_hist_d(hist, b->qkv, T, C, (int32_t)d.K, err, es))) return rc;
-    rc = clover_cuda_gdn_d(block ? CLOVER_GDN_FORWARD_COPY : CLOVER_GDN_FORWARD, b->cv, b->b, b->a, T, d.Hk, d.Hv, d.dk,
-                           d.dv, C, state, b->og, err, es);
+    rc = clover_cuda_gdn_d(block ? CLOVER_GDN_FORWARD_COPY : gpu_gdn_forward(c, T), b->cv, b->b, b->a, T, d.Hk, d.Hv,
+                           d.dk, d.dv, C, state, b->og, err, es);
     if (rc) return rc;
     if (bwd && ((rc = mm_n_d(f, 2, wb, b->xn, T, yb)) ||
                 (rc = clover_cuda_conv_d(1, ly->dev.conv_bwd, NULL, b->qkv, T, C, (int32_t)d.K, b->cvb, err, es)) ||
@@ -2204,7 +2213,7 @@ static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
 typedef struct {
     const void *ws, *ops, *pre, *k, *v, *gdn, *conv, *rec;
     int64_t scratch_epoch, model_epoch, T, n;
-    int32_t k_cand, mask, mode, rec_on, rec_cap, total;
+    int32_t k_cand, mask, mode, rec_on, rec_cap, total, mma;
     float rp, fp, pp, coreset_top_p, temperature;
 } graph_key;
 _Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph[0].key), "clover_context.graph key too small");
@@ -2222,6 +2231,7 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
     k.coreset_top_p = f->coreset_top_p;
     k.total = f->sreq->total != NULL, k.temperature = f->sreq->total ? sp->temperature : 0.0f;
+    k.mma = clover_cuda_mma();
     return k;
 }
 

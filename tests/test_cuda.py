@@ -349,6 +349,18 @@ def _gdn_reference(conv, beta, g, S, Hk, dk, dv, backward):
     return o
 
 
+def _gdn_inputs(rng, T: int, Hk: int, Hv: int, dk: int, dv: int):
+    """Random GDN inputs as the engine feeds them: conv [T][2 Hk dk + Hv dv] with l2-normed q and k
+    heads, beta in (0.05, 0.95), log-decays g in (-1.5, -0.01), a state [Hv][dk][dv]; float32."""
+    conv = rng.standard_normal((T, 2 * Hk * dk + Hv * dv))
+    for j in range(2 * Hk):
+        conv[:, j * dk:(j + 1) * dk] /= np.linalg.norm(conv[:, j * dk:(j + 1) * dk], axis=1, keepdims=True)
+    beta = rng.uniform(0.05, 0.95, (T, Hv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.5, (T, Hv)).astype(np.float32)
+    S0 = (rng.standard_normal((Hv, dk, dv)) * 0.5).astype(np.float32)
+    return conv.astype(np.float32), beta, g, S0
+
+
 @gpu
 @pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 64, 64), (1, 3, 128, 32), (2, 2, 32, 128), (16, 32, 128, 128),
                                          (1, 2, 256, 48), (1, 1, 20, 40)])
@@ -358,40 +370,59 @@ def test_gdn_recurrence_on_the_device_equals_float64(Hk, Hv, dk, dv):
     starts from zero in reverse; 13 rows, l2-normed q/k as the engine feeds them (the last
     case has the real model's 16 key and 32 value heads of 128), random
     decays and betas. Tolerance 1e-4 of max |o| (float32 recurrences; seen about 1e-6)."""
-    rng = np.random.default_rng(dk + dv)
     T, C = 13, 2 * Hk * dk + Hv * dv
-    conv = rng.standard_normal((T, C))
-    for j in range(2 * Hk):
-        conv[:, j * dk:(j + 1) * dk] /= np.linalg.norm(conv[:, j * dk:(j + 1) * dk], axis=1, keepdims=True)
-    conv = conv.astype(np.float32)
-    beta = rng.uniform(0.05, 0.95, (T, Hv)).astype(np.float32)
-    g = -rng.uniform(0.01, 1.5, (T, Hv)).astype(np.float32)
-    S0 = (rng.standard_normal((Hv, dk, dv)) * 0.5).astype(np.float32)
+    conv, beta, g, S0 = _gdn_inputs(np.random.default_rng(dk + dv), T, Hk, Hv, dk, dv)
     err = _cffi.new("char[]", 256)
-    dev = _cffi.new("void **")
-    assert _clib.clover_cuda_alloc(S0.nbytes, dev, err, 256) == 0
+    dev = _dev(S0)  # the state
     try:
-        assert _clib.clover_cuda_write(dev[0], 0, _cffi.cast("void *", S0.ctypes.data), S0.nbytes, err, 256) == 0
         for kind in (1, 0, 2):  # copy (state kept), forward (state updated), backward (no state)
             o = np.zeros((T, Hv, dv), np.float32)
             assert _clib.clover_cuda_gdn(kind, _f(conv), _f(beta), _f(g), T, Hk, Hv, dk, dv, C,
-                                         _cffi.cast("float *", dev[0]), _f(o), err, 256) == 0, _cffi.string(err)
+                                         _cffi.cast("float *", dev), _f(o), err, 256) == 0, _cffi.string(err)
             S_ref = S0.astype(np.float64)
             want = _gdn_reference(conv.astype(np.float64), beta.astype(np.float64), g.astype(np.float64), S_ref,
                                   Hk, dk, dv, backward=kind == 2)
             assert np.max(np.abs(o - want)) <= 1e-4 * np.abs(want).max(), (kind, float(np.max(np.abs(o - want))))
             back = np.zeros_like(S0)
-            assert _clib.clover_cuda_read(dev[0], 0, _cffi.cast("void *", back.ctypes.data), back.nbytes, err, 256) == 0
+            assert _clib.clover_cuda_read(dev, 0, _cffi.cast("void *", back.ctypes.data), back.nbytes, err, 256) == 0
             if kind == 0:
                 assert np.max(np.abs(back - S_ref)) <= 1e-4 * np.abs(S_ref).max()
                 S0 = back
             else:
                 np.testing.assert_array_equal(back, S0)
         assert _clib.clover_cuda_gdn(0, _f(conv), _f(beta), _f(g), T, Hk, Hv, 512, dv, C,
-                                     _cffi.cast("float *", dev[0]), _f(o), err, 256) == lib.CLOVER_E_ARG
+                                     _cffi.cast("float *", dev), _f(o), err, 256) == lib.CLOVER_E_ARG
         assert "dk" in _cffi.string(err).decode()
     finally:
-        _clib.clover_cuda_free(dev[0])
+        _clib.clover_cuda_free(dev)
+
+
+@gpu
+@pytest.mark.parametrize("Hk,Hv,dk,dv,T", [(2, 4, 64, 48, 150), (16, 32, 128, 128, 70), (1, 1, 20, 40, 64),
+                                           (1, 2, 256, 32, 65)])
+def test_gdn_chunked_prefill_equals_float64(Hk, Hv, dk, dv, T):
+    """clover_cuda_gdn's chunked forward (kind 3, gdn_chunk.cuh: chunks of 64 rows, every chunk's
+    products at once, then the state carried through them) against the float64 delta rule: the
+    outputs and the updated device state, for several chunks and a partial last one (150 rows),
+    the real model's heads (70 rows), one exact chunk, dk 20 and 256 and dv not a multiple of 32.
+    Tolerance 1e-4 of max |o| and of max |S|, as the recurrence's test."""
+    C = 2 * Hk * dk + Hv * dv
+    conv, beta, g, S0 = _gdn_inputs(np.random.default_rng(T + dk), T, Hk, Hv, dk, dv)
+    err = _cffi.new("char[]", 256)
+    dev = _dev(S0)  # the state
+    try:
+        o = np.zeros((T, Hv, dv), np.float32)
+        assert _clib.clover_cuda_gdn(3, _f(conv), _f(beta), _f(g), T, Hk, Hv, dk, dv, C, _cffi.cast("float *", dev),
+                                     _f(o), err, 256) == 0, _cffi.string(err)
+        back = np.zeros_like(S0)
+        assert _clib.clover_cuda_read(dev, 0, _cffi.cast("void *", back.ctypes.data), back.nbytes, err, 256) == 0
+    finally:
+        _clib.clover_cuda_free(dev)
+    S_ref = S0.astype(np.float64)
+    want = _gdn_reference(conv.astype(np.float64), beta.astype(np.float64), g.astype(np.float64), S_ref, Hk, dk, dv,
+                          backward=False)
+    assert np.max(np.abs(o - want)) <= 1e-4 * np.abs(want).max(), float(np.max(np.abs(o - want)))
+    assert np.max(np.abs(back - S_ref)) <= 1e-4 * np.abs(S_ref).max(), float(np.max(np.abs(back - S_ref)))
 
 
 @gpu
@@ -433,6 +464,30 @@ def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
             if outtype == "f32":
                 assert [st_g[k] for k in experts] == [st[k] for k in experts], mode
             assert half.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == want, mode
+
+
+@gpu
+def test_long_prefill_runs_the_chunked_gdn_and_equals_the_cpu(make_gguf):
+    """A prefill past one chunk (150 tokens) runs the GDN in the chunked form on the GPU, on the
+    resident path and the per-product one (2 layers offloaded): all rows' logits within 2e-3 of
+    the CPU's std, as the short prompt's above. With the chunked form turned off
+    (clover_context_set_gdn_chunked 0: the recurrence) the GPU's logits are within the same
+    bound and differ in the last bits from the chunked ones, so the chunked form ran."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, \
+            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2) as half:
+        ids = list(np.random.default_rng(5).integers(0, cpu.n_vocab - 300, 150))
+        lc = cpu.prefix_logits(ids)
+        bound = 2e-3 * float(np.std(lc)) + 1e-4
+        runs = {}
+        for name, m in (("resident", g), ("per-product", half)):
+            for chunked in (1, 0):
+                lib.clover_context_set_gdn_chunked(m._ctx, chunked)
+                runs[name, chunked] = lg = m.prefix_logits(ids)
+                assert np.max(np.abs(lc - lg)) <= bound, (name, chunked, float(np.max(np.abs(lc - lg))))
+            assert not np.array_equal(runs[name, 1], runs[name, 0]), name
 
 
 @gpu

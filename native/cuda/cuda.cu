@@ -12,8 +12,8 @@
  * activations quantised as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below) in exact
  * integer dot products (dp4a; int8 tensor cores for many rows, mma.cuh), scaled per group of 32
  * (16) values in float32; float formats multiply in float32. Results differ from the CPU path
- * only in float rounding (tests/test_cuda.py states the tolerances). Not here yet: a chunked GDN
- * prefill, float formats on tensor cores (see the issue note).
+ * only in float rounding (tests/test_cuda.py states the tolerances). The GDN of long prefills runs
+ * chunked (gdn_chunk.cuh). Not here yet: float formats on tensor cores (see the issue note).
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error
  * code from clover_cuda_devices, not a library that fails to load). */
@@ -272,7 +272,7 @@ __global__ void k_act_q8_k(const float *X, int8_t *Q, float *D, float *S) {
         const int q = zero ? 0 : (int)fminf(127.0f, rintf(iscale * v[i]));
         Q[base + lane + 32 * i] = (int8_t)q;
         const int sum = warp_isum(q);
-        if (lane == i) D[blockIdx.x * 8 + i] = d, S[blockIdx.x * 8 + i] = any_bad ? NAN : d * (float)sum;
+        if (lane == i) D[(int64_t)blockIdx.x * 8 + i] = d, S[(int64_t)blockIdx.x * 8 + i] = any_bad ? NAN : d * (float)sum;
     }
 }
 
@@ -394,6 +394,8 @@ static void gdn_launch(const float *conv, const float *beta, const float *g, int
     else LAUNCH(k_gdn<64>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
 }
 
+#include "gdn_chunk.cuh"
+
 /* ------------------------------------------------------------------ host side */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time (shared scratch) */
 
@@ -403,7 +405,7 @@ struct scratch {
     void *p;
     size_t cap; /* bytes */
 };
-static scratch g_x, g_y, g_gate, g_up, g_tiles, g_q; /* g_q: activations' int8 form */
+static scratch g_x, g_y, g_gate, g_up, g_tiles, g_q, g_gdn; /* g_q: activations' int8 form; g_gdn: chunked GDN */
 static int64_t g_epoch; /* scratch reallocations so far (a captured graph holds their addresses) */
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
@@ -475,6 +477,8 @@ static bool use_mma(void) {
     return ok && !(env && strcmp(env, "0") == 0);
 }
 
+extern "C" int clover_cuda_mma(void) { return use_mma(); }
+
 /* Y = W X on the device: T rows of one matrix (tiles NULL) or the n_tiles tiles of a grouped
  * product (see block_rows; T is then the tiles' rows in all); X in the form round_act gave it for
  * `type`. Block formats go to tensor cores (groups of 32 rows, or tiles holding 2 rows or more on
@@ -488,8 +492,8 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
     const int64_t n_groups = tiles ? n_tiles : (T + per - 1) / per;
     for (int64_t g0 = 0; g0 < n_groups; g0 += 65535) { /* gridDim.y <= 65535 */
         const int64_t ng = n_groups - g0 < 65535 ? n_groups - g0 : 65535;
-        const dim3 grid((unsigned)(mma ? (ne1 + 15) / 16 : (ne1 + WARPS - 1) / WARPS), (unsigned)ng);
-        const dim3 block(32, mma ? 1 : WARPS);
+        const int64_t rows_a_block = (mma ? 16 : 1) * WARPS; /* weight rows */
+        const dim3 grid((unsigned)((ne1 + rows_a_block - 1) / rows_a_block), (unsigned)ng), block(32, WARPS);
         const int64_t t0 = tiles ? 0 : g0 * per;
         const float *x = X.x ? X.x + t0 * ne0 : NULL;
         const float *d = X.d ? X.d + t0 * (ne0 / 32) : NULL, *sum = X.s ? X.s + t0 * (ne0 / 32) : NULL;
@@ -772,12 +776,28 @@ extern "C" int clover_cuda_read(const void *dev, size_t offset, void *host, size
     return nbytes ? copy(host, (const char *)dev + offset, nbytes, cudaMemcpyDeviceToHost, err, err_size) : CLOVER_OK;
 }
 
+/* The chunked forward (gdn_chunk.cuh) of T rows from the device state S [Hv][dk][dv] (updated)
+ * into O; its per-chunk products in g_gdn. Caller holds g_lock; launches only. */
+static int gdn_chunked(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                       int64_t dk, int64_t dv, int64_t C, float *S, float *O, char *err, size_t err_size) {
+    const int64_t n_chunks = (T + GDN_CH - 1) / GDN_CH;
+    if (n_chunks > 65535 || Hv * n_chunks > INT64_MAX / 4 / gdn_chunk_slot(dk, dv))
+        return bad_arg(err, err_size, "gdn: too many rows for the chunked form");
+    int rc = grow(&g_gdn, sizeof(float) * (size_t)(Hv * n_chunks * gdn_chunk_slot(dk, dv)), err, err_size);
+    if (rc != CLOVER_OK) return rc;
+    LAUNCH(k_gdn_chunk_prep, dim3((unsigned)Hv, (unsigned)n_chunks), dim3(256))(conv, beta, g, T, Hk, Hv, dk, dv, C,
+                                                                                 (float *)g_gdn.p);
+    LAUNCH(k_gdn_chunk_scan, dim3((unsigned)Hv, (unsigned)((dv + GDN_COLS - 1) / GDN_COLS)), dim3(256))(
+        conv, T, Hk, Hv, dk, dv, C, (const float *)g_gdn.p, S, O);
+    return CLOVER_OK;
+}
+
 extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
                                int64_t Hv, int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err,
                                size_t err_size) {
-    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 || kind > 2 || T <= 0 ||
-        Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX || dv <= 0 || dv > 1024 ||
-        C < 2 * Hk * dk + Hv * dv || T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv))
+    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 ||
+        kind > CLOVER_GDN_FORWARD_CHUNKED || T <= 0 || Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX ||
+        dv <= 0 || dv > 1024 || C < 2 * Hk * dk + Hv * dv || T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv))
         return bad_arg(err, err_size, "gdn: bad arguments (kind, T, heads, dk <= 256, dv <= 1024 or C out of range)");
     pthread_mutex_lock(&g_lock);
     int rc = grow(&g_x, sizeof(float) * (size_t)(T * C), err, err_size);
@@ -788,11 +808,11 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
     if (rc == CLOVER_OK) rc = copy(X, conv, sizeof(float) * (size_t)(T * C), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) rc = copy(B, beta, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) rc = copy(G, g, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
-    float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state; /* written back only by CLOVER_GDN_FORWARD */
-    if (rc == CLOVER_OK) {
+    float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state; /* written back only by the two forwards */
+    if (rc == CLOVER_OK && kind == CLOVER_GDN_FORWARD_CHUNKED) rc = gdn_chunked(X, B, G, T, Hk, Hv, dk, dv, C, S, O, err, err_size);
+    else if (rc == CLOVER_OK)
         gdn_launch(X, B, G, T, Hk, Hv, dk, dv, C, S, kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, O);
-        rc = launched(rc, "gdn", err, err_size);
-    }
+    rc = launched(rc, "gdn", err, err_size);
     if (rc == CLOVER_OK) rc = copy(o, O, sizeof(float) * (size_t)(T * Hv * dv), cudaMemcpyDeviceToHost, err, err_size);
     pthread_mutex_unlock(&g_lock);
     return rc;
@@ -1220,10 +1240,16 @@ extern "C" int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t
 extern "C" int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
                                  int64_t Hv, int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err,
                                  size_t err_size) {
-    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 || kind > 2 || T <= 0 ||
-        Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX || dv <= 0 || dv > 1024 ||
-        C < 2 * Hk * dk + Hv * dv)
+    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 ||
+        kind > CLOVER_GDN_FORWARD_CHUNKED || T <= 0 || Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX ||
+        dv <= 0 || dv > 1024 || C < 2 * Hk * dk + Hv * dv)
         return bad_arg(err, err_size, "gdn_d: bad arguments");
+    if (kind == CLOVER_GDN_FORWARD_CHUNKED) {
+        pthread_mutex_lock(&g_lock);
+        const int rc = gdn_chunked(conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
+        pthread_mutex_unlock(&g_lock);
+        return launched(rc, "gdn_d", err, err_size);
+    }
     gdn_launch(conv, beta, g, T, Hk, Hv, dk, dv, C, kind == CLOVER_GDN_BACKWARD ? NULL : state,
                kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
     return launched(CLOVER_OK, "gdn_d", err, err_size);

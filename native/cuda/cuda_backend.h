@@ -70,11 +70,12 @@ int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, 
  * backward branch spec 3.3), as native/model.c's gdn_recurrent_head / gdn_backward_head:
  * conv [T][C] (q and k of Hk key heads of dk, l2-normed, then v of Hv heads of dv), beta and the
  * log-decay g [T][Hv], all host float32; o: host [T][Hv*dv]. state: device [Hv][dk][dv].
- * kind CLOVER_GDN_FORWARD updates state in place; CLOVER_GDN_FORWARD_COPY starts from it and
- * leaves it unchanged (block mode); CLOVER_GDN_BACKWARD runs the rows in reverse from a zero
- * state with the readout first (state unused, may be NULL). dk <= 256, dv <= 1024. Errors:
- * CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
-enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_COPY = 1, CLOVER_GDN_BACKWARD = 2 };
+ * kind CLOVER_GDN_FORWARD updates state in place; CLOVER_GDN_FORWARD_CHUNKED too, in the chunked
+ * form (chunks of 64 rows, native/model.c gdn_chunked_head; for prefills); CLOVER_GDN_FORWARD_COPY
+ * starts from it and leaves it unchanged (block mode); CLOVER_GDN_BACKWARD runs the rows in reverse
+ * from a zero state with the readout first (state unused, may be NULL). dk <= 256, dv <= 1024.
+ * Errors: CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
+enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_COPY = 1, CLOVER_GDN_BACKWARD = 2, CLOVER_GDN_FORWARD_CHUNKED = 3 };
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
 
@@ -215,6 +216,9 @@ int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *o
  * in another order than the CPU's. */
 int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_id, const clover_cand *cand,
                             int32_t k, float temperature, double *total, char *err, size_t err_size);
+/* Whether the block formats' many-row products run on int8 tensor cores now (compute 8.0 or
+ * later, not CLOVER_CUDA_MMA=0; read at each product, so a CUDA graph's key holds it). */
+int clover_cuda_mma(void);
 /* CUDA graphs of the device-resident forward: between clover_cuda_capture_begin and
  * clover_cuda_capture_end the kernels that this thread's clover_cuda_*_d calls queue are recorded
  * (not run) into *graph, which clover_cuda_graph_launch then runs, each launch with the arguments

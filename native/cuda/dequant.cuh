@@ -149,11 +149,25 @@ CLOVER_HD uint32_t nib4(uint32_t v, int hi) { return (v >> (4 * hi)) & 0x0F0F0F0
 /* bytes v_i - c_i as int8, for bytes v_i, c_i < 128 (no borrow crosses a byte) */
 CLOVER_HD uint32_t sub4(uint32_t v, uint32_t c) { return ((v | 0x80808080u) - c) ^ 0x80808080u; }
 
-/* kv[n_i] for 4 nibbles n_i, one per byte */
+/* kv[n_i] for 4 nibbles n_i, one per byte. On the GPU (and in the CUDA emulator, which has
+ * __byte_perm) the 16 bytes of kv sit in 4 words and two byte permutations pick entries 0-7 and
+ * 8-15, rather than 4 indexed loads (a __constant__ table read at a different index by each lane
+ * is read once per distinct index). */
 CLOVER_HD uint32_t lut4(uint32_t n, const int8_t *kv) {
+#if defined(__CUDA_ARCH__) || defined(CLOVER_CUDA_EMU)
+    uint32_t t[4];
+    for (int w = 0; w < 4; w++)
+        t[w] = (uint32_t)(uint8_t)kv[4 * w] | (uint32_t)(uint8_t)kv[4 * w + 1] << 8 |
+               (uint32_t)(uint8_t)kv[4 * w + 2] << 16 | (uint32_t)(uint8_t)kv[4 * w + 3] << 24;
+    const uint32_t sel = (n & 7) | (n >> 4 & 0x70) | (n >> 8 & 0x700) | (n >> 12 & 0x7000);
+    const uint32_t lo = __byte_perm(t[0], t[1], sel), hi = __byte_perm(t[2], t[3], sel);
+    const uint32_t upper = (n >> 3 & 0x01010101u) * 0xFFu; /* bytes whose nibble is 8-15 */
+    return (hi & upper) | (lo & ~upper);
+#else
     uint32_t r = 0;
     for (int i = 0; i < 4; i++) r |= (uint32_t)(uint8_t)kv[(n >> (8 * i)) & 15] << (8 * i);
     return r;
+#endif
 }
 
 template <int TYPE> CLOVER_HD uint32_t qpack(const uint8_t *b, int j);

@@ -30,8 +30,9 @@ __device__ __forceinline__ void mma_16x8x16(int c[4], uint32_t a0, uint32_t a1, 
 #endif
 }
 
-/* Y = W X for a block format: one warp per 16 weight rows (blockIdx.x; rows past ne1 are read as
- * row ne1 - 1 and not stored) and per 8 NT activation rows (blockIdx.y: rows 8 NT y.. of one
+/* Y = W X for a block format: one warp per 16 weight rows (warp threadIdx.y of block blockIdx.x
+ * takes tile WARPS blockIdx.x + threadIdx.y; rows past ne1 are read as row ne1 - 1 and not stored,
+ * a tile past them returns) and per 8 NT activation rows (blockIdx.y: rows 8 NT y.. of one
  * matrix, or tile y of a grouped product, NT = 1), X in its int8 form (Q values, D scale and S =
  * D * sum(Q) per 32). For each group of 32 values: the int32 tile sums (two mma per 8 rows),
  * then y += d_x * (s_w * sum) + o_w * S_x with the weight group's scale s_w and offset o_w
@@ -41,7 +42,8 @@ __global__ void k_matmul_mma(const uint8_t *W, int64_t w_stride, int64_t ne0, in
                              const float *D, const float *S, int64_t T, float *Y, const tile *tiles) {
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes, G = TYPE == T_Q6_K ? 16 : 32;
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
-    const int64_t r0 = (int64_t)blockIdx.x * 16, ng = ne0 / 32, row_bytes = ne0 / BN * BB;
+    const int64_t r0 = ((int64_t)blockIdx.x * WARPS + threadIdx.y) * 16, ng = ne0 / 32, row_bytes = ne0 / BN * BB;
+    if (r0 >= ne1) return; /* the whole warp */
     int64_t e = 0, t0;
     int nr;
     if (tiles) {

@@ -125,6 +125,13 @@ static inline float __uint_as_float(uint32_t b) {
     return f;
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
+/* byte i of the result: byte (s >> 4 i) & 7 of the 8 bytes y:x (x the low word) */
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = (uint64_t)y << 32 | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) r |= (unsigned)(v >> (8 * ((s >> (4 * i)) & 7)) & 0xFF) << (8 * i);
+    return r;
+}
 /* Fibers switch only at barriers and shuffles, so a plain read-modify-write is atomic here. */
 template <class V> static inline V atomicAdd(V *p, V v) {
     const V old = *p;
