@@ -50,6 +50,7 @@ struct clover_decoder {
     int32_t sel_k;
     clover_cand *tops; /* [block_size][k] for a selection of k <= tops_k candidates a row */
     int32_t tops_k;
+    int32_t draft_k; /* spec's draft with penalties on the GPU: its candidates a row (0: none) */
     float *gpre; /* spec's draft with penalties: the inputs of gops' edits (gpre_cap entries) */
     int64_t gpre_cap;
     int32_t next_tok; /* prefill_next's selection on the GPU: the id (sel_k 0), else tops[0] */
@@ -204,10 +205,15 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     d->sel_total = clover_select_total(&d->sp, (int32_t)V);
     if (d->sel_total && B > CLOVER_SELECT_TOTAL_MAX_ROWS) d->sel_k = -1, d->sel_total = 0; /* rows to the host */
     if (d->sel_total && !(d->gtotal = malloc(sizeof(double) * (size_t)B))) goto nomem;
-    /* spec's greedy draft with penalties takes min(B, ids) candidates a row (draft_pick) */
+    /* spec's draft with penalties on the GPU (draft_pick) takes min(B, ids) candidates a row at
+     * temperature 0, min(top_k + B - 1, ids) for a top-k draw; none (the CPU drafts) for top-p
+     * alone or past CLOVER_CUDA_TOP_K_MAX */
     const int32_t ids = clover_cand_ids(V, m->hp.mask_token_id);
-    d->tops_k = p->mode == CLOVER_MODE_SPEC && B <= CLOVER_CUDA_TOP_K_MAX ? (int32_t)(B < ids ? B : ids) : 0;
-    if (d->sel_k > d->tops_k) d->tops_k = d->sel_k;
+    const int64_t want = d->sel_k > 0 ? (int64_t)d->sel_k + B - 1 : B;
+    d->draft_k = p->mode == CLOVER_MODE_SPEC && d->sel_k >= 0 && !d->sel_total && want <= CLOVER_CUDA_TOP_K_MAX
+                     ? (int32_t)(want < ids ? want : ids)
+                     : 0;
+    d->tops_k = d->sel_k > d->draft_k ? d->sel_k : d->draft_k;
     if (d->tops_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->tops_k)))) goto nomem;
     if (p->n_reuse != 0 && (p->n_reuse < 0 || p->n_reuse != c->n_past || p->n_reuse >= n_prompt)) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_reuse: %d must be 0 or the %d cached tokens (< n_prompt %d)",
@@ -530,15 +536,18 @@ static int32_t emit_until_end(clover_decoder *d, const int32_t *block, int32_t n
     return got;
 }
 
-/* Spec's greedy draft of slot j on the GPU with penalties (step_spec): row j - 1's best tops_k
+/* Spec's draft of slot j on the GPU with penalties (step_spec): row j - 1's best draft_k
  * candidates under the history's edits only, with the inputs of those edits in gpre. Slot j's
  * penalties also count the drafted block[0..j); being >= 0 (repetition >= 1) they only lower
- * those tokens' logits, so the argmax (spec 5.3) is among the candidates up to the first one not
- * drafted (tops_k > j, so there is one, unless the candidates are every id). A drafted
- * candidate's logit is redone from its raw value with slot j's edits for it, in the CPU's order
- * (clover_logit_ops), so the pick equals sample_slot's. */
+ * those tokens' logits. A drafted candidate's logit is redone from its raw value with slot j's
+ * edits for it, in the CPU's order (clover_logit_ops). At temperature 0 the argmax (spec 5.3) is
+ * among the candidates up to the first one not drafted (draft_k > j, so there is one, unless the
+ * candidates are every id); for a top-k draw the candidates, re-ranked, begin with the row's
+ * top_k (at most j < B of them were lowered, draft_k >= top_k + B - 1), drawn as clover_sample
+ * would. Either way the pick equals sample_slot's. Row j - 1's candidates are edited in place. */
 static int32_t draft_pick(clover_decoder *d, int32_t j) {
-    const clover_cand *c = d->tops + (int64_t)(j - 1) * d->tops_k;
+    clover_cand *c = d->tops + (int64_t)(j - 1) * d->draft_k;
+    const int draw = d->sp.temperature > 0.0f;
     const clover_sampler_params *sp = &d->sp;
     const int32_t q0 = d->gstart[j - 1], q1 = d->gstart[j];
     const int think = slot_push(d, j, d->block, NULL, j);
@@ -546,7 +555,7 @@ static int32_t draft_pick(clover_decoder *d, int32_t j) {
     slot_pop(d, d->block, NULL, j);
     int32_t best = -1;
     float bz = 0.0f;
-    for (int32_t q = 0; q < d->tops_k; q++) {
+    for (int32_t q = 0; q < d->draft_k; q++) {
         const int32_t t = c[q].id;
         int drafted = 0;
         for (int32_t i = 0; i < j && !drafted; i++) drafted = d->block[i] == t;
@@ -562,10 +571,15 @@ static int32_t draft_pick(clover_decoder *d, int32_t j) {
                 o.id = 0;
                 clover_logit_op_apply(&z, 1, o, sp->repetition_penalty, sp->frequency_penalty, sp->presence_penalty);
             }
+        c[q].z = z;
+        if (draw) continue;
         if (best < 0 || z > bz || (z == bz && t < best)) best = t, bz = z;
         if (!drafted) break;
     }
-    return best;
+    if (!draw) return best;
+    float conf;
+    clover_cands_sort(c, d->draft_k);
+    return clover_sample_top(c, d->sel_k, sp, &d->rng, &conf, d->scratch, 0.0);
 }
 
 /* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...],
@@ -605,8 +619,8 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
               lowering = sp->repetition_penalty >= 1.0f && sp->presence_penalty >= 0.0f && sp->frequency_penalty >= 0.0f,
               think_ramp = sp->bias_slope > 0.0f && sp->bias_max > 0.0f && sp->think_close_id >= 0 &&
                            d->st.n_generated + B - 1 > sp->think_close_bias_start,
-              draft_gpu = gpu && !think_ramp && (!pens || (d->sel_k == 0 && lowering && B <= CLOVER_CUDA_TOP_K_MAX));
-    const int32_t k = pens ? d->tops_k : d->sel_k; /* draft_gpu: candidates a row */
+              draft_gpu = gpu && !think_ramp && (!pens || (lowering && d->draft_k > 0));
+    const int32_t k = pens ? d->draft_k : d->sel_k; /* draft_gpu: candidates a row */
     int rc = CLOVER_OK;
     if (draft_gpu) { /* row j - 1 predicts slot j (logits_shift); with penalties, the history's edits only */
         int64_t n_ops = 0;

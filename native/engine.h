@@ -257,6 +257,8 @@ float clover_rng_uniform(clover_rng *r);
  * probability of the argmax). scratch: n_vocab floats (caller provides); iscratch unused. */
 int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler_params *sp,
                       clover_rng *rng, float *confidence, float *scratch, int32_t *iscratch);
+/* Sort cand[0..n) by rank: z descending, then id ascending (clover_sample_top's order). */
+void clover_cands_sort(clover_cand *cand, int32_t n);
 /* clover_sample above temperature 0 when its candidates are sorted (top_k or top_p set): from
  * cand[0..n) (n >= 1), the best n candidates of the processed row in rank order (z descending,
  * ties by id ascending), the top-k, top-p, min-p cuts, one draw from rng and the confidence

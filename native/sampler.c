@@ -272,6 +272,8 @@ static int top_p_within(const clover_cand *cand, int32_t n, float T, double tota
     return 0;
 }
 
+void clover_cands_sort(clover_cand *cand, int32_t n) { qsort(cand, (size_t)n, sizeof *cand, by_rank); }
+
 int32_t clover_sample_top(const clover_cand *cand, int32_t n, const clover_sampler_params *sp, clover_rng *rng,
                           float *confidence, float *scratch, double total) {
     const float T = sp->temperature, zmax = cand[0].z;

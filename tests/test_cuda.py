@@ -399,12 +399,13 @@ def test_gdn_recurrence_on_the_device_equals_float64(Hk, Hv, dk, dv):
 
 @gpu
 @pytest.mark.parametrize("Hk,Hv,dk,dv,T", [(2, 4, 64, 48, 150), (16, 32, 128, 128, 70), (1, 1, 20, 40, 64),
-                                           (1, 2, 256, 32, 65)])
+                                           (1, 2, 256, 32, 65), (1, 2, 32, 32, 600)])
 def test_gdn_chunked_prefill_equals_float64(Hk, Hv, dk, dv, T):
     """clover_cuda_gdn's chunked forward (kind 3, gdn_chunk.cuh: chunks of 64 rows, every chunk's
     products at once, then the state carried through them) against the float64 delta rule: the
     outputs and the updated device state, for several chunks and a partial last one (150 rows),
-    the real model's heads (70 rows), one exact chunk, dk 20 and 256 and dv not a multiple of 32.
+    the real model's heads (70 rows), one exact chunk, dk 20 and 256, dv not a multiple of 32,
+    and two windows of chunks (600 rows: 512, then 88, the state carried between).
     Tolerance 1e-4 of max |o| and of max |S|, as the recurrence's test."""
     C = 2 * Hk * dk + Hv * dv
     conv, beta, g, S0 = _gdn_inputs(np.random.default_rng(T + dk), T, Hk, Hv, dk, dv)
@@ -811,6 +812,31 @@ def test_spec_greedy_draft_with_penalties_selects_on_the_gpu(make_gguf):
         assert sum(a * n for a, n in enumerate(hist)) >= GEN_TOKENS // 2, hist  # most drafted tokens accepted
         got, st_g = g.generate_tokens(ids, **kw)
         assert got == want and st_g["accept_hist"] == hist
+
+
+@gpu
+def test_spec_sampled_draft_with_penalties_selects_on_the_gpu(make_gguf):
+    """spec above temperature 0 with a top_k and penalties that only lower logits drafts on the
+    GPU too: each row's best top_k + B - 1 candidates under the history's edits come back, the
+    host redoes the drafted tokens' logits, re-ranks, and draws from the first top_k
+    (draft_pick). The six biased ids of the greedy test, presence 10 and frequency 4, top_k 4,
+    temperature 1: the draws depend on the drafted tokens' penalties. Tokens and accept histogram
+    equal the CPU's for two seeds, which give different outputs."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+        ids = cpu.tokenize("def fibonacci(n):")
+        outs = set()
+        for seed in (1, 2):
+            kw = dict(max_tokens=GEN_TOKENS, mode="spec", end_ids=[], temperature=1.0, top_k=4, seed=seed,
+                      presence_penalty=10.0, frequency_penalty=4.0, repeat_penalty=1.1,
+                      logit_bias={100 + 7 * i: 60.0 - 3.0 * i for i in range(6)})
+            want, st = cpu.generate_tokens(ids, **kw)
+            got, st_g = g.generate_tokens(ids, **kw)
+            assert got == want and st_g["accept_hist"] == st["accept_hist"], seed
+            outs.add(tuple(want))
+        assert len(outs) == 2
 
 
 @gpu

@@ -777,19 +777,23 @@ extern "C" int clover_cuda_read(const void *dev, size_t offset, void *host, size
 }
 
 /* The chunked forward (gdn_chunk.cuh) of T rows from the device state S [Hv][dk][dv] (updated)
- * into O; its per-chunk products in g_gdn. Caller holds g_lock; launches only. */
+ * into O, in windows of GDN_WINDOW rows (the state carries from one to the next), so its per-chunk
+ * products in g_gdn take at most Hv * GDN_WINDOW / 64 slots (about 29 MB at the real model's
+ * heads) however long the prompt. Caller holds g_lock; launches only. */
+enum { GDN_WINDOW = 8 * GDN_CH };
 static int gdn_chunked(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                        int64_t dk, int64_t dv, int64_t C, float *S, float *O, char *err, size_t err_size) {
-    const int64_t n_chunks = (T + GDN_CH - 1) / GDN_CH;
-    if (n_chunks > 65535 || Hv * n_chunks > INT64_MAX / 4 / gdn_chunk_slot(dk, dv))
-        return bad_arg(err, err_size, "gdn: too many rows for the chunked form");
-    int rc = grow(&g_gdn, sizeof(float) * (size_t)(Hv * n_chunks * gdn_chunk_slot(dk, dv)), err, err_size);
-    if (rc != CLOVER_OK) return rc;
-    LAUNCH(k_gdn_chunk_prep, dim3((unsigned)Hv, (unsigned)n_chunks), dim3(256))(conv, beta, g, T, Hk, Hv, dk, dv, C,
-                                                                                 (float *)g_gdn.p);
-    LAUNCH(k_gdn_chunk_scan, dim3((unsigned)Hv, (unsigned)((dv + GDN_COLS - 1) / GDN_COLS)), dim3(256))(
-        conv, T, Hk, Hv, dk, dv, C, (const float *)g_gdn.p, S, O);
-    return CLOVER_OK;
+    const int64_t W = GDN_WINDOW, max_chunks = (T < W ? T + GDN_CH - 1 : W) / GDN_CH;
+    int rc = grow(&g_gdn, sizeof(float) * (size_t)(Hv * max_chunks * gdn_chunk_slot(dk, dv)), err, err_size);
+    for (int64_t t0 = 0; t0 < T && rc == CLOVER_OK; t0 += W) {
+        const int64_t Tw = T - t0 < W ? T - t0 : W, n_chunks = (Tw + GDN_CH - 1) / GDN_CH;
+        const float *cw = conv + t0 * C;
+        LAUNCH(k_gdn_chunk_prep, dim3((unsigned)Hv, (unsigned)n_chunks), dim3(256))(cw, beta + t0 * Hv, g + t0 * Hv, Tw, Hk,
+                                                                                     Hv, dk, dv, C, (float *)g_gdn.p);
+        LAUNCH(k_gdn_chunk_scan, dim3((unsigned)Hv, (unsigned)((dv + GDN_COLS - 1) / GDN_COLS)), dim3(256))(
+            cw, Tw, Hk, Hv, dk, dv, C, (const float *)g_gdn.p, S, O + t0 * Hv * dv);
+    }
+    return rc;
 }
 
 extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,

@@ -125,7 +125,8 @@ static inline float __uint_as_float(uint32_t b) {
     return f;
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
-/* byte i of the result: byte (s >> 4 i) & 7 of the 8 bytes y:x (x the low word) */
+/* byte i of the result: byte (s >> 4 i) & 7 of the 8 bytes y:x (x the low word); a GPU's default
+ * mode reads bit 3 of each selector nibble as "replicate the sign", which this ignores: keep it 0 */
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const uint64_t v = (uint64_t)y << 32 | x;
     unsigned r = 0;
