@@ -465,16 +465,20 @@ static int round_act(int type, act *a, int64_t n_rows, int64_t ne0, char *err, s
  * compute capability 8.0 or later (the emulator counts as one) running the kernel compiled for
  * 8.0 or later (a build whose newest code for the device is older PTX has it trap), unless
  * CLOVER_CUDA_MMA=0. */
+static pthread_once_t g_mma_once = PTHREAD_ONCE_INIT;
+static bool g_mma_ok; /* the device and the build have the tensor-core kernels (set once) */
+
+static void mma_probe(void) {
+    cudaDeviceProp p;
+    cudaFuncAttributes a;
+    g_mma_ok = cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major >= 8 &&
+               cudaFuncGetAttributes(&a, k_matmul_mma<T_Q4_K, 4>) == cudaSuccess && a.ptxVersion >= 80;
+}
+
 static bool use_mma(void) {
-    static int ok = -1;
-    if (ok < 0) {
-        cudaDeviceProp p;
-        cudaFuncAttributes a;
-        ok = cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major >= 8 &&
-             cudaFuncGetAttributes(&a, k_matmul_mma<T_Q4_K, 4>) == cudaSuccess && a.ptxVersion >= 80;
-    }
+    pthread_once(&g_mma_once, mma_probe);
     const char *env = getenv("CLOVER_CUDA_MMA");
-    return ok && !(env && strcmp(env, "0") == 0);
+    return g_mma_ok && !(env && strcmp(env, "0") == 0);
 }
 
 extern "C" int clover_cuda_mma(void) { return use_mma(); }
