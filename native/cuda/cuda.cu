@@ -437,9 +437,16 @@ struct act {
     const float *d, *s;
 };
 
-/* Bytes of the int8 form of n values (ne0 a multiple of 32): the values, then the scales d and
- * the sums s, each at a 16-byte boundary. */
-static size_t act_q_bytes(int64_t n) { return ((size_t)n + 15) / 16 * 16 + 2 * (((size_t)n / 32 * 4 + 15) / 16 * 16); }
+/* The int8 form of n values (n a multiple of 32) laid out from base: the values, then the scales
+ * d and the sums s, each at a 16-byte boundary; fills a's q, d, s when base is not NULL and
+ * returns the bytes. */
+static size_t act_q_layout(int64_t n, char *base, act *a) {
+    const size_t vals = ((size_t)n + 15) / 16 * 16, per32 = ((size_t)n / 32 * sizeof(float) + 15) / 16 * 16;
+    if (base) a->q = (const int8_t *)base, a->d = (const float *)(base + vals), a->s = (const float *)(base + vals + per32);
+    return vals + 2 * per32;
+}
+
+static size_t act_q_bytes(int64_t n) { return act_q_layout(n, NULL, NULL); }
 
 /* a's int8 form of n_rows rows of ne0 activations a.x, as the CPU pairs them with `type`, into
  * g_q (grown by the caller to act_q_bytes(n_rows * ne0)); a float weight type leaves a as is. */
@@ -452,12 +459,12 @@ static int round_act(int type, act *a, int64_t n_rows, int64_t ne0, char *err, s
     }
     if (n_rows * (ne0 / ab) > INT32_MAX) return bad_arg(err, err_size, "activation rows: too many blocks for one launch");
     if (g_q.cap < act_q_bytes(n_rows * ne0)) return bad_arg(err, err_size, "activation scratch too small");
-    const size_t n = (size_t)(n_rows * ne0);
-    int8_t *q = (int8_t *)g_q.p;
-    float *d = (float *)(q + (n + 15) / 16 * 16), *sum = d + (n / 32 * 4 + 15) / 16 * 4;
+    const int64_t n = n_rows * ne0;
+    act_q_layout(n, (char *)g_q.p, a);
+    int8_t *q = (int8_t *)a->q;
+    float *d = (float *)a->d, *sum = (float *)a->s;
     if (ab == 32) LAUNCH(k_act_q8_0, dim3((unsigned)(n / 32)), dim3(32))(a->x, q, d, sum);
     else LAUNCH(k_act_q8_k, dim3((unsigned)(n / 256)), dim3(32))(a->x, q, d, sum);
-    a->q = q, a->d = d, a->s = sum;
     return CLOVER_OK;
 }
 
@@ -800,12 +807,28 @@ static int gdn_chunked(const float *conv, const float *beta, const float *g, int
     return rc;
 }
 
+/* clover_cuda_gdn's and clover_cuda_gdn_d's arguments: whether they are out of range. */
+static bool gdn_bad_args(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
+                         int64_t Hv, int64_t dk, int64_t dv, int64_t C, const float *state, const float *o) {
+    return !conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 ||
+           kind > CLOVER_GDN_FORWARD_CHUNKED || T <= 0 || Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 ||
+           dk > DK_MAX || dv <= 0 || dv > 1024 || C < 2 * Hk * dk + Hv * dv ||
+           T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv);
+}
+
+/* The GDN of `kind` on device arrays (the state only for the forwards). Caller holds g_lock. */
+static int gdn_run(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
+                   int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size) {
+    if (kind == CLOVER_GDN_FORWARD_CHUNKED) return gdn_chunked(conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
+    gdn_launch(conv, beta, g, T, Hk, Hv, dk, dv, C, kind == CLOVER_GDN_BACKWARD ? NULL : state,
+               kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
+    return CLOVER_OK;
+}
+
 extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
                                int64_t Hv, int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err,
                                size_t err_size) {
-    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 ||
-        kind > CLOVER_GDN_FORWARD_CHUNKED || T <= 0 || Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX ||
-        dv <= 0 || dv > 1024 || C < 2 * Hk * dk + Hv * dv || T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv))
+    if (gdn_bad_args(kind, conv, beta, g, T, Hk, Hv, dk, dv, C, state, o))
         return bad_arg(err, err_size, "gdn: bad arguments (kind, T, heads, dk <= 256, dv <= 1024 or C out of range)");
     pthread_mutex_lock(&g_lock);
     int rc = grow(&g_x, sizeof(float) * (size_t)(T * C), err, err_size);
@@ -816,10 +839,7 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
     if (rc == CLOVER_OK) rc = copy(X, conv, sizeof(float) * (size_t)(T * C), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) rc = copy(B, beta, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) rc = copy(G, g, sizeof(float) * (size_t)(T * Hv), cudaMemcpyHostToDevice, err, err_size);
-    float *S = kind == CLOVER_GDN_BACKWARD ? NULL : state; /* written back only by the two forwards */
-    if (rc == CLOVER_OK && kind == CLOVER_GDN_FORWARD_CHUNKED) rc = gdn_chunked(X, B, G, T, Hk, Hv, dk, dv, C, S, O, err, err_size);
-    else if (rc == CLOVER_OK)
-        gdn_launch(X, B, G, T, Hk, Hv, dk, dv, C, S, kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, O);
+    if (rc == CLOVER_OK) rc = gdn_run(kind, X, B, G, T, Hk, Hv, dk, dv, C, state, O, err, err_size);
     rc = launched(rc, "gdn", err, err_size);
     if (rc == CLOVER_OK) rc = copy(o, O, sizeof(float) * (size_t)(T * Hv * dv), cudaMemcpyDeviceToHost, err, err_size);
     pthread_mutex_unlock(&g_lock);
@@ -1248,19 +1268,12 @@ extern "C" int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t
 extern "C" int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
                                  int64_t Hv, int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err,
                                  size_t err_size) {
-    if (!conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 ||
-        kind > CLOVER_GDN_FORWARD_CHUNKED || T <= 0 || Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 || dk > DK_MAX ||
-        dv <= 0 || dv > 1024 || C < 2 * Hk * dk + Hv * dv)
+    if (gdn_bad_args(kind, conv, beta, g, T, Hk, Hv, dk, dv, C, state, o))
         return bad_arg(err, err_size, "gdn_d: bad arguments");
-    if (kind == CLOVER_GDN_FORWARD_CHUNKED) {
-        pthread_mutex_lock(&g_lock);
-        const int rc = gdn_chunked(conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
-        pthread_mutex_unlock(&g_lock);
-        return launched(rc, "gdn_d", err, err_size);
-    }
-    gdn_launch(conv, beta, g, T, Hk, Hv, dk, dv, C, kind == CLOVER_GDN_BACKWARD ? NULL : state,
-               kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
-    return launched(CLOVER_OK, "gdn_d", err, err_size);
+    pthread_mutex_lock(&g_lock);
+    const int rc = gdn_run(kind, conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    return launched(rc, "gdn_d", err, err_size);
 }
 
 extern "C" int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w,
