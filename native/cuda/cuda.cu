@@ -11,9 +11,10 @@
  * Block formats multiply their int8 values (dequant.cuh qpack, ggml's block layouts) with the
  * activations quantised as the CPU engine quantises them (Q8_0 or Q8_K, k_act_* below) in exact
  * integer dot products (dp4a; int8 tensor cores for many rows, mma.cuh), scaled per group of 32
- * (16) values in float32; float formats multiply in float32. Results differ from the CPU path
- * only in float rounding (tests/test_cuda.py states the tolerances). The GDN of long prefills runs
- * chunked (gdn_chunk.cuh). Not here yet: float formats on tensor cores (see the issue note).
+ * (16) values in float32; float formats multiply in float32 (F16 and BF16 on f16/bf16 tensor
+ * cores for many rows, the activations split into 16-bit terms, mma.cuh). Results differ from the
+ * CPU path only in float rounding (tests/test_cuda.py states the tolerances). The GDN of long
+ * prefills runs chunked (gdn_chunk.cuh).
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error
  * code from clover_cuda_devices, not a library that fails to load). */
@@ -276,6 +277,54 @@ __global__ void k_act_q8_k(const float *X, int8_t *Q, float *D, float *S) {
     }
 }
 
+/* bfloat16 bits of f rounded to nearest even (a NaN stays a NaN). */
+__device__ __forceinline__ uint32_t bf16_rn(float f) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return u >> 16 | 0x40u;
+    return (u + 0x7FFFu + (u >> 16 & 1u)) >> 16;
+}
+
+/* Activations as F16 (TYPE T_F16) or BF16 weights meet them on tensor cores (mma.cuh
+ * k_matmul_mma_f): row blockIdx.x of X (ne0 values, one warp) times a power of two p, written as
+ * the terms H[m * h_stride + i] (m < 2 for F16, 3 for BF16), each the 16-bit rounding of what the
+ * earlier ones left, and inv[row] = 1 / p. F16 takes p so that the row's largest |x| p lies in
+ * [2^14, 2^15) (p within 2^-126..2^126; 1 for a row of zeros or one holding Inf/NaN), which keeps
+ * the terms finite and the remainder below 2^-22 of |x| (f16 subnormals: 2^-38 of the row's
+ * largest); BF16 has float32's range, p = 1, remainder below 2^-27 of |x|. */
+template <int TYPE>
+__global__ void k_act_split(const float *X, int64_t ne0, uint16_t *H, int64_t h_stride, float *inv) {
+    constexpr int NTERM = TYPE == T_BF16 ? 3 : 2;
+    const float *x = X + (int64_t)blockIdx.x * ne0;
+    uint16_t *h = H + (int64_t)blockIdx.x * ne0;
+    float p = 1.0f;
+    if (TYPE == T_F16) {
+        float m = 0.0f;
+        for (int64_t i = threadIdx.x; i < ne0; i += 32) m = fmaxf(m, fabsf(x[i]));
+        m = warp_max(m);
+        if (m > 0.0f && m <= FLT_MAX) {
+            int e;
+            frexpf(m, &e); /* m in [2^(e-1), 2^e) */
+            p = ldexpf(1.0f, max(-126, min(126, 15 - e)));
+        }
+    }
+    if (threadIdx.x == 0) inv[blockIdx.x] = 1.0f / p;
+    for (int64_t i = threadIdx.x; i < ne0; i += 32) {
+        float v = x[i] * p;
+        for (int m = 0; m < NTERM; m++) {
+            uint32_t b;
+            float back;
+            if (TYPE == T_F16) {
+                const __half hv = __float2half_rn(v);
+                b = __half_as_ushort(hv), back = __half2float(hv);
+            } else {
+                b = bf16_rn(v), back = __uint_as_float(b << 16);
+            }
+            h[m * h_stride + i] = (uint16_t)b;
+            v -= back;
+        }
+    }
+}
+
 /* Values per block of the activation format paired with weight type `type` (0: float32). */
 static int act_block(int type) {
     switch (type) {
@@ -406,6 +455,7 @@ struct scratch {
     size_t cap; /* bytes */
 };
 static scratch g_x, g_y, g_gate, g_up, g_tiles, g_q, g_gdn; /* g_q: activations' int8 form; g_gdn: chunked GDN */
+static scratch g_h; /* activations split for F16/BF16 tensor cores (k_act_split) */
 static int64_t g_epoch; /* scratch reallocations so far (a captured graph holds their addresses) */
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
@@ -490,15 +540,43 @@ static bool use_mma(void) {
 
 extern "C" int clover_cuda_mma(void) { return use_mma(); }
 
+/* T rows of ne0 activations x split for F16 / BF16 (`type`) tensor cores (k_act_split) into g_h,
+ * grown here: *h the terms (*h_stride values apart), *inv the rows' scales. */
+static int split_act(int type, const float *x, int64_t T, int64_t ne0, const uint16_t **h, int64_t *h_stride,
+                     const float **inv, char *err, size_t err_size) {
+    if (!x) return bad_arg(err, err_size, "product: no activations");
+    if (T > INT32_MAX || T * ne0 > INT64_MAX / 8) return bad_arg(err, err_size, "product: too many activation rows");
+    const int64_t n = T * ne0; /* a multiple of 32: each term starts 64-byte aligned */
+    const int n_terms = type == T_BF16 ? 3 : 2;
+    int rc = grow(&g_h, sizeof(uint16_t) * (size_t)(n_terms * n) + sizeof(float) * (size_t)T, err, err_size);
+    if (rc != CLOVER_OK) return rc;
+    uint16_t *H = (uint16_t *)g_h.p;
+    float *I = (float *)(H + n_terms * n);
+    if (type == T_F16) LAUNCH(k_act_split<T_F16>, dim3((unsigned)T), dim3(32))(x, ne0, H, n, I);
+    else LAUNCH(k_act_split<T_BF16>, dim3((unsigned)T), dim3(32))(x, ne0, H, n, I);
+    *h = H, *h_stride = n, *inv = I;
+    return CLOVER_OK;
+}
+
 /* Y = W X on the device: T rows of one matrix (tiles NULL) or the n_tiles tiles of a grouped
  * product (see block_rows; T is then the tiles' rows in all); X in the form round_act gave it for
- * `type`. Block formats go to tensor cores (groups of 32 rows, or tiles holding 2 rows or more on
- * average) where use_mma, else to k_matmul_q. */
+ * `type`. Block formats go to int8 tensor cores, and F16 / BF16 ones with ne0 a multiple of 32
+ * and 16-byte aligned rows to f16 / bf16 tensor cores (split_act), for groups of 32 rows or
+ * tiles holding 2 rows or more on average, where use_mma; else to k_matmul_q / k_matmul_plain. */
 static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64_t ne1, act X, int64_t T,
                    float *Y, const tile *tiles, int64_t n_tiles, char *err, size_t err_size) {
     const uint8_t *w = (const uint8_t *)W;
     if (act_block(type) && !X.q) return bad_arg(err, err_size, "product: activations not rounded");
-    const bool mma = act_block(type) && (tiles ? T >= 2 * n_tiles : T >= 16) && use_mma();
+    const bool half = type == T_F16 || type == T_BF16;
+    const bool mma = (tiles ? T >= 2 * n_tiles : T >= 16) && use_mma() &&
+                     (act_block(type) || (half && ne0 % 32 == 0 && (uintptr_t)w % 16 == 0 && w_stride % 16 == 0));
+    const uint16_t *H = NULL;
+    const float *inv = NULL;
+    int64_t h_stride = 0;
+    if (mma && half) {
+        const int rc = split_act(type, X.x, T, ne0, &H, &h_stride, &inv, err, err_size);
+        if (rc != CLOVER_OK) return rc;
+    }
     const int per = tiles ? 1 : mma ? 32 : ROWS; /* activation rows (tiles) per blockIdx.y */
     const int64_t n_groups = tiles ? n_tiles : (T + per - 1) / per;
     for (int64_t g0 = 0; g0 < n_groups; g0 += 65535) { /* gridDim.y <= 65535 */
@@ -509,11 +587,20 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
         const float *x = X.x ? X.x + t0 * ne0 : NULL;
         const float *d = X.d ? X.d + t0 * (ne0 / 32) : NULL, *sum = X.s ? X.s + t0 * (ne0 / 32) : NULL;
         const int8_t *q = X.q ? X.q + t0 * ne0 : NULL;
+        const uint16_t *h = H ? H + t0 * ne0 : NULL;
+        const float *iv = inv ? inv + t0 : NULL;
         float *y = Y + t0 * ne1;
         const int64_t t = T - t0;
         const tile *tl = tiles ? tiles + g0 : NULL;
         switch (type) {
 #define PLAIN(TY) case TY: LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl); break;
+#define HALF(TY)                                                                                                   \
+    case TY:                                                                                                       \
+        if (!mma) LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                     \
+        else if (tiles) LAUNCH((k_matmul_mma_f<TY, 1>), grid, block)(w, w_stride, ne0, ne1, h, h_stride, iv, t, y,  \
+                                                                      tl);                                         \
+        else LAUNCH((k_matmul_mma_f<TY, 4>), grid, block)(w, w_stride, ne0, ne1, h, h_stride, iv, t, y, tl);      \
+        break;
 #define QUANT(TY)                                                                                                  \
     case TY:                                                                                                       \
         if (!mma) LAUNCH(k_matmul_q<TY>, grid, block)(w, w_stride, ne0, ne1, q, d, t, y, tl);                      \
@@ -521,8 +608,8 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
         else LAUNCH((k_matmul_mma<TY, 4>), grid, block)(w, w_stride, ne0, ne1, q, d, sum, t, y, tl);               \
         break;
             PLAIN(T_F32)
-            PLAIN(T_F16)
-            PLAIN(T_BF16)
+            HALF(T_F16)
+            HALF(T_BF16)
             QUANT(T_Q8_0)
             QUANT(T_Q4_0)
             QUANT(T_IQ4_NL)
@@ -532,6 +619,7 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
             QUANT(T_Q6_K)
             QUANT(T_IQ4_XS)
 #undef PLAIN
+#undef HALF
 #undef QUANT
         default:
             if (err && err_size) snprintf(err, err_size, "CUDA matmul: ggml type %d not supported", type);

@@ -3,6 +3,9 @@
  * form). The same integer products as k_matmul_q (exact int32 sums of int8 weights times int8
  * activations per group of 32 (Q6_K: 16) values, scaled in float32 per group), so the two
  * differ only in float order; this one shares each weight group's unpacking among 8 NT rows.
+ * And those of F16 and BF16 weights on f16/bf16 tensor cores (k_matmul_mma_f), with the float32
+ * activations split into 2 f16 (3 bf16) terms whose sum is the value within 2^-22 (2^-27) of it,
+ * so that these products, too, differ from the CPU's float32 ones in rounding only.
  *
  * Fragment layout of mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 (PTX ISA, "Matrix Fragments
  * for mma.m16n8k16 with integer type"), lane = 4 g + t: A (16 x 16) register a0 holds row g,
@@ -12,7 +15,8 @@
 #define CLOVER_MMA_CUH
 
 /* c += A B for one 16 x 8 x 16 int8 tile (layout above). Off the GPU (the CUDA emulator) the
- * same layout, gathered with shuffles, so a test there checks the kernel's indexing against it. */
+ * same layout, from every lane's registers at once (clover_emu_gather), so a test there checks
+ * the kernel's indexing against it. */
 __device__ __forceinline__ void mma_16x8x16(int c[4], uint32_t a0, uint32_t a1, uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
@@ -22,9 +26,13 @@ __device__ __forceinline__ void mma_16x8x16(int c[4], uint32_t a0, uint32_t a1, 
     __trap(); /* never launched below sm_80 (use_mma) */
 #else
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
-    for (int u = 0; u < 4; u++) { /* columns 4u..4u+3 of A's rows, rows 4u..4u+3 of B's columns */
-        const uint32_t ra = __shfl_sync(0xffffffffu, a0, 4 * g + u), rb = __shfl_sync(0xffffffffu, a1, 4 * g + u);
-        const uint32_t b0 = __shfl_sync(0xffffffffu, b, 8 * t + u), b1 = __shfl_sync(0xffffffffu, b, 8 * t + 4 + u);
+    const uint32_t mine[3] = {a0, a1, b};
+    uint32_t all[32][3]; /* every lane's registers */
+    clover_emu_gather(mine, &all[0][0], 3);
+    for (int u = 0; u < 4; u++) { /* lane 4 g + u: A's rows g, g + 8, columns 4u..4u+3; lane 4 n + u: B's
+                                   * column n, rows 4u..4u+3 */
+        const uint32_t ra = all[4 * g + u][0], rb = all[4 * g + u][1];
+        const uint32_t b0 = all[4 * (2 * t) + u][2], b1 = all[4 * (2 * t + 1) + u][2];
         c[0] = dp4a(ra, b0, c[0]), c[1] = dp4a(ra, b1, c[1]), c[2] = dp4a(rb, b0, c[2]), c[3] = dp4a(rb, b1, c[3]);
     }
 #endif
@@ -90,6 +98,125 @@ __global__ void k_matmul_mma(const uint8_t *W, int64_t w_stride, int64_t ne0, in
             const int64_t r = r0 + g + 8 * (i >> 1);
             const int cn = 8 * n + 2 * t + (i & 1);
             if (r < ne1 && cn < nr) Y[(t0 + cn) * ne1 + r] = acc[n][i];
+        }
+}
+
+/* ---- F16 and BF16 weights ---- */
+
+/* The float value of 16 bits of TYPE's format (T_F16: IEEE binary16, T_BF16: bfloat16). */
+template <int TYPE> __device__ __forceinline__ float half_bits(uint32_t h) {
+    return TYPE == T_F16 ? __half2float(__ushort_as_half((unsigned short)h)) : __uint_as_float(h << 16);
+}
+
+/* c += A B for one 16 x 8 x 16 tile of TYPE (T_F16 or T_BF16) values with float32 sums:
+ * mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 (PTX ISA, "Matrix Fragments
+ * for mma.m16n8k16 with floating point type"), lane = 4 g + t, two values a register (the lower
+ * column or row in the low half): a[0] is row g, columns 2t, 2t + 1; a[1] row g + 8, the same
+ * columns; a[2] and a[3] rows g and g + 8, columns 2t + 8, 2t + 9; b0 is rows 2t, 2t + 1 of
+ * column g, b1 rows 2t + 8, 2t + 9; c as in mma_16x8x16. Off the GPU the same layout, from every
+ * lane's registers (clover_emu_gather), summed in k order. */
+template <int TYPE>
+__device__ __forceinline__ void mma_16x8x16_f(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (TYPE == T_F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* never launched below sm_80 (use_mma) */
+#else
+    const int g = threadIdx.x / 4, t = threadIdx.x % 4;
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+    uint32_t all[32][6]; /* every lane's registers */
+    clover_emu_gather(mine, &all[0][0], 6);
+    for (int hi = 0; hi < 2; hi++)     /* k = 8 hi + 2 u + j */
+        for (int u = 0; u < 4; u++) { /* lane 4 g + u holds A's columns 2u, 2u + 1 (+ 8 hi) of rows g, g + 8 */
+            const uint32_t r0 = all[4 * g + u][2 * hi], r1 = all[4 * g + u][2 * hi + 1];
+            const uint32_t c0 = all[4 * (2 * t) + u][4 + hi], c1 = all[4 * (2 * t + 1) + u][4 + hi]; /* B's columns */
+            for (int j = 0; j < 2; j++) {
+                const float x0 = half_bits<TYPE>(r0 >> 16 * j & 0xFFFFu), x1 = half_bits<TYPE>(r1 >> 16 * j & 0xFFFFu);
+                const float y0 = half_bits<TYPE>(c0 >> 16 * j & 0xFFFFu), y1 = half_bits<TYPE>(c1 >> 16 * j & 0xFFFFu);
+                c[0] += x0 * y0, c[1] += x0 * y1, c[2] += x1 * y0, c[3] += x1 * y1;
+            }
+        }
+#endif
+}
+
+/* 16 bytes at p (8 values), which must be 16-byte aligned; off the GPU a misaligned p aborts. */
+__device__ __forceinline__ uint4 ld16(const uint16_t *p) {
+#ifdef __CUDA_ARCH__
+    return *(const uint4 *)p;
+#else
+    if ((uintptr_t)p % 16) abort();
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+#endif
+}
+
+__device__ __forceinline__ uint32_t word(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+/* Y = W X for F16 / BF16 weights W (rows 16-byte aligned, ne0 a multiple of 32), tiled as
+ * k_matmul_mma: one warp per 16 weight rows and 8 NT activation rows. X comes split
+ * (k_act_split): NTERM = 2 (F16) or 3 (BF16) arrays of 16-bit values h_stride apart, whose sum
+ * is X times the row's power of two 1 / inv, so Y = inv * sum over the terms of W H. Lane
+ * 4g + t reads values 8t..8t+7 of each 32 (one 16-byte load per row and term) and feeds them as
+ * two k-slices of 16 (a bijection of k that A and B share: slice s takes 4s..4s+3 of the 8,
+ * a[0]/b0 the first two, a[2]/b1 the other two). The tensor cores' running sums restart every
+ * F_CHUNK values (a long chain of float sums loses more than the CPU's split sums). */
+#define F_CHUNK 256 /* values summed in one run of mma before the float32 sum across runs */
+template <int TYPE, int NT>
+__global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const uint16_t *H,
+                               int64_t h_stride, const float *inv, int64_t T, float *Y, const tile *tiles) {
+    constexpr int NTERM = TYPE == T_BF16 ? 3 : 2;
+    const int g = threadIdx.x / 4, t = threadIdx.x % 4;
+    const int64_t r0 = ((int64_t)blockIdx.x * WARPS + threadIdx.y) * 16;
+    if (r0 >= ne1) return; /* the whole warp */
+    int64_t e = 0, t0;
+    int nr;
+    if (tiles) {
+        const tile tl = tiles[blockIdx.y];
+        e = tl.e, t0 = tl.t0, nr = tl.nr;
+    } else {
+        t0 = (int64_t)blockIdx.y * 8 * NT;
+        nr = (int)(T - t0 < 8 * NT ? T - t0 : 8 * NT);
+    }
+    if (nr <= 0) return; /* an unused tile (the whole warp) */
+    const uint16_t *w = (const uint16_t *)(W + e * w_stride);
+    const uint16_t *wa = w + (r0 + g < ne1 ? r0 + g : ne1 - 1) * ne0;
+    const uint16_t *wb = w + (r0 + g + 8 < ne1 ? r0 + g + 8 : ne1 - 1) * ne0;
+    const uint16_t *hb[NT]; /* B's column g of each n: activation row 8n + g (past nr: the last row) */
+    for (int n = 0; n < NT; n++) hb[n] = H + (t0 + min(8 * n + g, nr - 1)) * ne0;
+    float acc[NT][4], c[NT][4];
+    for (int n = 0; n < NT; n++)
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+    for (int64_t k0 = 0; k0 < ne0; k0 += F_CHUNK) { /* tile sums per F_CHUNK values, added up in acc */
+        for (int n = 0; n < NT; n++)
+            for (int i = 0; i < 4; i++) c[n][i] = 0.0f;
+        const int64_t k1 = k0 + F_CHUNK < ne0 ? k0 + F_CHUNK : ne0;
+        for (int64_t k = k0 + 8 * t; k < k1; k += 32) {
+            const uint4 pa = ld16(wa + k), pb = ld16(wb + k);
+            const uint32_t a[2][4] = {{pa.x, pb.x, pa.y, pb.y}, {pa.z, pb.z, pa.w, pb.w}};
+            for (int n = 0; n < NT; n++)
+                for (int m = 0; m < NTERM; m++) {
+                    const uint4 x = ld16(hb[n] + m * h_stride + k);
+                    for (int s = 0; s < 2; s++) mma_16x8x16_f<TYPE>(c[n], a[s], word(x, 2 * s), word(x, 2 * s + 1));
+                }
+        }
+        for (int n = 0; n < NT; n++)
+            for (int i = 0; i < 4; i++) acc[n][i] += c[n][i];
+    }
+    for (int n = 0; n < NT; n++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t r = r0 + g + 8 * (i >> 1);
+            const int cn = 8 * n + 2 * t + (i & 1);
+            if (r < ne1 && cn < nr) Y[(t0 + cn) * ne1 + r] = acc[n][i] * inv[t0 + cn];
         }
 }
 

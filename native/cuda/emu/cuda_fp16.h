@@ -8,6 +8,7 @@ struct __half {
     unsigned short x;
 };
 static inline __half __ushort_as_half(unsigned short b) { return __half{b}; }
+static inline unsigned short __half_as_ushort(__half h) { return h.x; }
 static inline float __half2float(__half h) {
     const uint32_t s = (uint32_t)(h.x & 0x8000) << 16, e = (h.x >> 10) & 31, m = h.x & 1023;
     if (e == 31) return __uint_as_float(s | 0x7F800000u | (m << 13));

@@ -37,6 +37,9 @@ struct uint3 {
 struct uint2 {
     unsigned x, y;
 };
+struct uint4 {
+    unsigned x, y, z, w;
+};
 struct dim3 {
     unsigned x, y, z;
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
@@ -102,6 +105,9 @@ bool clover_emu_record(const std::function<void()> &launch);
 /* device-side intrinsics */
 void __syncthreads(void);
 uint32_t clover_emu_shfl(uint32_t v, int src_lane, int mode); /* mode 0: index, 1: xor */
+/* all[n l + i] = word i of lane l's mine (n words each), for every lane of the warp at once: the
+ * operands of a warp-wide instruction (mma) in one exchange rather than a shuffle per word */
+void clover_emu_gather(const uint32_t *mine, uint32_t *all, int n);
 /* 32-bit values in one exchange, 64-bit ones (double) in two, as the hardware does */
 template <class V> static inline V clover_emu_shfl_t(V v, int arg, int mode) {
     static_assert(sizeof(V) == 4 || sizeof(V) == 8, "32- and 64-bit shuffles only");
@@ -124,7 +130,13 @@ static inline float __uint_as_float(uint32_t b) {
     memcpy(&f, &b, 4);
     return f;
 }
+static inline uint32_t __float_as_uint(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
 static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
 /* byte i of the result: byte (s >> 4 i) & 7 of the 8 bytes y:x (x the low word); a GPU's default
  * mode reads bit 3 of each selector nibble as "replicate the sign", which this ignores: keep it 0 */
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {

@@ -57,7 +57,10 @@ struct Fiber {
     State state;
     uint3 tid;
     uint32_t val, result; /* shuffle: the value offered and the one received */
-    int arg, mode;
+    int arg, mode;        /* mode 2: a gather (clover_emu_gather) of the gn words at gmine into gall */
+    const uint32_t *gmine;
+    uint32_t *gall;
+    int gn;
 };
 const size_t STACK = 256 * 1024;
 std::mutex g_run;                /* one launch at a time */
@@ -125,7 +128,18 @@ void open_barrier(int n) {
         if (waiting == 0) continue;
         if (waiting + done < w1 - w0) continue; /* some lanes still elsewhere */
         if (done) fail("warp shuffle with lanes that have exited");
+        if (g_fibers[w0].mode == 2) { /* every lane gets every lane's words, lane by lane */
+            for (int i = w0; i < w1; i++)
+                if (g_fibers[i].mode != 2 || g_fibers[i].gn != g_fibers[w0].gn) fail("warp gather mixed with a shuffle");
+            const size_t bytes = sizeof(uint32_t) * (size_t)g_fibers[w0].gn;
+            for (int i = w0; i < w1; i++)
+                for (int j = w0; j < w1; j++)
+                    memcpy(g_fibers[i].gall + (size_t)(j - w0) * g_fibers[w0].gn, g_fibers[j].gmine, bytes);
+            for (int i = w0; i < w1; i++) g_fibers[i].state = READY;
+            return;
+        }
         for (int i = w0; i < w1; i++) {
+            if (g_fibers[i].mode == 2) fail("warp gather mixed with a shuffle");
             Fiber &f = g_fibers[i];
             const int lane = i - w0;
             int src = f.mode == 0 ? f.arg : lane ^ f.arg;
@@ -158,6 +172,12 @@ uint32_t clover_emu_shfl(uint32_t v, int arg, int mode) {
     f.val = v, f.arg = arg, f.mode = mode;
     wait_here(AT_SHFL);
     return g_fibers[g_cur].result;
+}
+
+void clover_emu_gather(const uint32_t *mine, uint32_t *all, int n) {
+    Fiber &f = g_fibers[g_cur];
+    f.gmine = mine, f.gall = all, f.gn = n, f.mode = 2;
+    wait_here(AT_SHFL);
 }
 
 cudaError_t clover_emu_run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body) {
