@@ -22,7 +22,7 @@ __device__ __forceinline__ void mma_16x8x16(int c[4], uint32_t a0, uint32_t a1, 
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(b));
-#elif defined(__CUDA_ARCH__)
+#elif !defined(CLOVER_CUDA_EMU)
     __trap(); /* never launched below sm_80 (use_mma) */
 #else
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
@@ -128,7 +128,7 @@ __device__ __forceinline__ void mma_16x8x16_f(float c[4], const uint32_t a[4], u
             "{%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(__CUDA_ARCH__)
+#elif !defined(CLOVER_CUDA_EMU)
     __trap(); /* never launched below sm_80 (use_mma) */
 #else
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
