@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU and no network (issue 7 item 4): build with the
-# CUDA backend, run the GPU tests, then on the real-dims 4-layer Q4_K_M model (generated here):
+# CUDA backend, run the GPU tests, time the weight products alone per type (bench/gpu_products.py),
+# then on the real-dims 4-layer Q4_K_M model (generated here):
 # greedy tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
 # forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
 #
@@ -40,6 +41,9 @@ set +e
 $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
+
+step "weight products alone (bench/gpu_products.py): us, GB/s, % of the copy bandwidth, with and without tensor cores"
+$py bench/gpu_products.py --json | tee "$out/products.txt" || true
 
 step "real-dims 4-layer Q4_K_M model"
 model=/tmp/clover-real4-q4km.gguf

@@ -1891,7 +1891,10 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     const int64_t vdim = d.Hv * d.dv, Is = hp->n_ff_shexp, LM = T < RES_LM ? T : RES_LM;
     size_t off = 0;
     const size_t F = sizeof(float), I = sizeof(int32_t);
-    b->x = take(base, &off, T * H, F), b->xn = take(base, &off, T * H, F), b->o = take(base, &off, T * H, F);
+    /* first what each pass uploads (res_pass: one copy from x to the end of pos) */
+    b->x = take(base, &off, T * H, F), b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I);
+    b->idx = take(base, &off, T, I), b->gstart = take(base, &off, T + 1, I), b->pos = take(base, &off, 1, sizeof(int64_t));
+    b->xn = take(base, &off, T * H, F), b->o = take(base, &off, T * H, F);
     b->qg = take(base, &off, T * nh * 2 * hd, F), b->att = take(base, &off, T * nh * hd, F);
     b->qkv = take(base, &off, T * d.C, F), b->cv = take(base, &off, T * d.C, F), b->cvb = take(base, &off, T * d.C, F);
     b->z = take(base, &off, T * vdim, F), b->og = take(base, &off, T * vdim, F), b->ob = take(base, &off, T * vdim, F);
@@ -1902,13 +1905,12 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->gt = take(base, &off, T * Is, F), b->up = take(base, &off, T * Is, F), b->ys = take(base, &off, T * H, F);
     b->sg = take(base, &off, T, F), b->logits = take(base, &off, LM * hp->n_vocab, F);
     b->sel = take(base, &off, P, I), b->prow = take(base, &off, P, I);
-    b->pair = take(base, &off, P, I), b->idx = take(base, &off, T, I);
-    b->gstart = take(base, &off, T + 1, I), b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
+    b->pair = take(base, &off, P, I);
+    b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
     b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
     b->gtotal = take(base, &off, T, sizeof(double));
-    b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I), b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
+    b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
     b->kn = take(base, &off, T * hp->n_head_kv * hd, F), b->vn = take(base, &off, T * hp->n_head_kv * hd, F);
-    b->pos = take(base, &off, 1, sizeof(int64_t));
     return off;
 }
 
@@ -2065,19 +2067,19 @@ static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n,
     return rc;
 }
 
-/* The selection's uploads (clover_block_forward_select): the needed rows' edit ranges, and the
- * edits (ops_dev, grown as needed). */
-static int res_select_upload(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n) {
+/* The selection's inputs (clover_block_forward_select): the n needed rows' ranges of edits into
+ * start (n + 1, host: res_pass uploads them with the pass's other inputs), and the edits
+ * themselves to ops_dev (grown as needed). */
+static int res_select_upload(fwd *f, const int32_t *idx, int64_t n, int32_t *start) {
     clover_context *c = f->c;
     const select_req *g = f->sreq;
     const int64_t n_ops = g->ops_start[f->T];
     char *err = f->err;
     const size_t es = f->err_size;
-    int32_t *start = malloc(sizeof(int32_t) * (size_t)(n + 1));
-    int rc = start ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
-    for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) start[i] = g->ops_start[idx[i]]; /* the needed rows' ranges */
-    if (rc == CLOVER_OK) start[n] = (int32_t)n_ops;
-    if (rc == CLOVER_OK && n_ops > c->ops_cap) { /* doubling from 4096: a graph holds the address (graph_key) */
+    int rc = CLOVER_OK;
+    for (int64_t i = 0; i < n; i++) start[i] = g->ops_start[idx[i]];
+    start[n] = (int32_t)n_ops;
+    if (n_ops > c->ops_cap) { /* doubling from 4096: a graph holds the address (graph_key) */
         const int64_t cap = n_ops > 2048 ? 2 * n_ops : 4096;
         clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
         c->ops_dev = c->pre_dev = NULL;
@@ -2087,8 +2089,6 @@ static int res_select_upload(fwd *f, const res_bufs *b, const int32_t *idx, int6
             c->ops_cap = cap;
     }
     if (rc == CLOVER_OK && n_ops) rc = clover_cuda_write(c->ops_dev, 0, g->ops, sizeof(clover_logit_op) * (size_t)n_ops, err, es);
-    if (rc == CLOVER_OK) rc = clover_cuda_write(b->gstart, 0, start, sizeof(int32_t) * (size_t)(n + 1), err, es);
-    free(start);
     return rc;
 }
 
@@ -2294,12 +2294,17 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     int rc = res_workspace(c, T, &b, err, es);
     if (rc == CLOVER_OK) rc = res_prepare(f);
     if (rc) return rc;
-    /* uploads first (each waits for the device): the embedding rows (dequantised here, a row
-     * each, as the CPU), the position, the LM head's row list, cleared flags */
-    float *x = malloc(sizeof(float) * (size_t)(T * H));
-    int32_t *flags = calloc((size_t)(4 * L), sizeof(int32_t)), *idx = malloc(sizeof(int32_t) * (size_t)T);
+    /* the upload first, in one copy (it waits for the device) laid out as b from x to the end of
+     * pos: the embedding rows (dequantised here, a row each, as the CPU), cleared flags, the LM
+     * head's row list, the selection's ranges of sampler edits per row, the position */
+    const size_t up_bytes = (size_t)((char *)(b.pos + 1) - (char *)b.x);
+    char *up = calloc(1, up_bytes);
+    float *x = (float *)up;
+    int32_t *flags = up ? (int32_t *)(up + ((char *)b.flags - (char *)b.x)) : NULL;
+    int32_t *idx = up ? (int32_t *)(up + ((char *)b.idx - (char *)b.x)) : NULL;
     int64_t n = 0;
-    if (!x || !flags || !idx) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
+    if (!up) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
+    else memcpy(up + ((char *)b.pos - (char *)b.x), &f->pos0, sizeof(int64_t));
     /* through a graph, a block pass selects on every row (the same launches each time), and only
      * the rows asked for are read */
     const int graph = c->graphs && f->sreq && T <= RES_LM && rec_row == 0;
@@ -2309,11 +2314,8 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
         if ((logits || f->sreq) && (rows && !(graph && f->mode == MODE_BLOCK) ? rows[t] != 0 : t >= logit_row0))
             idx[n++] = (int32_t)t;
     }
-    if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
-    if (rc == CLOVER_OK) rc = clover_cuda_write(b.pos, 0, &f->pos0, sizeof(int64_t), err, es);
-    if (rc == CLOVER_OK) rc = clover_cuda_write(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
-    if (rc == CLOVER_OK && n) rc = clover_cuda_write(b.idx, 0, idx, sizeof(int32_t) * (size_t)n, err, es);
-    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_upload(f, &b, idx, n);
+    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_upload(f, idx, n, (int32_t *)(up + ((char *)b.gstart - (char *)b.x)));
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, up, up_bytes, err, es);
     if (rc == CLOVER_OK && graph) {
         pthread_mutex_lock(&g_graph_mu);
         rc = g_n_contexts == 1 ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
@@ -2337,7 +2339,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
         if (f->n_experts_out) f->n_experts_out[il] = flags[2 * L + 2 * il];
         if (f->mode == MODE_BLOCK) c->nexp_full[il] = flags[2 * L + 2 * il + 1];
     }
-    free(x), free(flags), free(idx);
+    free(up);
     return rc;
 }
 
