@@ -201,6 +201,23 @@ def test_many_row_products_take_the_tensor_core_kernel(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("ne0", [1004, 1001])
+def test_float_products_of_any_row_length(name, ne0):
+    """Float weights whose rows do not allow 16-byte loads: ne0 1004 (F32 still takes them, F16
+    and BF16 not) and 1001 (no type), 3 and 20 rows (20 would take tensor cores with ne0 a
+    multiple of 32): the element-wise kernel against the CPU engine, within 1e-5 of sum |w x|."""
+    rng = np.random.default_rng(ne0)
+    q, w = _weights(name, PLAIN[name], ne0, 37, rng)
+    for T in (3, 20):
+        x = rng.standard_normal((T, ne0)).astype(np.float32)
+        y = _gpu_matmul(PLAIN[name], q, ne0, 37, x)
+        want = _cpu_matmul(PLAIN[name], q, ne0, 37, x)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+        assert np.all(np.abs(y - want) <= 1e-5 * scale), (T, float(np.max(np.abs(y - want) / scale)))
+
+
+@gpu
 @pytest.mark.parametrize("name", ["F16", "BF16"])
 def test_float_weights_on_tensor_cores_keep_float32_activations(name):
     """32 rows of F16 / BF16 weights (tensor cores on compute 8.0 or later, their activations split

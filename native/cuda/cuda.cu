@@ -206,6 +206,39 @@ __global__ void k_matmul_plain(const uint8_t *W, int64_t w_stride, int64_t ne0, 
     store_rows(acc, b.nr, Y, ne1, b.r, b.t0);
 }
 
+/* The same with 16-byte loads (weight rows and X's rows 16-byte aligned, ne0 a multiple of VW):
+ * lane l takes the VW = 16 / (bytes per value) values from VW l + 32 VW i on. */
+template <int TYPE>
+__global__ void k_matmul_plain_v(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const float *X,
+                                 int64_t T, float *Y, const tile *tiles) {
+    constexpr int EB = TYPE == T_F32 ? 4 : 2, VW = 16 / EB;
+    const rows_of_block b = block_rows(W, ne0 * EB, w_stride, ne1, T, tiles);
+    if (b.nr <= 0) return;
+    const float *bx = X + b.t0 * ne0;
+    float acc[ROWS];
+    for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
+    UNROLL_4
+    for (int64_t j = VW * (int64_t)threadIdx.x; j < ne0; j += VW * 32) {
+        const uint4 p = ld16((const uint16_t *)(b.w + j * EB));
+        float v[VW];
+        for (int i = 0; i < VW; i++) {
+            const uint32_t u = word(p, i * EB / 4);
+            if (TYPE == T_F32) v[i] = __uint_as_float(u);
+            else v[i] = half_bits<TYPE>(i & 1 ? u >> 16 : u & 0xFFFFu);
+        }
+        for (int k = 0; k < ROWS; k++) {
+            if (k >= b.nr) break;
+            const uint16_t *x = (const uint16_t *)(bx + k * ne0 + j);
+            for (int q = 0; q < VW / 4; q++) {
+                const uint4 a = ld16(x + 8 * q);
+                acc[k] += v[4 * q] * __uint_as_float(a.x) + v[4 * q + 1] * __uint_as_float(a.y) +
+                          v[4 * q + 2] * __uint_as_float(a.z) + v[4 * q + 3] * __uint_as_float(a.w);
+            }
+        }
+    }
+    store_rows(acc, b.nr, Y, ne1, b.r, b.t0);
+}
+
 /* SwiGLU of the experts (spec 2.3 step 2), as the CPU's: g = silu(g) * u, silu(x) = x / (1 + e^-x). */
 __global__ void k_swiglu(float *g, const float *u, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -562,14 +595,18 @@ static int split_act(int type, const float *x, int64_t T, int64_t ne0, const uin
  * product (see block_rows; T is then the tiles' rows in all); X in the form round_act gave it for
  * `type`. Block formats go to int8 tensor cores, and F16 / BF16 ones with ne0 a multiple of 32
  * and 16-byte aligned rows to f16 / bf16 tensor cores (split_act), for groups of 32 rows or
- * tiles holding 2 rows or more on average, where use_mma; else to k_matmul_q / k_matmul_plain. */
+ * tiles holding 2 rows or more on average, where use_mma; else to k_matmul_q / k_matmul_plain
+ * (k_matmul_plain_v where the rows allow 16-byte loads). */
 static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64_t ne1, act X, int64_t T,
                    float *Y, const tile *tiles, int64_t n_tiles, char *err, size_t err_size) {
     const uint8_t *w = (const uint8_t *)W;
     if (act_block(type) && !X.q) return bad_arg(err, err_size, "product: activations not rounded");
     const bool half = type == T_F16 || type == T_BF16;
+    const bool aligned = (uintptr_t)w % 16 == 0 && w_stride % 16 == 0; /* also each row, for ne0 as below */
     const bool mma = (tiles ? T >= 2 * n_tiles : T >= 16) && use_mma() &&
-                     (act_block(type) || (half && ne0 % 32 == 0 && (uintptr_t)w % 16 == 0 && w_stride % 16 == 0));
+                     (act_block(type) || (half && ne0 % 32 == 0 && aligned));
+    /* float weights off tensor cores: 16-byte loads where the rows allow */
+    const bool vec = aligned && ne0 % (type == T_F32 ? 4 : 8) == 0 && (uintptr_t)X.x % 16 == 0;
     const uint16_t *H = NULL;
     const float *inv = NULL;
     int64_t h_stride = 0;
@@ -593,10 +630,15 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
         const int64_t t = T - t0;
         const tile *tl = tiles ? tiles + g0 : NULL;
         switch (type) {
-#define PLAIN(TY) case TY: LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl); break;
+#define PLAIN(TY)                                                                                                  \
+    case TY:                                                                                                       \
+        if (vec) LAUNCH(k_matmul_plain_v<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                    \
+        else LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                          \
+        break;
 #define HALF(TY)                                                                                                   \
     case TY:                                                                                                       \
-        if (!mma) LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                     \
+        if (!mma && vec) LAUNCH(k_matmul_plain_v<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);            \
+        else if (!mma) LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                \
         else if (tiles) LAUNCH((k_matmul_mma_f<TY, 1>), grid, block)(w, w_stride, ne0, ne1, h, h_stride, iv, t, y,  \
                                                                       tl);                                         \
         else LAUNCH((k_matmul_mma_f<TY, 4>), grid, block)(w, w_stride, ne0, ne1, h, h_stride, iv, t, y, tl);      \
