@@ -330,9 +330,16 @@ def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv)
     rows written by clover_cuda_write, against float64 numpy (softmax(q K^T / sqrt(hd)) V times
     sigmoid(gate), spec 2.2): within 1e-5 of max |v| (float32 sums; seen about 1e-7). Block mode
     then runs again on the same rows with other values: the cache rows are overwritten, as a
-    denoising step rewrites its block's scratch rows."""
-    rng = np.random.default_rng(hd)
-    n_ctx, pos0, T, kvd = 64, 37, 11, n_kv * hd
+    denoising step rewrites its block's scratch rows. 1, 11 and 40 rows: the keys of a row and head
+    go in 16 splits (one row, most splits and warps empty), several, or one (40 rows of 16 heads
+    fill the GPU alone: k_attention writes the output without k_attention_merge)."""
+    for T in (1, 11, 40):
+        _check_attention(hd, n_head, n_kv, T)
+
+
+def _check_attention(hd, n_head, n_kv, T):
+    rng = np.random.default_rng(hd + T)
+    n_ctx, pos0, kvd = 96, 37, n_kv * hd
     k_all = rng.standard_normal((n_ctx, kvd)).astype(np.float32)
     v_all = rng.standard_normal((n_ctx, kvd)).astype(np.float32)
     err = _cffi.new("char[]", 256)
@@ -361,7 +368,7 @@ def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv)
                     want = (p / p.sum()) @ v_all[:n_keys, kv] / (1 + np.exp(-q[t, h, hd:].astype(np.float64)))
                     assert np.max(np.abs(out[t, h] - want)) <= 1e-5 * np.abs(v_all).max(), (causal, t, h)
         bad = _clib.clover_cuda_attention(_f(q), _f(kn), _f(vn), _cffi.cast("float *", kd[0]),
-                                          _cffi.cast("float *", vd[0]), n_ctx, n_ctx - 3, T, n_head, n_kv, hd, 1,
+                                          _cffi.cast("float *", vd[0]), n_ctx, n_ctx - T + 1, T, n_head, n_kv, hd, 1,
                                           1.0, _f(out), err, 256)
         assert bad == lib.CLOVER_E_ARG and "pos0" in _cffi.string(err).decode()
     finally:

@@ -367,25 +367,43 @@ static int act_block(int type) {
     }
 }
 
-/* Gated attention (spec 2.2 steps 3-4) of query row t, head h (grid (n_head, T), one warp):
- * o = softmax(q K^T * scale) V over the row's keys, times sigmoid(gate). Lane l holds
- * dimensions l + 32 i of q and of the output; keys are read in order with an online softmax
- * (running max m and sum s, rescaling the output when m grows), the form of flash attention;
- * the CPU's attend_row takes the max first, which differs only in rounding. Q: [T][n_head][2 hd]
- * (q then gate), K/V: the layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t:
- * pos0 + t + 1 (causal, prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
+/* Gated attention (spec 2.2 steps 3-4) of query row t = t_base + blockIdx.y, head h = blockIdx.x:
+ * o = softmax(q K^T * scale) V over the row's keys, times sigmoid(gate). The keys are cut into
+ * gridDim.z splits (blockIdx.z: one contiguous range each) and a split among the block's
+ * ATT_WARPS warps (warp w: keys w, w + ATT_WARPS, ...); each warp reads its keys in order with an
+ * online softmax (running max m and sum s, rescaling its output when m grows), the form of flash
+ * attention, lane l holding dimensions l + 32 i of q and of the output; the block then merges its
+ * warps' (m, s, output) in shared memory. One split writes the gated output; several write their
+ * merged (m, s, output) to P [T][n_head][splits][hd + 2] for k_attention_merge (flash decoding:
+ * a decode step's few rows and heads still fill the GPU). The CPU's attend_row takes the max
+ * first and sums in key order, which differs only in rounding. Q: [T][n_head][2 hd] (q then
+ * gate), K/V: the layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t: pos0 + t + 1
+ * (causal, prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
 #define HD_MAX 256
-__global__ void k_attention(const float *Q, const float *K, const float *V, float *O, const int64_t *pos_p, int64_t pos0,
-                            int64_t T, int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
+enum { ATT_WARPS = 4, ATT_SPLITS_MAX = 16 };
+
+/* (m, s, acc) and (m2, s2, acc2) merged into the first, n of acc's values held */
+__device__ __forceinline__ void softmax_merge(float &m, float &s, float *acc, float m2, float s2, const float *acc2, int n) {
+    const float mm = fmaxf(m, m2), c1 = expf(m - mm), c2 = expf(m2 - mm);
+    s = s * c1 + s2 * c2;
+    for (int i = 0; i < n; i++) acc[i] = acc[i] * c1 + acc2[i] * c2;
+    m = mm;
+}
+
+__global__ void __launch_bounds__(32 * ATT_WARPS)
+    k_attention(const float *Q, const float *K, const float *V, float *O, float *P, const int64_t *pos_p, int64_t pos0,
+                int64_t T, int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
+    __shared__ float wm[ATT_WARPS], ws[ATT_WARPS], wacc[ATT_WARPS][HD_MAX];
     if (pos_p) pos0 = *pos_p; /* the position on the device (a graph replays with a new one) */
     const int64_t h = blockIdx.x, t = t_base + blockIdx.y, kvd = n_kv * hd, off = (h / (n_head / n_kv)) * hd;
-    const int lane = threadIdx.x, nd = (int)(hd / 32);
+    const int lane = threadIdx.x, w = threadIdx.y, nd = (int)(hd / 32);
     const float *q = Q + (t * n_head + h) * 2 * hd;
     float qv[HD_MAX / 32], acc[HD_MAX / 32];
     for (int i = 0; i < HD_MAX / 32; i++) qv[i] = i < nd ? q[lane + 32 * i] : 0.0f, acc[i] = 0.0f;
-    const int64_t n_keys = causal ? pos0 + t + 1 : pos0 + T;
+    const int64_t n_keys = causal ? pos0 + t + 1 : pos0 + T, per = (n_keys + gridDim.z - 1) / gridDim.z;
+    const int64_t k0 = blockIdx.z * per, k1 = k0 + per < n_keys ? k0 + per : n_keys;
     float m = -FLT_MAX, s = 0.0f;
-    for (int64_t j = 0; j < n_keys; j++) {
+    for (int64_t j = k0 + w; j < k1; j += ATT_WARPS) {
         const float *kj = K + j * kvd + off, *vj = V + j * kvd + off;
         float p = 0.0f;
         for (int i = 0; i < nd; i++) p += qv[i] * kj[lane + 32 * i];
@@ -395,6 +413,43 @@ __global__ void k_attention(const float *Q, const float *K, const float *V, floa
         for (int i = 0; i < nd; i++) acc[i] = acc[i] * corr + e * vj[lane + 32 * i];
         m = m2;
     }
+    for (int i = 0; i < nd; i++) wacc[w][lane + 32 * i] = acc[i];
+    if (lane == 0) wm[w] = m, ws[w] = s;
+    __syncthreads();
+    if (w != 0) return;
+    for (int u = 1; u < ATT_WARPS; u++) {
+        float a2[HD_MAX / 32];
+        for (int i = 0; i < nd; i++) a2[i] = wacc[u][lane + 32 * i];
+        softmax_merge(m, s, acc, wm[u], ws[u], a2, nd);
+    }
+    if (gridDim.z == 1) {
+        for (int i = 0; i < nd; i++) {
+            const float g = q[hd + lane + 32 * i];
+            O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-g)));
+        }
+        return;
+    }
+    float *pp = P + ((t * n_head + h) * gridDim.z + blockIdx.z) * (hd + 2);
+    if (lane == 0) pp[0] = m, pp[1] = s;
+    for (int i = 0; i < nd; i++) pp[2 + lane + 32 * i] = acc[i];
+}
+
+/* The splits' (m, s, output) of k_attention merged in split order (grid (n_head, rows), one
+ * warp), the gated output to O. */
+__global__ void k_attention_merge(const float *Q, const float *P, float *O, int64_t t_base, int64_t n_head, int64_t hd,
+                                  int n_splits) {
+    const int64_t h = blockIdx.x, t = t_base + blockIdx.y;
+    const int lane = threadIdx.x, nd = (int)(hd / 32);
+    const float *p = P + (t * n_head + h) * n_splits * (hd + 2);
+    float m = p[0], s = p[1], acc[HD_MAX / 32];
+    for (int i = 0; i < nd; i++) acc[i] = p[2 + lane + 32 * i];
+    for (int u = 1; u < n_splits; u++) {
+        const float *pu = p + u * (hd + 2);
+        float a2[HD_MAX / 32];
+        for (int i = 0; i < nd; i++) a2[i] = pu[2 + lane + 32 * i];
+        softmax_merge(m, s, acc, pu[0], pu[1], a2, nd);
+    }
+    const float *q = Q + (t * n_head + h) * 2 * hd;
     for (int i = 0; i < nd; i++) {
         const float g = q[hd + lane + 32 * i];
         O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-g)));
@@ -489,6 +544,7 @@ struct scratch {
 };
 static scratch g_x, g_y, g_gate, g_up, g_tiles, g_q, g_gdn; /* g_q: activations' int8 form; g_gdn: chunked GDN */
 static scratch g_h; /* activations split for F16/BF16 tensor cores (k_act_split) */
+static scratch g_att; /* attention's per-split results (k_attention) */
 static int64_t g_epoch; /* scratch reallocations so far (a captured graph holds their addresses) */
 
 static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
@@ -881,6 +937,34 @@ extern "C" int clover_cuda_write(void *dev, size_t offset, const void *host, siz
     return nbytes ? copy((char *)dev + offset, host, nbytes, cudaMemcpyHostToDevice, err, err_size) : CLOVER_OK;
 }
 
+/* Splits of the keys per (row, head) in k_attention: one when the T n_head pairs fill the GPU
+ * alone, else up to ATT_SPLITS_MAX (about 512 blocks: a decode step's 16 heads take 16 splits). */
+static int att_splits(int64_t T, int64_t n_head) {
+    const int64_t pairs = T * n_head, want = (512 + pairs - 1) / pairs;
+    return want < ATT_SPLITS_MAX ? (int)want : ATT_SPLITS_MAX;
+}
+
+/* k_attention (and k_attention_merge for several splits, their results in g_att, grown here)
+ * over the T rows of Q; caller holds g_lock; launches only. */
+static int attention_launch(const float *Q, const float *K, const float *V, float *O, const int64_t *pos_p,
+                            int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
+                            float scale, char *err, size_t err_size) {
+    const int S = att_splits(T, n_head);
+    float *P = NULL;
+    if (S > 1) {
+        const int rc = grow(&g_att, sizeof(float) * (size_t)(T * n_head * S * (hd + 2)), err, err_size);
+        if (rc != CLOVER_OK) return rc;
+        P = (float *)g_att.p;
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += 65535) { /* gridDim.y <= 65535 */
+        const unsigned rows = (unsigned)(T - t0 < 65535 ? T - t0 : 65535);
+        LAUNCH(k_attention, dim3((unsigned)n_head, rows, (unsigned)S), dim3(32, ATT_WARPS))(
+            Q, K, V, O, P, pos_p, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+        if (S > 1) LAUNCH(k_attention_merge, dim3((unsigned)n_head, rows), dim3(32))(Q, P, O, t0, n_head, hd, S);
+    }
+    return CLOVER_OK;
+}
+
 extern "C" int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
                                      float *v_cache, int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head,
                                      int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
@@ -901,9 +985,7 @@ extern "C" int clover_cuda_attention(const float *q, const float *k_new, const f
     if (rc == CLOVER_OK)
         rc = copy(Q, q, sizeof(float) * (size_t)(T * n_head * 2 * hd), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) {
-        for (int64_t t0 = 0; t0 < T; t0 += 65535) /* gridDim.y <= 65535 */
-            LAUNCH(k_attention, dim3((unsigned)n_head, (unsigned)(T - t0 < 65535 ? T - t0 : 65535)), dim3(32))(
-                Q, k_cache, v_cache, O, (const int64_t *)NULL, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+        rc = attention_launch(Q, k_cache, v_cache, O, NULL, pos0, T, n_head, n_kv, hd, causal, scale, err, err_size);
         rc = launched(rc, "attention", err, err_size);
     }
     if (rc == CLOVER_OK)
@@ -1344,10 +1426,11 @@ extern "C" int clover_cuda_attention_d(const float *q, const float *k_cache, con
     if (!q || !k_cache || !v_cache || !out || !pos || T <= 0 || n_head <= 0 || n_head > 65535 || n_kv <= 0 ||
         n_head % n_kv || hd <= 0 || hd % 32 || hd > HD_MAX)
         return bad_arg(err, err_size, "attention_d: bad arguments");
-    for (int64_t t0 = 0; t0 < T; t0 += 65535)
-        LAUNCH(k_attention, dim3((unsigned)n_head, (unsigned)(T - t0 < 65535 ? T - t0 : 65535)), dim3(32))(
-            q, k_cache, v_cache, out, pos, (int64_t)0, T, t0, n_head, n_kv, hd, causal, scale);
-    return launched(CLOVER_OK, "attention_d", err, err_size);
+    pthread_mutex_lock(&g_lock);
+    int rc = attention_launch(q, k_cache, v_cache, out, pos, 0, T, n_head, n_kv, hd, causal, scale, err, err_size);
+    rc = launched(rc, "attention_d", err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
 }
 
 /* Rows t < T of kn, vn ([T][kvd]) into rows *pos + t of the caches ([n_ctx][kvd]). */
