@@ -1891,9 +1891,12 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     const int64_t vdim = d.Hv * d.dv, Is = hp->n_ff_shexp, LM = T < RES_LM ? T : RES_LM;
     size_t off = 0;
     const size_t F = sizeof(float), I = sizeof(int32_t);
-    /* first what each pass uploads (res_pass: one copy from x to the end of pos) */
-    b->x = take(base, &off, T * H, F), b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I);
-    b->idx = take(base, &off, T, I), b->gstart = take(base, &off, T + 1, I), b->pos = take(base, &off, 1, sizeof(int64_t));
+    /* what a pass uploads (res_pass: one copy from x to the end of flags), then what it reads
+     * back (res_pass / res_select_read: one copy from flags on) */
+    b->x = take(base, &off, T * H, F), b->idx = take(base, &off, T, I), b->gstart = take(base, &off, T + 1, I);
+    b->pos = take(base, &off, 1, sizeof(int64_t)), b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I);
+    b->gconf = take(base, &off, T, F), b->gid = take(base, &off, T, I), b->gtotal = take(base, &off, T, sizeof(double));
+    b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
     b->xn = take(base, &off, T * H, F), b->o = take(base, &off, T * H, F);
     b->qg = take(base, &off, T * nh * 2 * hd, F), b->att = take(base, &off, T * nh * hd, F);
     b->qkv = take(base, &off, T * d.C, F), b->cv = take(base, &off, T * d.C, F), b->cvb = take(base, &off, T * d.C, F);
@@ -1906,9 +1909,6 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->sg = take(base, &off, T, F), b->logits = take(base, &off, LM * hp->n_vocab, F);
     b->sel = take(base, &off, P, I), b->prow = take(base, &off, P, I);
     b->pair = take(base, &off, P, I);
-    b->gid = take(base, &off, T, I), b->gconf = take(base, &off, T, F);
-    b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
-    b->gtotal = take(base, &off, T, sizeof(double));
     b->tiles = take(base, &off, 3 * clover_cuda_route_tiles(P, E), I);
     b->kn = take(base, &off, T * hp->n_head_kv * hd, F), b->vn = take(base, &off, T * hp->n_head_kv * hd, F);
     return off;
@@ -2121,27 +2121,39 @@ static int res_select_run(fwd *f, const res_bufs *b, int64_t n) {
     return rc;
 }
 
-/* The selection's results into the request's id / conf or cand rows (and pre); rows (when not
+/* The selection's results into the request's id / conf or cand rows (and pre), and the pass's
+ * flags ([4 n_layer]) into flags, in one read; rows (when not
  * NULL): only the rows t with rows[t] != 0 are wanted (a graph's pass selects on every row). For
  * top-p alone, a row whose top-p prefix does not end within its candidates gets total 0 and its
  * edited logits from b->logits instead (the CPU sampler then takes the whole row). */
-static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, const uint8_t *rows) {
+static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, const uint8_t *rows,
+                           int32_t *flags) {
     const select_req *g = f->sreq;
-    const int64_t K = g->k, n_ops = g->ops_start[f->T], V = f->c->m->hp.n_vocab;
+    const int64_t K = g->k, n_ops = g->ops_start[f->T], V = f->c->m->hp.n_vocab, L = f->c->m->hp.n_layer;
     char *err = f->err;
     const size_t es = f->err_size;
-    int32_t *id = malloc(sizeof(int32_t) * (size_t)n);
-    float *conf = malloc(sizeof(float) * (size_t)n);
-    clover_cand *cand = K ? malloc(sizeof(clover_cand) * (size_t)(n * K)) : NULL;
-    double *total = g->total ? malloc(sizeof(double) * (size_t)n) : NULL;
-    int rc = id && conf && (cand || !K) && (total || !g->total) ? CLOVER_OK
-                                                                 : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
+    /* one read from flags to the end of the last field needed (res_layout's order) */
+    const char *end = K          ? (const char *)(b->gcand + n * K)
+                      : g->total ? (const char *)(b->gtotal + n)
+                                 : (const char *)(b->gid + n);
+    const size_t bytes = (size_t)(end - (const char *)b->flags);
+    char *down = malloc(bytes);
+    int rc = down ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
     if (rc == CLOVER_OK && g->total && n > RES_LM) /* the callers keep to this (CLOVER_SELECT_TOTAL_MAX_ROWS) */
         rc = clover_set_err(err, es, CLOVER_E_ARG, "top-p selection of %lld rows: at most %d", (long long)n, (int)RES_LM);
-    if (rc == CLOVER_OK) rc = clover_cuda_read(b->gconf, 0, conf, sizeof(float) * (size_t)n, err, es);
-    if (rc == CLOVER_OK && !K) rc = clover_cuda_read(b->gid, 0, id, sizeof(int32_t) * (size_t)n, err, es);
-    if (rc == CLOVER_OK && K) rc = clover_cuda_read(b->gcand, 0, cand, sizeof(clover_cand) * (size_t)(n * K), err, es);
-    if (rc == CLOVER_OK && total) rc = clover_cuda_read(b->gtotal, 0, total, sizeof(double) * (size_t)n, err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b->flags, 0, down, bytes, err, es);
+#define AT(field, type) ((type *)(down + ((const char *)b->field - (const char *)b->flags)))
+    const float *conf = down ? AT(gconf, float) : NULL;
+    const int32_t *id = down ? AT(gid, int32_t) : NULL;
+    const clover_cand *cand = down && K ? AT(gcand, clover_cand) : NULL;
+    const double *total = down && g->total ? AT(gtotal, double) : NULL;
+#undef AT
+    if (rc == CLOVER_OK) memcpy(flags, down, sizeof(int32_t) * (size_t)(4 * L));
+    for (int64_t il = 0; il < L && rc == CLOVER_OK; il++)
+        if (flags[2 * il] || flags[2 * il + 1]) { /* a non-finite layer output: res_pass names it */
+            free(down);
+            return CLOVER_OK;
+        }
     if (rc == CLOVER_OK && K && g->pre && n_ops)
         rc = clover_cuda_read(f->c->pre_dev, 0, g->pre, sizeof(float) * (size_t)n_ops, err, es);
     for (int64_t i = 0; i < n && rc == CLOVER_OK; i++) {
@@ -2161,7 +2173,7 @@ static int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_
                                   sizeof(float) * (size_t)V, err, es);
         }
     }
-    free(id), free(conf), free(cand), free(total);
+    free(down);
     return rc;
 }
 
@@ -2295,9 +2307,9 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     if (rc == CLOVER_OK) rc = res_prepare(f);
     if (rc) return rc;
     /* the upload first, in one copy (it waits for the device) laid out as b from x to the end of
-     * pos: the embedding rows (dequantised here, a row each, as the CPU), cleared flags, the LM
-     * head's row list, the selection's ranges of sampler edits per row, the position */
-    const size_t up_bytes = (size_t)((char *)(b.pos + 1) - (char *)b.x);
+     * flags: the embedding rows (dequantised here, a row each, as the CPU), the LM head's row
+     * list, the selection's ranges of sampler edits per row, the position, cleared flags */
+    const size_t up_bytes = (size_t)((char *)(b.flags + 4 * L) - (char *)b.x);
     char *up = calloc(1, up_bytes);
     float *x = (float *)up;
     int32_t *flags = up ? (int32_t *)(up + ((char *)b.flags - (char *)b.x)) : NULL;
@@ -2324,9 +2336,10 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
         rc = res_run(f, &b, rec_row, n);
     }
     if (rc == CLOVER_OK && n && !f->sreq && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
-    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n, rows);
-    /* the flags after the logits (no wait in between); a non-finite layer output is named first */
-    if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
+    /* the flags after the logits, or with the selection (no wait in between); a non-finite layer
+     * output is named first */
+    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n, rows, flags);
+    else if (rc == CLOVER_OK) rc = clover_cuda_read(b.flags, 0, flags, sizeof(int32_t) * (size_t)(4 * L), err, es);
     for (int il = 0; il < L && rc == CLOVER_OK; il++)
         if (flags[2 * il] || flags[2 * il + 1])
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite value after layer %d (blk.%d) %s (on the GPU, "
