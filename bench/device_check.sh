@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU and no network (issue 7 item 4): build with the
-# CUDA backend, run the GPU tests, time the weight products alone per type (bench/gpu_products.py),
-# then on the real-dims 4-layer Q4_K_M model (generated here):
-# greedy tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
+# CUDA backend, run the GPU tests, time the kernels alone (bench/gpu_kernels.py: products per type,
+# attention over 4096 keys), then on the real-dims 4-layer Q4_K_M model (generated here): greedy
+# tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
 # forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
 #
 #   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to OUT_DIR (default $OUT or /tmp/clover-device)
@@ -42,8 +42,8 @@ $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pyt
 tests_rc=${PIPESTATUS[0]}
 set -e
 
-step "weight products alone (bench/gpu_products.py): us, GB/s, % of the copy bandwidth, with and without tensor cores"
-$py bench/gpu_products.py --json | tee "$out/products.txt" || true
+step "kernels alone (bench/gpu_kernels.py): products with and without tensor cores, attention; us, GB/s, % of copy bw"
+$py bench/gpu_kernels.py --json | tee "$out/kernels.txt" || true
 
 step "real-dims 4-layer Q4_K_M model"
 model=/tmp/clover-real4-q4km.gguf

@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""Speed of the GPU's weight products alone (issues 7 and 8): one [ne1][ne0] weight matrix of each
-type times T activation rows, both on the device (clover_cuda_matmul_d), for T = 1 (decode),
-32 (a block forward) and 512 (a prefill pass), with and without tensor cores
-(CLOVER_CUDA_MMA=0) where T >= 16 (fewer rows never take them).
+"""Speed of the GPU's kernels alone (issues 7 and 8), everything on the device:
 
-Printed per case: microseconds per product, the weights' bytes read per second, that as a
-percentage of the device's copy bandwidth measured here (2 x bytes / time of a device-to-device
-copy of 1 GiB: read plus write), and the multiply-adds per second (2 ne0 ne1 T / time, TFLOP/s).
-Each figure is the best of ``--reps`` timings of ``--iters`` products in a row (the launch is
-asynchronous; a 4-byte read waits for the device).
+- weight products: one [ne1][ne0] weight matrix of each type times T activation rows
+  (clover_cuda_matmul_d), for T = 1 (decode), 32 (a block forward) and 512 (a prefill pass),
+  with and without tensor cores (CLOVER_CUDA_MMA=0) where T >= 16 (fewer rows never take them);
+- attention against a KV cache of ``--keys`` rows at 35B-A3B's heads (16 query heads, 2 KV
+  heads, head_dim 256; clover_cuda_attention_d): a decode step (1 row, causal) and a 32-row
+  block pass.
 
-Usage: python bench/gpu_products.py [--ne0 2048] [--ne1 32768] [--types Q4_K,Q6_K,Q8_0,BF16,F16]
-       [--rows 1,32,512] [--iters 20] [--reps 3] [--json]
+Printed per case: microseconds per call, the bytes read per second (weights; or K and V), that as
+a percentage of the device's copy bandwidth measured here (2 x bytes / time of a
+device-to-device copy of 1 GiB: read plus write), and for products the multiply-adds per second
+(2 ne0 ne1 T / time, TFLOP/s). Each figure is the best of ``--reps`` timings of ``--iters`` calls
+in a row (launches are asynchronous; a 4-byte read waits for the device).
+
+Usage: python bench/gpu_kernels.py [--ne0 2048] [--ne1 32768] [--types Q4_K,Q6_K,Q8_0,BF16,F16]
+       [--rows 1,32,512] [--keys 4096] [--iters 20] [--reps 3] [--json]
 Needs a library with the CUDA backend (CLOVER_LIB) and a GPU, or the emulator for a smoke run
 with small sizes. Nothing here imports torch.
 """
@@ -40,6 +44,10 @@ int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, 
 int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size);
 int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const float *x, int64_t T, float *const *y, char *err,
                          size_t err_size);
+int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size);
+int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos, int64_t T,
+                            int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
+                            size_t err_size);
 """)
 _clib = _cffi.dlopen(_ffi._find_library())
 _err = _cffi.new("char[]", 256)
@@ -132,18 +140,53 @@ def run(ne0: int, ne1: int, types: list[str], rows: list[int], iters: int, reps:
     return out
 
 
+def attention(n_keys: int, bw: float, iters: int, reps: int, n_head: int = 16, n_kv: int = 2, hd: int = 256) -> list:
+    """Cases of clover_cuda_attention_d over a cache of n_keys rows (random values): a decode
+    step (row n_keys - 1, causal) and a 32-row block pass (its rows the cache's last 32)."""
+    rng = np.random.default_rng(1)
+    kvd = n_kv * hd
+    kv = rng.standard_normal((n_keys, kvd)).astype(np.float32)
+    q = (rng.standard_normal((32, n_head, 2 * hd)) * 0.1).astype(np.float32)
+    bufs = {}
+    try:
+        for name, a in (("k", kv), ("v", kv), ("q", q)):
+            p = _cffi.new("void **")
+            _check(_clib.clover_cuda_upload(_cffi.cast("void *", a.ctypes.data), a.nbytes, p, _err, 256), "upload")
+            bufs[name] = p[0]
+        bufs["o"], bufs["pos"] = _alloc(4 * 32 * n_head * hd), _alloc(8)
+        cases = []
+        for T, causal, what in ((1, 1, "decode"), (32, 0, "block32")):
+            pos = _cffi.new("int64_t *", n_keys - T)
+            _check(_clib.clover_cuda_write(bufs["pos"], 0, pos, 8, _err, 256), "write pos")
+
+            def call():
+                _check(_clib.clover_cuda_attention_d(*(_cffi.cast("float *", bufs[n]) for n in ("q", "k", "v")),
+                                                     _cffi.cast("int64_t *", bufs["pos"]), T, n_head, n_kv, hd, causal,
+                                                     hd ** -0.5, _cffi.cast("float *", bufs["o"]), _err, 256),
+                       "attention_d")
+            s = _best(call, iters, reps, bufs["o"])
+            kv_bytes = 2 * n_keys * kvd * 4
+            cases.append({"case": what, "keys": n_keys, "rows": T, "us": s * 1e6, "kv_bytes_per_s": kv_bytes / s,
+                          "pct_bandwidth": 100 * kv_bytes / s / bw})
+        return cases
+    finally:
+        for p in bufs.values():
+            _clib.clover_cuda_free(p)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ne0", type=int, default=2048)
     ap.add_argument("--ne1", type=int, default=32768)
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,BF16,F16")
     ap.add_argument("--rows", default="1,32,512")
+    ap.add_argument("--keys", type=int, default=4096, help="KV cache rows of the attention cases (0: none)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     a = ap.parse_args(argv)
-    if a.ne0 <= 0 or a.ne0 % 256 or a.ne1 <= 0 or a.iters <= 0 or a.reps <= 0:
-        ap.error("--ne0 must be a positive multiple of 256; --ne1, --iters, --reps positive")
+    if a.ne0 <= 0 or a.ne0 % 256 or a.ne1 <= 0 or a.iters <= 0 or a.reps <= 0 or a.keys < 0 or 0 < a.keys < 32:
+        ap.error("--ne0 must be a positive multiple of 256; --ne1, --iters, --reps positive; --keys 0 or >= 32")
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) <= 0:
         print(f"no GPU: {ffi.string(info).decode()}", file=sys.stderr)
@@ -156,6 +199,12 @@ def main(argv=None) -> int:
         tc = "-" if c["mma"] is None else "yes" if c["mma"] else "no"
         print(f"{c['type']:6s} {c['T']:5d} {tc:>12s} {c['us']:10.1f} "
               f"{c['weight_bytes_per_s'] / 1e9:8.1f} {c['pct_bandwidth']:6.1f} {c['tflops']:8.2f}")
+    if a.keys:
+        r["attention"] = attention(a.keys, r["copy_bandwidth"], a.iters, a.reps)
+        print("attention (16 heads, 2 KV heads, head_dim 256)")
+        for c in r["attention"]:
+            print(f"{c['case']:8s} {c['keys']:6d} keys {c['rows']:3d} rows {c['us']:10.1f} us "
+                  f"{c['kv_bytes_per_s'] / 1e9:8.1f} GB/s of K and V {c['pct_bandwidth']:6.1f} % bw")
     if a.json:
         print(json.dumps(r))
     return 0
