@@ -38,10 +38,39 @@ __device__ __forceinline__ void mma_16x8x16(int c[4], uint32_t a0, uint32_t a1, 
 #endif
 }
 
-/* Y = W X for a block format: one warp per 16 weight rows (warp threadIdx.y of block blockIdx.x
- * takes tile WARPS blockIdx.x + threadIdx.y; rows past ne1 are read as row ne1 - 1 and not stored,
- * a tile past them returns) and per 8 NT activation rows (blockIdx.y: rows 8 NT y.. of one
- * matrix, or tile y of a grouped product, NT = 1), X in its int8 form (Q values, D scale and S =
+/* The rows a warp of k_matmul_mma / k_matmul_mma_f takes: weight rows r0 .. r0 + 15 (warp
+ * threadIdx.y of block blockIdx.x takes tile WARPS blockIdx.x + threadIdx.y), wa and wb the rows
+ * g and g + 8 of lane 4g + t (past ne1: row ne1 - 1, read and not stored), and the nr activation
+ * rows from t0 (blockIdx.y: rows 8 NT y.. of one matrix, or tile y of a grouped product, expert
+ * e's matrix at W + e w_stride); nr <= 0: none (tiles past ne1, or an unused tile). */
+struct mma_rows {
+    int64_t r0, t0;
+    int nr;
+    const uint8_t *wa, *wb;
+};
+
+template <int NT>
+__device__ __forceinline__ mma_rows mma_rows_of(const uint8_t *W, int64_t w_stride, int64_t row_bytes, int64_t ne1,
+                                                int64_t T, const tile *tiles) {
+    mma_rows m;
+    const int g = threadIdx.x / 4;
+    m.r0 = ((int64_t)blockIdx.x * WARPS + threadIdx.y) * 16, m.t0 = 0, m.nr = 0, m.wa = m.wb = W;
+    if (m.r0 >= ne1) return m;
+    int64_t e = 0;
+    if (tiles) {
+        const tile tl = tiles[blockIdx.y];
+        e = tl.e, m.t0 = tl.t0, m.nr = tl.nr;
+    } else {
+        m.t0 = (int64_t)blockIdx.y * 8 * NT;
+        m.nr = (int)(T - m.t0 < 8 * NT ? T - m.t0 : 8 * NT);
+    }
+    m.wa = W + e * w_stride + (m.r0 + g < ne1 ? m.r0 + g : ne1 - 1) * row_bytes;
+    m.wb = W + e * w_stride + (m.r0 + g + 8 < ne1 ? m.r0 + g + 8 : ne1 - 1) * row_bytes;
+    return m;
+}
+
+/* Y = W X for a block format: one warp per 16 weight rows and per 8 NT activation rows
+ * (mma_rows_of; a grouped product's tiles take NT = 1), X in its int8 form (Q values, D scale and S =
  * D * sum(Q) per 32). For each group of 32 values: the int32 tile sums (two mma per 8 rows),
  * then y += d_x * (s_w * sum) + o_w * S_x with the weight group's scale s_w and offset o_w
  * (dequant.cuh qscale). Lane 4g + t accumulates rows g, g + 8 and columns 8n + 2t, 8n + 2t + 1. */
@@ -50,20 +79,12 @@ __global__ void k_matmul_mma(const uint8_t *W, int64_t w_stride, int64_t ne0, in
                              const float *D, const float *S, int64_t T, float *Y, const tile *tiles) {
     constexpr int BN = block_info<TYPE>::n, BB = block_info<TYPE>::bytes, G = TYPE == T_Q6_K ? 16 : 32;
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
-    const int64_t r0 = ((int64_t)blockIdx.x * WARPS + threadIdx.y) * 16, ng = ne0 / 32, row_bytes = ne0 / BN * BB;
-    if (r0 >= ne1) return; /* the whole warp */
-    int64_t e = 0, t0;
-    int nr;
-    if (tiles) {
-        const tile tl = tiles[blockIdx.y];
-        e = tl.e, t0 = tl.t0, nr = tl.nr;
-    } else {
-        t0 = (int64_t)blockIdx.y * 8 * NT;
-        nr = (int)(T - t0 < 8 * NT ? T - t0 : 8 * NT);
-    }
-    if (nr <= 0) return; /* an unused tile (the whole warp) */
-    const uint8_t *wa = W + e * w_stride + (r0 + g < ne1 ? r0 + g : ne1 - 1) * row_bytes;
-    const uint8_t *wb = W + e * w_stride + (r0 + g + 8 < ne1 ? r0 + g + 8 : ne1 - 1) * row_bytes;
+    const int64_t ng = ne0 / 32;
+    const mma_rows mr = mma_rows_of<NT>(W, w_stride, ne0 / BN * BB, ne1, T, tiles);
+    if (mr.nr <= 0) return; /* the whole warp */
+    const int64_t r0 = mr.r0, t0 = mr.t0;
+    const int nr = mr.nr;
+    const uint8_t *wa = mr.wa, *wb = mr.wb;
     const int8_t *qb[NT]; /* B's column g of each n: activation row 8n + g (past nr: the last row) */
     int64_t col[NT][2];   /* the activation rows of this lane's accumulators (clamped likewise) */
     for (int n = 0; n < NT; n++) {
@@ -176,21 +197,11 @@ __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, 
                                int64_t h_stride, const float *inv, int64_t T, float *Y, const tile *tiles) {
     constexpr int NTERM = TYPE == T_BF16 ? 3 : 2;
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
-    const int64_t r0 = ((int64_t)blockIdx.x * WARPS + threadIdx.y) * 16;
-    if (r0 >= ne1) return; /* the whole warp */
-    int64_t e = 0, t0;
-    int nr;
-    if (tiles) {
-        const tile tl = tiles[blockIdx.y];
-        e = tl.e, t0 = tl.t0, nr = tl.nr;
-    } else {
-        t0 = (int64_t)blockIdx.y * 8 * NT;
-        nr = (int)(T - t0 < 8 * NT ? T - t0 : 8 * NT);
-    }
-    if (nr <= 0) return; /* an unused tile (the whole warp) */
-    const uint16_t *w = (const uint16_t *)(W + e * w_stride);
-    const uint16_t *wa = w + (r0 + g < ne1 ? r0 + g : ne1 - 1) * ne0;
-    const uint16_t *wb = w + (r0 + g + 8 < ne1 ? r0 + g + 8 : ne1 - 1) * ne0;
+    const mma_rows mr = mma_rows_of<NT>(W, w_stride, 2 * ne0, ne1, T, tiles);
+    if (mr.nr <= 0) return; /* the whole warp */
+    const int64_t r0 = mr.r0, t0 = mr.t0;
+    const int nr = mr.nr;
+    const uint16_t *wa = (const uint16_t *)mr.wa, *wb = (const uint16_t *)mr.wb;
     const uint16_t *hb[NT]; /* B's column g of each n: activation row 8n + g (past nr: the last row) */
     for (int n = 0; n < NT; n++) hb[n] = H + (t0 + min(8 * n + g, nr - 1)) * ne0;
     float acc[NT][4], c[NT][4];
