@@ -53,9 +53,10 @@ struct clover_model {
     clover_layer *layers;
     int32_t n_gpu_layers;  /* layers whose weight products run on the GPU (clover_model_offload) */
     int64_t gpu_bytes;     /* bytes of weights copied to the GPU */
-    /* every layer and the output on the GPU (no --n-cpu-moe): forwards run device-resident
-     * (model.c res_forward), the activations staying on the GPU from embedding to logits */
-    int resident;
+    /* every layer and the output on the GPU: forwards run device-resident (model.c res_forward),
+     * the activations staying on the GPU from embedding to logits, except the inputs and outputs
+     * of routed experts kept on the CPU (--n-cpu-moe: cpu_experts, the first n layers) */
+    int resident, cpu_experts;
     float *output_norm_dev;
     int64_t dev_epoch; /* offloads so far: a CUDA graph of a pass holds the weights' device addresses */
 };

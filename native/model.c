@@ -457,7 +457,7 @@ static void free_gpu(clover_model *m) {
     m->output_norm_dev = NULL;
     m->n_gpu_layers = 0;
     m->gpu_bytes = 0;
-    m->resident = 0;
+    m->resident = m->cpu_experts = 0;
     m->dev_epoch++;
 }
 
@@ -469,9 +469,10 @@ static int resident_dims_ok(const clover_hparams *hp) {
            hp->rope_dim % 2 == 0 && hp->rope_dim <= hd;
 }
 
-/* After a whole offload (every layer with its experts, and the output): copy the float32
- * vectors (norms, conv weights, gates) to the device too and mark the model resident, unless
- * CLOVER_GPU_RESIDENT=0 (the per-product path, for comparison) or the dimensions do not fit. */
+/* After a whole offload (every layer, with or without its routed experts (--n-cpu-moe), and the
+ * output): copy the float32 vectors (norms, conv weights, gates) to the device too and mark the
+ * model resident, unless CLOVER_GPU_RESIDENT=0 (the per-product path, for comparison) or the
+ * dimensions do not fit. */
 static int make_resident(clover_model *m, char *err, size_t err_size) {
     const char *env = getenv("CLOVER_GPU_RESIDENT");
     if ((env && strcmp(env, "0") == 0) || !resident_dims_ok(&m->hp)) return CLOVER_OK;
@@ -489,6 +490,8 @@ static int make_resident(clover_model *m, char *err, size_t err_size) {
                                 err_size);
     m->gpu_bytes += rc == CLOVER_OK ? (int64_t)sizeof(float) * m->hp.n_embd : 0;
     m->resident = rc == CLOVER_OK;
+    m->cpu_experts = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) m->cpu_experts += !m->layers[il].gate_exps.dev;
     return rc;
 }
 
@@ -560,7 +563,7 @@ int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cp
         rc = clover_cuda_upload(m->output.data, (size_t)tensor_bytes(&m->output), &m->output.dev, err, err_size);
         if (rc == CLOVER_OK) m->gpu_bytes += tensor_bytes(&m->output);
     }
-    if (rc == CLOVER_OK && with_output && L == m->hp.n_layer && n_cpu_moe == 0) rc = make_resident(m, err, err_size);
+    if (rc == CLOVER_OK && with_output && L == m->hp.n_layer) rc = make_resident(m, err, err_size);
     if (rc != CLOVER_OK) {
         free_gpu(m);
         return rc;
@@ -2021,6 +2024,52 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
 }
 
 /* moe_layer on the device, its result added to x (flags: this layer's slots). */
+/* The shared expert's products after its input products (on the GPU): gt = silu(gt) * up, ys =
+ * down_sh gt. */
+static int res_shared_rest(fwd *f, const clover_layer *ly, const res_bufs *b) {
+    const int rc = clover_cuda_swiglu_d(b->gt, b->up, f->T * f->c->m->hp.n_ff_shexp, f->err, f->err_size);
+    return rc ? rc : mm_d(f, &ly->down_sh, b->gt, f->T, b->ys);
+}
+
+/* The routed experts of a layer kept on the CPU (--n-cpu-moe) in a resident pass: the routed
+ * pairs' inputs (b->xg, bucketed by expert) and the buckets (b->tiles) come down, the shared
+ * expert's last launches (res_shared_rest) are queued so that the GPU runs them meanwhile, the
+ * CPU runs each used expert over its bucket (cpu_experts, as moe_layer), and the outputs go up
+ * to b->yg: two reads and one write a layer, the rest of the layer on the GPU. */
+static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
+    const clover_hparams *hp = &f->c->m->hp;
+    const int64_t H = hp->n_embd, E = hp->n_expert, P = f->T * hp->n_expert_used, n_tiles = clover_cuda_route_tiles(P, E);
+    char *err = f->err;
+    const size_t es = f->err_size;
+    int32_t *tl = malloc(sizeof(int32_t) * (size_t)(3 * n_tiles));
+    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
+    float *xg = malloc(sizeof(float) * (size_t)(P * H)), *yg = malloc(sizeof(float) * (size_t)(P * H));
+    int rc = tl && start && xg && yg ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory (experts on the CPU)");
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b->tiles, 0, tl, sizeof(int32_t) * (size_t)(3 * n_tiles), err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b->xg, 0, xg, sizeof(float) * (size_t)(P * H), err, es);
+    if (rc == CLOVER_OK) rc = res_shared_rest(f, ly, b);
+    int32_t n_used = 0;
+    for (int64_t i = 0; i < n_tiles && rc == CLOVER_OK; i++) { /* tiles (e, t0, nr): every bucket in expert order */
+        const int32_t e = tl[3 * i], nr = tl[3 * i + 2];
+        if (nr <= 0) continue;
+        if (e < 0 || e >= E) {
+            rc = clover_set_err(err, es, CLOVER_E_DEVICE, "routing on the GPU gave expert %d of %lld", e, (long long)E);
+            break;
+        }
+        n_used += start[e + 1] == 0;
+        start[e + 1] += nr;
+    }
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    if (rc == CLOVER_OK && start[E] != P)
+        rc = clover_set_err(err, es, CLOVER_E_DEVICE, "routing on the GPU gave %lld pairs, not %lld", (long long)start[E],
+                            (long long)P);
+    if (rc == CLOVER_OK && cpu_experts(f->c, ly, hp->n_ff_exp, H, E, n_used, start, xg, yg))
+        rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in the routed experts (on the CPU)");
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b->yg, 0, yg, sizeof(float) * (size_t)(P * H), err, es);
+    free(tl), free(start), free(xg), free(yg);
+    return rc;
+}
+
 static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
     const clover_hparams *hp = &f->c->m->hp;
     const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, P = T * k;
@@ -2035,11 +2084,12 @@ static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
         (rc = clover_cuda_route_d(b->probs, T, E, (int32_t)k, f->mode == MODE_BLOCK ? f->coreset_top_p : 0.0f, b->sel,
                                   b->wsel, b->prow, b->pw, b->pair, b->tiles,
                                   b->flags + 2 * hp->n_layer + 2 * il, err, es)) ||
-        (rc = clover_cuda_gather_d(b->xn, b->prow, P, H, b->xg, err, es)) ||
-        (rc = clover_cuda_experts_d(&g, &u, &dn, b->tiles, clover_cuda_route_tiles(P, E), P, b->xg, b->yg, err, es)) ||
-        (rc = clover_cuda_swiglu_d(b->gt, b->up, T * hp->n_ff_shexp, err, es)) ||
-        (rc = mm_d(f, &ly->down_sh, b->gt, T, b->ys)))
+        (rc = clover_cuda_gather_d(b->xn, b->prow, P, H, b->xg, err, es)))
         return rc;
+    if (!ly->gate_exps.dev) rc = res_cpu_experts(f, ly, b);
+    else if (!(rc = clover_cuda_experts_d(&g, &u, &dn, b->tiles, clover_cuda_route_tiles(P, E), P, b->xg, b->yg, err, es)))
+        rc = res_shared_rest(f, ly, b);
+    if (rc) return rc;
     return clover_cuda_moe_combine_d(b->x, b->yg, b->pw, b->pair, (int32_t)k, b->ys, b->sg, T, H, b->flags + 2 * il + 1,
                                      err, es);
 }
@@ -2319,7 +2369,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     else memcpy(up + ((char *)b.pos - (char *)b.x), &f->pos0, sizeof(int64_t));
     /* through a graph, a block pass selects on every row (the same launches each time), and only
      * the rows asked for are read */
-    const int graph = c->graphs && f->sreq && T <= RES_LM && rec_row == 0;
+    const int graph = c->graphs && f->sreq && T <= RES_LM && rec_row == 0 && !m->cpu_experts; /* no host work inside */
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);

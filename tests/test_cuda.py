@@ -540,8 +540,9 @@ def test_long_prefill_runs_the_chunked_gdn_and_equals_the_cpu(make_gguf):
 
 @gpu
 def test_greedy_tokens_identical_across_placements(make_gguf):
-    """Issue 8: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2),
-    partial layers, and a --fit budget give the same greedy tokens in every mode, at Q4_K_M
+    """Issue 8: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2: the
+    resident forward, those experts' inputs and outputs crossing to the CPU and back), partial
+    layers, and a --fit budget give the same greedy tokens in every mode, at Q4_K_M
     (the issue's type). Not Q8_0: there this prompt's diffusion tokens differ at index 13
     between the CPU engine's own AVX2 and AVX-512 kernels (see the test above)."""
     from clover_gguf import Model
@@ -557,6 +558,8 @@ def test_greedy_tokens_identical_across_placements(make_gguf):
                dict(n_gpu_layers=2), dict(gpu_budget=budget)):
         with Model(path, n_ctx=512, n_threads=2, **kw) as g:
             assert g.n_gpu_layers > 0, kw
+            if "n_cpu_moe" in kw:  # the resident forward, with those layers' routed experts on the CPU
+                assert lib.clover_model_gpu_resident(g._model) == 1, kw
             for mode, toks in want.items():
                 assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == toks, (kw, mode)
 
