@@ -10,7 +10,8 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
 (tests/test_cuda_emu.py runs this file against a CLOVER_CUDA=EMU library on the CPU):
 - clover_cuda_matmul for every weight type against the CPU engine's clover_matmul (both round
   activations to Q8_0/Q8_K the same way, so they differ only in float summation order:
-  tolerance 1e-5 of sum |w x| per output; seen: below 4e-7 of max |y|);
+  tolerance 1e-5 of sum |w x| per output; seen: below 4e-7 of max |y|; F16/BF16 on tensor cores
+  split the float32 activations into 16-bit terms: one-value products within 2^-20);
 - clover_cuda_experts (grouped expert products) against the CPU expert by expert, and
   clover_cuda_attention (device KV cache, prefix and block mode, GQA) and clover_cuda_gdn
   (forward, block-mode copy, backward branch) against float64;
