@@ -41,6 +41,15 @@ int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight
     return CLOVER_E_DEVICE;
 }
 
+int clover_cuda_host_alloc(size_t nbytes, void **host, char *err, size_t err_size) {
+    (void)nbytes;
+    *host = NULL;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
+
+void clover_cuda_host_free(void *host) { (void)host; }
+
 int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size) {
     return clover_cuda_upload(NULL, nbytes, dev, err, err_size);
 }

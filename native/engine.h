@@ -96,6 +96,8 @@ struct clover_context {
     void *res_ws;
     size_t res_cap;
     void *ops_dev, *pre_dev; /* clover_block_forward_select's edits and their inputs on the device (ops_cap each) */
+    void *moe_host;          /* page-locked host staging of routed experts on the CPU (moe_host_cap bytes) */
+    size_t moe_host_cap;
     int64_t ops_cap;
     /* resident passes through CUDA graphs (model.c res_run_graph; graphs: not disabled by
      * CLOVER_CUDA_GRAPHS=0): a few recorded graphs (exec, NULL until recorded) by the key of the

@@ -765,6 +765,7 @@ void clover_context_free(clover_context *c) {
     free(c->gdn_on_dev), free(c->snap_on_dev);
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
     clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
+    clover_cuda_host_free(c->moe_host);
     free(c);
 }
 
@@ -2037,16 +2038,25 @@ static int res_shared_rest(fwd *f, const clover_layer *ly, const res_bufs *b) {
  * CPU runs each used expert over its bucket (cpu_experts, as moe_layer), and the outputs go up
  * to b->yg: two reads and one write a layer, the rest of the layer on the GPU. */
 static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
-    const clover_hparams *hp = &f->c->m->hp;
+    clover_context *c = f->c;
+    const clover_hparams *hp = &c->m->hp;
     const int64_t H = hp->n_embd, E = hp->n_expert, P = f->T * hp->n_expert_used, n_tiles = clover_cuda_route_tiles(P, E);
     char *err = f->err;
     const size_t es = f->err_size;
-    int32_t *tl = malloc(sizeof(int32_t) * (size_t)(3 * n_tiles));
+    const size_t rows_bytes = sizeof(float) * (size_t)(P * H);
+    const size_t need = 2 * rows_bytes + sizeof(int32_t) * (size_t)(3 * n_tiles); /* xg, yg, tiles */
+    int rc = CLOVER_OK;
+    if (need > c->moe_host_cap) { /* page-locked staging, kept by the context */
+        clover_cuda_host_free(c->moe_host);
+        c->moe_host = NULL, c->moe_host_cap = 0;
+        if ((rc = clover_cuda_host_alloc(need, &c->moe_host, err, es)) == CLOVER_OK) c->moe_host_cap = need;
+    }
+    float *xg = c->moe_host, *yg = xg ? xg + P * H : NULL;
+    int32_t *tl = yg ? (int32_t *)(yg + P * H) : NULL;
     int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
-    float *xg = malloc(sizeof(float) * (size_t)(P * H)), *yg = malloc(sizeof(float) * (size_t)(P * H));
-    int rc = tl && start && xg && yg ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory (experts on the CPU)");
+    if (rc == CLOVER_OK && !start) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory (experts on the CPU)");
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->tiles, 0, tl, sizeof(int32_t) * (size_t)(3 * n_tiles), err, es);
-    if (rc == CLOVER_OK) rc = clover_cuda_read(b->xg, 0, xg, sizeof(float) * (size_t)(P * H), err, es);
+    if (rc == CLOVER_OK) rc = clover_cuda_read(b->xg, 0, xg, rows_bytes, err, es);
     if (rc == CLOVER_OK) rc = res_shared_rest(f, ly, b);
     int32_t n_used = 0;
     for (int64_t i = 0; i < n_tiles && rc == CLOVER_OK; i++) { /* tiles (e, t0, nr): every bucket in expert order */
@@ -2059,14 +2069,14 @@ static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
         n_used += start[e + 1] == 0;
         start[e + 1] += nr;
     }
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t e = 0; e < E && rc == CLOVER_OK; e++) start[e + 1] += start[e];
     if (rc == CLOVER_OK && start[E] != P)
         rc = clover_set_err(err, es, CLOVER_E_DEVICE, "routing on the GPU gave %lld pairs, not %lld", (long long)start[E],
                             (long long)P);
-    if (rc == CLOVER_OK && cpu_experts(f->c, ly, hp->n_ff_exp, H, E, n_used, start, xg, yg))
+    if (rc == CLOVER_OK && cpu_experts(c, ly, hp->n_ff_exp, H, E, n_used, start, xg, yg))
         rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in the routed experts (on the CPU)");
-    if (rc == CLOVER_OK) rc = clover_cuda_write(b->yg, 0, yg, sizeof(float) * (size_t)(P * H), err, es);
-    free(tl), free(start), free(xg), free(yg);
+    if (rc == CLOVER_OK) rc = clover_cuda_write(b->yg, 0, yg, rows_bytes, err, es);
+    free(start);
     return rc;
 }
 

@@ -913,6 +913,19 @@ extern "C" int clover_cuda_experts(const clover_cuda_weight *gate, const clover_
     return rc;
 }
 
+extern "C" int clover_cuda_host_alloc(size_t nbytes, void **host, char *err, size_t err_size) {
+    *host = NULL;
+    const cudaError_t e = cudaMallocHost(host, nbytes ? nbytes : 1);
+    if (e == cudaSuccess) return CLOVER_OK;
+    set_err(err, err_size, "cudaMallocHost", e);
+    *host = NULL;
+    return CLOVER_E_NOMEM;
+}
+
+extern "C" void clover_cuda_host_free(void *host) {
+    if (host) cudaFreeHost(host);
+}
+
 extern "C" int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size) {
     *dev = NULL;
     cudaError_t e = cudaMalloc(dev, nbytes ? nbytes : 1);

@@ -251,6 +251,14 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     *p = b + 256;
     return cudaSuccess;
 }
+cudaError_t cudaMallocHost(void **p, size_t n) {
+    *p = aligned_alloc(64, (n + 63) & ~(size_t)63);
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeHost(void *p) {
+    free(p);
+    return cudaSuccess;
+}
 cudaError_t cudaFree(void *p) {
     if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     if (!p) return cudaSuccess;
