@@ -2024,7 +2024,6 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
     return mm_d(f, &ly->wout, b->og, T, b->o);
 }
 
-/* moe_layer on the device, its result added to x (flags: this layer's slots). */
 /* The shared expert's products after its input products (on the GPU): gt = silu(gt) * up, ys =
  * down_sh gt. */
 static int res_shared_rest(fwd *f, const clover_layer *ly, const res_bufs *b) {
@@ -2080,6 +2079,8 @@ static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
     return rc;
 }
 
+/* moe_layer on the device, its result added to x (flags: this layer's slots); routed experts
+ * kept on the CPU through res_cpu_experts. */
 static int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
     const clover_hparams *hp = &f->c->m->hp;
     const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, P = T * k;
@@ -2386,7 +2387,8 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
         if ((logits || f->sreq) && (rows && !(graph && f->mode == MODE_BLOCK) ? rows[t] != 0 : t >= logit_row0))
             idx[n++] = (int32_t)t;
     }
-    if (rc == CLOVER_OK && n && f->sreq) rc = res_select_upload(f, idx, n, (int32_t *)(up + ((char *)b.gstart - (char *)b.x)));
+    if (rc == CLOVER_OK && n && f->sreq)
+        rc = res_select_upload(f, idx, n, (int32_t *)(up + ((char *)b.gstart - (char *)b.x)));
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, up, up_bytes, err, es);
     if (rc == CLOVER_OK && graph) {
         pthread_mutex_lock(&g_graph_mu);
