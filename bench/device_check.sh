@@ -112,10 +112,15 @@ PY
 import json, sys
 m, r, bw = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), float(sys.argv[3])
 bpt = r["model"]["bytes_per_token"]
+ms = {}
 for mode, v in m.items():
     tps = v["tokens_per_second"]
+    ms[mode] = 1000 * v["tokens_per_forward"] / tps if tps else float("nan")  # per decoding forward
     bwp = f", ar at {100 * tps * bpt / bw:.0f}% of the bandwidth limit" if mode == "ar" and bw else ""
-    print(f"generate {mode}: {tps:.2f} t/s, {v['tokens_per_forward']:.2f} tokens/forward{bwp}")
+    print(f"generate {mode}: {tps:.2f} t/s, {v['tokens_per_forward']:.2f} tokens/forward, {ms[mode]:.2f} ms/forward{bwp}")
+if "ar" in ms and "diffusion" in ms:  # issue 8's target: a coreset block forward at most 2x an ar step
+    print(f"diffusion forward (32-row denoising passes and commits, as generate runs them) / ar step: "
+          f"{ms['diffusion'] / ms['ar']:.2f}")
 PY
         fi
     done
