@@ -325,15 +325,16 @@ def _f(a: np.ndarray):
 
 
 @gpu
-@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 4, 2), (256, 16, 2), (128, 6, 6)])
+@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 4, 2), (256, 16, 2), (128, 6, 6), (32, 20, 2), (32, 16, 16)])
 def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv):
     """clover_cuda_attention in prefix (causal) and block mode, GQA, a cache holding 37 earlier
     rows written by clover_cuda_write, against float64 numpy (softmax(q K^T / sqrt(hd)) V times
     sigmoid(gate), spec 2.2): within 1e-5 of max |v| (float32 sums; seen about 1e-7). Block mode
     then runs again on the same rows with other values: the cache rows are overwritten, as a
-    denoising step rewrites its block's scratch rows. 1, 11 and 40 rows: the keys of a row and head
-    go in 16 splits (one row, most splits and warps empty), several, or one (40 rows of 16 heads
-    fill the GPU alone: k_attention writes the output without k_attention_merge)."""
+    denoising step rewrites its block's scratch rows. 1, 11 and 40 rows: the keys go in up to 64
+    splits (one row: most splits empty) or several, or, with 16 KV heads at 40 rows, one
+    (k_attention writes the output without k_attention_merge); 20 heads on 2 KV heads: two blocks
+    per KV head, the second with warps past the group's heads."""
     for T in (1, 11, 40):
         _check_attention(hd, n_head, n_kv, T)
 

@@ -367,20 +367,22 @@ static int act_block(int type) {
     }
 }
 
-/* Gated attention (spec 2.2 steps 3-4) of query row t = t_base + blockIdx.y, head h = blockIdx.x:
- * o = softmax(q K^T * scale) V over the row's keys, times sigmoid(gate). The keys are cut into
- * gridDim.z splits (blockIdx.z: one contiguous range each) and a split among the block's
- * ATT_WARPS warps (warp w: keys w, w + ATT_WARPS, ...); each warp reads its keys in order with an
- * online softmax (running max m and sum s, rescaling its output when m grows), the form of flash
- * attention, lane l holding dimensions l + 32 i of q and of the output; the block then merges its
- * warps' (m, s, output) in shared memory. One split writes the gated output; several write their
- * merged (m, s, output) to P [T][n_head][splits][hd + 2] for k_attention_merge (flash decoding:
- * a decode step's few rows and heads still fill the GPU). The CPU's attend_row takes the max
- * first and sums in key order, which differs only in rounding. Q: [T][n_head][2 hd] (q then
- * gate), K/V: the layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t: pos0 + t + 1
- * (causal, prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
+/* Gated attention (spec 2.2 steps 3-4) of query row t = t_base + blockIdx.y: o = softmax(q K^T *
+ * scale) V over the row's keys, times sigmoid(gate), for the query heads that share one KV head
+ * (GQA): block x takes KV head x / n_chunk and up to ATT_REP of its n_rep = n_head / n_kv query
+ * heads (chunk x % n_chunk), one warp each (threadIdx.y), so each key is read once for all of
+ * them. The keys are cut into gridDim.z splits (blockIdx.z, one contiguous range each) and read
+ * in tiles of ATT_KT through shared memory: lane j scores key j of the tile against the warp's
+ * q, the tile's max and exponentials update the warp's running max m and sum s (an online
+ * softmax, the form of flash attention), and the output (lane l holding dimensions l + 32 i)
+ * adds the tile's weighted values. One split writes the gated output; several write their
+ * (m, s, output) to P [T][n_head][splits][hd + 2] for k_attention_merge (flash decoding: a
+ * decode step's few rows still fill the GPU). The CPU's attend_row takes the max first and sums
+ * in key order, which differs only in rounding. Q: [T][n_head][2 hd] (q then gate), K/V: the
+ * layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t: pos0 + t + 1 (causal,
+ * prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
 #define HD_MAX 256
-enum { ATT_WARPS = 4, ATT_SPLITS_MAX = 16 };
+enum { ATT_REP = 8, ATT_KT = 16, ATT_SPLITS_MAX = 64 };
 
 /* (m, s, acc) and (m2, s2, acc2) merged into the first, n of acc's values held */
 __device__ __forceinline__ void softmax_merge(float &m, float &s, float *acc, float m2, float s2, const float *acc2, int n) {
@@ -390,42 +392,51 @@ __device__ __forceinline__ void softmax_merge(float &m, float &s, float *acc, fl
     m = mm;
 }
 
-__global__ void __launch_bounds__(32 * ATT_WARPS)
+__global__ void __launch_bounds__(32 * ATT_REP)
     k_attention(const float *Q, const float *K, const float *V, float *O, float *P, const int64_t *pos_p, int64_t pos0,
                 int64_t T, int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
-    __shared__ float wm[ATT_WARPS], ws[ATT_WARPS], wacc[ATT_WARPS][HD_MAX];
+    __shared__ float ks[ATT_KT][HD_MAX + 1], vs[ATT_KT][HD_MAX], qs[ATT_REP][HD_MAX]; /* ks padded: no bank conflicts */
     if (pos_p) pos0 = *pos_p; /* the position on the device (a graph replays with a new one) */
-    const int64_t h = blockIdx.x, t = t_base + blockIdx.y, kvd = n_kv * hd, off = (h / (n_head / n_kv)) * hd;
-    const int lane = threadIdx.x, w = threadIdx.y, nd = (int)(hd / 32);
-    const float *q = Q + (t * n_head + h) * 2 * hd;
-    float qv[HD_MAX / 32], acc[HD_MAX / 32];
-    for (int i = 0; i < HD_MAX / 32; i++) qv[i] = i < nd ? q[lane + 32 * i] : 0.0f, acc[i] = 0.0f;
+    const int64_t n_rep = n_head / n_kv, n_chunk = (n_rep + ATT_REP - 1) / ATT_REP, kvd = n_kv * hd;
+    const int64_t g = blockIdx.x / n_chunk, t = t_base + blockIdx.y;
+    const int lane = threadIdx.x, w = threadIdx.y, nd = (int)(hd / 32), nthr = 32 * blockDim.y;
+    const int64_t rep = (blockIdx.x % n_chunk) * ATT_REP + w, h = g * n_rep + rep; /* this warp's query head */
+    const bool head = rep < n_rep; /* warps past n_rep load tiles only */
+    const float *q = Q + (t * n_head + (head ? h : 0)) * 2 * hd;
+    for (int i = 0; i < nd; i++) qs[w][lane + 32 * i] = q[lane + 32 * i];
+    float acc[HD_MAX / 32];
+    for (int i = 0; i < HD_MAX / 32; i++) acc[i] = 0.0f;
     const int64_t n_keys = causal ? pos0 + t + 1 : pos0 + T, per = (n_keys + gridDim.z - 1) / gridDim.z;
     const int64_t k0 = blockIdx.z * per, k1 = k0 + per < n_keys ? k0 + per : n_keys;
     float m = -FLT_MAX, s = 0.0f;
-    for (int64_t j = k0 + w; j < k1; j += ATT_WARPS) {
-        const float *kj = K + j * kvd + off, *vj = V + j * kvd + off;
-        float p = 0.0f;
-        for (int i = 0; i < nd; i++) p += qv[i] * kj[lane + 32 * i];
-        const float score = warp_sum(p) * scale;
-        const float m2 = fmaxf(m, score), corr = expf(m - m2), e = expf(score - m2);
-        s = s * corr + e;
-        for (int i = 0; i < nd; i++) acc[i] = acc[i] * corr + e * vj[lane + 32 * i];
+    for (int64_t kt = k0; kt < k1; kt += ATT_KT) {
+        const int nk = (int)(k1 - kt < (int64_t)ATT_KT ? k1 - kt : (int64_t)ATT_KT);
+        __syncthreads(); /* the previous tile (and qs) done with */
+        for (int idx = w * 32 + lane; idx < nk * (int)hd; idx += nthr) {
+            const int j = idx / (int)hd, d = idx % (int)hd;
+            ks[j][d] = K[(kt + j) * kvd + g * hd + d], vs[j][d] = V[(kt + j) * kvd + g * hd + d];
+        }
+        __syncthreads();
+        float sc = -FLT_MAX;
+        if (lane < nk) {
+            float dot = 0.0f;
+            for (int d = 0; d < (int)hd; d++) dot += qs[w][d] * ks[lane][d];
+            sc = dot * scale;
+        }
+        const float m2 = fmaxf(m, warp_max(sc)), corr = expf(m - m2), p = lane < nk ? expf(sc - m2) : 0.0f;
+        s = s * corr + warp_sum(p);
+        for (int i = 0; i < nd; i++) acc[i] *= corr;
+        for (int j = 0; j < nk; j++) {
+            const float pj = __shfl_sync(0xffffffffu, p, j);
+            for (int i = 0; i < nd; i++) acc[i] += pj * vs[j][lane + 32 * i];
+        }
         m = m2;
     }
-    for (int i = 0; i < nd; i++) wacc[w][lane + 32 * i] = acc[i];
-    if (lane == 0) wm[w] = m, ws[w] = s;
-    __syncthreads();
-    if (w != 0) return;
-    for (int u = 1; u < ATT_WARPS; u++) {
-        float a2[HD_MAX / 32];
-        for (int i = 0; i < nd; i++) a2[i] = wacc[u][lane + 32 * i];
-        softmax_merge(m, s, acc, wm[u], ws[u], a2, nd);
-    }
+    if (!head) return;
     if (gridDim.z == 1) {
         for (int i = 0; i < nd; i++) {
-            const float g = q[hd + lane + 32 * i];
-            O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-g)));
+            const float gt = q[hd + lane + 32 * i];
+            O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-gt)));
         }
         return;
     }
@@ -950,10 +961,11 @@ extern "C" int clover_cuda_write(void *dev, size_t offset, const void *host, siz
     return nbytes ? copy((char *)dev + offset, host, nbytes, cudaMemcpyHostToDevice, err, err_size) : CLOVER_OK;
 }
 
-/* Splits of the keys per (row, head) in k_attention: one when the T n_head pairs fill the GPU
- * alone, else up to ATT_SPLITS_MAX (about 512 blocks: a decode step's 16 heads take 16 splits). */
-static int att_splits(int64_t T, int64_t n_head) {
-    const int64_t pairs = T * n_head, want = (512 + pairs - 1) / pairs;
+/* Splits of the keys per row and block of heads in k_attention (blocks: T n_kv n_chunk of them
+ * a split): one when those fill the GPU alone, else up to ATT_SPLITS_MAX, about 512 blocks in
+ * all (a decode step at 35B-A3B's 2 KV heads takes 64 splits). */
+static int att_splits(int64_t T, int64_t n_blocks) {
+    const int64_t per_split = T * n_blocks, want = (512 + per_split - 1) / per_split;
     return want < ATT_SPLITS_MAX ? (int)want : ATT_SPLITS_MAX;
 }
 
@@ -962,7 +974,8 @@ static int att_splits(int64_t T, int64_t n_head) {
 static int attention_launch(const float *Q, const float *K, const float *V, float *O, const int64_t *pos_p,
                             int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
                             float scale, char *err, size_t err_size) {
-    const int S = att_splits(T, n_head);
+    const int64_t n_rep = n_head / n_kv, n_chunk = (n_rep + ATT_REP - 1) / ATT_REP;
+    const int S = att_splits(T, n_kv * n_chunk);
     float *P = NULL;
     if (S > 1) {
         const int rc = grow(&g_att, sizeof(float) * (size_t)(T * n_head * S * (hd + 2)), err, err_size);
@@ -971,8 +984,9 @@ static int attention_launch(const float *Q, const float *K, const float *V, floa
     }
     for (int64_t t0 = 0; t0 < T; t0 += 65535) { /* gridDim.y <= 65535 */
         const unsigned rows = (unsigned)(T - t0 < 65535 ? T - t0 : 65535);
-        LAUNCH(k_attention, dim3((unsigned)n_head, rows, (unsigned)S), dim3(32, ATT_WARPS))(
-            Q, K, V, O, P, pos_p, pos0, T, t0, n_head, n_kv, hd, causal, scale);
+        LAUNCH(k_attention, dim3((unsigned)(n_kv * n_chunk), rows, (unsigned)S),
+               dim3(32, (unsigned)(n_rep < (int64_t)ATT_REP ? n_rep : (int64_t)ATT_REP)))(Q, K, V, O, P, pos_p, pos0, T, t0, n_head, n_kv, hd,
+                                                                       causal, scale);
         if (S > 1) LAUNCH(k_attention_merge, dim3((unsigned)n_head, rows), dim3(32))(Q, P, O, t0, n_head, hd, S);
     }
     return CLOVER_OK;
