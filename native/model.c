@@ -765,7 +765,8 @@ void clover_context_free(clover_context *c) {
     free(c->gdn_on_dev), free(c->snap_on_dev);
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
     clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
-    clover_cuda_host_free(c->moe_host);
+    if (c->moe_host_pinned) clover_cuda_host_free(c->moe_host);
+    else free(c->moe_host);
     free(c);
 }
 
@@ -2045,10 +2046,14 @@ static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
     const size_t rows_bytes = sizeof(float) * (size_t)(P * H);
     const size_t need = 2 * rows_bytes + sizeof(int32_t) * (size_t)(3 * n_tiles); /* xg, yg, tiles */
     int rc = CLOVER_OK;
-    if (need > c->moe_host_cap) { /* page-locked staging, kept by the context */
-        clover_cuda_host_free(c->moe_host);
+    if (need > c->moe_host_cap) { /* page-locked staging, kept by the context (else plain memory) */
+        if (c->moe_host_pinned) clover_cuda_host_free(c->moe_host);
+        else free(c->moe_host);
         c->moe_host = NULL, c->moe_host_cap = 0;
-        if ((rc = clover_cuda_host_alloc(need, &c->moe_host, err, es)) == CLOVER_OK) c->moe_host_cap = need;
+        c->moe_host_pinned = clover_cuda_host_alloc(need, &c->moe_host, NULL, 0) == CLOVER_OK;
+        if (!c->moe_host_pinned) c->moe_host = malloc(need);
+        if (c->moe_host) c->moe_host_cap = need;
+        else rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory (experts on the CPU: %zu bytes)", need);
     }
     float *xg = c->moe_host, *yg = xg ? xg + P * H : NULL;
     int32_t *tl = yg ? (int32_t *)(yg + P * H) : NULL;

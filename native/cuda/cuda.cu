@@ -320,10 +320,12 @@ __device__ __forceinline__ uint32_t bf16_rn(float f) {
 /* Activations as F16 (TYPE T_F16) or BF16 weights meet them on tensor cores (mma.cuh
  * k_matmul_mma_f): row blockIdx.x of X (ne0 values, one warp) times a power of two p, written as
  * the terms H[m * h_stride + i] (m < 2 for F16, 3 for BF16), each the 16-bit rounding of what the
- * earlier ones left, and inv[row] = 1 / p. F16 takes p so that the row's largest |x| p lies in
- * [2^14, 2^15) (p within 2^-126..2^126; 1 for a row of zeros or one holding Inf/NaN), which keeps
- * the terms finite and the remainder below 2^-22 of |x| (f16 subnormals: 2^-38 of the row's
- * largest); BF16 has float32's range, p = 1, remainder below 2^-27 of |x|. */
+ * earlier ones left, and inv[row] = 1 / p. F16 takes p so that the row's largest finite |x| p
+ * lies in [2^14, 2^15) (p within 2^-126..2^126; 1 for a row of zeros or one holding Inf; a NaN
+ * stays a NaN), which keeps the terms finite and the remainder below 2^-22 of |x| (f16
+ * subnormals: 2^-38 of the row's largest); BF16 has float32's range, p = 1, remainder below
+ * 2^-27 of |x| (|x| above 3.39e38 rounds to Inf and gives NaN, where the CPU's product would
+ * not). */
 template <int TYPE>
 __global__ void k_act_split(const float *X, int64_t ne0, uint16_t *H, int64_t h_stride, float *inv) {
     constexpr int NTERM = TYPE == T_BF16 ? 3 : 2;
@@ -929,6 +931,7 @@ extern "C" int clover_cuda_host_alloc(size_t nbytes, void **host, char *err, siz
     const cudaError_t e = cudaMallocHost(host, nbytes ? nbytes : 1);
     if (e == cudaSuccess) return CLOVER_OK;
     set_err(err, err_size, "cudaMallocHost", e);
+    cudaGetLastError(); /* not left for the next launch check */
     *host = NULL;
     return CLOVER_E_NOMEM;
 }

@@ -50,7 +50,7 @@ int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight
 int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size);
 /* nbytes of page-locked host memory in *host (cudaMallocHost: copies to and from it run at the
  * bus's speed, without a staging copy); free with clover_cuda_host_free. CLOVER_E_NOMEM when the
- * driver refuses. */
+ * driver refuses (callers fall back to plain memory). */
 int clover_cuda_host_alloc(size_t nbytes, void **host, char *err, size_t err_size);
 void clover_cuda_host_free(void *host);
 /* Copy nbytes of host memory to dev + offset bytes. */

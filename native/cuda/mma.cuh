@@ -190,8 +190,10 @@ __device__ __forceinline__ uint32_t word(uint4 v, int i) { return i == 0 ? v.x :
  * 4g + t reads values 8t..8t+7 of each 32 (one 16-byte load per row and term) and feeds them as
  * two k-slices of 16 (a bijection of k that A and B share: slice s takes 4s..4s+3 of the 8,
  * a[0]/b0 the first two, a[2]/b1 the other two). The tensor cores' running sums restart every
- * F_CHUNK values (a long chain of float sums loses more than the CPU's split sums). */
-#define F_CHUNK 256 /* values summed in one run of mma before the float32 sum across runs */
+ * F_CHUNK values, and the first term's products sum apart from the smaller terms': tensor cores
+ * add into their float32 sums with truncation (A100 measurements), so fewer additions into each
+ * sum keep the error near the CPU's float32 sums. */
+#define F_CHUNK 128 /* values summed in one run of mma before the float32 sum across runs */
 template <int TYPE, int NT>
 __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const uint16_t *H,
                                int64_t h_stride, const float *inv, int64_t T, float *Y, const tile *tiles) {
@@ -204,12 +206,12 @@ __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, 
     const uint16_t *wa = (const uint16_t *)mr.wa, *wb = (const uint16_t *)mr.wb;
     const uint16_t *hb[NT]; /* B's column g of each n: activation row 8n + g (past nr: the last row) */
     for (int n = 0; n < NT; n++) hb[n] = H + (t0 + min(8 * n + g, nr - 1)) * ne0;
-    float acc[NT][4], c[NT][4];
+    float acc[NT][4], c[NT][4], cl[NT][4]; /* cl: the terms after the first */
     for (int n = 0; n < NT; n++)
         for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
     for (int64_t k0 = 0; k0 < ne0; k0 += F_CHUNK) { /* tile sums per F_CHUNK values, added up in acc */
         for (int n = 0; n < NT; n++)
-            for (int i = 0; i < 4; i++) c[n][i] = 0.0f;
+            for (int i = 0; i < 4; i++) c[n][i] = cl[n][i] = 0.0f;
         const int64_t k1 = k0 + F_CHUNK < ne0 ? k0 + F_CHUNK : ne0;
         for (int64_t k = k0 + 8 * t; k < k1; k += 32) {
             const uint4 pa = ld16(wa + k), pb = ld16(wb + k);
@@ -217,11 +219,12 @@ __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, 
             for (int n = 0; n < NT; n++)
                 for (int m = 0; m < NTERM; m++) {
                     const uint4 x = ld16(hb[n] + m * h_stride + k);
-                    for (int s = 0; s < 2; s++) mma_16x8x16_f<TYPE>(c[n], a[s], word(x, 2 * s), word(x, 2 * s + 1));
+                    for (int s = 0; s < 2; s++)
+                        mma_16x8x16_f<TYPE>(m ? cl[n] : c[n], a[s], word(x, 2 * s), word(x, 2 * s + 1));
                 }
         }
         for (int n = 0; n < NT; n++)
-            for (int i = 0; i < 4; i++) acc[n][i] += c[n][i];
+            for (int i = 0; i < 4; i++) acc[n][i] += c[n][i] + cl[n][i];
     }
     for (int n = 0; n < NT; n++)
         for (int i = 0; i < 4; i++) {
