@@ -843,6 +843,25 @@ def test_sampling_with_top_p_alone_selects_on_the_gpu_and_draws_as_the_cpu(make_
 
 
 @gpu
+def test_top_p_alone_with_blocks_over_32_rows_samples_on_the_cpu(make_gguf):
+    """Top-p alone reads rows back from the LM head's one group of 32, so a 40-token block
+    (block_size 40) takes the host path instead (native/decode.c: the needed logits rows come
+    back and the CPU samples): diffusion's and spec's tokens equal the CPU's seed for seed, and no
+    row went through the GPU's top-p selection (clover_context_full_rows stays 0)."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", block_size=40)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+        assert lib.clover_model_gpu_resident(g._model) == 1
+        ids = cpu.tokenize("def fibonacci(n):\n")
+        for mode in ("diffusion", "spec"):
+            kw = dict(temperature=2.0, top_p=0.99, seed=4)
+            want = cpu.generate_tokens(ids, max_tokens=12, mode=mode, end_ids=[], **kw)[0]
+            assert g.generate_tokens(ids, max_tokens=12, mode=mode, end_ids=[], **kw)[0] == want, mode
+        assert _clib.clover_context_full_rows(g._ctx) == 0
+
+
+@gpu
 def test_spec_greedy_draft_with_penalties_selects_on_the_gpu(make_gguf):
     """spec at temperature 0 with penalties that only lower logits (presence, frequency >= 0,
     repetition >= 1: the defaults of a Clover GGUF) drafts on the GPU: each row's candidates under
