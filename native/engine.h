@@ -96,10 +96,10 @@ struct clover_context {
     void *res_ws;
     size_t res_cap;
     void *ops_dev, *pre_dev; /* clover_block_forward_select's edits and their inputs on the device (ops_cap each) */
+    int64_t ops_cap;
     void *moe_host;          /* host staging of routed experts on the CPU (moe_host_cap bytes) */
     size_t moe_host_cap;
     int moe_host_pinned;     /* moe_host is page-locked (clover_cuda_host_alloc), else malloc'd */
-    int64_t ops_cap;
     /* resident passes through CUDA graphs (model.c res_run_graph; graphs: not disabled by
      * CLOVER_CUDA_GRAPHS=0): a few recorded graphs (exec, NULL until recorded) by the key of the
      * pass they replay (a key is seen once plainly first), least recently used out; replays so far */

@@ -386,6 +386,13 @@ static int act_block(int type) {
 #define HD_MAX 256
 enum { ATT_REP = 8, ATT_KT = 16, ATT_SPLITS_MAX = 64 };
 
+/* The gated output of one (row, head) (spec 2.2 step 4): o = acc / s * sigmoid(gate), lane l
+ * holding dimensions l + 32 i of acc, the gate and o (nd = head_dim / 32 of them). */
+__device__ __forceinline__ void gated_out(const float *acc, float s, const float *gate, float *o, int nd) {
+    for (int i = 0; i < nd; i++)
+        o[threadIdx.x + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-gate[threadIdx.x + 32 * i])));
+}
+
 /* (m, s, acc) and (m2, s2, acc2) merged into the first, n of acc's values held */
 __device__ __forceinline__ void softmax_merge(float &m, float &s, float *acc, float m2, float s2, const float *acc2, int n) {
     const float mm = fmaxf(m, m2), c1 = expf(m - mm), c2 = expf(m2 - mm);
@@ -436,10 +443,7 @@ __global__ void __launch_bounds__(32 * ATT_REP)
     }
     if (!head) return;
     if (gridDim.z == 1) {
-        for (int i = 0; i < nd; i++) {
-            const float gt = q[hd + lane + 32 * i];
-            O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-gt)));
-        }
+        gated_out(acc, s, q + hd, O + (t * n_head + h) * hd, nd);
         return;
     }
     float *pp = P + ((t * n_head + h) * gridDim.z + blockIdx.z) * (hd + 2);
@@ -462,11 +466,7 @@ __global__ void k_attention_merge(const float *Q, const float *P, float *O, int6
         for (int i = 0; i < nd; i++) a2[i] = pu[2 + lane + 32 * i];
         softmax_merge(m, s, acc, pu[0], pu[1], a2, nd);
     }
-    const float *q = Q + (t * n_head + h) * 2 * hd;
-    for (int i = 0; i < nd; i++) {
-        const float g = q[hd + lane + 32 * i];
-        O[(t * n_head + h) * hd + lane + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-g)));
-    }
+    gated_out(acc, s, Q + (t * n_head + h) * 2 * hd + hd, O + (t * n_head + h) * hd, nd);
 }
 
 /* Gated DeltaNet recurrence (spec 2.1 step 6, 3.3) of value head h = blockIdx.x: the state S
@@ -642,6 +642,15 @@ static bool use_mma(void) {
 
 extern "C" int clover_cuda_mma(void) { return use_mma(); }
 
+/* k_matmul_plain_v (vec: the rows allow 16-byte loads) or k_matmul_plain on X (product's
+ * arguments). */
+template <int TYPE>
+static void plain_product(bool vec, dim3 grid, dim3 block, const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1,
+                          const float *X, int64_t T, float *Y, const tile *tiles) {
+    if (vec) LAUNCH(k_matmul_plain_v<TYPE>, grid, block)(W, w_stride, ne0, ne1, X, T, Y, tiles);
+    else LAUNCH(k_matmul_plain<TYPE>, grid, block)(W, w_stride, ne0, ne1, X, T, Y, tiles);
+}
+
 /* T rows of ne0 activations x split for F16 / BF16 (`type`) tensor cores (k_act_split) into g_h,
  * grown here: *h the terms (*h_stride values apart), *inv the rows' scales. */
 static int split_act(int type, const float *x, int64_t T, int64_t ne0, const uint16_t **h, int64_t *h_stride,
@@ -699,15 +708,10 @@ static int product(int type, const void *W, int64_t w_stride, int64_t ne0, int64
         const int64_t t = T - t0;
         const tile *tl = tiles ? tiles + g0 : NULL;
         switch (type) {
-#define PLAIN(TY)                                                                                                  \
-    case TY:                                                                                                       \
-        if (vec) LAUNCH(k_matmul_plain_v<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                    \
-        else LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                          \
-        break;
+#define PLAIN(TY) case TY: plain_product<TY>(vec, grid, block, w, w_stride, ne0, ne1, x, t, y, tl); break;
 #define HALF(TY)                                                                                                   \
     case TY:                                                                                                       \
-        if (!mma && vec) LAUNCH(k_matmul_plain_v<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);            \
-        else if (!mma) LAUNCH(k_matmul_plain<TY>, grid, block)(w, w_stride, ne0, ne1, x, t, y, tl);                \
+        if (!mma) plain_product<TY>(vec, grid, block, w, w_stride, ne0, ne1, x, t, y, tl);                         \
         else if (tiles) LAUNCH((k_matmul_mma_f<TY, 1>), grid, block)(w, w_stride, ne0, ne1, h, h_stride, iv, t, y,  \
                                                                       tl);                                         \
         else LAUNCH((k_matmul_mma_f<TY, 4>), grid, block)(w, w_stride, ne0, ne1, h, h_stride, iv, t, y, tl);      \
@@ -985,11 +989,11 @@ static int attention_launch(const float *Q, const float *K, const float *V, floa
         if (rc != CLOVER_OK) return rc;
         P = (float *)g_att.p;
     }
+    const dim3 block(32, (unsigned)(n_rep < (int64_t)ATT_REP ? n_rep : (int64_t)ATT_REP)); /* a warp per query head */
     for (int64_t t0 = 0; t0 < T; t0 += 65535) { /* gridDim.y <= 65535 */
         const unsigned rows = (unsigned)(T - t0 < 65535 ? T - t0 : 65535);
-        LAUNCH(k_attention, dim3((unsigned)(n_kv * n_chunk), rows, (unsigned)S),
-               dim3(32, (unsigned)(n_rep < (int64_t)ATT_REP ? n_rep : (int64_t)ATT_REP)))(Q, K, V, O, P, pos_p, pos0, T, t0, n_head, n_kv, hd,
-                                                                       causal, scale);
+        LAUNCH(k_attention, dim3((unsigned)(n_kv * n_chunk), rows, (unsigned)S), block)(Q, K, V, O, P, pos_p, pos0, T, t0,
+                                                                                      n_head, n_kv, hd, causal, scale);
         if (S > 1) LAUNCH(k_attention_merge, dim3((unsigned)n_head, rows), dim3(32))(Q, P, O, t0, n_head, hd, S);
     }
     return CLOVER_OK;

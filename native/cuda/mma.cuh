@@ -69,6 +69,21 @@ __device__ __forceinline__ mma_rows mma_rows_of(const uint8_t *W, int64_t w_stri
     return m;
 }
 
+/* A warp's tile of Y from its accumulators (lane 4g + t: weight rows g, g + 8 from mr.r0 and
+ * activation rows 8n + 2t, 8n + 2t + 1 from mr.t0; those past ne1 or mr.nr not stored), each
+ * activation row's result times inv[row] (inv NULL: as is). */
+template <int NT>
+__device__ __forceinline__ void mma_store(const float (*acc)[4], const mma_rows &mr, int64_t ne1, float *Y,
+                                          const float *inv) {
+    const int g = threadIdx.x / 4, t = threadIdx.x % 4;
+    for (int n = 0; n < NT; n++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t r = mr.r0 + g + 8 * (i >> 1);
+            const int cn = 8 * n + 2 * t + (i & 1);
+            if (r < ne1 && cn < mr.nr) Y[(mr.t0 + cn) * ne1 + r] = inv ? acc[n][i] * inv[mr.t0 + cn] : acc[n][i];
+        }
+}
+
 /* Y = W X for a block format: one warp per 16 weight rows and per 8 NT activation rows
  * (mma_rows_of; a grouped product's tiles take NT = 1), X in its int8 form (Q values, D scale and S =
  * D * sum(Q) per 32). For each group of 32 values: the int32 tile sums (two mma per 8 rows),
@@ -82,7 +97,7 @@ __global__ void k_matmul_mma(const uint8_t *W, int64_t w_stride, int64_t ne0, in
     const int64_t ng = ne0 / 32;
     const mma_rows mr = mma_rows_of<NT>(W, w_stride, ne0 / BN * BB, ne1, T, tiles);
     if (mr.nr <= 0) return; /* the whole warp */
-    const int64_t r0 = mr.r0, t0 = mr.t0;
+    const int64_t t0 = mr.t0;
     const int nr = mr.nr;
     const uint8_t *wa = mr.wa, *wb = mr.wb;
     const int8_t *qb[NT]; /* B's column g of each n: activation row 8n + g (past nr: the last row) */
@@ -114,12 +129,7 @@ __global__ void k_matmul_mma(const uint8_t *W, int64_t w_stride, int64_t ne0, in
                 }
         }
     }
-    for (int n = 0; n < NT; n++)
-        for (int i = 0; i < 4; i++) {
-            const int64_t r = r0 + g + 8 * (i >> 1);
-            const int cn = 8 * n + 2 * t + (i & 1);
-            if (r < ne1 && cn < nr) Y[(t0 + cn) * ne1 + r] = acc[n][i];
-        }
+    mma_store<NT>(acc, mr, ne1, Y, NULL);
 }
 
 /* ---- F16 and BF16 weights ---- */
@@ -201,7 +211,7 @@ __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, 
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
     const mma_rows mr = mma_rows_of<NT>(W, w_stride, 2 * ne0, ne1, T, tiles);
     if (mr.nr <= 0) return; /* the whole warp */
-    const int64_t r0 = mr.r0, t0 = mr.t0;
+    const int64_t t0 = mr.t0;
     const int nr = mr.nr;
     const uint16_t *wa = (const uint16_t *)mr.wa, *wb = (const uint16_t *)mr.wb;
     const uint16_t *hb[NT]; /* B's column g of each n: activation row 8n + g (past nr: the last row) */
@@ -226,12 +236,7 @@ __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, 
         for (int n = 0; n < NT; n++)
             for (int i = 0; i < 4; i++) acc[n][i] += c[n][i] + cl[n][i];
     }
-    for (int n = 0; n < NT; n++)
-        for (int i = 0; i < 4; i++) {
-            const int64_t r = r0 + g + 8 * (i >> 1);
-            const int cn = 8 * n + 2 * t + (i & 1);
-            if (r < ne1 && cn < nr) Y[(t0 + cn) * ne1 + r] = acc[n][i] * inv[t0 + cn];
-        }
+    mma_store<NT>(acc, mr, ne1, Y, inv);
 }
 
 #endif
