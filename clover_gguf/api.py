@@ -53,6 +53,21 @@ def _check_int(name, v, lo=None, hi=None):
     return v
 
 
+# KV cache element types (ggml's type ids, as llama-cpp-python's type_k/type_v): name -> id, bytes
+CACHE_TYPES = {"f32": (0, 4), "f16": (1, 2)}
+
+
+def cache_type(name: str, v) -> int:
+    """The ggml type id of a KV cache type given as a name (``"f16"``, ``"f32"``, any case) or
+    an id (1, 0); ValueError naming ``name`` for anything else."""
+    ids = {i: n for n, (i, _) in CACHE_TYPES.items()}
+    if isinstance(v, str) and v.lower() in CACHE_TYPES:
+        return CACHE_TYPES[v.lower()][0]
+    if not isinstance(v, (bool, str)) and isinstance(v, (int, np.integer)) and int(v) in ids:
+        return int(v)
+    raise ValueError(f"{name}: {v!r} is not a supported KV cache type ({', '.join(CACHE_TYPES)})")
+
+
 def _check_float(name, v, lo=None, hi=None, lo_open=False):
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name}: expected a number, got {v!r}")
@@ -89,6 +104,9 @@ class Model:
             the reason, and the CPU. The rest of each layer runs on the CPU (see the README).
         n_cpu_moe: the routed experts of the first n_cpu_moe offloaded layers stay in system
             memory (llama.cpp's --n-cpu-moe; >= n_layer: --cpu-moe).
+        type_k, type_v: element type of the KV cache's keys and values, ``"f16"`` (default, as
+            clover-spec section 6 and llama.cpp: 2 bytes a value, rounded to nearest even when
+            written) or ``"f32"`` (exact, twice the memory); ggml type ids 1 and 0 also work.
         gpu_budget: bytes of GPU memory, or "free" (what the GPU reports free): choose
             n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
             is in :attr:`placement` (``placement["plan"]``).
@@ -105,7 +123,8 @@ class Model:
     """
 
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
-                 n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None) -> None:
+                 n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
+                 type_k: str | int = "f16", type_v: str | int = "f16") -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
@@ -124,6 +143,7 @@ class Model:
         if gpu_budget is not None and gpu_budget != "free":
             gpu_budget = _check_int("gpu_budget", gpu_budget, lo=1, hi=2**62)
         self.n_ctx = n_ctx
+        self.type_k, self.type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
         self.n_gpu_layers = 0  # layers whose products run on the GPU (the output counts as one)
         self.placement: dict | None = None  # bytes per part of the GPU placement (placement.py)
         self.path = path
@@ -142,7 +162,7 @@ class Model:
             self.hparams["logits_shift"] = bool(self.hparams["logits_shift"])
             if n_gpu_layers or gpu_budget is not None:
                 self.n_gpu_layers = self._offload(n_gpu_layers, n_cpu_moe, gpu_budget)
-            c = lib.clover_context_new(m, n_ctx, n_threads, err, len(err))
+            c = lib.clover_context_new(m, n_ctx, n_threads, self.type_k, self.type_v, err, len(err))
             if c == ffi.NULL:
                 raise_error(err, "creating the context")
             self._ctx = c

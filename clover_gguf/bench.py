@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._ffi import err_buf, ffi, lib, raise_error
+from .api import cache_type
 
 __all__ = ["BenchResult", "run_bench", "model_summary", "bytes_per_token", "format_table"]
 
@@ -152,7 +153,8 @@ def bytes_per_token(path) -> int:
 class _Engine:
     """A loaded model and one context, freed by close()."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0, n_cpu_moe: int = 0) -> None:
+    def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
+                 type_k: int = 1, type_v: int = 1) -> None:
         err = err_buf()
         self.m = lib.clover_model_load(os.fsencode(path), err, len(err))
         if self.m == ffi.NULL:
@@ -169,7 +171,7 @@ class _Engine:
                 self.close()
                 raise_error(err, "n_gpu_layers")
             self.n_gpu_layers = int(rc)
-        self.c = lib.clover_context_new(self.m, n_ctx, n_threads, err, len(err))
+        self.c = lib.clover_context_new(self.m, n_ctx, n_threads, type_k, type_v, err, len(err))
         if self.c == ffi.NULL:
             self.close()
             raise_error(err, "creating the context")
@@ -209,7 +211,7 @@ def _check_pos(name: str, v: int) -> int:
 def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
               block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0,
-              n_cpu_moe: int = 0) -> dict:
+              n_cpu_moe: int = 0, type_k: str | int = "f16", type_v: str | int = "f16") -> dict:
     """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
 
     Args:
@@ -218,7 +220,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         coreset_top_p: in (0, 1]; block: None = only for clover files, False = skip;
         commit: False skips the commit test; n_gpu_layers: layers whose weight products run on
             the GPU (-1 = all and the output; CloverError without a usable GPU); n_cpu_moe: the
-            routed experts of the first n_cpu_moe layers stay on the CPU.
+            routed experts of the first n_cpu_moe layers stay on the CPU; type_k, type_v: the KV
+            cache types (``"f16"``, ``"f32"``; :func:`clover_gguf.api.cache_type`).
 
     Returns a dict: ``model`` (:func:`model_summary`), ``threads`` (int, the resolved
     count), ``params`` (the arguments), ``results`` (list of :class:`BenchResult`, in order
@@ -234,7 +237,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
     if threads < 0:
         raise ValueError(f"n_threads: {threads} must be >= 0")
     summary = model_summary(path)
-    eng = _Engine(path, max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe)
+    type_k, type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
+    eng = _Engine(path, max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe, type_k, type_v)
     gpu_layers = eng.n_gpu_layers
     try:
         hp = eng.hp
@@ -293,7 +297,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
             threads = os.cpu_count() or 1
     return {"model": summary, "threads": threads, "results": results, "block_vs_tg": ratio,
             "params": {"n_prompt": n_prompt, "n_gen": n_gen, "reps": reps, "block_size": B,
-                       "coreset_top_p": float(coreset_top_p), "seed": seed, "warmup": warmup},
+                       "coreset_top_p": float(coreset_top_p), "seed": seed, "warmup": warmup,
+                       "type_k": type_k, "type_v": type_v},
             "n_gpu_layers": gpu_layers}
 
 

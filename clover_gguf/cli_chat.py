@@ -173,7 +173,8 @@ def _size_arg(s: str) -> int:
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """llama.cpp's placement flags: ``-ngl N|all``, ``--device cpu|cuda``, ``--cpu-moe``,
-    ``--n-cpu-moe N``, ``--fit`` and ``--gpu-budget SIZE`` (:func:`placement_kwargs`)."""
+    ``--n-cpu-moe N``, ``--fit`` and ``--gpu-budget SIZE``, and its KV cache types ``-ctk``,
+    ``-ctv`` (:func:`placement_kwargs`)."""
     p.add_argument("-ngl", "--n-gpu-layers", type=_gpu_layers_arg, default=None, metavar="N|all",
                    help="layers whose weight products run on the GPU; all = every layer and the output "
                         "(default: all with --device cuda, else 0)")
@@ -186,6 +187,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="choose the placement from the GPU's free memory (or --gpu-budget) and print the plan")
     p.add_argument("--gpu-budget", type=_size_arg, default=None, metavar="SIZE",
                    help="GPU memory to plan for with --fit, e.g. 12G (default: what the GPU reports free)")
+    for flag, name in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
+        p.add_argument(flag, name, choices=["f16", "f32"], default="f16", type=str.lower,
+                       help=f"KV cache type of the {'keys' if flag == '-ctk' else 'values'}: f16 (default, 2 bytes "
+                            "a value) or f32 (exact, twice the memory)")
 
 
 def gpu_layers(a) -> int:
@@ -198,12 +203,14 @@ def gpu_layers(a) -> int:
 
 
 def placement_kwargs(a) -> dict:
-    """``n_gpu_layers``, ``n_cpu_moe`` and ``gpu_budget`` of :class:`Clover` / ``Model`` from the flags."""
+    """``n_gpu_layers``, ``n_cpu_moe``, ``gpu_budget``, ``type_k`` and ``type_v`` of
+    :class:`Clover` / ``Model`` from :func:`add_device_args`'s flags."""
+    cache = dict(type_k=getattr(a, "cache_type_k", "f16"), type_v=getattr(a, "cache_type_v", "f16"))
     if getattr(a, "device", None) == "cpu":
-        return dict(n_gpu_layers=0)
+        return dict(n_gpu_layers=0, **cache)
     fit = getattr(a, "fit", False)
     return dict(n_gpu_layers=gpu_layers(a), n_cpu_moe=1 << 30 if getattr(a, "cpu_moe", False) else
-                getattr(a, "n_cpu_moe", 0), gpu_budget=(a.gpu_budget or "free") if fit else None)
+                getattr(a, "n_cpu_moe", 0), gpu_budget=(a.gpu_budget or "free") if fit else None, **cache)
 
 
 def print_plan(model) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from ._ffi import ffi, lib
+from .api import CACHE_TYPES
 
 PARTS = ("gpu", "dense", "experts", "output", "experts_cpu")
 # bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
@@ -38,13 +39,15 @@ def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = 
 def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
     """Bytes a context keeps on the GPU when the first ``n_gpu_layers`` layers are offloaded
     (native/model.c gpu_attention, gpu_gdn): the KV cache of each offloaded attention layer,
-    float32 [n_ctx][n_head_kv * head_dim] for K and for V, and, once any GDN layer is
-    offloaded, the state of every GDN layer, float32 [Hv][dk][dv]."""
+    [n_ctx][n_head_kv * head_dim] for K and for V in the model's cache types (``type_k``,
+    ``type_v``: 2 bytes a value for F16, 4 for F32), and, once any GDN layer is offloaded, the
+    state of every GDN layer, float32 [Hv][dk][dv]."""
     hp = model.hparams
     n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
     on = range(min(n_gpu_layers, n_layer))
     n_attn_on = sum((il + 1) % interval == 0 for il in on)
-    kv = n_attn_on * 2 * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * 4
+    es = {i: b for i, b in CACHE_TYPES.values()}
+    kv = n_attn_on * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * (es[model.type_k] + es[model.type_v])
     gdn = 0
     if hp.get("ssm_dt_rank") and len(on) > n_attn_on:
         n_gdn = sum((il + 1) % interval != 0 for il in range(n_layer))

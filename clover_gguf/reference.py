@@ -330,6 +330,7 @@ class GatedAttention:
         self.k_norm = RMSNorm1p(w["k_norm.weight"], cfg.rms_norm_eps)
         rd = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+        self.kv_round = (None, None)  # dtypes (torch.float16) keys, values are rounded to, as a KV cache's
 
     def new_cache(self, dtype) -> KVCache:
         return KVCache(k=torch.zeros(self.nkv, 0, self.hd, dtype=dtype),
@@ -354,7 +355,11 @@ class GatedAttention:
         k = self.k_norm((x @ self.W_k.T).view(T, self.nkv, self.hd)).transpose(0, 1)
         v = (x @ self.W_v.T).view(T, self.nkv, self.hd).transpose(0, 1)
         pos = torch.arange(pos0, pos0 + T)
-        return self._rope(q, pos), self._rope(k, pos), v, gate
+        k = self._rope(k, pos)
+        kd, vd = self.kv_round  # what a cache of that type holds (round to nearest even)
+        k = k if kd is None else k.to(kd).to(k.dtype)
+        v = v if vd is None else v.to(vd).to(v.dtype)
+        return self._rope(q, pos), k, v, gate
 
     def _attend(self, q, k, v, gate, mask):
         rep = self.nh // self.nkv                       # query head h uses KV head h // rep
@@ -538,7 +543,7 @@ class CloverReference:
     ``torch.set_num_threads(1)`` first: torch's thread pool otherwise spin-waits on these small
     tensors (tests/conftest.py does this for the test session)."""
 
-    def __init__(self, config: ReferenceConfig, weights: dict, dtype=torch.float32):
+    def __init__(self, config: ReferenceConfig, weights: dict, dtype=torch.float32, kv_cache_dtype=None):
         self.config = config
         self.dtype = dtype
         w = _Weights(weights, "model.")
@@ -547,15 +552,22 @@ class CloverReference:
         self.lm_head = _Weights(weights)["lm_head.weight"]  # [V, H] (top level, no prefix)
         self.layers = [DecoderLayer(w.sub(f"layers.{i}."), config, lt)
                        for i, lt in enumerate(config.layer_types)]
+        kv = kv_cache_dtype if isinstance(kv_cache_dtype, tuple) else (kv_cache_dtype, kv_cache_dtype)
+        for layer in self.layers:
+            if not layer.is_gdn:
+                layer.mixer.kv_round = kv
 
     @classmethod
-    def from_pretrained(cls, hf_dir, dtype=torch.float32, tensor_hook=None) -> "CloverReference":
+    def from_pretrained(cls, hf_dir, dtype=torch.float32, tensor_hook=None, kv_cache_dtype=None) -> "CloverReference":
         """Load an HF checkpoint directory (spec 3.4): config.json plus safetensors (sharded with
         an index, or one model.safetensors), tensor prefix ``model.`` or ``model.language_model.``,
         fused 3-D or per-expert experts, any stored dtype (converted to ``dtype``).
 
         tensor_hook(name, tensor) -> tensor, when given, is applied to every tensor after the
         dtype conversion, with its full HF name (e.g. to feed Q8_0-round-tripped weights).
+        kv_cache_dtype (e.g. torch.float16, or a (keys, values) pair of dtypes or None): attention
+        keys (after norm and RoPE) and values are rounded to it before attention reads them, as
+        the engine's KV cache of that type (clover-spec 6); None keeps them in ``dtype``.
         A Clover checkpoint needs both ``mask_token_id`` and the backward-branch tensors; a
         missing one of the two raises ValueError saying which. Missing tensors raise KeyError.
         """
@@ -570,7 +582,7 @@ class CloverReference:
         if has_bwd and not config.clover:
             raise ValueError(f"{hf_dir}: checkpoint has Clover backward-branch tensors but "
                              "config.json has no mask_token_id")
-        return cls(config, weights, dtype)
+        return cls(config, weights, dtype, kv_cache_dtype)
 
     # -- incremental interface (also used by the decoders) ------------------------------------
 

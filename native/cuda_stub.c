@@ -60,10 +60,10 @@ int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes,
     return CLOVER_E_DEVICE;
 }
 
-int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
-                          int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
-                          float scale, float *out, char *err, size_t err_size) {
-    (void)q, (void)k_new, (void)v_new, (void)k_cache, (void)v_cache, (void)n_ctx, (void)pos0, (void)T, (void)n_head;
+int clover_cuda_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16, int64_t n_ctx,
+                          int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale,
+                          float *out, char *err, size_t err_size) {
+    (void)q, (void)k_cache, (void)v_cache, (void)kv_f16, (void)n_ctx, (void)pos0, (void)T, (void)n_head;
     (void)n_kv, (void)hd, (void)causal, (void)scale, (void)out;
     if (err && err_size) snprintf(err, err_size, "built without CUDA");
     return CLOVER_E_DEVICE;
@@ -111,10 +111,10 @@ int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t ro
     return no_cuda(err, err_size);
 }
 
-int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos, int64_t T,
-                            int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
-                            size_t err_size) {
-    (void)q, (void)k_cache, (void)v_cache, (void)pos, (void)T, (void)n_head, (void)n_kv, (void)hd, (void)causal;
+int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16, const int64_t *pos,
+                            int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out,
+                            char *err, size_t err_size) {
+    (void)q, (void)k_cache, (void)v_cache, (void)kv_f16, (void)pos, (void)T, (void)n_head, (void)n_kv, (void)hd, (void)causal;
     (void)scale, (void)out;
     return no_cuda(err, err_size);
 }
@@ -216,9 +216,9 @@ int clover_cuda_graph_launch(void *graph, char *err, size_t err_size) {
 }
 void clover_cuda_graph_free(void *graph) { (void)graph; }
 int64_t clover_cuda_scratch_epoch(void) { return 0; }
-int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
+int clover_cuda_kv_store_d(void *k_cache, void *v_cache, int kv_f16, int64_t n_ctx, int64_t kvd, const int64_t *pos,
                            const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size) {
-    (void)k_cache, (void)v_cache, (void)n_ctx, (void)kvd, (void)pos, (void)k_new, (void)v_new, (void)T;
+    (void)k_cache, (void)v_cache, (void)kv_f16, (void)n_ctx, (void)kvd, (void)pos, (void)k_new, (void)v_new, (void)T;
     return no_cuda(err, err_size);
 }
 int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size) {

@@ -65,7 +65,9 @@ struct clover_context {
     clover_model *m;
     int32_t n_ctx, n_threads, n_past;
     int gdn_chunked;
-    float *k_cache, *v_cache;  /* [n_attn][n_ctx][n_head_kv*head_dim] (kv_host; else unused: resident model) */
+    int32_t type_k, type_v;    /* KV cache element types: CLOVER_TYPE_F16 or CLOVER_TYPE_F32 */
+    void *k_cache, *v_cache;   /* [n_attn][n_ctx][n_head_kv*head_dim] of type_k/type_v (kv_host; else
+                                  unused: resident model) */
     int kv_host;
     /* the KV cache of the attention layers offloaded to the GPU, on the device (allocated at
      * their first forward; one [n_ctx][n_head_kv*head_dim] block per offloaded layer, in layer

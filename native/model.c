@@ -607,13 +607,20 @@ static int64_t gdn_state_floats(const clover_hparams *hp) {
     return (int64_t)hp->ssm_dt_rank * hp->ssm_d_state * (hp->ssm_d_inner / hp->ssm_dt_rank);
 }
 
-/* calloc of a*b*c floats with overflow check. */
-static float *alloc_floats(int64_t a, int64_t b, int64_t c) {
-    if (a <= 0 || b <= 0 || c <= 0) return calloc(1, sizeof(float));
+/* calloc of a*b*c elements of es bytes with overflow check. */
+static void *alloc_elems(int64_t a, int64_t b, int64_t c, size_t es) {
+    if (a <= 0 || b <= 0 || c <= 0) return calloc(1, es);
     if (a > INT64_MAX / b || a * b > INT64_MAX / c) return NULL;
     uint64_t n = (uint64_t)(a * b * c);
-    if (n > SIZE_MAX / sizeof(float)) return NULL;
-    return calloc((size_t)n, sizeof(float));
+    if (n > SIZE_MAX / es) return NULL;
+    return calloc((size_t)n, es);
+}
+
+static float *alloc_floats(int64_t a, int64_t b, int64_t c) { return alloc_elems(a, b, c, sizeof(float)); }
+
+/* Bytes of one KV cache element of type t (CLOVER_TYPE_F16 or F32; 0 for another type). */
+static size_t kv_elem_bytes(int32_t t) {
+    return t == CLOVER_TYPE_F16 ? 2 : t == CLOVER_TYPE_F32 ? 4 : 0;
 }
 
 /* Physical cores (distinct package/core id pairs in Linux sysfs), else the online CPU count:
@@ -655,16 +662,16 @@ static int32_t physical_cores(void) {
     return n > 0 ? n : (int32_t)online;
 }
 
-int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx) {
-    if (!m || n_ctx <= 0) return -1;
+int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx, int32_t type_k, int32_t type_v) {
+    if (!m || n_ctx <= 0 || !kv_elem_bytes(type_k) || !kv_elem_bytes(type_v)) return -1;
     const clover_hparams *hp = &m->hp;
     const int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim; /* <= 2^28 by the loader's limits */
     const int64_t per_layer = (int64_t)hp->n_layer * (int64_t)sizeof(int32_t);
     int64_t cache, gdn, total;
-    /* 2 x n_attn x n_ctx x kv floats, checked: the loader's limits alone allow 2^72 */
+    /* n_attn x n_ctx x kv elements of K and of V, checked: the loader's limits alone allow 2^72 */
     const int64_t host_kv = m->resident ? 0 : m->n_attn; /* the resident forward keeps its KV cache on the GPU */
-    if (__builtin_mul_overflow((int64_t)2 * host_kv * n_ctx, kv, &cache) ||
-        __builtin_mul_overflow(cache, (int64_t)sizeof(float), &cache) ||
+    if (__builtin_mul_overflow(host_kv * n_ctx, kv, &cache) ||
+        __builtin_mul_overflow(cache, (int64_t)(kv_elem_bytes(type_k) + kv_elem_bytes(type_v)), &cache) ||
         __builtin_mul_overflow((int64_t)m->n_gdn, gdn_state_floats(hp) + (hp->ssm_d_conv - 1) * conv_channels(hp), &gdn) ||
         __builtin_mul_overflow(gdn, (int64_t)sizeof(float), &gdn) || __builtin_add_overflow(cache, gdn, &total) ||
         __builtin_add_overflow(total, per_layer, &total))
@@ -693,8 +700,8 @@ static int64_t available_memory(void) {
     return -1;
 }
 
-clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, char *err,
-                                   size_t err_size) {
+clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, int32_t type_k,
+                                   int32_t type_v, char *err, size_t err_size) {
     if (!m) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "model is NULL");
         return NULL;
@@ -703,7 +710,14 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_ctx: %d must be > 0", n_ctx);
         return NULL;
     }
-    const int64_t need = clover_context_mem_required(m, n_ctx), avail = available_memory();
+    const int32_t types[2] = {type_k, type_v};
+    for (int i = 0; i < 2; i++)
+        if (!kv_elem_bytes(types[i])) {
+            clover_set_err(err, err_size, CLOVER_E_ARG, "%s: cache type %d is not supported (F16 = %d or F32 = %d)",
+                           i ? "type_v" : "type_k", types[i], CLOVER_TYPE_F16, CLOVER_TYPE_F32);
+            return NULL;
+        }
+    const int64_t need = clover_context_mem_required(m, n_ctx, type_k, type_v), avail = available_memory();
     if (avail > 0 && need > avail) {
         clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_ctx: %d needs %.2f GiB for the KV cache and GDN state, "
                        "but only %.2f GiB of memory is available: use a smaller n_ctx", n_ctx,
@@ -729,8 +743,9 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     atomic_init(&c->abort_req, 0);
     int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
     /* a resident model's forwards use the device KV cache only (res_attention) */
-    c->k_cache = alloc_floats(m->resident ? 0 : m->n_attn, n_ctx, kv);
-    c->v_cache = alloc_floats(m->resident ? 0 : m->n_attn, n_ctx, kv);
+    c->type_k = type_k, c->type_v = type_v;
+    c->k_cache = alloc_elems(m->resident ? 0 : m->n_attn, n_ctx, kv, kv_elem_bytes(type_k));
+    c->v_cache = alloc_elems(m->resident ? 0 : m->n_attn, n_ctx, kv, kv_elem_bytes(type_v));
     c->kv_host = !m->resident;
     c->gdn_state = alloc_floats(m->n_gdn, gdn_state_floats(hp), 1);
     c->conv_state = alloc_floats(m->n_gdn, hp->ssm_d_conv - 1, conv_channels(hp));
@@ -738,7 +753,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     if (!c->k_cache || !c->v_cache || !c->gdn_state || !c->conv_state || !c->nexp_full) {
         clover_context_free(c);
         clover_set_err(err, err_size, CLOVER_E_NOMEM,
-                       "n_ctx: %d needs a KV cache of %lld floats per layer, allocation failed", n_ctx,
+                       "n_ctx: %d needs a KV cache of %lld values per layer, allocation failed", n_ctx,
                        (long long)(2 * kv * (int64_t)n_ctx));
         return NULL;
     }
@@ -893,16 +908,37 @@ static void rope_neox(float *v, int64_t pos, int rd, float theta) {
     }
 }
 
+/* q . k over n values, k float32 or fp16 (f16); inlined into attend_row's clones. */
+CLOVER_INLINE float dot_kv(const float *q, const void *k, int f16, int64_t n) {
+    if (!f16) return dotf(q, k, n);
+    const uint16_t *h = k;
+    float s = 0;
+#ifdef _OPENMP
+#pragma omp simd reduction(+ : s)
+#endif
+    for (int64_t i = 0; i < n; i++) s += q[i] * clover_h2f(h[i]);
+    return s;
+}
+
+/* o += p v over n values, v float32 or fp16 (f16). */
+CLOVER_INLINE void axpy_kv(float *restrict o, float p, const void *v, int f16, int64_t n) {
+    if (f16)
+        for (int64_t d = 0; d < n; d++) o[d] += p * clover_h2f(((const uint16_t *)v)[d]);
+    else
+        for (int64_t d = 0; d < n; d++) o[d] += p * ((const float *)v)[d];
+}
+
 /* One query row of one head (spec 2.2 steps 3-4): softmax(q K^T * scale) V over n_keys cached
  * keys, times sigmoid of the head's output gate (stored right after q). K/V rows are kvd
- * floats apart, this head's slice at offset off. sc: n_keys scratch. */
-CLOVER_CLONES static void attend_row(const float *q, const float *kc, const float *vc, int64_t kvd, int64_t off, int64_t hd,
-                       int64_t n_keys, float scale, float *sc, float *o) {
+ * elements apart (fp16 where k16/v16, else float32), this head's slice at offset off. sc:
+ * n_keys scratch. */
+CLOVER_CLONES static void attend_row(const float *q, const void *kc, int k16, const void *vc, int v16, int64_t kvd,
+                                     int64_t off, int64_t hd, int64_t n_keys, float scale, float *sc, float *o) {
     const float *gate = q + hd;
+    const size_t ek = k16 ? 2 : 4, ev = v16 ? 2 : 4;
     float mx = -FLT_MAX;
     for (int64_t j = 0; j < n_keys; j++) {
-        const float *kj = kc + j * kvd + off;
-        sc[j] = dotf(q, kj, hd) * scale;
+        sc[j] = dot_kv(q, (const char *)kc + ek * (size_t)(j * kvd + off), k16, hd) * scale;
         if (sc[j] > mx) mx = sc[j];
     }
     double sum = 0;
@@ -911,12 +947,25 @@ CLOVER_CLONES static void attend_row(const float *q, const float *kc, const floa
         sum += sc[j];
     }
     memset(o, 0, sizeof(float) * (size_t)hd);
-    for (int64_t j = 0; j < n_keys; j++) {
-        const float *vj = vc + j * kvd + off;
-        const float p = (float)(sc[j] / sum);
-        for (int64_t d = 0; d < hd; d++) o[d] += p * vj[d];
-    }
+    for (int64_t j = 0; j < n_keys; j++)
+        axpy_kv(o, (float)(sc[j] / sum), (const char *)vc + ev * (size_t)(j * kvd + off), v16, hd);
     for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
+}
+
+/* Rows of KV cache elements: n float32 values from src into row dst of fp16 (f16: rounded to
+ * nearest even) or float32 values. */
+static void kv_put_row(void *dst, int f16, const float *src, int64_t n) {
+    if (!f16) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = dst;
+    for (int64_t i = 0; i < n; i++) h[i] = clover_fp32_to_fp16(src[i]);
+}
+
+/* Element-type bits of the context's KV cache for the CUDA backend (CLOVER_KV_*_F16). */
+static int kv_f16_bits(const clover_context *c) {
+    return (c->type_k == CLOVER_TYPE_F16 ? CLOVER_KV_K_F16 : 0) | (c->type_v == CLOVER_TYPE_F16 ? CLOVER_KV_V_F16 : 0);
 }
 
 /* Offloaded attention layers (their output projection on the GPU) among the first n_slots
@@ -934,10 +983,10 @@ static int64_t offloaded_attn(const clover_model *m, int n_slots) {
  * use. */
 static int kv_dev_alloc(clover_context *c, char *err, size_t err_size) {
     if (c->kv_dev_rows) return CLOVER_OK;
-    const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim;
-    const size_t all = layer_bytes * (size_t)offloaded_attn(c->m, c->m->n_attn);
-    int rc = clover_cuda_alloc(all, &c->k_dev, err, err_size);
-    if (rc == CLOVER_OK) rc = clover_cuda_alloc(all, &c->v_dev, err, err_size);
+    const size_t layer = (size_t)c->n_ctx * (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim;
+    const size_t n = layer * (size_t)offloaded_attn(c->m, c->m->n_attn);
+    int rc = clover_cuda_alloc(n * kv_elem_bytes(c->type_k), &c->k_dev, err, err_size);
+    if (rc == CLOVER_OK) rc = clover_cuda_alloc(n * kv_elem_bytes(c->type_v), &c->v_dev, err, err_size);
     if (rc == CLOVER_OK && !(c->kv_dev_rows = calloc((size_t)c->m->n_attn, sizeof(int64_t))))
         rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
     if (rc != CLOVER_OK) {
@@ -952,33 +1001,36 @@ static int kv_dev_alloc(clover_context *c, char *err, size_t err_size) {
 static int kv_dev_catch_up(clover_context *c, int slot, int64_t pos, char *err, size_t err_size) {
     const int64_t have = c->kv_dev_rows[slot];
     if (have >= pos) return CLOVER_OK;
-    const size_t row = sizeof(float) * (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim;
-    const size_t layer_bytes = row * (size_t)c->n_ctx, host = layer_bytes * (size_t)slot;
-    const size_t dev = layer_bytes * (size_t)offloaded_attn(c->m, slot);
+    const size_t row = (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim, layer = row * (size_t)c->n_ctx;
+    const size_t host = layer * (size_t)slot, dev = layer * (size_t)offloaded_attn(c->m, slot);
     const size_t off = row * (size_t)have, n = row * (size_t)(pos - have);
-    int rc = clover_cuda_write(c->k_dev, dev + off, (const char *)c->k_cache + host + off, n, err, err_size);
-    if (rc == CLOVER_OK) rc = clover_cuda_write(c->v_dev, dev + off, (const char *)c->v_cache + host + off, n, err, err_size);
+    const size_t ek = kv_elem_bytes(c->type_k), ev = kv_elem_bytes(c->type_v);
+    int rc = clover_cuda_write(c->k_dev, ek * (dev + off), (const char *)c->k_cache + ek * (host + off), ek * n, err,
+                               err_size);
+    if (rc == CLOVER_OK)
+        rc = clover_cuda_write(c->v_dev, ev * (dev + off), (const char *)c->v_cache + ev * (host + off), ev * n, err,
+                               err_size);
     return rc;
 }
 
 /* Attention of an offloaded layer on the GPU (clover_cuda_attention): the context's device KV
  * cache (the offloaded layers only) is allocated at the first call and brought up to date with
- * the host cache (rows a CPU forward wrote since) before the new rows go in; q, k, v as
- * attention_layer made them. */
-static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, const float *k, const float *v, float scale,
-                         float *att) {
+ * the host cache, which attention_layer wrote the new rows to (rows a CPU forward wrote since
+ * and this forward's); qg as attention_layer made it. */
+static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, float scale, float *att) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
-    const int64_t kvd = (int64_t)hp->n_head_kv * hp->head_dim;
-    const size_t layer_bytes = sizeof(float) * (size_t)c->n_ctx * (size_t)kvd;
+    const size_t layer = (size_t)c->n_ctx * (size_t)hp->n_head_kv * (size_t)hp->head_dim;
     int rc = kv_dev_alloc(c, f->err, f->err_size);
     if (rc != CLOVER_OK) return rc;
-    const size_t dev = layer_bytes * (size_t)offloaded_attn(c->m, ly->slot);
+    const size_t dev = layer * (size_t)offloaded_attn(c->m, ly->slot);
     const int64_t have = c->kv_dev_rows[ly->slot];
-    if ((rc = kv_dev_catch_up(c, ly->slot, f->pos0, f->err, f->err_size)) != CLOVER_OK) return rc;
-    rc = clover_cuda_attention(qg, k, v, (float *)((char *)c->k_dev + dev), (float *)((char *)c->v_dev + dev),
-                                   c->n_ctx, f->pos0, f->T, hp->n_head, hp->n_head_kv, hp->head_dim,
-                                   f->mode == MODE_PREFIX, scale, att, f->err, f->err_size);
+    if (have > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* rows from pos0 on are new */
+    if ((rc = kv_dev_catch_up(c, ly->slot, f->pos0 + f->T, f->err, f->err_size)) == CLOVER_OK)
+        rc = clover_cuda_attention(qg, (char *)c->k_dev + dev * kv_elem_bytes(c->type_k),
+                                   (char *)c->v_dev + dev * kv_elem_bytes(c->type_v), kv_f16_bits(c), c->n_ctx, f->pos0,
+                                   f->T, hp->n_head, hp->n_head_kv, hp->head_dim, f->mode == MODE_PREFIX, scale, att,
+                                   f->err, f->err_size);
     c->kv_dev_rows[ly->slot] = rc == CLOVER_OK ? f->pos0 + f->T : (have < f->pos0 ? have : f->pos0);
     return rc;
 }
@@ -995,8 +1047,10 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     int rc = CLOVER_E_NOMEM;
     if (!qg || !k || !v || !att) goto done;
     if (matmul(c, &ly->wq, xn, T, qg) || matmul(c, &ly->wk, xn, T, k) || matmul(c, &ly->wv, xn, T, v)) goto done;
-    float *kc = c->k_cache + (size_t)ly->slot * c->n_ctx * kvd;
-    float *vc = c->v_cache + (size_t)ly->slot * c->n_ctx * kvd;
+    const int k16 = c->type_k == CLOVER_TYPE_F16, v16 = c->type_v == CLOVER_TYPE_F16;
+    const size_t ek = kv_elem_bytes(c->type_k), ev = kv_elem_bytes(c->type_v);
+    char *kc = (char *)c->k_cache + ek * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
+    char *vc = (char *)c->v_cache + ev * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
     for (int64_t t = 0; t < T; t++) {
         int64_t pos = f->pos0 + t;
         for (int64_t h = 0; h < nh; h++) {
@@ -1011,12 +1065,12 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
         }
         /* Block mode writes the block's K/V past n_past only as scratch: n_past does not move,
          * so the cache is unchanged for every later call (spec 3.2). */
-        memcpy(kc + pos * kvd, k + t * kvd, sizeof(float) * (size_t)kvd);
-        memcpy(vc + pos * kvd, v + t * kvd, sizeof(float) * (size_t)kvd);
+        kv_put_row(kc + ek * (size_t)(pos * kvd), k16, k + t * kvd, kvd);
+        kv_put_row(vc + ev * (size_t)(pos * kvd), v16, v + t * kvd, kvd);
     }
     const float scale = 1.0f / sqrtf((float)hd);
     if (ly->wo.dev && hd % 32 == 0 && hd <= 256 && nh <= 65535 && nh % nkv == 0) { /* on the GPU: attention too */
-        rc = gpu_attention(f, ly, qg, k, v, scale, att);
+        rc = gpu_attention(f, ly, qg, scale, att);
         if (rc == CLOVER_OK) rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
         goto done;
     }
@@ -1043,7 +1097,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
             const int64_t t = th / nh, h = th % nh;
             /* prefix: causal; block: the whole prefix plus every row of the block */
             const int64_t n_keys = f->mode == MODE_PREFIX ? f->pos0 + t + 1 : n_keys_max;
-            attend_row(qg + (t * nh + h) * 2 * hd, kc, vc, kvd, (h / group) * hd, hd, n_keys, scale, scores,
+            attend_row(qg + (t * nh + h) * 2 * hd, kc, k16, vc, v16, kvd, (h / group) * hd, hd, n_keys, scale, scores,
                        att + (t * nh + h) * hd);
         }
         free(scores);
@@ -1952,8 +2006,8 @@ static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
     const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim, kvd = nkv * hd;
     char *err = f->err;
     const size_t es = f->err_size;
-    float *kc = (float *)c->k_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd; /* every layer offloaded */
-    float *vc = (float *)c->v_dev + (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
+    const size_t at = (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd; /* every layer offloaded */
+    char *kc = (char *)c->k_dev + at * kv_elem_bytes(c->type_k), *vc = (char *)c->v_dev + at * kv_elem_bytes(c->type_v);
     const clover_tensor *w[3] = {&ly->wq, &ly->wk, &ly->wv};
     float *y[3] = {b->qg, b->kn, b->vn};
     int rc;
@@ -1962,8 +2016,8 @@ static int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
                                            hp->rope_dim, hp->rope_theta, err, es)) ||
         (rc = clover_cuda_head_norm_rope_d(b->kn, T, nkv, kvd, hd, ly->dev.k_norm, hd, hp->rms_eps, b->pos, hp->rope_dim,
                                            hp->rope_theta, err, es)) ||
-        (rc = clover_cuda_kv_store_d(kc, vc, c->n_ctx, kvd, b->pos, b->kn, b->vn, T, err, es)) ||
-        (rc = clover_cuda_attention_d(b->qg, kc, vc, b->pos, T, nh, nkv, hd, f->mode == MODE_PREFIX,
+        (rc = clover_cuda_kv_store_d(kc, vc, kv_f16_bits(c), c->n_ctx, kvd, b->pos, b->kn, b->vn, T, err, es)) ||
+        (rc = clover_cuda_attention_d(b->qg, kc, vc, kv_f16_bits(c), b->pos, T, nh, nkv, hd, f->mode == MODE_PREFIX,
                                       1.0f / sqrtf((float)hd), b->att, err, es)))
         return rc;
     return mm_d(f, &ly->wo, b->att, T, b->o);

@@ -53,18 +53,7 @@ static inline float bits_f32(uint32_t u) {
     return f;
 }
 
-static inline float fp16_to_fp32(uint16_t h) {
-    /* Branch-free so that row conversion loops vectorise: compute the three cases and select. */
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t em = h & 0x7fffu;                            /* exponent and mantissa */
-    const uint32_t normal = (em << 13) + ((127u - 15u) << 23);  /* rebias the exponent */
-    const uint32_t infnan = (em << 13) | 0x7f800000u;           /* inf, NaN (payload kept) */
-    const uint32_t sub = f32_bits((float)(int32_t)em * 0x1p-24f); /* zero/subnormal: exact */
-    const uint32_t m_sub = 0u - (uint32_t)(em < 0x0400u);     /* all ones when subnormal */
-    const uint32_t m_inf = 0u - (uint32_t)(em >= 0x7c00u);    /* all ones when inf/NaN */
-    const uint32_t bits = (sub & m_sub) | (infnan & m_inf) | (normal & ~(m_sub | m_inf));
-    return bits_f32(sign | bits);
-}
+static inline float fp16_to_fp32(uint16_t h) { return clover_h2f(h); }
 
 static inline uint16_t fp32_to_fp16(float f) {
     const uint32_t x = f32_bits(f);

@@ -11,6 +11,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define CLOVER_QK8_0 32
 
@@ -32,6 +33,24 @@ typedef struct {
     uint16_t d; /* fp16 scale */
     int8_t qs[CLOVER_QK8_0];
 } clover_block_q8_0;
+
+/* fp16 bits to float, exact for every value (NaN payloads kept); branch-free, so loops over rows
+ * vectorise, and inlined into each clone of its caller (the F16 KV cache's attention loops). */
+CLOVER_INLINE float clover_h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;                           /* exponent and mantissa */
+    const uint32_t normal = (em << 13) + ((127u - 15u) << 23); /* rebias the exponent */
+    const uint32_t infnan = (em << 13) | 0x7f800000u;          /* inf, NaN (payload kept) */
+    const float subf = (float)(int32_t)em * 0x1p-24f;          /* zero/subnormal: exact */
+    uint32_t sub, bits;
+    memcpy(&sub, &subf, sizeof sub);
+    const uint32_t m_sub = 0u - (uint32_t)(em < 0x0400u);  /* all ones when subnormal */
+    const uint32_t m_inf = 0u - (uint32_t)(em >= 0x7c00u); /* all ones when inf/NaN */
+    bits = sign | (sub & m_sub) | (infnan & m_inf) | (normal & ~(m_sub | m_inf));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 float clover_fp16_to_fp32(uint16_t h);
 uint16_t clover_fp32_to_fp16(float f);

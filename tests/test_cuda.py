@@ -56,9 +56,9 @@ int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const fl
 typedef struct { int type; const void *dev; int64_t ne0, ne1, stride; } clover_cuda_weight;
 int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t err_size);
 int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size);
-int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
-                          int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
-                          float scale, float *out, char *err, size_t err_size);
+int clover_cuda_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16, int64_t n_ctx,
+                          int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale,
+                          float *out, char *err, size_t err_size);
 int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
@@ -325,8 +325,9 @@ def _f(a: np.ndarray):
 
 
 @gpu
-@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 4, 2), (256, 16, 2), (128, 6, 6), (32, 20, 2), (32, 16, 16)])
-def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv):
+@pytest.mark.parametrize("hd,n_head,n_kv,kv_f16", [(64, 4, 2, 0), (256, 16, 2, 3), (128, 6, 6, 1), (32, 20, 2, 2),
+                                                  (32, 16, 16, 0)])
+def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv, kv_f16):
     """clover_cuda_attention in prefix (causal) and block mode, GQA, a cache holding 37 earlier
     rows written by clover_cuda_write, against float64 numpy (softmax(q K^T / sqrt(hd)) V times
     sigmoid(gate), spec 2.2): within 1e-5 of max |v| (float32 sums; seen about 1e-7). Block mode
@@ -334,31 +335,37 @@ def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv)
     denoising step rewrites its block's scratch rows. 1, 11 and 40 rows: the keys go in up to 64
     splits (one row: most splits empty) or several, or, with 16 KV heads at 40 rows, one
     (k_attention writes the output without k_attention_merge); 20 heads on 2 KV heads: two blocks
-    per KV head, the second with warps past the group's heads."""
+    per KV head, the second with warps past the group's heads. kv_f16: the K (bit 1) and V (bit 2)
+    caches hold fp16 values (the reference reads the same fp16 values)."""
     for T in (1, 11, 40):
-        _check_attention(hd, n_head, n_kv, T)
+        _check_attention(hd, n_head, n_kv, T, kv_f16)
 
 
-def _check_attention(hd, n_head, n_kv, T):
+def _check_attention(hd, n_head, n_kv, T, kv_f16):
     rng = np.random.default_rng(hd + T)
     n_ctx, pos0, kvd = 96, 37, n_kv * hd
-    k_all = rng.standard_normal((n_ctx, kvd)).astype(np.float32)
-    v_all = rng.standard_normal((n_ctx, kvd)).astype(np.float32)
+    dts = [np.float16 if kv_f16 & bit else np.float32 for bit in (1, 2)]  # K, V cache element types
+    k_all = rng.standard_normal((n_ctx, kvd)).astype(dts[0])
+    v_all = rng.standard_normal((n_ctx, kvd)).astype(dts[1])
     err = _cffi.new("char[]", 256)
     kd, vd = _cffi.new("void **"), _cffi.new("void **")
-    assert _clib.clover_cuda_alloc(n_ctx * kvd * 4, kd, err, 256) == 0
-    assert _clib.clover_cuda_alloc(n_ctx * kvd * 4, vd, err, 256) == 0
-    try:
+    assert _clib.clover_cuda_alloc(k_all.nbytes, kd, err, 256) == 0
+    assert _clib.clover_cuda_alloc(v_all.nbytes, vd, err, 256) == 0
+
+    def write(rows):
         for dev, a in ((kd[0], k_all), (vd[0], v_all)):
-            assert _clib.clover_cuda_write(dev, 0, _cffi.cast("void *", a.ctypes.data), pos0 * kvd * 4, err, 256) == 0
+            at, n = rows.start * a[0].nbytes, (rows.stop - rows.start) * a[0].nbytes
+            assert _clib.clover_cuda_write(dev, at, _cffi.cast("char *", a.ctypes.data) + at, n, err, 256) == 0
+
+    try:
+        write(slice(0, pos0))
         for causal in (1, 0, 0):
             q = (rng.standard_normal((T, n_head, 2 * hd)) * 0.3).astype(np.float32)
             k_all[pos0:pos0 + T] = rng.standard_normal((T, kvd))
             v_all[pos0:pos0 + T] = rng.standard_normal((T, kvd))
-            kn, vn = np.ascontiguousarray(k_all[pos0:pos0 + T]), np.ascontiguousarray(v_all[pos0:pos0 + T])
+            write(slice(pos0, pos0 + T))
             out = np.zeros((T, n_head, hd), np.float32)
-            rc = _clib.clover_cuda_attention(_f(q), _f(kn), _f(vn), _cffi.cast("float *", kd[0]),
-                                             _cffi.cast("float *", vd[0]), n_ctx, pos0, T, n_head, n_kv, hd, causal,
+            rc = _clib.clover_cuda_attention(_f(q), kd[0], vd[0], kv_f16, n_ctx, pos0, T, n_head, n_kv, hd, causal,
                                              1 / np.sqrt(hd), _f(out), err, 256)
             assert rc == 0, _cffi.string(err)
             for t in range(T):
@@ -369,8 +376,7 @@ def _check_attention(hd, n_head, n_kv, T):
                     p = np.exp(sc - sc.max())
                     want = (p / p.sum()) @ v_all[:n_keys, kv] / (1 + np.exp(-q[t, h, hd:].astype(np.float64)))
                     assert np.max(np.abs(out[t, h] - want)) <= 1e-5 * np.abs(v_all).max(), (causal, t, h)
-        bad = _clib.clover_cuda_attention(_f(q), _f(kn), _f(vn), _cffi.cast("float *", kd[0]),
-                                          _cffi.cast("float *", vd[0]), n_ctx, n_ctx - T + 1, T, n_head, n_kv, hd, 1,
+        bad = _clib.clover_cuda_attention(_f(q), kd[0], vd[0], kv_f16, n_ctx, n_ctx - T + 1, T, n_head, n_kv, hd, 1,
                                           1.0, _f(out), err, 256)
         assert bad == lib.CLOVER_E_ARG and "pos0" in _cffi.string(err).decode()
     finally:
@@ -488,12 +494,17 @@ def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
     large ones (a Q8_0 activation crossing a rounding step moves a router near a tie), as the
     CPU engine's own kernels show: its scalar, AVX2 and AVX-512 paths, same weights, differ by
     up to 0.08 * std on the test prompts (measured 2026-12-01), the GPU by up to 1 * std; its
-    greedy tokens must still be identical."""
+    greedy tokens must still be identical.
+
+    KV caches: F16 (the default) at Q8_0 and Q4_K_M; F32 keys with F16 values at F32, F16 keys
+    with F32 values at BF16 (the GPU rounds to fp16 as the CPU does)."""
     from clover_gguf import Model
 
     path = make_gguf(outtype, **GEN_MODEL)
-    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, \
-            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2) as half:
+    kv = {"f32": dict(type_k="f32", type_v="f16"), "bf16": dict(type_k="f16", type_v="f32")}.get(outtype, {})
+    with Model(path, n_ctx=512, n_threads=2, **kv) as cpu, \
+            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1, **kv) as g, \
+            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2, **kv) as half:
         assert g.n_gpu_layers == g.hparams["n_layer"] + 1 and half.n_gpu_layers == 2
         assert lib.clover_model_gpu_resident(g._model) == 1 and lib.clover_model_gpu_resident(half._model) == 0
         ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
@@ -986,7 +997,7 @@ def test_context_used_on_the_cpu_then_resident(make_gguf):
         want = cpu.prefix_logits(p1 + p2)[-1]
     m = lib.clover_model_load(str(path).encode(), err, len(err))
     assert m != ffi.NULL, ffi.string(err)
-    c = lib.clover_context_new(m, 256, 2, err, len(err))
+    c = lib.clover_context_new(m, 256, 2, 1, 1, err, len(err))  # F16 KV cache, as Model's default
     try:
         assert lib.clover_prefill(c, ffi.new("int32_t[]", p1), len(p1), ffi.NULL, 0, err, len(err)) == 0
         assert lib.clover_model_offload(m, 1 << 20, 0, err, len(err)) > 0, ffi.string(err)

@@ -5,6 +5,10 @@ Tiny Clover checkpoint (spec 1), every parameter random. F32 GGUF: prefix and bl
 tolerance. Q8_0 GGUF: compared with the reference run on Q8_0-roundtripped weights (the numbers the
 engine sees); the engine also quantises activations to Q8_0, so we require top-1 agreement on
 >= 99% of positions and state the max difference.
+
+The engine's default KV cache is F16 (spec 6): the reference here rounds keys and values to fp16
+as that cache does (kv_cache_dtype); test_kv_cache_types checks F32 and mixed caches against the
+matching references.
 """
 import numpy as np
 import pytest
@@ -25,7 +29,7 @@ def ckpt(make_ckpt):
 
 @pytest.fixture(scope="module")
 def ref(ckpt):
-    return reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32)
+    return reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, kv_cache_dtype=torch.float16)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +164,36 @@ def test_prefix_and_block_logits_exact_types(ref, model_of, outtype):
         assert list(n_exp) == list(n_exp_ref)
 
 
+def test_kv_cache_types(ckpt, ref, gguf_of):
+    """type_k / type_v (spec 6): an F32 cache matches the reference without rounding, mixed caches
+    the reference that rounds only keys or only values to fp16, each within the exact types' 1e-3
+    (prefix and block logits of the f32 file). The F16 cache's rounding is visible: the F16 and
+    F32 caches' logits differ by more than float32 summation noise."""
+    prompt, blk = _prompt(ref, PROMPT_LEN), _block(ref, PROMPT_LEN)
+    out = {}
+    for type_k, type_v, kv in [("f32", "f32", None), ("f16", "f32", (torch.float16, None)),
+                               ("f32", "f16", (None, torch.float16)), ("f16", "f16", torch.float16)]:
+        r = ref if kv is torch.float16 else reference.CloverReference.from_pretrained(
+            ckpt, dtype=torch.float32, kv_cache_dtype=kv)
+        with Model(str(gguf_of("f32")), n_ctx=128, n_threads=2, type_k=type_k, type_v=type_v) as m:
+            got = np.concatenate([m.prefix_logits(prompt), m.block_logits(prompt, blk, coreset_top_p=1.0)[0]])
+        want = np.concatenate([r.prefix_logits(prompt).numpy(), r.block_logits(prompt, blk, 1.0)[0].numpy()])
+        d = _max_diff(got, want)
+        print(f"KV cache K {type_k} V {type_v}: max abs diff to the matching reference {d:.2e}")
+        assert d <= 1e-3
+        out[type_k, type_v] = got
+    d16 = _max_diff(out["f16", "f16"], out["f32", "f32"])
+    print(f"F16 vs F32 cache logits: max abs diff {d16:.2e}")
+    assert d16 > 1e-4
+    with pytest.raises(ValueError, match="type_k"):
+        Model(str(gguf_of("f32")), n_ctx=16, type_k="q8_0")
+    with pytest.raises(ValueError, match="type_v"):
+        Model(str(gguf_of("f32")), n_ctx=16, type_v=2)
+
+
 def test_q8_0_against_dequantised_reference(ckpt, model_of):
-    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q8_0_roundtrip)
+    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q8_0_roundtrip,
+                                                   kv_cache_dtype=torch.float16)
     m = model_of("q8_0")
     prompt = _prompt(ref_q, PROMPT_LEN)
     got = m.prefix_logits(prompt)
@@ -419,7 +451,8 @@ def test_q6_k_file_against_quantising_reference(ckpt, model_of):
     """Like with like for the K-quant path: the reference on the q6_k file's weights (our
     quantiser's round trip per tensor type) with Q8_K / Q8_0 activation quantisation in every
     product, against the engine on that file."""
-    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q6_k_mix_hook)
+    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q6_k_mix_hook,
+                                                   kv_cache_dtype=torch.float16)
     m = model_of("q6_k")
     prompt = _prompt(ref_q, PROMPT_LEN)
     blk = _block(ref_q, PROMPT_LEN)

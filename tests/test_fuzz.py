@@ -196,11 +196,17 @@ def test_context_memory_is_computed_up_front(make_gguf):
     try:
         hp = ffi.new("clover_hparams *")
         lib.clover_model_hparams(m, hp)
-        a, b = lib.clover_context_mem_required(m, 1000), lib.clover_context_mem_required(m, 2000)
         n_attn = sum(1 for i in range(hp.n_layer) if (i + 1) % 4 == 0)
-        assert b - a == 2 * n_attn * 1000 * hp.n_head_kv * hp.head_dim * 4
-        assert lib.clover_context_mem_required(m, 0) == -1
-        c = lib.clover_context_new(m, 2**31 - 1, 1, err, ERR_SIZE)
+        for type_k, type_v, per_value in [(0, 0, 8), (1, 1, 4), (1, 0, 6), (0, 1, 6)]:  # F32 = 0, F16 = 1
+            a = lib.clover_context_mem_required(m, 1000, type_k, type_v)
+            b = lib.clover_context_mem_required(m, 2000, type_k, type_v)
+            assert b - a == n_attn * 1000 * hp.n_head_kv * hp.head_dim * per_value
+        assert lib.clover_context_mem_required(m, 0, 1, 1) == -1
+        assert lib.clover_context_mem_required(m, 16, 8, 1) == -1  # Q8_0: not a cache type
+        for type_k, type_v, name in [(8, 1, "type_k"), (1, 30, "type_v"), (-1, 0, "type_k")]:
+            assert lib.clover_context_new(m, 16, 1, type_k, type_v, err, ERR_SIZE) == ffi.NULL
+            assert ffi.string(err).decode().startswith(name + ":"), ffi.string(err)
+        c = lib.clover_context_new(m, 2**31 - 1, 1, 1, 1, err, ERR_SIZE)
         if c != ffi.NULL:  # only on a machine with that much memory (TBs)
             lib.clover_context_free(c)
         else:
@@ -233,7 +239,7 @@ def test_nonfinite_values_stop_with_the_layer_named(make_gguf, tmp_path):
         err = err_buf()
         m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
         assert m != ffi.NULL, ffi.string(err)
-        c = lib.clover_context_new(m, 32, 1, err, ERR_SIZE)
+        c = lib.clover_context_new(m, 32, 1, 1, 1, err, ERR_SIZE)
         hp = ffi.new("clover_hparams *")
         lib.clover_model_hparams(m, hp)
         logits = ffi.new("float[]", hp.n_vocab)

@@ -101,7 +101,10 @@ def _compare(path: pathlib.Path, outtype: str) -> dict:
     from clover_gguf.api import Model
 
     strict = outtype == "f32"
-    with Model(str(path), n_ctx=512, n_threads=2) as m:
+    # F32 KV caches on both sides (llama_runner.py): with an F16 cache llama.cpp's CPU code also
+    # rounds q to fp16 for the K product (F16's vec_dot_type) and the softmax weights (or, with
+    # flash attention, the running output sums) to fp16; ours keeps those float32
+    with Model(str(path), n_ctx=512, n_threads=2, type_k="f32", type_v="f32") as m:
         assert m.arch == "qwen35moe"
         prompts = [m.tokenize(p) for p in PROMPTS]
         ref = _llama_outputs(path, prompts)

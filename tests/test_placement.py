@@ -55,16 +55,19 @@ def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
 
 
 def test_cache_bytes_are_the_device_kv_cache_and_gdn_state(make_gguf):
-    """One context's state on the GPU: K and V float32 rows for every offloaded attention layer
-    and position, and the GDN state [Hv][dk][dv] of every GDN layer once one is offloaded (tiny
-    model: layer 3 of 4 is attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
+    """One context's state on the GPU: K and V rows for every offloaded attention layer and
+    position (2 bytes a value in the default F16 cache, 4 in an F32 one), and the GDN state
+    [Hv][dk][dv] (float32) of every GDN layer once one is offloaded (tiny model: layer 3 of 4 is
+    attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
     with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
         hp = m.hparams
         assert (hp["n_layer"], hp["full_attention_interval"], hp["n_head_kv"], hp["head_dim"]) == (4, 4, 2, 64)
-        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4
+        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 2 + 3 * 4 * 64 * 64 * 4
         assert cache_bytes(m, 100, 3) == 3 * 4 * 64 * 64 * 4  # layer 3, the attention one, stays on the CPU
         assert placement(m, -1)["cache"] == cache_bytes(m, 16, 5) and placement(m, 0)["cache"] == 0
         assert placement(m, 2, 0, 4096)["cache"] == cache_bytes(m, 4096, 2)
+    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1, type_k="f32", type_v="f16") as m:
+        assert cache_bytes(m, 100, 5) == 1 * 100 * 2 * 64 * (4 + 2) + 3 * 4 * 64 * 64 * 4
 
 
 def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
@@ -110,6 +113,14 @@ def test_fit_command_and_budget_without_a_gpu(make_gguf):
     r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "--gpu-budget", "lots"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "gpu budget" in r.stderr
+    # the KV cache types (-ctk / -ctv) size the plan's cache: F32 keys take 2 bytes a value more
+    caches = []
+    for flags in ([], ["-ctk", "f32"], ["-ctk", "q8_0"]):
+        r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "-ngl", "all", "-c", "1000",
+                            "--json", *flags], capture_output=True, text=True, timeout=120)
+        caches.append(json.loads(r.stdout)["cache"] if r.returncode == 0 else r.stderr)
+    assert caches[1] - caches[0] == 1000 * 2 * 64 * 2, caches  # one attention layer, 2 KV heads of 64
+    assert "--cache-type-k" in caches[2], caches[2]
     # a budget on a machine without a GPU: the plan is made, then a warning and the CPU
     from clover_gguf._ffi import ffi, lib
     info = ffi.new("char[]", 256)

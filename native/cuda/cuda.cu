@@ -381,10 +381,15 @@ static int act_block(int type) {
  * (m, s, output) to P [T][n_head][splits][hd + 2] for k_attention_merge (flash decoding: a
  * decode step's few rows still fill the GPU). The CPU's attend_row takes the max first and sums
  * in key order, which differs only in rounding. Q: [T][n_head][2 hd] (q then gate), K/V: the
- * layer's cache [n_ctx][n_kv hd], O: [T][n_head][hd]. Keys of row t: pos0 + t + 1 (causal,
+ * layer's cache [n_ctx][n_kv hd] (float32, or fp16 where kv_f16 says), O: [T][n_head][hd]. Keys of row t: pos0 + t + 1 (causal,
  * prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
 #define HD_MAX 256
 enum { ATT_REP = 8, ATT_KT = 16, ATT_SPLITS_MAX = 64 };
+
+/* Element i of a KV cache of fp16 (f16) or float32 values, as float. */
+__device__ __forceinline__ float kv_load(const void *c, bool f16, int64_t i) {
+    return f16 ? __half2float(((const __half *)c)[i]) : ((const float *)c)[i];
+}
 
 /* The gated output of one (row, head) (spec 2.2 step 4): o = acc / s * sigmoid(gate), lane l
  * holding dimensions l + 32 i of acc, the gate and o (nd = head_dim / 32 of them). */
@@ -402,8 +407,9 @@ __device__ __forceinline__ void softmax_merge(float &m, float &s, float *acc, fl
 }
 
 __global__ void __launch_bounds__(32 * ATT_REP)
-    k_attention(const float *Q, const float *K, const float *V, float *O, float *P, const int64_t *pos_p, int64_t pos0,
-                int64_t T, int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale) {
+    k_attention(const float *Q, const void *K, const void *V, int kv_f16, float *O, float *P, const int64_t *pos_p,
+                int64_t pos0, int64_t T, int64_t t_base, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
+                float scale) {
     __shared__ float ks[ATT_KT][HD_MAX + 1], vs[ATT_KT][HD_MAX], qs[ATT_REP][HD_MAX]; /* ks padded: no bank conflicts */
     if (pos_p) pos0 = *pos_p; /* the position on the device (a graph replays with a new one) */
     const int64_t n_rep = n_head / n_kv, n_chunk = (n_rep + ATT_REP - 1) / ATT_REP, kvd = n_kv * hd;
@@ -411,6 +417,7 @@ __global__ void __launch_bounds__(32 * ATT_REP)
     const int lane = threadIdx.x, w = threadIdx.y, nd = (int)(hd / 32), nthr = 32 * blockDim.y;
     const int64_t rep = (blockIdx.x % n_chunk) * ATT_REP + w, h = g * n_rep + rep; /* this warp's query head */
     const bool head = rep < n_rep; /* warps past n_rep load tiles only */
+    const bool k16 = kv_f16 & CLOVER_KV_K_F16, v16 = kv_f16 & CLOVER_KV_V_F16;
     const float *q = Q + (t * n_head + (head ? h : 0)) * 2 * hd;
     for (int i = 0; i < nd; i++) qs[w][lane + 32 * i] = q[lane + 32 * i];
     float acc[HD_MAX / 32];
@@ -423,7 +430,8 @@ __global__ void __launch_bounds__(32 * ATT_REP)
         __syncthreads(); /* the previous tile (and qs) done with */
         for (int idx = w * 32 + lane; idx < nk * (int)hd; idx += nthr) {
             const int j = idx / (int)hd, d = idx % (int)hd;
-            ks[j][d] = K[(kt + j) * kvd + g * hd + d], vs[j][d] = V[(kt + j) * kvd + g * hd + d];
+            const int64_t at = (kt + j) * kvd + g * hd + d;
+            ks[j][d] = kv_load(K, k16, at), vs[j][d] = kv_load(V, v16, at);
         }
         __syncthreads();
         float sc = -FLT_MAX;
@@ -978,9 +986,9 @@ static int att_splits(int64_t T, int64_t n_blocks) {
 
 /* k_attention (and k_attention_merge for several splits, their results in g_att, grown here)
  * over the T rows of Q; caller holds g_lock; launches only. */
-static int attention_launch(const float *Q, const float *K, const float *V, float *O, const int64_t *pos_p,
-                            int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
-                            float scale, char *err, size_t err_size) {
+static int attention_launch(const float *Q, const void *K, const void *V, int kv_f16, float *O,
+                            const int64_t *pos_p, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd,
+                            int causal, float scale, char *err, size_t err_size) {
     const int64_t n_rep = n_head / n_kv, n_chunk = (n_rep + ATT_REP - 1) / ATT_REP;
     const int S = att_splits(T, n_kv * n_chunk);
     float *P = NULL;
@@ -992,34 +1000,30 @@ static int attention_launch(const float *Q, const float *K, const float *V, floa
     const dim3 block(32, (unsigned)(n_rep < (int64_t)ATT_REP ? n_rep : (int64_t)ATT_REP)); /* a warp per query head */
     for (int64_t t0 = 0; t0 < T; t0 += 65535) { /* gridDim.y <= 65535 */
         const unsigned rows = (unsigned)(T - t0 < 65535 ? T - t0 : 65535);
-        LAUNCH(k_attention, dim3((unsigned)(n_kv * n_chunk), rows, (unsigned)S), block)(Q, K, V, O, P, pos_p, pos0, T, t0,
-                                                                                      n_head, n_kv, hd, causal, scale);
+        LAUNCH(k_attention, dim3((unsigned)(n_kv * n_chunk), rows, (unsigned)S), block)(
+            Q, K, V, kv_f16, O, P, pos_p, pos0, T, t0, n_head, n_kv, hd, causal, scale);
         if (S > 1) LAUNCH(k_attention_merge, dim3((unsigned)n_head, rows), dim3(32))(Q, P, O, t0, n_head, hd, S);
     }
     return CLOVER_OK;
 }
 
-extern "C" int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
-                                     float *v_cache, int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head,
-                                     int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
-                                     size_t err_size) {
-    if (!q || !k_new || !v_new || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_ctx <= 0 ||
+extern "C" int clover_cuda_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16,
+                                     int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd,
+                                     int causal, float scale, float *out, char *err, size_t err_size) {
+    if (!q || !k_cache || !v_cache || !out || T <= 0 || pos0 < 0 || n_ctx <= 0 ||
         pos0 + T > n_ctx || n_head <= 0 || n_head > 65535 || n_kv <= 0 || n_head % n_kv || hd <= 0 ||
         hd % 32 || hd > HD_MAX || n_ctx > INT64_MAX / 4 / (n_kv * hd))
         return bad_arg(err, err_size, "attention: bad arguments (T, pos0, n_ctx, heads or head_dim out of range; "
                                       "head_dim must be a multiple of 32 up to 256)");
-    const int64_t kvd = n_kv * hd;
     pthread_mutex_lock(&g_lock);
     int rc = grow(&g_x, sizeof(float) * (size_t)(T * n_head * 2 * hd), err, err_size);
     if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * n_head * hd), err, err_size);
     float *Q = (float *)g_x.p, *O = (float *)g_y.p;
-    const size_t kv_bytes = sizeof(float) * (size_t)(T * kvd), at = sizeof(float) * (size_t)(pos0 * kvd);
-    if (rc == CLOVER_OK) rc = copy((char *)k_cache + at, k_new, kv_bytes, cudaMemcpyHostToDevice, err, err_size);
-    if (rc == CLOVER_OK) rc = copy((char *)v_cache + at, v_new, kv_bytes, cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK)
         rc = copy(Q, q, sizeof(float) * (size_t)(T * n_head * 2 * hd), cudaMemcpyHostToDevice, err, err_size);
     if (rc == CLOVER_OK) {
-        rc = attention_launch(Q, k_cache, v_cache, O, NULL, pos0, T, n_head, n_kv, hd, causal, scale, err, err_size);
+        rc = attention_launch(Q, k_cache, v_cache, kv_f16, O, NULL, pos0, T, n_head, n_kv, hd, causal, scale, err,
+                              err_size);
         rc = launched(rc, "attention", err, err_size);
     }
     if (rc == CLOVER_OK)
@@ -1454,33 +1458,47 @@ extern "C" int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head,
     return launched(CLOVER_OK, "head_norm_rope_d", err, err_size);
 }
 
-extern "C" int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos,
-                                       int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale,
-                                       float *out, char *err, size_t err_size) {
+extern "C" int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16,
+                                       const int64_t *pos, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd,
+                                       int causal, float scale, float *out, char *err, size_t err_size) {
     if (!q || !k_cache || !v_cache || !out || !pos || T <= 0 || n_head <= 0 || n_head > 65535 || n_kv <= 0 ||
         n_head % n_kv || hd <= 0 || hd % 32 || hd > HD_MAX)
         return bad_arg(err, err_size, "attention_d: bad arguments");
     pthread_mutex_lock(&g_lock);
-    int rc = attention_launch(q, k_cache, v_cache, out, pos, 0, T, n_head, n_kv, hd, causal, scale, err, err_size);
+    int rc = attention_launch(q, k_cache, v_cache, kv_f16, out, pos, 0, T, n_head, n_kv, hd, causal, scale, err,
+                              err_size);
     rc = launched(rc, "attention_d", err, err_size);
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
 
-/* Rows t < T of kn, vn ([T][kvd]) into rows *pos + t of the caches ([n_ctx][kvd]). */
-__global__ void k_kv_store(float *kc, float *vc, const float *kn, const float *vn, const int64_t *pos, int64_t n_ctx,
-                           int64_t T, int64_t kvd) {
-    const int64_t t = blockIdx.x, p = *pos + t;
-    if (p < 0 || p >= n_ctx) return; /* the host checked n_ctx; never past the cache */
-    for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x)
-        kc[p * kvd + i] = kn[t * kvd + i], vc[p * kvd + i] = vn[t * kvd + i];
+/* Element i of a KV cache of fp16 (f16: rounded to nearest even, as the CPU's) or float32 values
+ * set to v. */
+__device__ __forceinline__ void kv_put(void *c, bool f16, int64_t i, float v) {
+    if (f16)
+        ((__half *)c)[i] = __float2half_rn(v);
+    else
+        ((float *)c)[i] = v;
 }
 
-extern "C" int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
-                                      const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size) {
+/* Rows t < T of kn, vn ([T][kvd]) into rows *pos + t of the caches ([n_ctx][kvd], element types
+ * kv_f16). */
+__global__ void k_kv_store(void *kc, void *vc, int kv_f16, const float *kn, const float *vn, const int64_t *pos,
+                           int64_t n_ctx, int64_t T, int64_t kvd) {
+    const int64_t t = blockIdx.x, p = *pos + t;
+    if (p < 0 || p >= n_ctx) return; /* the host checked n_ctx; never past the cache */
+    for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) {
+        kv_put(kc, kv_f16 & CLOVER_KV_K_F16, p * kvd + i, kn[t * kvd + i]);
+        kv_put(vc, kv_f16 & CLOVER_KV_V_F16, p * kvd + i, vn[t * kvd + i]);
+    }
+}
+
+extern "C" int clover_cuda_kv_store_d(void *k_cache, void *v_cache, int kv_f16, int64_t n_ctx, int64_t kvd,
+                                      const int64_t *pos, const float *k_new, const float *v_new, int64_t T, char *err,
+                                      size_t err_size) {
     if (!k_cache || !v_cache || !pos || !k_new || !v_new || T <= 0 || T > INT32_MAX || kvd <= 0 || n_ctx < T)
         return bad_arg(err, err_size, "kv_store_d: bad arguments");
-    LAUNCH(k_kv_store, dim3((unsigned)T), dim3(256))(k_cache, v_cache, k_new, v_new, pos, n_ctx, T, kvd);
+    LAUNCH(k_kv_store, dim3((unsigned)T), dim3(256))(k_cache, v_cache, kv_f16, k_new, v_new, pos, n_ctx, T, kvd);
     return launched(CLOVER_OK, "kv_store_d", err, err_size);
 }
 

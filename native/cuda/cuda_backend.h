@@ -56,16 +56,20 @@ void clover_cuda_host_free(void *host);
 /* Copy nbytes of host memory to dev + offset bytes. */
 int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size);
 
+/* KV cache element types of clover_cuda_attention(_d) and kv_store_d: bit CLOVER_KV_K_F16 set, the
+ * K cache holds fp16 values, else float32; CLOVER_KV_V_F16 the same for V. */
+enum { CLOVER_KV_K_F16 = 1, CLOVER_KV_V_F16 = 2 };
+
 /* Gated attention of T query rows at positions pos0.. on the device (spec 2.2 steps 3-4), with the
- * layer's KV cache on the device: k_new/v_new (host, [T][n_kv*hd], normed and rotated) are
- * written to rows pos0.. of k_cache/v_cache (device, [n_ctx][n_kv*hd]), then for each row t and
- * head h, out[t][h] = softmax(q K^T * scale) V * sigmoid(gate) over keys 0 .. pos0+t (causal) or
- * 0 .. pos0+T-1 (block mode), with GQA (head h reads KV head h / (n_head / n_kv)).
+ * layer's KV cache on the device (k_cache/v_cache [n_ctx][n_kv*hd], element types kv_f16, rows
+ * up to pos0+T written, normed and rotated): for each row t and head h, out[t][h] =
+ * softmax(q K^T * scale) V * sigmoid(gate) over keys 0 .. pos0+t (causal) or 0 .. pos0+T-1
+ * (block mode), with GQA (head h reads KV head h / (n_head / n_kv)).
  * q: host [T][n_head][2 hd] (q normed and rotated, then the gate); out: host [T][n_head][hd].
  * hd: a multiple of 32, at most 256. Errors: CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
-int clover_cuda_attention(const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache,
-                          int64_t n_ctx, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal,
-                          float scale, float *out, char *err, size_t err_size);
+int clover_cuda_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16, int64_t n_ctx,
+                          int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale,
+                          float *out, char *err, size_t err_size);
 /* Copy nbytes from device memory src to device memory dst. */
 int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size);
 /* Copy nbytes at dev + offset bytes to host memory. */
@@ -107,9 +111,9 @@ int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t ro
                                  float theta, char *err, size_t err_size);
 /* clover_cuda_attention on device q [T][n_head][2 hd] against the layer's cache rows
  * [0, *pos + T) (pos: device int64; the new rows already written), out [T][n_head][hd]. */
-int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos, int64_t T,
-                            int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
-                            size_t err_size);
+int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16, const int64_t *pos,
+                            int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out,
+                            char *err, size_t err_size);
 /* conv_causal (anti = 0; hist: the K-1 previous rows [K-1][C]) or conv_anticausal (anti = 1) of
  * in [T][C] with weights w [C][K], SiLU, into out [T][C] (spec 2.1 step 2, 3.3). K <= 16. */
 int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C, int32_t K,
@@ -241,7 +245,7 @@ int64_t clover_cuda_scratch_epoch(void);
 int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size);
 /* Rows t < T of k_new, v_new [T][kvd] into rows *pos + t of k_cache, v_cache [n_ctx][kvd] (pos:
  * device int64; rows at or past n_ctx are not written). */
-int clover_cuda_kv_store_d(float *k_cache, float *v_cache, int64_t n_ctx, int64_t kvd, const int64_t *pos,
+int clover_cuda_kv_store_d(void *k_cache, void *v_cache, int kv_f16, int64_t n_ctx, int64_t kvd, const int64_t *pos,
                            const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size);
 /* x += o over n values; *bad (int32) = 1 when a result is not finite. */
 int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size);

@@ -190,21 +190,27 @@ CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out)
 CLOVER_API size_t clover_struct_size(const char *name);
 
 /* ---------------------------------------------------------------- context (model.c)
- * A context holds the per-sequence caches of spec 6: KV cache for attention layers (F32),
- * GDN state (fp32, per value head dk x dv) and conv history (last 3 qkv inputs) per GDN
+ * A context holds the per-sequence caches of spec 6: KV cache for attention layers (F16 or
+ * F32), GDN state (fp32, per value head dk x dv) and conv history (last 3 qkv inputs) per GDN
  * layer, and the scratch buffers. */
 typedef struct clover_context clover_context;
 
-/* Bytes of the per-context state in system memory for n_ctx tokens: the F32 KV cache of the
- * attention layers (2 x n_attn x n_ctx x n_head_kv x head_dim x 4; none for a model whose
- * forwards are resident on the GPU, clover_model_gpu_resident) plus the GDN recurrent and conv
- * states; -1
- * for a NULL model or n_ctx <= 0, INT64_MAX when the size overflows. clover_context_new refuses
- * (CLOVER_E_NOMEM, "n_ctx: ...") a context that exceeds the memory the kernel reports as
- * available. Per-forward scratch is not included. */
-CLOVER_API int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx);
-CLOVER_API clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads,
-                                              char *err, size_t err_size);
+/* Bytes of the per-context state in system memory for n_ctx tokens: the KV cache of the
+ * attention layers (n_attn x n_ctx x n_head_kv x head_dim elements each for K and V, 2 bytes
+ * an element for CLOVER_TYPE_F16, 4 for CLOVER_TYPE_F32; none for a model whose forwards are
+ * resident on the GPU, clover_model_gpu_resident, whose cache is on the device) plus the GDN
+ * recurrent and conv states; -1 for a NULL model, n_ctx <= 0 or another cache type, INT64_MAX
+ * when the size overflows. clover_context_new refuses (CLOVER_E_NOMEM, "n_ctx: ...") a context
+ * that exceeds the memory the kernel reports as available. Per-forward scratch is not
+ * included. */
+CLOVER_API int64_t clover_context_mem_required(const clover_model *m, int32_t n_ctx, int32_t type_k, int32_t type_v);
+/* A context of n_ctx tokens on m, n_threads CPU threads (<= 0: the physical cores). type_k,
+ * type_v: the element type of the K and V caches, CLOVER_TYPE_F16 (spec 6, llama.cpp's
+ * default: keys and values are rounded to fp16, round to nearest even, when they are written)
+ * or CLOVER_TYPE_F32 (exact); the same on the CPU and the GPU. NULL with err set on a bad
+ * argument (CLOVER_E_ARG, naming n_ctx, type_k or type_v) or too little memory. */
+CLOVER_API clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, int32_t type_k,
+                                              int32_t type_v, char *err, size_t err_size);
 CLOVER_API void clover_context_free(clover_context *c);
 /* Number of tokens committed to the caches. */
 CLOVER_API int32_t clover_context_n_past(const clover_context *c);

@@ -288,7 +288,7 @@ static void exercise_model(clover_model *m, stats *st) {
     clover_hparams hp;
     clover_model_hparams(m, &hp);
     char err[512];
-    clover_context *c = clover_context_new(m, 16, 1, err, sizeof err);
+    clover_context *c = clover_context_new(m, 16, 1, CLOVER_TYPE_F16, CLOVER_TYPE_F16, err, sizeof err);
     if (!c) return check_msg(st, err, "clover_context_new");
     float *logits = malloc(sizeof(float) * (size_t)hp.n_vocab * 4);
     int32_t tok[4] = {0, hp.n_vocab - 1, hp.n_vocab / 2, 1 % hp.n_vocab};
