@@ -104,9 +104,11 @@ class Model:
             the reason, and the CPU. The rest of each layer runs on the CPU (see the README).
         n_cpu_moe: the routed experts of the first n_cpu_moe offloaded layers stay in system
             memory (llama.cpp's --n-cpu-moe; >= n_layer: --cpu-moe).
-        type_k, type_v: element type of the KV cache's keys and values, ``"f16"`` (default, as
-            clover-spec section 6 and llama.cpp: 2 bytes a value, rounded to nearest even when
-            written) or ``"f32"`` (exact, twice the memory); ggml type ids 1 and 0 also work.
+        type_k, type_v: element type of the KV cache's keys and values: ``"f32"`` (default:
+            exact, and the CPU and GPU backends give the same greedy tokens) or ``"f16"``
+            (clover-spec section 6's and llama.cpp's default: half the memory, values rounded to
+            nearest even when written; last-bit differences between backends then grow to fp16
+            steps, so tokens can differ at near-ties); ggml type ids 0 and 1 also work.
         gpu_budget: bytes of GPU memory, or "free" (what the GPU reports free): choose
             n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
             is in :attr:`placement` (``placement["plan"]``).
@@ -124,7 +126,7 @@ class Model:
 
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
-                 type_k: str | int = "f16", type_v: str | int = "f16") -> None:
+                 type_k: str | int = "f32", type_v: str | int = "f32") -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;

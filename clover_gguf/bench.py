@@ -154,7 +154,7 @@ class _Engine:
     """A loaded model and one context, freed by close()."""
 
     def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
-                 type_k: int = 1, type_v: int = 1) -> None:
+                 type_k: int = 0, type_v: int = 0) -> None:
         err = err_buf()
         self.m = lib.clover_model_load(os.fsencode(path), err, len(err))
         if self.m == ffi.NULL:
@@ -211,7 +211,7 @@ def _check_pos(name: str, v: int) -> int:
 def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
               block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0,
-              n_cpu_moe: int = 0, type_k: str | int = "f16", type_v: str | int = "f16") -> dict:
+              n_cpu_moe: int = 0, type_k: str | int = "f32", type_v: str | int = "f32") -> dict:
     """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
 
     Args:

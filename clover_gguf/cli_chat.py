@@ -188,9 +188,9 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-budget", type=_size_arg, default=None, metavar="SIZE",
                    help="GPU memory to plan for with --fit, e.g. 12G (default: what the GPU reports free)")
     for flag, name in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
-        p.add_argument(flag, name, choices=["f16", "f32"], default="f16", type=str.lower,
-                       help=f"KV cache type of the {'keys' if flag == '-ctk' else 'values'}: f16 (default, 2 bytes "
-                            "a value) or f32 (exact, twice the memory)")
+        p.add_argument(flag, name, choices=["f32", "f16"], default="f32", type=str.lower,
+                       help=f"KV cache type of the {'keys' if flag == '-ctk' else 'values'}: f32 (default, exact) or "
+                            "f16 (half the memory, rounded)")
 
 
 def gpu_layers(a) -> int:
@@ -205,7 +205,7 @@ def gpu_layers(a) -> int:
 def placement_kwargs(a) -> dict:
     """``n_gpu_layers``, ``n_cpu_moe``, ``gpu_budget``, ``type_k`` and ``type_v`` of
     :class:`Clover` / ``Model`` from :func:`add_device_args`'s flags."""
-    cache = dict(type_k=getattr(a, "cache_type_k", "f16"), type_v=getattr(a, "cache_type_v", "f16"))
+    cache = dict(type_k=getattr(a, "cache_type_k", "f32"), type_v=getattr(a, "cache_type_v", "f32"))
     if getattr(a, "device", None) == "cpu":
         return dict(n_gpu_layers=0, **cache)
     fit = getattr(a, "fit", False)

@@ -141,8 +141,9 @@ class Clover:
             ``UserWarning`` naming the reason and the CPU (:class:`~clover_gguf.api.Model`).
         n_cpu_moe, gpu_budget: routed experts of the first layers kept on the CPU, and a GPU
             memory budget that chooses the placement (--fit); see :class:`~clover_gguf.api.Model`.
-        type_k, type_v: KV cache element types, ``"f16"`` (default, as llama.cpp's) or ``"f32"``
-            (exact, twice the memory); ggml type ids 1 and 0 as llama-cpp-python's also work.
+        type_k, type_v: KV cache element types, ``"f32"`` (default, exact) or ``"f16"`` (half
+            the memory, llama.cpp's default; see :class:`~clover_gguf.api.Model`); ggml type ids
+            0 and 1 as llama-cpp-python's also work.
         seed: default sampling seed of calls without ``seed`` (it only matters at
             ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
             "random seed").
@@ -169,7 +170,7 @@ class Clover:
 
     def __init__(self, model_path, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
-                 type_k: str | int = "f16", type_v: str | int = "f16", seed: int = 0, verbose: bool = False,
+                 type_k: str | int = "f32", type_v: str | int = "f32", seed: int = 0, verbose: bool = False,
                  mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
                  prefix_reuse: bool = True) -> None:

@@ -2345,30 +2345,33 @@ static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
 typedef struct {
     const void *ws, *ops, *pre, *k, *v, *gdn, *conv, *rec;
     int64_t scratch_epoch, model_epoch, T, n;
-    int32_t k_cand, mask, mode, rec_on, rec_cap, total, mma;
+    int32_t sel, k_cand, mask, mode, rec_on, rec_cap, total, mma;
     float rp, fp, pp, coreset_top_p, temperature;
 } graph_key;
 _Static_assert(sizeof(graph_key) <= sizeof(((clover_context *)0)->graph[0].key), "clover_context.graph key too small");
 
 static graph_key graph_key_of(const fwd *f, int64_t n) {
     const clover_context *c = f->c;
-    const clover_sampler_params *sp = f->sreq->sp;
     graph_key k;
     memset(&k, 0, sizeof k); /* padding too: keys are compared with memcmp */
-    k.ws = c->res_ws, k.ops = c->ops_dev, k.pre = f->sreq->pre ? c->pre_dev : NULL;
-    k.k = c->k_dev, k.v = c->v_dev, k.gdn = c->gdn_dev, k.conv = c->conv_dev;
+    k.ws = c->res_ws, k.k = c->k_dev, k.v = c->v_dev, k.gdn = c->gdn_dev, k.conv = c->conv_dev;
     k.rec = c->rec_on ? c->rec_dev : NULL, k.rec_on = c->rec_on, k.rec_cap = c->rec_on ? c->rec_cap : 0;
     k.scratch_epoch = clover_cuda_scratch_epoch(), k.model_epoch = c->m->dev_epoch, k.T = f->T, k.n = n;
-    k.k_cand = f->sreq->k, k.mask = sp->mask_token_id, k.mode = f->mode;
+    k.mode = f->mode, k.mma = clover_cuda_mma();
+    if (!f->sreq) return k; /* the layers only: the LM head runs after the graph */
+    const clover_sampler_params *sp = f->sreq->sp;
+    k.sel = 1, k.ops = c->ops_dev, k.pre = f->sreq->pre ? c->pre_dev : NULL;
+    k.k_cand = f->sreq->k, k.mask = sp->mask_token_id;
     k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
     k.coreset_top_p = f->coreset_top_p;
     k.total = f->sreq->total != NULL, k.temperature = f->sreq->total ? sp->temperature : 0.0f;
-    k.mma = clover_cuda_mma();
     return k;
 }
 
 /* res_run through a CUDA graph (passes of at most RES_LM rows with the selection on the GPU: ar's
- * decode steps, diffusion's denoising passes and commits, spec's drafts and verifies): the
+ * decode steps, diffusion's denoising passes and commits, spec's drafts and verifies; and
+ * one-row passes that return logits, as llama.cpp's decode of one token, the LM head then
+ * running after the graph): the
  * first pass with a new key runs plainly (its scratch grows then), the next one records a graph,
  * and the following ones replay it. The context keeps the graphs of its last four keys, so a
  * diffusion block's commit and denoising passes keep theirs. CLOVER_CUDA_GRAPHS=0 turns this
@@ -2438,12 +2441,16 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     if (!up) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
     else memcpy(up + ((char *)b.pos - (char *)b.x), &f->pos0, sizeof(int64_t));
     /* through a graph, a block pass selects on every row (the same launches each time), and only
-     * the rows asked for are read */
-    const int graph = c->graphs && f->sreq && T <= RES_LM && rec_row == 0 && !m->cpu_experts; /* no host work inside */
+     * the rows asked for are read; without a selection only one-row passes (a decode step that
+     * returns logits) take one: a prompt's length varies, and its graph would push out the
+     * decoders' */
+    const int graph = c->graphs && (f->sreq || T == 1) && T <= RES_LM && rec_row == 0 &&
+                      !m->cpu_experts; /* no host work inside */
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
-        if ((logits || f->sreq) && (rows && !(graph && f->mode == MODE_BLOCK) ? rows[t] != 0 : t >= logit_row0))
+        const int all_rows = graph && f->sreq && f->mode == MODE_BLOCK;
+        if ((logits || f->sreq) && (rows && !all_rows ? rows[t] != 0 : t >= logit_row0))
             idx[n++] = (int32_t)t;
     }
     if (rc == CLOVER_OK && n && f->sreq)

@@ -6,9 +6,8 @@ tolerance. Q8_0 GGUF: compared with the reference run on Q8_0-roundtripped weigh
 engine sees); the engine also quantises activations to Q8_0, so we require top-1 agreement on
 >= 99% of positions and state the max difference.
 
-The engine's default KV cache is F16 (spec 6): the reference here rounds keys and values to fp16
-as that cache does (kv_cache_dtype); test_kv_cache_types checks F32 and mixed caches against the
-matching references.
+The engine's default KV cache is F32; test_kv_cache_types checks F16 and mixed caches against the
+reference that rounds keys and/or values to fp16 as those caches do (kv_cache_dtype).
 """
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ def ckpt(make_ckpt):
 
 @pytest.fixture(scope="module")
 def ref(ckpt):
-    return reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, kv_cache_dtype=torch.float16)
+    return reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -165,15 +164,15 @@ def test_prefix_and_block_logits_exact_types(ref, model_of, outtype):
 
 
 def test_kv_cache_types(ckpt, ref, gguf_of):
-    """type_k / type_v (spec 6): an F32 cache matches the reference without rounding, mixed caches
-    the reference that rounds only keys or only values to fp16, each within the exact types' 1e-3
-    (prefix and block logits of the f32 file). The F16 cache's rounding is visible: the F16 and
-    F32 caches' logits differ by more than float32 summation noise."""
+    """type_k / type_v (spec 6): F16 and mixed caches match the reference that rounds keys and/or
+    values to fp16 as they do, F32 the reference without rounding, each within the exact types'
+    1e-3 (prefix and block logits of the f32 file). The F16 cache's rounding is visible: the F16
+    and F32 caches' logits differ by more than float32 summation noise."""
     prompt, blk = _prompt(ref, PROMPT_LEN), _block(ref, PROMPT_LEN)
     out = {}
     for type_k, type_v, kv in [("f32", "f32", None), ("f16", "f32", (torch.float16, None)),
                                ("f32", "f16", (None, torch.float16)), ("f16", "f16", torch.float16)]:
-        r = ref if kv is torch.float16 else reference.CloverReference.from_pretrained(
+        r = ref if kv is None else reference.CloverReference.from_pretrained(
             ckpt, dtype=torch.float32, kv_cache_dtype=kv)
         with Model(str(gguf_of("f32")), n_ctx=128, n_threads=2, type_k=type_k, type_v=type_v) as m:
             got = np.concatenate([m.prefix_logits(prompt), m.block_logits(prompt, blk, coreset_top_p=1.0)[0]])
@@ -192,8 +191,7 @@ def test_kv_cache_types(ckpt, ref, gguf_of):
 
 
 def test_q8_0_against_dequantised_reference(ckpt, model_of):
-    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q8_0_roundtrip,
-                                                   kv_cache_dtype=torch.float16)
+    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q8_0_roundtrip)
     m = model_of("q8_0")
     prompt = _prompt(ref_q, PROMPT_LEN)
     got = m.prefix_logits(prompt)
@@ -451,8 +449,7 @@ def test_q6_k_file_against_quantising_reference(ckpt, model_of):
     """Like with like for the K-quant path: the reference on the q6_k file's weights (our
     quantiser's round trip per tensor type) with Q8_K / Q8_0 activation quantisation in every
     product, against the engine on that file."""
-    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q6_k_mix_hook,
-                                                   kv_cache_dtype=torch.float16)
+    ref_q = reference.CloverReference.from_pretrained(ckpt, dtype=torch.float32, tensor_hook=_q6_k_mix_hook)
     m = model_of("q6_k")
     prompt = _prompt(ref_q, PROMPT_LEN)
     blk = _block(ref_q, PROMPT_LEN)

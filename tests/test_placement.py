@@ -56,13 +56,13 @@ def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
 
 def test_cache_bytes_are_the_device_kv_cache_and_gdn_state(make_gguf):
     """One context's state on the GPU: K and V rows for every offloaded attention layer and
-    position (2 bytes a value in the default F16 cache, 4 in an F32 one), and the GDN state
+    position (4 bytes a value in the default F32 cache, 2 in an F16 one), and the GDN state
     [Hv][dk][dv] (float32) of every GDN layer once one is offloaded (tiny model: layer 3 of 4 is
     attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
     with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
         hp = m.hparams
         assert (hp["n_layer"], hp["full_attention_interval"], hp["n_head_kv"], hp["head_dim"]) == (4, 4, 2, 64)
-        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 2 + 3 * 4 * 64 * 64 * 4
+        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4
         assert cache_bytes(m, 100, 3) == 3 * 4 * 64 * 64 * 4  # layer 3, the attention one, stays on the CPU
         assert placement(m, -1)["cache"] == cache_bytes(m, 16, 5) and placement(m, 0)["cache"] == 0
         assert placement(m, 2, 0, 4096)["cache"] == cache_bytes(m, 4096, 2)
@@ -113,9 +113,9 @@ def test_fit_command_and_budget_without_a_gpu(make_gguf):
     r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "--gpu-budget", "lots"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "gpu budget" in r.stderr
-    # the KV cache types (-ctk / -ctv) size the plan's cache: F32 keys take 2 bytes a value more
+    # the KV cache types (-ctk / -ctv) size the plan's cache: F16 keys take 2 bytes a value less
     caches = []
-    for flags in ([], ["-ctk", "f32"], ["-ctk", "q8_0"]):
+    for flags in (["-ctk", "f16"], [], ["-ctk", "q8_0"]):
         r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", path, "-ngl", "all", "-c", "1000",
                             "--json", *flags], capture_output=True, text=True, timeout=120)
         caches.append(json.loads(r.stdout)["cache"] if r.returncode == 0 else r.stderr)
