@@ -209,3 +209,29 @@ clover_vec_dot4_fn clover_dot4_kernel(int type) {
     const clover_vec_dot4_fn f = clover_dot4_avx512(type);
     return f ? f : clover_dot4_k_avx512(type);
 }
+
+static float dot_f16_scalar(const float *q, const uint16_t *k, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += q[i] * clover_h2f(k[i]);
+    return s;
+}
+
+static void axpy_f16_scalar(float *o, float p, const uint16_t *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] += p * clover_h2f(v[i]);
+}
+
+/* The F16 kernels' ISA: isa (< 0 or past this CPU's: the best it has) is AVX2 or wider. */
+static int f16_wide(int isa) {
+    const int best = clover_dot_best_isa();
+    return (isa < 0 || isa > best ? best : isa) >= CLOVER_ISA_AVX2;
+}
+
+clover_dot_f16_fn clover_dot_f16_kernel(int isa) {
+    const clover_dot_f16_fn f = f16_wide(isa) ? clover_dot_f16_avx2() : NULL;
+    return f ? f : dot_f16_scalar;
+}
+
+clover_axpy_f16_fn clover_axpy_f16_kernel(int isa) {
+    const clover_axpy_f16_fn f = f16_wide(isa) ? clover_axpy_f16_avx2() : NULL;
+    return f ? f : axpy_f16_scalar;
+}

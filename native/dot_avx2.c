@@ -83,6 +83,35 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
+/* q . k over n values, k fp16 (dot.h): two 8-lane FMA sums, then the tail in order. */
+static AVX2 float dot_f16(const float *q, const uint16_t *k, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i + 8))),
+                             a1);
+    }
+    for (; i + 8 <= n; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), a0);
+    float s = hsum(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) s += q[i] * _cvtsh_ss(k[i]);
+    return s;
+}
+
+/* o += p v over n values, v fp16 (dot.h). */
+static AVX2 void axpy_f16(float *o, float p, const uint16_t *v, int64_t n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i))),
+                                                _mm256_loadu_ps(o + i)));
+    for (; i < n; i++) o[i] += p * _cvtsh_ss(v[i]);
+}
+
+clover_dot_f16_fn clover_dot_f16_avx2(void) { return dot_f16; }
+clover_axpy_f16_fn clover_axpy_f16_avx2(void) { return axpy_f16; }
+
 clover_vec_dot_fn clover_dot_avx2(int type) {
     switch (type) {
     case CLOVER_TYPE_Q8_0: return dot_q8_0;
@@ -98,4 +127,6 @@ clover_vec_dot_fn clover_dot_avx2(int type) {
     (void)type;
     return NULL;
 }
+clover_dot_f16_fn clover_dot_f16_avx2(void) { return NULL; }
+clover_axpy_f16_fn clover_axpy_f16_avx2(void) { return NULL; }
 #endif

@@ -9,6 +9,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "engine.h"
 #include "cuda/cuda_backend.h"
+#include "dot.h"
 
 #include <float.h>
 #include <math.h>
@@ -908,37 +909,26 @@ static void rope_neox(float *v, int64_t pos, int rd, float theta) {
     }
 }
 
-/* q . k over n values, k float32 or fp16 (f16); inlined into attend_row's clones. */
-CLOVER_INLINE float dot_kv(const float *q, const void *k, int f16, int64_t n) {
-    if (!f16) return dotf(q, k, n);
-    const uint16_t *h = k;
-    float s = 0;
-#ifdef _OPENMP
-#pragma omp simd reduction(+ : s)
-#endif
-    for (int64_t i = 0; i < n; i++) s += q[i] * clover_h2f(h[i]);
-    return s;
-}
-
-/* o += p v over n values, v float32 or fp16 (f16). */
-CLOVER_INLINE void axpy_kv(float *restrict o, float p, const void *v, int f16, int64_t n) {
-    if (f16)
-        for (int64_t d = 0; d < n; d++) o[d] += p * clover_h2f(((const uint16_t *)v)[d]);
-    else
-        for (int64_t d = 0; d < n; d++) o[d] += p * ((const float *)v)[d];
-}
+/* A layer's KV cache as attend_row reads it: K and V rows kvd elements apart, each fp16 (dot_k,
+ * axpy_v: the F16 kernels of dot.h) or float32 (NULL). */
+typedef struct {
+    const char *k, *v;
+    int64_t kvd;
+    clover_dot_f16_fn dot_k;
+    clover_axpy_f16_fn axpy_v;
+} kv_view;
 
 /* One query row of one head (spec 2.2 steps 3-4): softmax(q K^T * scale) V over n_keys cached
- * keys, times sigmoid of the head's output gate (stored right after q). K/V rows are kvd
- * elements apart (fp16 where k16/v16, else float32), this head's slice at offset off. sc:
- * n_keys scratch. */
-CLOVER_CLONES static void attend_row(const float *q, const void *kc, int k16, const void *vc, int v16, int64_t kvd,
-                                     int64_t off, int64_t hd, int64_t n_keys, float scale, float *sc, float *o) {
+ * keys, times sigmoid of the head's output gate (stored right after q); this head's slice of
+ * the KV rows at offset off. sc: n_keys scratch. */
+CLOVER_CLONES static void attend_row(const float *q, const kv_view *kv, int64_t off, int64_t hd, int64_t n_keys,
+                                     float scale, float *sc, float *o) {
     const float *gate = q + hd;
-    const size_t ek = k16 ? 2 : 4, ev = v16 ? 2 : 4;
+    const size_t ek = kv->dot_k ? 2 : 4, ev = kv->axpy_v ? 2 : 4;
     float mx = -FLT_MAX;
     for (int64_t j = 0; j < n_keys; j++) {
-        sc[j] = dot_kv(q, (const char *)kc + ek * (size_t)(j * kvd + off), k16, hd) * scale;
+        const void *kj = kv->k + ek * (size_t)(j * kv->kvd + off);
+        sc[j] = (kv->dot_k ? kv->dot_k(q, kj, hd) : dotf(q, kj, hd)) * scale;
         if (sc[j] > mx) mx = sc[j];
     }
     double sum = 0;
@@ -947,8 +937,15 @@ CLOVER_CLONES static void attend_row(const float *q, const void *kc, int k16, co
         sum += sc[j];
     }
     memset(o, 0, sizeof(float) * (size_t)hd);
-    for (int64_t j = 0; j < n_keys; j++)
-        axpy_kv(o, (float)(sc[j] / sum), (const char *)vc + ev * (size_t)(j * kvd + off), v16, hd);
+    for (int64_t j = 0; j < n_keys; j++) {
+        const void *vj = kv->v + ev * (size_t)(j * kv->kvd + off);
+        const float p = (float)(sc[j] / sum);
+        if (kv->axpy_v) {
+            kv->axpy_v(o, p, vj, hd);
+            continue;
+        }
+        for (int64_t d = 0; d < hd; d++) o[d] += p * ((const float *)vj)[d];
+    }
     for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
 }
 
@@ -1076,6 +1073,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     }
     if (c->kv_dev_rows && c->kv_dev_rows[ly->slot] > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* stale there */
     const int64_t n_keys_max = f->pos0 + T;
+    const kv_view kv = {kc, vc, kvd, k16 ? clover_dot_f16_kernel(-1) : NULL, v16 ? clover_axpy_f16_kernel(-1) : NULL};
     int nomem = 0;
     /* (row, head) pairs are independent: split them over the threads */
 #ifdef _OPENMP
@@ -1097,7 +1095,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
             const int64_t t = th / nh, h = th % nh;
             /* prefix: causal; block: the whole prefix plus every row of the block */
             const int64_t n_keys = f->mode == MODE_PREFIX ? f->pos0 + t + 1 : n_keys_max;
-            attend_row(qg + (t * nh + h) * 2 * hd, kc, k16, vc, v16, kvd, (h / group) * hd, hd, n_keys, scale, scores,
+            attend_row(qg + (t * nh + h) * 2 * hd, &kv, (h / group) * hd, hd, n_keys, scale, scores,
                        att + (t * nh + h) * hd);
         }
         free(scores);

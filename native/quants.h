@@ -35,7 +35,7 @@ typedef struct {
 } clover_block_q8_0;
 
 /* fp16 bits to float, exact for every value (NaN payloads kept); branch-free, so loops over rows
- * vectorise, and inlined into each clone of its caller (the F16 KV cache's attention loops). */
+ * vectorise where it is inlined (quants.c's row conversions, dot.c's scalar F16 kernels). */
 CLOVER_INLINE float clover_h2f(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     const uint32_t em = h & 0x7fffu;                           /* exponent and mantissa */

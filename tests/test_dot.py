@@ -34,6 +34,10 @@ clover_vec_dot4_fn clover_dot4_avx512(int type);
 int clover_dot4_packed(int type);
 int64_t clover_x4_row_bytes(int64_t n);
 void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
+typedef float (*clover_dot_f16_fn)(const float *q, const uint16_t *k, int64_t n);
+typedef void (*clover_axpy_f16_fn)(float *o, float p, const uint16_t *v, int64_t n);
+clover_dot_f16_fn clover_dot_f16_kernel(int isa);
+clover_axpy_f16_fn clover_axpy_f16_kernel(int isa);
 """)
 L = ffi.dlopen(_find_library())
 
@@ -207,3 +211,36 @@ def test_q8_0_activation_quantisation_is_llama_cpps():
     assert tie == [127, 2, -4, 0, 0, 2]
     assert _quantize(lib.CLOVER_TYPE_Q8_0, x).reshape(-1, 34)[4096 // 32, 2:8].view(np.int8).tolist() == \
         [127, 3, -4, 1, -1, 2]  # weights: roundf, half away from zero (gguf-py / ggml ref bytes)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 33, 256])
+def test_f16_kv_kernels_against_float64(n):
+    """The F16 KV cache's attention kernels (dot.h clover_dot_f16_kernel / clover_axpy_f16_kernel),
+    scalar and, where this CPU has it, AVX2 + F16C: q . k and o + p v with k, v fp16 (random
+    values, subnormals, +-0 and the largest finite 65504 among them) equal float64 on the same
+    fp16 values within 1e-6 of sum |q k| (dot) and, element by element, within one float32 step
+    of |o| + |p v| (axpy: a rounded product and sum, or one fused rounding). Row lengths cover
+    the 16- and 8-wide loops and tails."""
+    rng = np.random.default_rng(n)
+    q = rng.standard_normal(n).astype(np.float32)
+    k = (rng.standard_normal(n) * 4).astype(np.float16)
+    for i, x in zip((0, n // 2, n - 1), (6e-8, -0.0, 65504.0)):  # one of each where n allows
+        k[i] = x
+    v = rng.standard_normal(n).astype(np.float16)
+    o0 = rng.standard_normal(n).astype(np.float32)
+    p = np.float32(0.37)
+    want_dot = float(q.astype(np.float64) @ k.astype(np.float64))
+    scale = float(np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)))
+    want_axpy = o0.astype(np.float64) + float(p) * v.astype(np.float64)
+    isas = [0] + ([1] if L.clover_dot_best_isa() >= 1 else [])
+    kernels = set()
+    for isa in isas:
+        dot, axpy = L.clover_dot_f16_kernel(isa), L.clover_axpy_f16_kernel(isa)
+        kernels.add(int(ffi.cast("uintptr_t", dot)))
+        got = dot(ffi.cast("float *", q.ctypes.data), ffi.cast("uint16_t *", k.ctypes.data), n)
+        assert abs(got - want_dot) <= 1e-6 * scale, (isa, got, want_dot)
+        o = o0.copy()
+        axpy(ffi.cast("float *", o.ctypes.data), float(p), ffi.cast("uint16_t *", v.ctypes.data), n)
+        step = np.spacing((np.abs(o0) + np.abs(float(p) * v.astype(np.float32))).astype(np.float32))
+        assert np.all(np.abs(o - want_axpy) <= step), isa
+    assert len(kernels) == len(isas)  # the AVX2 kernel is not the scalar one

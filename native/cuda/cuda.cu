@@ -385,6 +385,11 @@ static int act_block(int type) {
  * prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
 #define HD_MAX 256
 enum { ATT_REP = 8, ATT_KT = 16, ATT_SPLITS_MAX = 64 };
+/* Loops over a lane's nd <= ATT_ND output values run to the constant ATT_ND with a guard: nvcc
+ * unrolls them and the arrays they index stay in registers (with the runtime bound nd they sat
+ * in local memory, 32 bytes of stack in k_attention). */
+#define ATT_ND (HD_MAX / 32)
+#define FOR_ND(i, nd) for (int i = 0; i < ATT_ND; i++) if (i < (nd))
 
 /* Element i of a KV cache of fp16 (f16) or float32 values, as float. */
 __device__ __forceinline__ float kv_load(const void *c, bool f16, int64_t i) {
@@ -394,7 +399,7 @@ __device__ __forceinline__ float kv_load(const void *c, bool f16, int64_t i) {
 /* The gated output of one (row, head) (spec 2.2 step 4): o = acc / s * sigmoid(gate), lane l
  * holding dimensions l + 32 i of acc, the gate and o (nd = head_dim / 32 of them). */
 __device__ __forceinline__ void gated_out(const float *acc, float s, const float *gate, float *o, int nd) {
-    for (int i = 0; i < nd; i++)
+    FOR_ND(i, nd)
         o[threadIdx.x + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-gate[threadIdx.x + 32 * i])));
 }
 
@@ -402,7 +407,7 @@ __device__ __forceinline__ void gated_out(const float *acc, float s, const float
 __device__ __forceinline__ void softmax_merge(float &m, float &s, float *acc, float m2, float s2, const float *acc2, int n) {
     const float mm = fmaxf(m, m2), c1 = expf(m - mm), c2 = expf(m2 - mm);
     s = s * c1 + s2 * c2;
-    for (int i = 0; i < n; i++) acc[i] = acc[i] * c1 + acc2[i] * c2;
+    FOR_ND(i, n) acc[i] = acc[i] * c1 + acc2[i] * c2;
     m = mm;
 }
 
@@ -419,9 +424,9 @@ __global__ void __launch_bounds__(32 * ATT_REP)
     const bool head = rep < n_rep; /* warps past n_rep load tiles only */
     const bool k16 = kv_f16 & CLOVER_KV_K_F16, v16 = kv_f16 & CLOVER_KV_V_F16;
     const float *q = Q + (t * n_head + (head ? h : 0)) * 2 * hd;
-    for (int i = 0; i < nd; i++) qs[w][lane + 32 * i] = q[lane + 32 * i];
-    float acc[HD_MAX / 32];
-    for (int i = 0; i < HD_MAX / 32; i++) acc[i] = 0.0f;
+    FOR_ND(i, nd) qs[w][lane + 32 * i] = q[lane + 32 * i];
+    float acc[ATT_ND];
+    for (int i = 0; i < ATT_ND; i++) acc[i] = 0.0f;
     const int64_t n_keys = causal ? pos0 + t + 1 : pos0 + T, per = (n_keys + gridDim.z - 1) / gridDim.z;
     const int64_t k0 = blockIdx.z * per, k1 = k0 + per < n_keys ? k0 + per : n_keys;
     float m = -FLT_MAX, s = 0.0f;
@@ -442,10 +447,10 @@ __global__ void __launch_bounds__(32 * ATT_REP)
         }
         const float m2 = fmaxf(m, warp_max(sc)), corr = expf(m - m2), p = lane < nk ? expf(sc - m2) : 0.0f;
         s = s * corr + warp_sum(p);
-        for (int i = 0; i < nd; i++) acc[i] *= corr;
+        FOR_ND(i, nd) acc[i] *= corr;
         for (int j = 0; j < nk; j++) {
             const float pj = __shfl_sync(0xffffffffu, p, j);
-            for (int i = 0; i < nd; i++) acc[i] += pj * vs[j][lane + 32 * i];
+            FOR_ND(i, nd) acc[i] += pj * vs[j][lane + 32 * i];
         }
         m = m2;
     }
@@ -456,7 +461,7 @@ __global__ void __launch_bounds__(32 * ATT_REP)
     }
     float *pp = P + ((t * n_head + h) * gridDim.z + blockIdx.z) * (hd + 2);
     if (lane == 0) pp[0] = m, pp[1] = s;
-    for (int i = 0; i < nd; i++) pp[2 + lane + 32 * i] = acc[i];
+    FOR_ND(i, nd) pp[2 + lane + 32 * i] = acc[i];
 }
 
 /* The splits' (m, s, output) of k_attention merged in split order (grid (n_head, rows), one
@@ -466,12 +471,12 @@ __global__ void k_attention_merge(const float *Q, const float *P, float *O, int6
     const int64_t h = blockIdx.x, t = t_base + blockIdx.y;
     const int lane = threadIdx.x, nd = (int)(hd / 32);
     const float *p = P + (t * n_head + h) * n_splits * (hd + 2);
-    float m = p[0], s = p[1], acc[HD_MAX / 32];
-    for (int i = 0; i < nd; i++) acc[i] = p[2 + lane + 32 * i];
+    float m = p[0], s = p[1], acc[ATT_ND] = {};
+    FOR_ND(i, nd) acc[i] = p[2 + lane + 32 * i];
     for (int u = 1; u < n_splits; u++) {
         const float *pu = p + u * (hd + 2);
-        float a2[HD_MAX / 32];
-        for (int i = 0; i < nd; i++) a2[i] = pu[2 + lane + 32 * i];
+        float a2[ATT_ND] = {};
+        FOR_ND(i, nd) a2[i] = pu[2 + lane + 32 * i];
         softmax_merge(m, s, acc, pu[0], pu[1], a2, nd);
     }
     gated_out(acc, s, Q + (t * n_head + h) * 2 * hd + hd, O + (t * n_head + h) * hd, nd);
