@@ -6,7 +6,7 @@
   with and without tensor cores (CLOVER_CUDA_MMA=0) where T >= 16 (fewer rows never take them);
 - attention against a KV cache of ``--keys`` rows at 35B-A3B's heads (16 query heads, 2 KV
   heads, head_dim 256; clover_cuda_attention_d): a decode step (1 row, causal) and a 32-row
-  block pass.
+  block pass, with an F32 and an F16 cache (``-ctk/-ctv f16``).
 
 Printed per case: microseconds per call, the bytes read per second (weights; or K and V), that as
 a percentage of the device's copy bandwidth measured here (2 x bytes / time of a
@@ -45,9 +45,9 @@ int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_
 int clover_cuda_matmul_d(int n, const clover_cuda_weight *w, const float *x, int64_t T, float *const *y, char *err,
                          size_t err_size);
 int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes, char *err, size_t err_size);
-int clover_cuda_attention_d(const float *q, const float *k_cache, const float *v_cache, const int64_t *pos, int64_t T,
-                            int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out, char *err,
-                            size_t err_size);
+int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16, const int64_t *pos,
+                            int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out,
+                            char *err, size_t err_size);
 """)
 _clib = _cffi.dlopen(_ffi._find_library())
 _err = _cffi.new("char[]", 256)
@@ -141,33 +141,35 @@ def run(ne0: int, ne1: int, types: list[str], rows: list[int], iters: int, reps:
 
 
 def attention(n_keys: int, bw: float, iters: int, reps: int, n_head: int = 16, n_kv: int = 2, hd: int = 256) -> list:
-    """Cases of clover_cuda_attention_d over a cache of n_keys rows (random values): a decode
-    step (row n_keys - 1, causal) and a 32-row block pass (its rows the cache's last 32)."""
+    """Cases of clover_cuda_attention_d over a cache of n_keys rows (random values), F32 and F16: a
+    decode step (row n_keys - 1, causal) and a 32-row block pass (its rows the cache's last 32)."""
     rng = np.random.default_rng(1)
     kvd = n_kv * hd
     kv = rng.standard_normal((n_keys, kvd)).astype(np.float32)
     q = (rng.standard_normal((32, n_head, 2 * hd)) * 0.1).astype(np.float32)
     bufs = {}
     try:
-        for name, a in (("k", kv), ("v", kv), ("q", q)):
+        for name, a in (("k", kv), ("k16", kv.astype(np.float16)), ("q", q)):
             p = _cffi.new("void **")
             _check(_clib.clover_cuda_upload(_cffi.cast("void *", a.ctypes.data), a.nbytes, p, _err, 256), "upload")
             bufs[name] = p[0]
         bufs["o"], bufs["pos"] = _alloc(4 * 32 * n_head * hd), _alloc(8)
         cases = []
-        for T, causal, what in ((1, 1, "decode"), (32, 0, "block32")):
-            pos = _cffi.new("int64_t *", n_keys - T)
-            _check(_clib.clover_cuda_write(bufs["pos"], 0, pos, 8, _err, 256), "write pos")
+        for cache, kv_f16, es in (("f32", 0, 4), ("f16", 3, 2)):  # K and V: the same buffer, read twice
+            k = bufs["k16" if kv_f16 else "k"]
+            for T, causal, what in ((1, 1, "decode"), (32, 0, "block32")):
+                pos = _cffi.new("int64_t *", n_keys - T)
+                _check(_clib.clover_cuda_write(bufs["pos"], 0, pos, 8, _err, 256), "write pos")
 
-            def call():
-                _check(_clib.clover_cuda_attention_d(*(_cffi.cast("float *", bufs[n]) for n in ("q", "k", "v")),
-                                                     _cffi.cast("int64_t *", bufs["pos"]), T, n_head, n_kv, hd, causal,
-                                                     hd ** -0.5, _cffi.cast("float *", bufs["o"]), _err, 256),
-                       "attention_d")
-            s = _best(call, iters, reps, bufs["o"])
-            kv_bytes = 2 * n_keys * kvd * 4
-            cases.append({"case": what, "keys": n_keys, "rows": T, "us": s * 1e6, "kv_bytes_per_s": kv_bytes / s,
-                          "pct_bandwidth": 100 * kv_bytes / s / bw})
+                def call():
+                    _check(_clib.clover_cuda_attention_d(_cffi.cast("float *", bufs["q"]), k, k, kv_f16,
+                                                         _cffi.cast("int64_t *", bufs["pos"]), T, n_head, n_kv, hd,
+                                                         causal, hd ** -0.5, _cffi.cast("float *", bufs["o"]), _err,
+                                                         256), "attention_d")
+                s = _best(call, iters, reps, bufs["o"])
+                kv_bytes = 2 * n_keys * kvd * es
+                cases.append({"case": what, "cache": cache, "keys": n_keys, "rows": T, "us": s * 1e6,
+                              "kv_bytes_per_s": kv_bytes / s, "pct_bandwidth": 100 * kv_bytes / s / bw})
         return cases
     finally:
         for p in bufs.values():
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
         r["attention"] = attention(a.keys, r["copy_bandwidth"], a.iters, a.reps)
         print("attention (16 heads, 2 KV heads, head_dim 256)")
         for c in r["attention"]:
-            print(f"{c['case']:8s} {c['keys']:6d} keys {c['rows']:3d} rows {c['us']:10.1f} us "
+            print(f"{c['case']:8s} {c['cache']} {c['keys']:6d} keys {c['rows']:3d} rows {c['us']:10.1f} us "
                   f"{c['kv_bytes_per_s'] / 1e9:8.1f} GB/s of K and V {c['pct_bandwidth']:6.1f} % bw")
     if a.json:
         print(json.dumps(r))

@@ -143,3 +143,22 @@ def test_cli_bench(clover_gguf_path, capsys, tmp_path):
 def test_bench_does_not_import_torch():
     code = "import sys, clover_gguf.bench, clover_gguf.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_modes_script_json(clover_gguf_path):
+    """bench/modes.py (bench/device_check.sh reads its JSON line): every mode generates the asked
+    tokens per prompt and reports the figures the device script prints (tokens/s, tokens per
+    forward, the ids it compares across backends); a forward count per kind adds up."""
+    import pathlib
+
+    script = pathlib.Path(__file__).parent.parent / "bench" / "modes.py"
+    r = subprocess.run([sys.executable, str(script), str(clover_gguf_path), "-n", "6", "-t", "1", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sorted(out) == ["ar", "diffusion", "spec"]
+    for mode, v in out.items():
+        assert v["ids"] and all(len(ids) == 6 for ids in v["ids"]), mode
+        assert v["tokens"] == 6 * len(v["ids"]) and v["tokens_per_second"] > 0, mode
+        kinds = sum(v[k] for k in ("decode", "denoise", "commit", "draft", "verify"))
+        assert v["forwards"] == kinds and v["tokens_per_forward"] == pytest.approx(v["tokens"] / kinds), mode

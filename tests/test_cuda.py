@@ -961,6 +961,30 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
 
 
 @gpu
+def test_gpu_kernels_bench_runs():
+    """bench/gpu_kernels.py (device_check.sh runs it) at small sizes: its declarations match the
+    library (a stale one would crash on the device), every case is timed, and the attention
+    cases cover the F32 and F16 caches."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent.parent / "bench" / "gpu_kernels.py"
+    r = subprocess.run([sys.executable, str(script), "--ne0", "256", "--ne1", "64", "--types", "Q4_K,F16",
+                        "--rows", "1,32", "--keys", "64", "--iters", "1", "--reps", "1", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [(c["type"], c["T"], c["mma"]) for c in out["cases"]] == [
+        ("Q4_K", 1, None), ("Q4_K", 32, True), ("Q4_K", 32, False), ("F16", 1, None), ("F16", 32, True),
+        ("F16", 32, False)]
+    assert [(c["case"], c["cache"]) for c in out["attention"]] == [
+        ("decode", "f32"), ("block32", "f32"), ("decode", "f16"), ("block32", "f16")]
+    assert all(c["us"] > 0 for c in out["cases"] + out["attention"])
+
+
+@gpu
 def test_one_token_forwards_with_logits_replay_a_cuda_graph(make_gguf, monkeypatch):
     """One-token prefills that return logits (bench's tg, llama.cpp's decode of one token) on a
     resident model run their layers through a CUDA graph, the LM head and the read after it:
