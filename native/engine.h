@@ -113,6 +113,7 @@ struct clover_context {
     } graph[4];
     int64_t graph_clock, n_graph_launches;
     int64_t n_full_rows; /* top-p selections whose row came back whole (res_select_read) */
+    int64_t n_passes;    /* forward passes run (model.c forward) */
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
@@ -188,6 +189,8 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
                           char *err, size_t err_size);
 /* How many passes of c replayed a CUDA graph (model.c res_run_graph), for tests. */
 int64_t clover_context_graph_launches(const clover_context *c);
+/* How many forward passes c ran (a long prefill takes several: model.c forward), for tests. */
+int64_t clover_context_passes(const clover_context *c);
 /* How many rows of c's top-p selections on the GPU came back whole (their top-p prefix did not end
  * within the candidates), for tests. */
 int64_t clover_context_full_rows(const clover_context *c);

@@ -500,6 +500,8 @@ int64_t clover_context_graph_launches(const clover_context *c) { return c ? c->n
 
 int64_t clover_context_full_rows(const clover_context *c) { return c ? c->n_full_rows : 0; }
 
+int64_t clover_context_passes(const clover_context *c) { return c ? c->n_passes : 0; }
+
 /* CUDA graphs record every launch on the backend's one stream, so they run only while the process
  * has a single context: g_graph_mu is held over a graph's pass (record or replay) and over the
  * count's changes, so no other context's launches or copies can fall into a recording, and no
@@ -2482,28 +2484,17 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     return rc;
 }
 
-/* forward() for a resident model: block passes whole, prefill in passes of RES_ROWS rows. */
-static int res_forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
-    if (f->mode == MODE_BLOCK || f->T <= RES_ROWS) return res_pass(f, tokens, 0, logits, logit_row0, rows);
-    const int64_t T = f->T, V = f->c->m->hp.n_vocab;
-    int rc = CLOVER_OK;
-    for (int64_t r0 = 0; r0 < T && rc == CLOVER_OK; r0 += RES_ROWS) {
-        fwd g = *f;
-        g.T = T - r0 < RES_ROWS ? T - r0 : RES_ROWS;
-        g.pos0 = f->pos0 + r0;
-        const int with_logits = logits && logit_row0 < r0 + g.T;
-        const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
-        rc = res_pass(&g, tokens + r0, r0, with_logits ? logits + (r0 + row0 - logit_row0) * V : NULL, row0, NULL);
-    }
-    return rc;
-}
+/* Rows of one prefill pass on the CPU path (CPU_ROWS; PASS_ROWS_GPU where some weights are on
+ * the GPU, whose per-product scratch grows with the rows), as llama.cpp's n_batch: a long
+ * prompt's activations, attention and expert buffers stay bounded. */
+enum { CPU_ROWS = 2048, PASS_ROWS_GPU = RES_ROWS };
 
-/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T). */
-/* rows: when not NULL, the LM head runs only on rows t with rows[t] != 0 (row t of logits is
- * written, others are left as they are); else on rows logit_row0.. (written from row 0). */
-static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+/* One forward pass on the CPU path (products on the GPU where offloaded): embed -> layers ->
+ * N1p -> lm_head on rows [logit_row0, T). rows: when not NULL, the LM head runs only on rows t
+ * with rows[t] != 0 (row t of logits is written, others are left as they are); else on rows
+ * logit_row0.. (written from row 0). */
+static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
-    if (c->m->resident) return res_forward(f, tokens, logits, logit_row0, rows);
     const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
     const int64_t T = f->T, H = hp->n_embd;
@@ -2548,6 +2539,33 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
 done:
     if (rc == CLOVER_E_NOMEM) clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
     free(x), free(xn), free(o);
+    return rc;
+}
+
+/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's). Block
+ * passes run whole; a prefill (causal, so consecutive passes equal one) in passes of at most
+ * RES_ROWS rows on a resident model (its verify record from row r0 of each), CPU_ROWS or
+ * PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts at row 0). */
+static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+    clover_context *c = f->c;
+    const int res = c->m->resident;
+    const int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
+    if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {
+        c->n_passes++;
+        return res ? res_pass(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
+    }
+    const int64_t T = f->T, V = c->m->hp.n_vocab;
+    int rc = CLOVER_OK;
+    for (int64_t r0 = 0; r0 < T && rc == CLOVER_OK; r0 += max_rows) {
+        fwd g = *f;
+        g.T = T - r0 < max_rows ? T - r0 : max_rows;
+        g.pos0 = f->pos0 + r0;
+        const int with_logits = logits && logit_row0 < r0 + g.T;
+        const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
+        float *lg = with_logits ? logits + (r0 + row0 - logit_row0) * V : NULL;
+        c->n_passes++;
+        rc = res ? res_pass(&g, tokens + r0, r0, lg, row0, NULL) : cpu_forward(&g, tokens + r0, lg, row0, NULL);
+    }
     return rc;
 }
 

@@ -9,12 +9,14 @@ engine sees); the engine also quantises activations to Q8_0, so we require top-1
 The engine's default KV cache is F32; test_kv_cache_types checks F16 and mixed caches against the
 reference that rounds keys and/or values to fp16 as those caches do (kv_cache_dtype).
 """
+import cffi
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from clover_gguf import reference  # noqa: E402
+from clover_gguf import _ffi  # noqa: E402
 from clover_gguf._ffi import ffi, lib, err_buf, raise_error  # noqa: E402
 from clover_gguf.api import Model  # noqa: E402
 
@@ -248,6 +250,38 @@ def test_chunked_gdn_equals_recurrence_and_incremental_decode(ref, model_of):
     print(f"prefill(150)+decode vs prefill(151): max abs diff {d2:.2e}")
     assert d2 <= 1e-4
     lib.clover_context_reset(_ctx(m))
+
+
+_internal = cffi.FFI()
+_internal.cdef("int64_t clover_context_passes(const void *c);")  # engine.h, for tests
+
+
+def _passes(ctx) -> int:
+    return int(_internal.dlopen(_ffi._find_library()).clover_context_passes(ctx))
+
+
+def test_long_prefill_runs_in_passes_of_2048_rows(gguf_of):
+    """A prefill over 2048 tokens runs in passes of at most 2048 rows on the CPU (model.c
+    CPU_ROWS, as llama.cpp's n_batch: bounded buffers): its logits, every row and the last row
+    alone, equal two prefill calls of 2048 and 52 tokens bit for bit (the same passes), and
+    those of a split at 1000 within float32 summation noise: 3e-4 of the logits' std (the GDN's
+    chunks of 64 then fall elsewhere; measured 9.6e-4 with a std of 7.0)."""
+    toks = list(np.random.default_rng(8).integers(0, 2000, 2100))
+    with Model(str(gguf_of("f32")), n_ctx=2200, n_threads=2) as m:
+        before = _passes(_ctx(m))
+        whole = m.prefix_logits(toks)
+        assert _passes(_ctx(m)) - before == 2  # 2048 rows, then 52
+        lib.clover_context_reset(_ctx(m))
+        last = _prefill(m, toks, all_logits=False)[0]
+        lib.clover_context_reset(_ctx(m))
+        same = np.concatenate([_prefill(m, toks[:2048]), _prefill(m, toks[2048:])])
+        lib.clover_context_reset(_ctx(m))
+        other = np.concatenate([_prefill(m, toks[:1000]), _prefill(m, toks[1000:])])
+    assert whole.shape == (2100, m.n_vocab)
+    assert np.array_equal(whole, same) and np.array_equal(last, whole[-1])
+    d = _max_diff(whole, other)
+    print(f"2100-token prefill vs a split at 1000: max abs diff {d:.2e}")
+    assert d <= 3e-4 * float(np.std(whole))
 
 
 def test_coreset_counts_and_full_top_p(ref, model_of):
