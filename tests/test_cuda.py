@@ -555,6 +555,27 @@ def test_long_prefill_runs_the_chunked_gdn_and_equals_the_cpu(make_gguf):
 
 
 @gpu
+def test_long_prefill_with_some_layers_on_the_gpu_runs_in_passes(make_gguf):
+    """With some layers offloaded (the per-product path) a prefill runs in passes of at most 512
+    rows (model.c PASS_ROWS_GPU: the GPU's per-product scratch stays bounded): 600 tokens take 2
+    passes, and every row's logits are within 2e-3 of the CPU's std (one pass there)."""
+    from clover_gguf import Model
+
+    _int = cffi.FFI()
+    _int.cdef("int64_t clover_context_passes(const void *c);")
+    passes = _int.dlopen(_ffi._find_library()).clover_context_passes
+    path = make_gguf("f32", **GEN_MODEL)  # not Q8_0: see test_whole_model_on_gpu_equals_the_cpu
+    ids = list(np.random.default_rng(9).integers(0, 2000, 600))
+    with Model(path, n_ctx=700, n_threads=2) as cpu, Model(path, n_ctx=700, n_threads=2, n_gpu_layers=2) as half:
+        assert lib.clover_model_gpu_resident(half._model) == 0
+        lc = cpu.prefix_logits(ids)
+        before = passes(half._ctx)
+        lg = half.prefix_logits(ids)
+        assert passes(half._ctx) - before == 2
+    assert np.max(np.abs(lc - lg)) <= 2e-3 * float(np.std(lc)) + 1e-4, float(np.max(np.abs(lc - lg)))
+
+
+@gpu
 def test_greedy_tokens_identical_across_placements(make_gguf):
     """Issue 8: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2: the
     resident forward, those experts' inputs and outputs crossing to the CPU and back), partial
