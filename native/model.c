@@ -982,10 +982,13 @@ static int64_t offloaded_attn(const clover_model *m, int n_slots) {
  * use. */
 static int kv_dev_alloc(clover_context *c, char *err, size_t err_size) {
     if (c->kv_dev_rows) return CLOVER_OK;
-    const size_t layer = (size_t)c->n_ctx * (size_t)c->m->hp.n_head_kv * (size_t)c->m->hp.head_dim;
-    const size_t n = layer * (size_t)offloaded_attn(c->m, c->m->n_attn);
-    int rc = clover_cuda_alloc(n * kv_elem_bytes(c->type_k), &c->k_dev, err, err_size);
-    if (rc == CLOVER_OK) rc = clover_cuda_alloc(n * kv_elem_bytes(c->type_v), &c->v_dev, err, err_size);
+    size_t n, kb, vb; /* elements and bytes of each cache, checked (extreme but loadable shapes wrap) */
+    if (__builtin_mul_overflow((size_t)c->n_ctx * (size_t)c->m->hp.n_head_kv, (size_t)c->m->hp.head_dim, &n) ||
+        __builtin_mul_overflow(n, (size_t)offloaded_attn(c->m, c->m->n_attn), &n) ||
+        __builtin_mul_overflow(n, kv_elem_bytes(c->type_k), &kb) || __builtin_mul_overflow(n, kv_elem_bytes(c->type_v), &vb))
+        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_ctx: %d: the GPU's KV cache size overflows", c->n_ctx);
+    int rc = clover_cuda_alloc(kb, &c->k_dev, err, err_size);
+    if (rc == CLOVER_OK) rc = clover_cuda_alloc(vb, &c->v_dev, err, err_size);
     if (rc == CLOVER_OK && !(c->kv_dev_rows = calloc((size_t)c->m->n_attn, sizeof(int64_t))))
         rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
     if (rc != CLOVER_OK) {
@@ -2356,14 +2359,13 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     memset(&k, 0, sizeof k); /* padding too: keys are compared with memcmp */
     k.ws = c->res_ws, k.k = c->k_dev, k.v = c->v_dev, k.gdn = c->gdn_dev, k.conv = c->conv_dev;
     k.rec = c->rec_on ? c->rec_dev : NULL, k.rec_on = c->rec_on, k.rec_cap = c->rec_on ? c->rec_cap : 0;
-    k.scratch_epoch = clover_cuda_scratch_epoch(), k.model_epoch = c->m->dev_epoch, k.T = f->T, k.n = n;
-    k.mode = f->mode, k.mma = clover_cuda_mma();
-    if (!f->sreq) return k; /* the layers only: the LM head runs after the graph */
+    k.scratch_epoch = clover_cuda_scratch_epoch(), k.model_epoch = c->m->dev_epoch, k.T = f->T;
+    k.mode = f->mode, k.mma = clover_cuda_mma(), k.coreset_top_p = f->coreset_top_p;
+    if (!f->sreq) return k; /* the layers only (whatever rows want logits): the LM head runs after the graph */
     const clover_sampler_params *sp = f->sreq->sp;
-    k.sel = 1, k.ops = c->ops_dev, k.pre = f->sreq->pre ? c->pre_dev : NULL;
+    k.sel = 1, k.n = n, k.ops = c->ops_dev, k.pre = f->sreq->pre ? c->pre_dev : NULL;
     k.k_cand = f->sreq->k, k.mask = sp->mask_token_id;
     k.rp = sp->repetition_penalty, k.fp = sp->frequency_penalty, k.pp = sp->presence_penalty;
-    k.coreset_top_p = f->coreset_top_p;
     k.total = f->sreq->total != NULL, k.temperature = f->sreq->total ? sp->temperature : 0.0f;
     return k;
 }

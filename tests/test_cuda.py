@@ -497,7 +497,9 @@ def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
     greedy tokens must still be identical.
 
     KV caches: F32 (the default) at Q8_0 and Q4_K_M; F32 keys with F16 values at F32, F16 keys
-    with F32 values at BF16 (the GPU rounds to fp16 as the CPU does). An F16 cache turns the
+    with F32 values at BF16 (the GPU rounds to fp16 as the CPU does), where the partial offload
+    takes all 4 layers without the output, so the attention layer (3) runs on the per-product
+    path against the host cache's fp16 rows. An F16 cache turns the
     backends' last-bit differences in K and V into fp16 steps: with both F16 at Q4_K_M the
     emulated diffusion tokens differed from the CPU's at index 10 (2026-12-01), which is why F32
     is the default."""
@@ -505,10 +507,11 @@ def test_whole_model_on_gpu_equals_the_cpu(make_gguf, outtype):
 
     path = make_gguf(outtype, **GEN_MODEL)
     kv = {"f32": dict(type_k="f32", type_v="f16"), "bf16": dict(type_k="f16", type_v="f32")}.get(outtype, {})
+    n_half = 4 if kv else 2
     with Model(path, n_ctx=512, n_threads=2, **kv) as cpu, \
             Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1, **kv) as g, \
-            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2, **kv) as half:
-        assert g.n_gpu_layers == g.hparams["n_layer"] + 1 and half.n_gpu_layers == 2
+            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=n_half, **kv) as half:
+        assert g.n_gpu_layers == g.hparams["n_layer"] + 1 and half.n_gpu_layers == n_half
         assert lib.clover_model_gpu_resident(g._model) == 1 and lib.clover_model_gpu_resident(half._model) == 0
         ids = cpu.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
         lc, lg = cpu.prefix_logits(ids), g.prefix_logits(ids)

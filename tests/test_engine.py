@@ -167,9 +167,10 @@ def test_prefix_and_block_logits_exact_types(ref, model_of, outtype):
 
 def test_kv_cache_types(ckpt, ref, gguf_of):
     """type_k / type_v (spec 6): F16 and mixed caches match the reference that rounds keys and/or
-    values to fp16 as they do, F32 the reference without rounding, each within the exact types'
-    1e-3 (prefix and block logits of the f32 file). The F16 cache's rounding is visible: the F16
-    and F32 caches' logits differ by more than float32 summation noise."""
+    values to fp16 as they do, F32 the reference without rounding, each within 6e-4 (prefix and
+    block logits of the f32 file; measured 2.0e-4 to 2.7e-4, and 1.3e-3 to 2.3e-3 against a
+    reference rounding the wrong ones). The F16 cache's rounding is visible: the F16 and F32
+    caches' logits differ by more than float32 summation noise."""
     prompt, blk = _prompt(ref, PROMPT_LEN), _block(ref, PROMPT_LEN)
     out = {}
     for type_k, type_v, kv in [("f32", "f32", None), ("f16", "f32", (torch.float16, None)),
@@ -181,7 +182,7 @@ def test_kv_cache_types(ckpt, ref, gguf_of):
         want = np.concatenate([r.prefix_logits(prompt).numpy(), r.block_logits(prompt, blk, 1.0)[0].numpy()])
         d = _max_diff(got, want)
         print(f"KV cache K {type_k} V {type_v}: max abs diff to the matching reference {d:.2e}")
-        assert d <= 1e-3
+        assert d <= 6e-4
         out[type_k, type_v] = got
     d16 = _max_diff(out["f16", "f16"], out["f32", "f32"])
     print(f"F16 vs F32 cache logits: max abs diff {d16:.2e}")
