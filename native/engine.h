@@ -114,6 +114,7 @@ struct clover_context {
     int64_t graph_clock, n_graph_launches;
     int64_t n_full_rows; /* top-p selections whose row came back whole (res_select_read) */
     int64_t n_passes;    /* forward passes run (model.c forward) */
+    int gpu_counted;     /* counted among the contexts that use the GPU (model.c g_n_gpu_contexts) */
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use

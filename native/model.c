@@ -503,11 +503,13 @@ int64_t clover_context_full_rows(const clover_context *c) { return c ? c->n_full
 int64_t clover_context_passes(const clover_context *c) { return c ? c->n_passes : 0; }
 
 /* CUDA graphs record every launch on the backend's one stream, so they run only while the process
- * has a single context: g_graph_mu is held over a graph's pass (record or replay) and over the
- * count's changes, so no other context's launches or copies can fall into a recording, and no
- * other context's forward can move the scratch a graph holds. */
+ * has a single context that uses the GPU (one counts from its first forward on a model with
+ * weights there, model.c forward, until it is freed; contexts on the CPU alone never launch):
+ * g_graph_mu is held over a graph's pass (record or replay) and over the count's changes, so no
+ * other context's launches or copies can fall into a recording, and no other context's forward
+ * can move the scratch a graph holds. */
 static pthread_mutex_t g_graph_mu = PTHREAD_MUTEX_INITIALIZER;
-static int g_n_contexts;
+static int g_n_gpu_contexts;
 
 int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_devices(info, info_size); }
 
@@ -738,9 +740,6 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->n_ctx = n_ctx;
     c->n_threads = n_threads;
     c->gdn_chunked = 1;
-    pthread_mutex_lock(&g_graph_mu);
-    g_n_contexts++;
-    pthread_mutex_unlock(&g_graph_mu);
     const char *graphs = getenv("CLOVER_CUDA_GRAPHS");
     c->graphs = !(graphs && strcmp(graphs, "0") == 0);
     atomic_init(&c->abort_req, 0);
@@ -765,9 +764,11 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
 
 void clover_context_free(clover_context *c) {
     if (!c) return;
-    pthread_mutex_lock(&g_graph_mu);
-    g_n_contexts--;
-    pthread_mutex_unlock(&g_graph_mu);
+    if (c->gpu_counted) {
+        pthread_mutex_lock(&g_graph_mu);
+        g_n_gpu_contexts--;
+        pthread_mutex_unlock(&g_graph_mu);
+    }
     for (size_t i = 0; i < sizeof c->graph / sizeof c->graph[0]; i++) clover_cuda_graph_free(c->graph[i].exec);
     free(c->k_cache);
     free(c->v_cache);
@@ -2460,7 +2461,7 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, up, up_bytes, err, es);
     if (rc == CLOVER_OK && graph) {
         pthread_mutex_lock(&g_graph_mu);
-        rc = g_n_contexts == 1 ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
+        rc = g_n_gpu_contexts == 1 ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
         pthread_mutex_unlock(&g_graph_mu);
     } else if (rc == CLOVER_OK) {
         rc = res_run(f, &b, rec_row, n);
@@ -2550,6 +2551,12 @@ done:
  * PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts at row 0). */
 static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
+    if (c->m->gpu_bytes && !c->gpu_counted) { /* its first launches: count it (g_graph_mu) */
+        pthread_mutex_lock(&g_graph_mu);
+        g_n_gpu_contexts++;
+        c->gpu_counted = 1;
+        pthread_mutex_unlock(&g_graph_mu);
+    }
     const int res = c->m->resident;
     const int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
     if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {

@@ -955,8 +955,9 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
     position, token and edits in device memory. Greedy with penalties, sampled top-k and top-p
     alone (two temperatures: a graph each) tokens equal the CPU's, the graph ran at every step but
     the first, and CLOVER_CUDA_GRAPHS=0, or a
-    second context alive in the process (graphs record the one stream all contexts launch on),
-    gives the same tokens with no replay. Under the emulator a capture also fails on any copy or
+    second context that has used the GPU alive in the process (graphs record the one stream all
+    contexts launch on), gives the same tokens with no replay; a second context on the CPU alone
+    does not stop them, nor does one on the GPU once freed. Under the emulator a capture also fails on any copy or
     allocation, as on a GPU."""
     from clover_gguf import Model
 
@@ -978,10 +979,20 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
                 assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **kw)[0] == w, (graphs, kw)
                 replays = _clib.clover_context_graph_launches(g._ctx) - before
                 assert replays == (n - 2 if graphs == "1" else 0), (graphs, kw, replays)  # n - 1 steps, 1 plain
-            with Model(path, n_ctx=64, n_threads=2):  # a second context in the process: no graphs
+            with Model(path, n_ctx=64, n_threads=2) as other:  # a second context, on the CPU: graphs go on
+                other.prefix_logits(ids)
+                before = _clib.clover_context_graph_launches(g._ctx)
+                assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **runs[0])[0] == want[0]
+                replays = _clib.clover_context_graph_launches(g._ctx) - before
+                assert replays == (n - 1 if graphs == "1" else 0), replays  # recorded before: every step
+            with Model(path, n_ctx=64, n_threads=2, n_gpu_layers=-1) as other:  # one on the GPU too: no graphs
+                other.prefix_logits(ids)
                 before = _clib.clover_context_graph_launches(g._ctx)
                 assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **runs[0])[0] == want[0]
                 assert _clib.clover_context_graph_launches(g._ctx) == before
+            before = _clib.clover_context_graph_launches(g._ctx)  # that one freed: graphs again
+            assert g.generate_tokens(ids, max_tokens=n, mode="ar", end_ids=[], **runs[0])[0] == want[0]
+            assert _clib.clover_context_graph_launches(g._ctx) - before == (n - 1 if graphs == "1" else 0)
 
 
 @gpu
