@@ -2825,8 +2825,6 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
     return rc;
 }
 
-
-
 static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
                          const uint8_t *rows, const select_req *sreq, int32_t *n_experts_out, char *err,
                          size_t err_size) {
