@@ -105,10 +105,11 @@ class Model:
         n_cpu_moe: the routed experts of the first n_cpu_moe offloaded layers stay in system
             memory (llama.cpp's --n-cpu-moe; >= n_layer: --cpu-moe).
         type_k, type_v: element type of the KV cache's keys and values: ``"f32"`` (default:
-            exact, and the CPU and GPU backends give the same greedy tokens) or ``"f16"``
-            (clover-spec section 6's and llama.cpp's default: half the memory, values rounded to
-            nearest even when written; last-bit differences between backends then grow to fp16
-            steps, so tokens can differ at near-ties); ggml type ids 0 and 1 also work.
+            exact; the CPU and GPU backends' greedy tokens matched in every placement test) or
+            ``"f16"`` (clover-spec section 6's and llama.cpp's default: half the memory, values
+            rounded to nearest even when written; last-bit differences between the backends can
+            then become fp16 steps, so their tokens can part at a near-tie); ggml type ids 0 and
+            1 also work.
         gpu_budget: bytes of GPU memory, or "free" (what the GPU reports free): choose
             n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
             is in :attr:`placement` (``placement["plan"]``).

@@ -381,8 +381,9 @@ static int act_block(int type) {
  * (m, s, output) to P [T][n_head][splits][hd + 2] for k_attention_merge (flash decoding: a
  * decode step's few rows still fill the GPU). The CPU's attend_row takes the max first and sums
  * in key order, which differs only in rounding. Q: [T][n_head][2 hd] (q then gate), K/V: the
- * layer's cache [n_ctx][n_kv hd] (float32, or fp16 where kv_f16 says), O: [T][n_head][hd]. Keys of row t: pos0 + t + 1 (causal,
- * prefix mode) or pos0 + T (block mode: the prefix and the whole block). */
+ * layer's cache [n_ctx][n_kv hd] (float32, or fp16 where kv_f16 says), O: [T][n_head][hd].
+ * Keys of row t: pos0 + t + 1 (causal, prefix mode) or pos0 + T (block mode: the prefix and
+ * the whole block). */
 #define HD_MAX 256
 enum { ATT_REP = 8, ATT_KT = 16, ATT_SPLITS_MAX = 64 };
 /* Loops over a lane's nd <= ATT_ND output values run to the constant ATT_ND with a guard: nvcc
