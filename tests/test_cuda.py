@@ -325,8 +325,8 @@ def _f(a: np.ndarray):
 
 
 @gpu
-@pytest.mark.parametrize("hd,n_head,n_kv,kv_f16", [(64, 4, 2, 0), (256, 16, 2, 3), (128, 6, 6, 1), (32, 20, 2, 2),
-                                                  (32, 16, 16, 0)])
+@pytest.mark.parametrize("hd,n_head,n_kv,kv_f16", [(64, 4, 2, 0), (256, 16, 2, 0), (256, 16, 2, 3), (128, 6, 6, 1),
+                                                  (32, 20, 2, 2), (32, 16, 16, 0)])
 def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv, kv_f16):
     """clover_cuda_attention in prefix (causal) and block mode, GQA, a cache holding 37 earlier
     rows written by clover_cuda_write, against float64 numpy (softmax(q K^T / sqrt(hd)) V times
@@ -335,8 +335,9 @@ def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv,
     denoising step rewrites its block's scratch rows. 1, 11 and 40 rows: the keys go in up to 64
     splits (one row: most splits empty) or several, or, with 16 KV heads at 40 rows, one
     (k_attention writes the output without k_attention_merge); 20 heads on 2 KV heads: two blocks
-    per KV head, the second with warps past the group's heads. kv_f16: the K (bit 1) and V (bit 2)
-    caches hold fp16 values (the reference reads the same fp16 values)."""
+    per KV head, the second with warps past the group's heads. kv_f16 (1: K, 2: V, 3: both): those
+    caches hold fp16 values (the reference reads the same fp16 values); 35B-A3B's heads with both
+    cache types."""
     for T in (1, 11, 40):
         _check_attention(hd, n_head, n_kv, T, kv_f16)
 
