@@ -53,17 +53,18 @@ def _check_int(name, v, lo=None, hi=None):
     return v
 
 
-# KV cache element types (ggml's type ids, as llama-cpp-python's type_k/type_v): name -> id, bytes
-CACHE_TYPES = {"f32": (0, 4), "f16": (1, 2)}
+# KV cache element types (ggml's type ids, as llama-cpp-python's type_k/type_v): name -> id, and
+# id -> bytes a value
+CACHE_TYPES = {"f32": 0, "f16": 1}
+CACHE_TYPE_BYTES = {0: 4, 1: 2}
 
 
 def cache_type(name: str, v) -> int:
     """The ggml type id of a KV cache type given as a name (``"f16"``, ``"f32"``, any case) or
     an id (1, 0); ValueError naming ``name`` for anything else."""
-    ids = {i: n for n, (i, _) in CACHE_TYPES.items()}
     if isinstance(v, str) and v.lower() in CACHE_TYPES:
-        return CACHE_TYPES[v.lower()][0]
-    if not isinstance(v, (bool, str)) and isinstance(v, (int, np.integer)) and int(v) in ids:
+        return CACHE_TYPES[v.lower()]
+    if not isinstance(v, (bool, str)) and isinstance(v, (int, np.integer)) and int(v) in CACHE_TYPE_BYTES:
         return int(v)
     raise ValueError(f"{name}: {v!r} is not a supported KV cache type ({', '.join(CACHE_TYPES)})")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from ._ffi import ffi, lib
-from .api import CACHE_TYPES
+from .api import CACHE_TYPE_BYTES
 
 PARTS = ("gpu", "dense", "experts", "output", "experts_cpu")
 # bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
@@ -46,8 +46,8 @@ def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
     n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
     on = range(min(n_gpu_layers, n_layer))
     n_attn_on = sum((il + 1) % interval == 0 for il in on)
-    es = {i: b for i, b in CACHE_TYPES.values()}
-    kv = n_attn_on * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * (es[model.type_k] + es[model.type_v])
+    es = CACHE_TYPE_BYTES[model.type_k] + CACHE_TYPE_BYTES[model.type_v]
+    kv = n_attn_on * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * es
     gdn = 0
     if hp.get("ssm_dt_rank") and len(on) > n_attn_on:
         n_gdn = sum((il + 1) % interval != 0 for il in range(n_layer))

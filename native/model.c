@@ -762,6 +762,13 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     return c;
 }
 
+/* Free the routed experts' host staging (page-locked or plain, moe_host_pinned). */
+static void moe_host_release(clover_context *c) {
+    if (c->moe_host_pinned) clover_cuda_host_free(c->moe_host);
+    else free(c->moe_host);
+    c->moe_host = NULL, c->moe_host_cap = 0;
+}
+
 void clover_context_free(clover_context *c) {
     if (!c) return;
     if (c->gpu_counted) {
@@ -784,8 +791,7 @@ void clover_context_free(clover_context *c) {
     free(c->gdn_on_dev), free(c->snap_on_dev);
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
     clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
-    if (c->moe_host_pinned) clover_cuda_host_free(c->moe_host);
-    else free(c->moe_host);
+    moe_host_release(c);
     free(c);
 }
 
@@ -952,17 +958,6 @@ CLOVER_CLONES static void attend_row(const float *q, const kv_view *kv, int64_t 
     for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
 }
 
-/* Rows of KV cache elements: n float32 values from src into row dst of fp16 (f16: rounded to
- * nearest even) or float32 values. */
-static void kv_put_row(void *dst, int f16, const float *src, int64_t n) {
-    if (!f16) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
-    }
-    uint16_t *h = dst;
-    for (int64_t i = 0; i < n; i++) h[i] = clover_fp32_to_fp16(src[i]);
-}
-
 /* Element-type bits of the context's KV cache for the CUDA backend (CLOVER_KV_*_F16). */
 static int kv_f16_bits(const clover_context *c) {
     return (c->type_k == CLOVER_TYPE_F16 ? CLOVER_KV_K_F16 : 0) | (c->type_v == CLOVER_TYPE_F16 ? CLOVER_KV_V_F16 : 0);
@@ -1050,7 +1045,6 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     int rc = CLOVER_E_NOMEM;
     if (!qg || !k || !v || !att) goto done;
     if (matmul(c, &ly->wq, xn, T, qg) || matmul(c, &ly->wk, xn, T, k) || matmul(c, &ly->wv, xn, T, v)) goto done;
-    const int k16 = c->type_k == CLOVER_TYPE_F16, v16 = c->type_v == CLOVER_TYPE_F16;
     const size_t ek = kv_elem_bytes(c->type_k), ev = kv_elem_bytes(c->type_v);
     char *kc = (char *)c->k_cache + ek * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
     char *vc = (char *)c->v_cache + ev * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
@@ -1068,8 +1062,8 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
         }
         /* Block mode writes the block's K/V past n_past only as scratch: n_past does not move,
          * so the cache is unchanged for every later call (spec 3.2). */
-        kv_put_row(kc + ek * (size_t)(pos * kvd), k16, k + t * kvd, kvd);
-        kv_put_row(vc + ev * (size_t)(pos * kvd), v16, v + t * kvd, kvd);
+        clover_from_f32(c->type_k, k + t * kvd, kc + ek * (size_t)(pos * kvd), kvd); /* F16: nearest even */
+        clover_from_f32(c->type_v, v + t * kvd, vc + ev * (size_t)(pos * kvd), kvd);
     }
     const float scale = 1.0f / sqrtf((float)hd);
     if (ly->wo.dev && hd % 32 == 0 && hd <= 256 && nh <= 65535 && nh % nkv == 0) { /* on the GPU: attention too */
@@ -1079,7 +1073,8 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     }
     if (c->kv_dev_rows && c->kv_dev_rows[ly->slot] > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* stale there */
     const int64_t n_keys_max = f->pos0 + T;
-    const kv_view kv = {kc, vc, kvd, k16 ? clover_dot_f16_kernel(-1) : NULL, v16 ? clover_axpy_f16_kernel(-1) : NULL};
+    const kv_view kv = {kc, vc, kvd, c->type_k == CLOVER_TYPE_F16 ? clover_dot_f16_kernel(-1) : NULL,
+                        c->type_v == CLOVER_TYPE_F16 ? clover_axpy_f16_kernel(-1) : NULL};
     int nomem = 0;
     /* (row, head) pairs are independent: split them over the threads */
 #ifdef _OPENMP
@@ -2105,9 +2100,7 @@ static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
     const size_t need = 2 * rows_bytes + sizeof(int32_t) * (size_t)(3 * n_tiles); /* xg, yg, tiles */
     int rc = CLOVER_OK;
     if (need > c->moe_host_cap) { /* page-locked staging, kept by the context (else plain memory) */
-        if (c->moe_host_pinned) clover_cuda_host_free(c->moe_host);
-        else free(c->moe_host);
-        c->moe_host = NULL, c->moe_host_cap = 0;
+        moe_host_release(c);
         c->moe_host_pinned = clover_cuda_host_alloc(need, &c->moe_host, NULL, 0) == CLOVER_OK;
         if (!c->moe_host_pinned) c->moe_host = malloc(need);
         if (c->moe_host) c->moe_host_cap = need;
@@ -2450,9 +2443,9 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     const int graph = c->graphs && (f->sreq || T == 1) && T <= RES_LM && rec_row == 0 &&
                       !m->cpu_experts; /* no host work inside */
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
+    const int all_rows = graph && f->sreq && f->mode == MODE_BLOCK;
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
         clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
-        const int all_rows = graph && f->sreq && f->mode == MODE_BLOCK;
         if ((logits || f->sreq) && (rows && !all_rows ? rows[t] != 0 : t >= logit_row0))
             idx[n++] = (int32_t)t;
     }

@@ -53,8 +53,6 @@ static inline float bits_f32(uint32_t u) {
     return f;
 }
 
-static inline float fp16_to_fp32(uint16_t h) { return clover_h2f(h); }
-
 static inline uint16_t fp32_to_fp16(float f) {
     const uint32_t x = f32_bits(f);
     const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
@@ -88,7 +86,7 @@ static inline uint16_t fp32_to_bf16(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16); /* no overflow: x < 0xff800001 */
 }
 
-CLOVER_INTERNAL float clover_fp16_to_fp32(uint16_t h) { return fp16_to_fp32(h); }
+CLOVER_INTERNAL float clover_fp16_to_fp32(uint16_t h) { return clover_h2f(h); }
 CLOVER_INTERNAL uint16_t clover_fp32_to_fp16(float f) { return fp32_to_fp16(f); }
 CLOVER_INTERNAL float clover_bf16_to_fp32(uint16_t h) { return bf16_to_fp32(h); }
 CLOVER_INTERNAL uint16_t clover_fp32_to_bf16(float f) { return fp32_to_bf16(f); }
@@ -106,9 +104,9 @@ static void f16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int
     for (; i + 8 <= n; i += 8) {
         uint16_t h[8];
         memcpy(h, src + 2 * i, sizeof h);
-        for (int l = 0; l < 8; l++) dst[i + l] = fp16_to_fp32(h[l]);
+        for (int l = 0; l < 8; l++) dst[i + l] = clover_h2f(h[l]);
     }
-    for (; i < n; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
+    for (; i < n; i++) dst[i] = clover_h2f(load_u16(src + 2 * i));
 }
 
 static void bf16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n) {
@@ -144,7 +142,7 @@ static void quantize_block_q8_0(const float *x, uint8_t *out) {
 }
 
 static void dequantize_block_q8_0(const uint8_t *in, float *y) {
-    const float d = fp16_to_fp32(load_u16(in));
+    const float d = clover_h2f(load_u16(in));
     const int8_t *qs = (const int8_t *)(in + 2);
     for (int j = 0; j < CLOVER_QK8_0; j++) y[j] = (float)qs[j] * d;
 }

@@ -65,6 +65,7 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
 int clover_context_checkpoint(void *c, int32_t n_max, char *err, size_t err_size);
 int clover_context_rollback(void *c, int32_t n_keep, char *err, size_t err_size);
 int64_t clover_context_graph_launches(const void *c);
+int64_t clover_context_passes(const void *c);
 int64_t clover_context_full_rows(const void *c);
 typedef struct { int32_t kind, id, count; float value; } clover_logit_op;
 typedef struct { float z; int32_t id; } clover_cand;
@@ -565,9 +566,7 @@ def test_long_prefill_with_some_layers_on_the_gpu_runs_in_passes(make_gguf):
     passes, and every row's logits are within 2e-3 of the CPU's std (one pass there)."""
     from clover_gguf import Model
 
-    _int = cffi.FFI()
-    _int.cdef("int64_t clover_context_passes(const void *c);")
-    passes = _int.dlopen(_ffi._find_library()).clover_context_passes
+    passes = _clib.clover_context_passes
     path = make_gguf("f32", **GEN_MODEL)  # not Q8_0: see test_whole_model_on_gpu_equals_the_cpu
     ids = list(np.random.default_rng(9).integers(0, 2000, 600))
     with Model(path, n_ctx=700, n_threads=2) as cpu, Model(path, n_ctx=700, n_threads=2, n_gpu_layers=2) as half:

@@ -255,10 +255,7 @@ def test_chunked_gdn_equals_recurrence_and_incremental_decode(ref, model_of):
 
 _internal = cffi.FFI()
 _internal.cdef("int64_t clover_context_passes(const void *c);")  # engine.h, for tests
-
-
-def _passes(ctx) -> int:
-    return int(_internal.dlopen(_ffi._find_library()).clover_context_passes(ctx))
+_passes = _internal.dlopen(_ffi._find_library()).clover_context_passes
 
 
 def test_long_prefill_runs_in_passes_of_2048_rows(gguf_of):
