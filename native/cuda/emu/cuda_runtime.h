@@ -2,8 +2,9 @@
  * use of the CUDA runtime and of the device language, for a host C++ compiler, so that the GPU
  * kernels and their host code run on a CPU in tests (tests/test_cuda.py through
  * tests/test_cuda_emu.py). Not for speed and not a GPU model: device memory is host memory,
- * copies and launches are synchronous, and the threads of a block run one at a time as fibers (emu.cpp),
- * switching only at __syncthreads and warp shuffles. What it checks: index arithmetic,
+ * copies and launches are synchronous, the blocks of a launch run on a few host threads at once
+ * (CLOVER_EMU_THREADS), and the threads of a block run one at a time as fibers on one host thread
+ * (emu.cpp), switching only at __syncthreads and warp shuffles. What it checks: index arithmetic,
  * reductions, the order of barriers (a barrier some threads never reach aborts with
  * "deadlock"), shuffles (every lane of the warp must take part), and shared-memory reuse
  * across blocks, and, run a second time with CLOVER_EMU_ORDER=reverse (threads in the opposite
@@ -18,6 +19,7 @@
 #include <string.h>
 
 #include <functional>
+#include <type_traits>
 #include <tuple>
 #include <utility>
 
@@ -28,8 +30,8 @@
 #define __forceinline__ inline
 #define __constant__
 #define __launch_bounds__(...)
-/* Blocks run one after another, so one static copy serves every block. */
-#define __shared__ static
+/* A block runs whole on one host thread, so each host thread's copy serves the blocks it runs. */
+#define __shared__ static __thread
 
 struct uint3 {
     unsigned x, y, z;
@@ -44,7 +46,25 @@ struct dim3 {
     unsigned x, y, z;
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
-extern uint3 threadIdx, blockIdx;
+/* threadIdx and blockIdx of the running fiber: each fiber's stack lies in its own region of
+ * CLOVER_EMU_REGION bytes, aligned to that size, and they lie just above the stack's top
+ * (emu.cpp), so they are found from the stack pointer, whatever host thread runs the block,
+ * without a thread-local variable (in a dlopen'd library, a call per read). The top lies 64 bytes
+ * times the region's number modulo 512 below the region's end: at one offset every fiber's
+ * frames would share cache sets, and the emulator switches fibers at every shuffle. */
+struct clover_emu_fiber_info {
+    uint3 tid, bid;
+    void *runner;
+};
+#define CLOVER_EMU_REGION ((uintptr_t)1 << 19)
+static inline clover_emu_fiber_info *clover_emu_me(void) {
+    uintptr_t sp;
+    __asm__("movq %%rsp, %0" : "=r"(sp));
+    const uintptr_t base = sp & ~(CLOVER_EMU_REGION - 1);
+    return (clover_emu_fiber_info *)(base + CLOVER_EMU_REGION - 64 * (base / CLOVER_EMU_REGION % 512 + 1));
+}
+#define threadIdx (clover_emu_me()->tid)
+#define blockIdx (clover_emu_me()->bid)
 extern dim3 blockDim, gridDim;
 
 typedef enum {
@@ -147,15 +167,16 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; i++) r |= (unsigned)(v >> (8 * ((s >> (4 * i)) & 7)) & 0xFF) << (8 * i);
     return r;
 }
-/* Fibers switch only at barriers and shuffles, so a plain read-modify-write is atomic here. */
+/* Fibers switch only at barriers and shuffles, but blocks run on several host threads: a real
+ * atomic (integers here; the kernels add only to counters). */
 template <class V> static inline V atomicAdd(V *p, V v) {
-    const V old = *p;
-    *p = old + v;
-    return old;
+    static_assert(std::is_integral<V>::value, "integer atomicAdd only");
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
 
-/* Run body on every thread of every block of the grid (blocks in order); returns
- * cudaErrorInvalidConfiguration for an empty grid or more than 1024 threads per block. */
+/* Run body on every thread of every block of the grid (blocks on up to CLOVER_EMU_THREADS host
+ * threads); returns cudaErrorInvalidConfiguration for an empty grid or more than 1024 threads
+ * per block, cudaErrorMemoryAllocation when no host thread could map the fibers' stacks. */
 cudaError_t clover_emu_run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body);
 
 template <class... P> struct clover_emu_launcher {

@@ -1,12 +1,14 @@
 /* emu.cpp: the CUDA emulator's runtime (see cuda_runtime.h beside it). Device memory is host
- * memory; a launch runs its blocks in order, and the threads of a block as fibers on the
- * calling thread, each on its own stack with a guard page. A fiber runs until it reaches
- * __syncthreads or a warp shuffle, then the next ready one runs; a barrier opens when every
- * live thread of the block (of the warp, for a shuffle) waits at it, and a state where none
- * can open is a deadlock (the emulator aborts with the kernel's block and thread). The
- * context switch saves the callee-saved registers of the x86-64 System V ABI (no signal mask,
- * so a switch costs nanoseconds). CLOVER_EMU_ORDER=reverse runs the threads in the opposite
- * order (see clover_emu_run). */
+ * memory; the blocks of a launch are taken in order by the launching thread and, for launches
+ * of 4 blocks or more, by helper host threads (CLOVER_EMU_THREADS in all; see pool), and each
+ * block runs whole on one host thread, its threads as fibers, each on its own stack with a
+ * guard page. A fiber runs until it reaches __syncthreads or a warp shuffle, then the next
+ * ready one runs, switched to directly; a barrier opens when every live thread of the block
+ * (of the warp, for a shuffle) waits at it, and a state where none can open is a deadlock (the
+ * emulator aborts with the kernel's block and thread). The context switch saves the
+ * callee-saved registers of the x86-64 System V ABI (no signal mask, so a switch costs
+ * nanoseconds). CLOVER_EMU_ORDER=reverse runs the threads of each block in the opposite order
+ * (see next_ready). */
 #include "cuda_runtime.h"
 
 #include <stdio.h>
@@ -14,14 +16,17 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #if !defined(__x86_64__)
 #error "the CUDA emulator (CLOVER_CUDA=EMU) has a context switch for x86-64 only"
 #endif
 
-uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
 /* clover_emu_switch(save, to): store this stack pointer in *save, continue on stack `to`. */
@@ -55,20 +60,38 @@ enum State { READY, AT_SYNC, AT_SHFL, DONE };
 struct Fiber {
     void *sp;
     State state;
-    uint3 tid;
     uint32_t val, result; /* shuffle: the value offered and the one received */
     int arg, mode;        /* mode 2: a gather (clover_emu_gather) of the gn words at gmine into gall */
     const uint32_t *gmine;
     uint32_t *gall;
     int gn;
 };
-const size_t STACK = 256 * 1024;
-std::mutex g_run;                /* one launch at a time */
-std::vector<Fiber> g_fibers;
-std::vector<char *> g_stacks;    /* mmap'd, a guard page below each */
-void *g_sched_sp;
+/* What one host thread needs to run blocks: a fiber per thread of the block, their stacks (each
+ * in a region of CLOVER_EMU_REGION bytes aligned to its size: a guard page, the stack, the
+ * fiber's clover_emu_fiber_info above the stack's top; see clover_emu_me), and the host
+ * thread's own stack while a block runs. */
+struct Runner {
+    std::vector<Fiber> fibers;
+    std::vector<char *> stacks;
+    void *sched_sp; /* resumed when the block is done */
+    int cur, live;  /* the running fiber, the live ones */
+};
+__thread Runner *t_run; /* this host thread's, made at its first block */
+/* The running fiber's runner, from its region (on a fiber's stack only). */
+Runner &me() { return *(Runner *)clover_emu_me()->runner; }
+clover_emu_fiber_info *info(Runner &r, int i) {
+    const uintptr_t base = (uintptr_t)r.stacks[i];
+    return (clover_emu_fiber_info *)(base + CLOVER_EMU_REGION - 64 * (base / CLOVER_EMU_REGION % 512 + 1));
+}
+
+/* The launch now running (one at a time, g_run), the same for every host thread running it. */
+std::mutex g_run;
 const std::function<void()> *g_body;
-int g_cur, g_live;
+int g_n;                        /* threads per block */
+bool g_reverse;                 /* CLOVER_EMU_ORDER=reverse */
+uint64_t g_blocks;              /* blocks in the grid */
+std::atomic<uint64_t> g_next;   /* the next block to take (x fastest, then y, then z) */
+
 size_t g_page;
 /* memory accounting for cudaMemGetInfo: a 4 GiB device, less what is allocated */
 std::mutex g_mem;
@@ -84,11 +107,14 @@ bool capture_forbids() {
     return true;
 }
 
+void switch_away(void **save);
+
 void fiber_entry() {
     (*g_body)();
-    g_fibers[g_cur].state = DONE;
-    g_live--;
-    clover_emu_switch(&g_fibers[g_cur].sp, g_sched_sp);
+    Runner &r = me();
+    r.fibers[r.cur].state = DONE;
+    r.live--;
+    switch_away(&r.fibers[r.cur].sp);
     abort(); /* never resumed */
 }
 
@@ -98,84 +124,195 @@ void fail(const char *what) {
     abort();
 }
 
-bool ensure_stacks(size_t n) {
-    if (!g_page) g_page = (size_t)sysconf(_SC_PAGESIZE);
-    while (g_stacks.size() < n) {
-        void *p = mmap(NULL, STACK + g_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+bool ensure_stacks(Runner &r, size_t n) {
+    const size_t R = CLOVER_EMU_REGION;
+    while (r.stacks.size() < n) { /* map twice the size, keep the aligned region inside */
+        char *p = (char *)mmap(NULL, 2 * R, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return false;
-        mprotect(p, g_page, PROT_NONE);
-        g_stacks.push_back((char *)p);
+        char *a = (char *)(((uintptr_t)p + R - 1) & ~(uintptr_t)(R - 1));
+        if (a > p) munmap(p, (size_t)(a - p));
+        if (a + R < p + 2 * R) munmap(a + R, (size_t)(p + 2 * R - (a + R)));
+        mprotect(a, g_page, PROT_NONE);
+        r.stacks.push_back(a);
     }
     return true;
 }
 
-void start_fiber(int i) {
-    void **sp = (void **)(g_stacks[i] + g_page + STACK); /* 16-byte aligned top */
-    *--sp = NULL;                                          /* fake return address: entry sees rsp = 8 mod 16 */
+void start_fiber(Runner &r, int i) {
+    void **sp = (void **)info(r, i); /* 64-byte aligned top, below the fiber's info */
+    *--sp = NULL;                                                         /* fake return address: entry sees rsp = 8 mod 16 */
     *--sp = (void *)fiber_entry;
-    for (int r = 0; r < 6; r++) *--sp = NULL; /* rbp rbx r12-r15 */
-    g_fibers[i].sp = sp;
-    g_fibers[i].state = READY;
+    for (int k = 0; k < 6; k++) *--sp = NULL; /* rbp rbx r12-r15 */
+    r.fibers[i].sp = sp;
+    r.fibers[i].state = READY;
 }
 
-/* Open the barrier some waiting fibers can pass, or abort: a warp whose every lane waits at a
- * shuffle exchanges, else the block barrier opens when no live fiber is anywhere else. */
-void open_barrier(int n) {
+/* Exchange the values of warp w0..w1-1, whose every lane waits at the same shuffle (or gather). */
+void exchange(std::vector<Fiber> &f, int w0, int w1) {
+    if (f[w0].mode == 2) { /* every lane gets every lane's words, lane by lane */
+        for (int i = w0; i < w1; i++)
+            if (f[i].mode != 2 || f[i].gn != f[w0].gn) fail("warp gather mixed with a shuffle");
+        const size_t bytes = sizeof(uint32_t) * (size_t)f[w0].gn;
+        for (int i = w0; i < w1; i++)
+            for (int j = w0; j < w1; j++) memcpy(f[i].gall + (size_t)(j - w0) * f[w0].gn, f[j].gmine, bytes);
+    } else {
+        for (int i = w0; i < w1; i++) {
+            if (f[i].mode == 2) fail("warp gather mixed with a shuffle");
+            const int lane = i - w0;
+            int src = f[i].mode == 0 ? f[i].arg : lane ^ f[i].arg;
+            if (src < 0 || src >= w1 - w0) src = lane; /* out of range: own value, as CUDA */
+            f[i].result = f[w0 + src].val;
+        }
+    }
+    for (int i = w0; i < w1; i++) f[i].state = READY;
+}
+
+/* Open the barriers some waiting fibers can pass, or abort: every warp whose every lane waits
+ * at a shuffle exchanges (all such warps at once: a round then runs every warp to its next
+ * shuffle, instead of one warp a round), else the block barrier opens when no live fiber is
+ * anywhere else. */
+void open_barrier(std::vector<Fiber> &f, int n) {
+    bool opened = false;
     for (int w0 = 0; w0 < n; w0 += 32) {
         const int w1 = w0 + 32 < n ? w0 + 32 : n;
         int waiting = 0, done = 0;
-        for (int i = w0; i < w1; i++) waiting += g_fibers[i].state == AT_SHFL, done += g_fibers[i].state == DONE;
+        for (int i = w0; i < w1; i++) waiting += f[i].state == AT_SHFL, done += f[i].state == DONE;
         if (waiting == 0) continue;
         if (waiting + done < w1 - w0) continue; /* some lanes still elsewhere */
         if (done) fail("warp shuffle with lanes that have exited");
-        if (g_fibers[w0].mode == 2) { /* every lane gets every lane's words, lane by lane */
-            for (int i = w0; i < w1; i++)
-                if (g_fibers[i].mode != 2 || g_fibers[i].gn != g_fibers[w0].gn) fail("warp gather mixed with a shuffle");
-            const size_t bytes = sizeof(uint32_t) * (size_t)g_fibers[w0].gn;
-            for (int i = w0; i < w1; i++)
-                for (int j = w0; j < w1; j++)
-                    memcpy(g_fibers[i].gall + (size_t)(j - w0) * g_fibers[w0].gn, g_fibers[j].gmine, bytes);
-            for (int i = w0; i < w1; i++) g_fibers[i].state = READY;
-            return;
-        }
-        for (int i = w0; i < w1; i++) {
-            if (g_fibers[i].mode == 2) fail("warp gather mixed with a shuffle");
-            Fiber &f = g_fibers[i];
-            const int lane = i - w0;
-            int src = f.mode == 0 ? f.arg : lane ^ f.arg;
-            if (src < 0 || src >= w1 - w0) src = lane; /* out of range: own value, as CUDA */
-            f.result = g_fibers[w0 + src].val;
-        }
-        for (int i = w0; i < w1; i++) g_fibers[i].state = READY;
-        return;
+        exchange(f, w0, w1);
+        opened = true;
     }
+    if (opened) return;
     int sync = 0, shfl = 0;
-    for (int i = 0; i < n; i++) sync += g_fibers[i].state == AT_SYNC, shfl += g_fibers[i].state == AT_SHFL;
+    for (int i = 0; i < n; i++) sync += f[i].state == AT_SYNC, shfl += f[i].state == AT_SHFL;
     if (shfl) fail("deadlock: a warp shuffle some lanes of the warp never reach (waiting at __syncthreads?)");
     if (sync == 0) fail("scheduler found nothing to run");
     for (int i = 0; i < n; i++)
-        if (g_fibers[i].state == AT_SYNC) g_fibers[i].state = READY;
+        if (f[i].state == AT_SYNC) f[i].state = READY;
+}
+
+/* The threads of a block run in rounds: each ready one in order (reversed with
+ * CLOVER_EMU_ORDER=reverse) runs to its next barrier, shuffle or end; when a round is over the
+ * barriers that can open open, and the next round begins. next_ready gives the fiber to run
+ * after r.cur stopped, or -1 when every thread of the block is done. */
+int fiber_at(int k) { return g_reverse ? g_n - 1 - k : k; }
+int next_ready(Runner &r) {
+    for (int k = (g_reverse ? g_n - 1 - r.cur : r.cur) + 1; k < g_n; k++)
+        if (r.fibers[fiber_at(k)].state == READY) return fiber_at(k);
+    if (r.live == 0) return -1;
+    open_barrier(r.fibers, g_n);
+    for (int k = 0; k < g_n; k++)
+        if (r.fibers[fiber_at(k)].state == READY) return fiber_at(k);
+    fail("scheduler found nothing to run");
+    return -1;
+}
+
+/* Leave the stopped fiber r.cur (its stack pointer saved in *save) for the next one directly,
+ * without a switch through the host thread's stack (a switch costs a mispredicted return), or
+ * for the host thread's stack when the block is done. */
+void switch_away(void **save) {
+    Runner &r = me();
+    const int self = r.cur, next = next_ready(r);
+    if (next < 0) {
+        clover_emu_switch(save, r.sched_sp);
+        return;
+    }
+    r.cur = next;
+    if (next != self) clover_emu_switch(save, r.fibers[next].sp);
 }
 
 void wait_here(State s) {
-    Fiber &f = g_fibers[g_cur];
-    f.state = s;
-    clover_emu_switch(&f.sp, g_sched_sp);
-    threadIdx = g_fibers[g_cur].tid; /* the scheduler set g_cur back to this fiber */
+    Runner &r = me();
+    r.fibers[r.cur].state = s;
+    switch_away(&r.fibers[r.cur].sp);
+}
+
+/* Take blocks of the running launch until none is left, each run whole on this host thread;
+ * none if this thread's fibers' stacks cannot be mapped (blocks left over fail the launch). */
+void run_blocks() {
+    if (!t_run) t_run = new Runner();
+    Runner &r = *t_run;
+    if (!ensure_stacks(r, (size_t)g_n)) return;
+    r.fibers.resize((size_t)g_n);
+    for (int i = 0; i < g_n; i++) {
+        info(r, i)->tid = uint3{(unsigned)i % blockDim.x, (unsigned)i / blockDim.x % blockDim.y,
+                                (unsigned)i / (blockDim.x * blockDim.y)};
+        info(r, i)->runner = &r;
+    }
+    for (uint64_t b; (b = g_next.fetch_add(1)) < g_blocks;) {
+        const uint3 bid{(unsigned)(b % gridDim.x), (unsigned)(b / gridDim.x % gridDim.y),
+                        (unsigned)(b / ((uint64_t)gridDim.x * gridDim.y))};
+        for (int i = 0; i < g_n; i++) {
+            info(r, i)->bid = bid;
+            start_fiber(r, i);
+        }
+        r.live = g_n;
+        r.cur = fiber_at(0);
+        clover_emu_switch(&r.sched_sp, r.fibers[r.cur].sp); /* back when the block is done */
+    }
+}
+
+/* Helper host threads: CLOVER_EMU_THREADS host threads in all (default: the online CPUs, at most
+ * 8) run the blocks of a launch of at least PAR_BLOCKS blocks; each waits for the next launch
+ * (a generation count), takes blocks as the launching thread does, and reports when done.
+ * Made at the first such launch, and again in a child after fork (a child has no threads but
+ * the one that forked). Never freed: they wait until the process exits. */
+const uint64_t PAR_BLOCKS = 4;
+struct Pool {
+    std::mutex m;
+    std::condition_variable go, done;
+    uint64_t gen = 0;
+    int busy = 0, helpers = 0;
+    pid_t pid;
+};
+Pool *g_pool;
+
+void helper(Pool *p) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(p->m);
+    for (;;) {
+        p->go.wait(lock, [&] { return p->gen != seen; });
+        seen = p->gen;
+        lock.unlock();
+        run_blocks();
+        lock.lock();
+        if (--p->busy == 0) p->done.notify_one();
+    }
+}
+
+Pool *pool() {
+    if (g_pool && g_pool->pid == getpid()) return g_pool;
+    Pool *p = new Pool(); /* a pool from before a fork is left as it is: its threads are not here */
+    p->pid = getpid();
+    const char *env = getenv("CLOVER_EMU_THREADS");
+    long n = env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    n = n < 1 ? 1 : n > 8 ? 8 : n;
+    for (long i = 1; i < n; i++) {
+        try {
+            std::thread(helper, p).detach();
+            p->helpers++;
+        } catch (const std::system_error &) {
+            break; /* fewer helpers */
+        }
+    }
+    return g_pool = p;
 }
 } // namespace
 
 void __syncthreads(void) { wait_here(AT_SYNC); }
 
 uint32_t clover_emu_shfl(uint32_t v, int arg, int mode) {
-    Fiber &f = g_fibers[g_cur];
+    Runner &r = me();
+    Fiber &f = r.fibers[r.cur];
     f.val = v, f.arg = arg, f.mode = mode;
     wait_here(AT_SHFL);
-    return g_fibers[g_cur].result;
+    return r.fibers[r.cur].result;
 }
 
 void clover_emu_gather(const uint32_t *mine, uint32_t *all, int n) {
-    Fiber &f = g_fibers[g_cur];
+    Runner &r = me();
+    Fiber &f = r.fibers[r.cur];
     f.gmine = mine, f.gall = all, f.gn = n, f.mode = 2;
     wait_here(AT_SHFL);
 }
@@ -186,38 +323,30 @@ cudaError_t clover_emu_run(dim3 grid, dim3 block, size_t shared_bytes, const std
         shared_bytes > 48 * 1024)
         return g_last = cudaErrorInvalidConfiguration;
     std::lock_guard<std::mutex> lock(g_run);
-    if (!ensure_stacks(n)) return g_last = cudaErrorMemoryAllocation;
-    g_fibers.resize(n);
-    for (size_t i = 0; i < n; i++)
-        g_fibers[i].tid = uint3{(unsigned)(i % block.x), (unsigned)(i / block.x % block.y),
-                                (unsigned)(i / ((size_t)block.x * block.y))};
+    if (!g_page) g_page = (size_t)sysconf(_SC_PAGESIZE);
     g_body = &body;
     gridDim = grid, blockDim = block;
+    g_n = (int)n;
     /* CLOVER_EMU_ORDER=reverse runs the ready threads last to first: code whose result depends on
      * the order threads run between barriers (a race on a GPU) then gives other results */
     const char *order = getenv("CLOVER_EMU_ORDER");
-    const bool reverse = order && strcmp(order, "reverse") == 0;
-    for (unsigned bz = 0; bz < grid.z; bz++)
-        for (unsigned by = 0; by < grid.y; by++)
-            for (unsigned bx = 0; bx < grid.x; bx++) {
-                blockIdx = uint3{bx, by, bz};
-                for (size_t i = 0; i < n; i++) start_fiber((int)i);
-                g_live = (int)n;
-                while (g_live > 0) {
-                    bool ran = false;
-                    for (size_t k = 0; k < n; k++) {
-                        const size_t i = reverse ? n - 1 - k : k;
-                        if (g_fibers[i].state == READY) {
-                            g_cur = (int)i;
-                            threadIdx = g_fibers[i].tid;
-                            clover_emu_switch(&g_sched_sp, g_fibers[i].sp);
-                            ran = true;
-                        }
-                    }
-                    if (!ran && g_live > 0) open_barrier((int)n);
-                }
-            }
-    return cudaSuccess;
+    g_reverse = order && strcmp(order, "reverse") == 0;
+    g_blocks = (uint64_t)grid.x * grid.y * grid.z;
+    g_next = 0;
+    Pool *p = g_blocks >= PAR_BLOCKS ? pool() : NULL;
+    if (p && p->helpers) {
+        std::unique_lock<std::mutex> plock(p->m);
+        p->busy = p->helpers;
+        p->gen++;
+        p->go.notify_all();
+        plock.unlock();
+        run_blocks();
+        plock.lock();
+        p->done.wait(plock, [&] { return p->busy == 0; });
+    } else {
+        run_blocks();
+    }
+    return g_next.load() < g_blocks ? (g_last = cudaErrorMemoryAllocation) : cudaSuccess;
 }
 
 cudaError_t cudaGetDeviceCount(int *n) {
