@@ -559,11 +559,18 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     const clover_block_q8_K *y[4];                                                                 \
     for (int r_ = 0; r_ < 4; r_++) y[r_] = (const clover_block_q8_K *)((const uint8_t *)(xq) + r_ * (x_stride))
 
-DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_vnni256_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
+/* Q4_K / Q5_K, four rows, in zmm: chunk j's low-nibble values (sub-block 2j) fill the low 256
+ * bits of a vector and its high-nibble ones (2j + 1) the high 256, which matches the activations'
+ * layout (sub-block 2j at 64 j, 2j + 1 right after), so each row takes one 64-byte load and one
+ * maddubs + vpdpwssd per chunk (half the instructions of the ymm form). The low and high halves
+ * of a row's sums are the ymm kernel's s0 and s1 lane for lane, added when the block is done,
+ * so the integer sums, and hence the floats, equal dk_q45_vnni256's. */
+DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_vnni512_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
                                                int64_t x_stride, float *out) {
     DK_ROWS4(y, xq, x_stride);
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i m16 = _mm256_set1_epi8(16);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i m16 = _mm512_set1_epi8(16);
+    const __m512i nib = DK_IDX2(0, 4), hshift = DK_IDX2(4, 3); /* per half: nibble, qh bit shifts */
     __m256 acc[4];
     __m128 accm[4];
     for (int r = 0; r < 4; r++) {
@@ -586,46 +593,41 @@ DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_vnni256_4(int
             const float yd = y[r][i].d;
             accm[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * wdmin), _mm_cvtepi32_ps(prod), accm[r]);
         }
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
-        __m256i hb = _mm256_setzero_si256();
-        if (x5) hb = _mm256_loadu_si256((const __m256i *)x5[i].qh);
-        __m256i s0[4], s1[4];
-        for (int r = 0; r < 4; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm16));
+        __m512i hb = _mm512_setzero_si512();
+        if (x5) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x5[i].qh));
+        __m512i s[4];
+        for (int r = 0; r < 4; r++) s[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++, q += 32) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
-            __m256i lo = _mm256_and_si256(bits, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q));
+            __m512i w = _mm512_and_si512(_mm512_srlv_epi16(bits, nib), m4);
             if (x5) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
-                hb = _mm256_srli_epi16(hb, 2);
+                w = _mm512_or_si512(w, _mm512_and_si512(_mm512_sllv_epi16(hb, hshift), m16));
+                hb = _mm512_srli_epi16(hb, 2);
             }
-            const __m256i sc0 = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j));
-            const __m256i sc1 = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1));
+            const __m512i scj = _mm512_shuffle_epi8(
+                sc, _mm512_inserti64x4(_mm512_castsi256_si512(DK_BCAST16(2 * j)), DK_BCAST16(2 * j + 1), 1));
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                const int8_t *a = y[r][i].qs + 64 * j;
-                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
-                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
-                s0[r] = _mm256_dpwssd_epi32(s0[r], pl, sc0);
-                s1[r] = _mm256_dpwssd_epi32(s1[r], ph, sc1);
+                const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void *)(y[r][i].qs + 64 * j)));
+                s[r] = _mm512_dpwssd_epi32(s[r], p, scj);
             }
         }
         for (int r = 0; r < 4; r++) {
             const __m256 d = _mm256_set1_ps(y[r][i].d * wd);
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0[r], s1[r])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dk_fold512(s[r])), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]) + dk_hsum4(accm[r]);
 }
 
 DK_AVX512 static void dot4_q4_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
-    dk_q45_vnni256_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
+    dk_q45_vnni512_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
 }
 
 DK_AVX512 static void dot4_q5_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
-    dk_q45_vnni256_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
+    dk_q45_vnni512_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
 }
 
 DK_AVX512 static void dot4_q6_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
