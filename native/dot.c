@@ -184,7 +184,22 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
     return f;
 }
 
-int clover_dot4_packed(int type) { return clover_dot_act_type(type) == CLOVER_TYPE_Q8_0; }
+int clover_dot4_packed(int type) {
+    if (clover_dot_act_type(type) == CLOVER_TYPE_Q8_0) return 1;
+    return type == CLOVER_TYPE_Q4_K || type == CLOVER_TYPE_Q5_K ? 2 : 0;
+}
+
+void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n) {
+    const clover_block_q8_K *in = (const clover_block_q8_K *)xq;
+    clover_block_q8_K *out = (clover_block_q8_K *)dst;
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        out[i].d = in[i].d;
+        for (int k = 0; k < 16; k++) /* sums of 32: at most 32 * 128, an int16 */
+            out[i].bsums[k] = k < 8 ? (int16_t)(in[i].bsums[2 * k] + in[i].bsums[2 * k + 1]) : 0;
+        for (int s = 0; s < 4; s++)
+            for (int b = 0; b < 8; b++) memcpy(out[i].qs + 64 * s + 8 * b, in[i].qs + 32 * b + 8 * s, 8);
+    }
+}
 
 int64_t clover_x4_row_bytes(int64_t n) { return n + 64 * ((n / 32 + 1) / 2); }
 

@@ -85,14 +85,20 @@ clover_dot_f16_fn clover_dot_f16_avx2(void); /* NULL where this build has no AVX
 clover_axpy_f16_fn clover_axpy_f16_avx2(void);
 
 /* The AVX-512 4-row kernels of the Q8_0 family (Q8_0, Q4_0, IQ4_NL, MXFP4) read activation
- * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0; the K-quant ones read
- * Q8_K rows as they are. clover_dot4_packed(type) says which (1: packed). Packed row of n
- * values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128 (uint8, block after block), then
- * per pair of blocks 16 floats, 8 copies of each block's scale (a lone last block fills 8 of
- * them): clover_x4_row_bytes(n) = n + 64 * ceil(nb / 2) bytes. */
+ * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0, those of Q4_K and Q5_K
+ * Q8_K rows in the K-permuted layout made by clover_x4_pack_q8_K, and the other K-quant ones
+ * Q8_K rows as they are. clover_dot4_packed(type) says which (1: Q8_0 packed, 2: K-permuted,
+ * 0: as they are). Packed row of n values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128
+ * (uint8, block after block), then per pair of blocks 16 floats, 8 copies of each block's
+ * scale (a lone last block fills 8 of them): clover_x4_row_bytes(n) = n + 64 * ceil(nb / 2)
+ * bytes. K-permuted row of n values (n % 256 == 0): the Q8_K blocks with the same d, qs
+ * reordered so that byte 64 s + 8 b + i holds value 8 s + i of sub-block b (values 32 b ..
+ * 32 b + 31) for s < 4, b < 8, i < 8 (dot_k.c's sub-block lanes), and bsums[b] the sum of
+ * sub-block b (bsums[8..15] = 0); the same size. */
 int clover_dot4_packed(int type);
 int64_t clover_x4_row_bytes(int64_t n);
 void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
+void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);
 clover_vec_dot4_fn clover_dot4_avx512(int type);
 
 /* K-quant kernels (dot_k.c): Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K; NULL for other types. */

@@ -412,58 +412,85 @@ DK_AVX512 static inline __m256i dk_fold512(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-/* Q4_K (x5 == NULL) and Q5_K with 256-bit VNNI: as the AVX2 kernels, with vpdpwssd fusing
- * the scale multiply and the accumulation (runs on both vector ALU ports, unlike zmm). */
-DK_AVX512 static inline float dk_q45_vnni256(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5,
-                                              const clover_block_q8_K *y) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i m16 = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
+/* Q4_K (x5 == NULL) and Q5_K in sub-block lanes. Step s < 4 of a block is a zmm of weight
+ * levels in which qword b holds sub-block b's values 8 s .. 8 s + 7 (dk_q45_step); against the
+ * activations in the same order (the K-permuted layout, clover_x4_pack_q8_K), an int32 lane
+ * 2 b + h of vpdpbusd sums products of sub-block b only, so after the 4 steps each sub-block's
+ * 32 products lie in lanes 2 b and 2 b + 1, and the block's scales apply once, in float (the ymm
+ * form took a vpmaddubsw and a vpdpwssd per 32 values, this one vpdpbusd per 64). Lanes are
+ * exact int32 (at most 16 * 31 * 128 in magnitude); a block subtracts, lane by lane, yd * dmin
+ * times the mins part (dk_mins_prod, lanes 0..3) and then adds (yd * (d * scale)) times the lane. */
+DK_AVX512 static inline __m512i dk_q45_step(const uint8_t *qs, const uint8_t *qh, int s) {
+    const __m512i a = _mm512_loadu_si512((const void *)qs), b = _mm512_loadu_si512((const void *)(qs + 64));
+    /* qword b of step s: bytes 8 s .. of the 32-byte chunk b / 2, its low (b even) or high nibbles */
+    const __m512i idx = _mm512_set_epi64(12 + s, 12 + s, 8 + s, 8 + s, 4 + s, 4 + s, s, s);
+    const __m512i q = _mm512_permutex2var_epi64(a, idx, b);
+    __m512i w = _mm512_and_si512(_mm512_srlv_epi64(q, _mm512_set_epi64(4, 0, 4, 0, 4, 0, 4, 0)), _mm512_set1_epi8(0xF));
+    if (qh) { /* fifth bit of value l of sub-block b: bit b of qh[l] */
+        uint64_t h;
+        memcpy(&h, qh + 8 * s, 8);
+        const __m512i hb = _mm512_srlv_epi64(_mm512_set1_epi64((long long)h), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+        w = _mm512_or_si512(w, _mm512_slli_epi16(_mm512_and_si512(hb, _mm512_set1_epi8(1)), 4));
+    }
+    return w;
+}
+
+/* The block's 6-bit scales times d as float lanes: lanes 2 b and 2 b + 1 = d * scale of
+ * sub-block b (exact: an 11-bit fp16 significand times 6 bits fits a float's 24). */
+DK_AVX512 static inline __m512 dk_q45_lane_scales(const uint32_t u[4], float d) {
+    const __m128i sc8 = _mm_set_epi32(0, 0, (int)u[1], (int)u[0]);
+    return _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8))));
+}
+
+/* The mins part of a block (dk_mins_prod's 4 lanes) as lanes 0..3 of a zmm, the others 0;
+ * from a plain Q8_K block's 16 bsums, or (pairs) from a K-permuted one's 8 sums of 32. */
+DK_AVX512 static inline __m512 dk_q45_mins(__m128i mins16, const int16_t *bsums, int pairs) {
+    const __m128i p = pairs ? _mm_madd_epi16(mins16, _mm_loadu_si128((const __m128i *)bsums)) : dk_mins_prod(mins16, bsums);
+    return _mm512_castps128_ps512(_mm_cvtepi32_ps(p));
+}
+
+DK_AVX512 static inline float dk_hsum16(__m512 v) {
+    return dk_hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* The activations of step s from a plain Q8_K block's qs: qword b = qs qword 4 b + s. */
+DK_AVX512 static inline __m512i dk_q8K_step(const __m512i x[4], int s) {
+    const __m512i idx = _mm512_set_epi64(12 + s, 8 + s, 4 + s, s, 12 + s, 8 + s, 4 + s, s);
+    return _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi64(x[0], idx, x[1]),
+                                   _mm512_permutex2var_epi64(x[2], idx, x[3]));
+}
+
+DK_AVX512 static inline float dk_q45_sub512(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5,
+                                            const clover_block_q8_K *y) {
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
         else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
         const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
-        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
+        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs, *qh = x5 ? x5[i].qh : NULL;
         const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
         uint32_t u[4];
         dk_unpack_scales(scales, u);
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
-        const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
+        const __m512 ls = dk_q45_lane_scales(u, _cvtsh_ss(hd));
         const float yd = y[i].d;
-        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(hdmin)), _mm_cvtepi32_ps(prod), accm);
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
-        const int8_t *a = y[i].qs;
-        __m256i hb = _mm256_setzero_si256();
-        if (x5) hb = _mm256_loadu_si256((const __m256i *)x5[i].qh);
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        __m512i x[4];
+        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(y[i].qs + 64 * k));
+        __m512i sum = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++, q += 32, a += 64) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
-            __m256i lo = _mm256_and_si256(bits, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            if (x5) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
-                hb = _mm256_srli_epi16(hb, 2);
-            }
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
-            s0 = _mm256_dpwssd_epi32(s0, pl, _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)));
-            s1 = _mm256_dpwssd_epi32(s1, ph, _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)));
-        }
-        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(hd));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+        for (int st = 0; st < 4; st++) sum = _mm512_dpbusd_epi32(sum, dk_q45_step(q, qh, st), dk_q8K_step(x, st));
+        acc = _mm512_fnmadd_ps(_mm512_set1_ps(yd * _cvtsh_ss(hdmin)), dk_q45_mins(mins16, y[i].bsums, 0), acc);
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(yd), ls), _mm512_cvtepi32_ps(sum), acc);
     }
-    return dk_hsum8(acc) + dk_hsum4(accm);
+    return dk_hsum16(acc);
 }
 
 DK_AVX512 static float dot_q4_K_avx512(int64_t n, const void *w_row, const void *xq) {
-    return dk_q45_vnni256(n, (const dk_q4_K *)w_row, NULL, (const clover_block_q8_K *)xq);
+    return dk_q45_sub512(n, (const dk_q4_K *)w_row, NULL, (const clover_block_q8_K *)xq);
 }
 
 DK_AVX512 static float dot_q5_K_avx512(int64_t n, const void *w_row, const void *xq) {
-    return dk_q45_vnni256(n, NULL, (const dk_q5_K *)w_row, (const clover_block_q8_K *)xq);
+    return dk_q45_sub512(n, NULL, (const dk_q5_K *)w_row, (const clover_block_q8_K *)xq);
 }
 
 DK_AVX512 static float dot_q6_K_avx512(int64_t n, const void *w_row, const void *xq) {
@@ -559,75 +586,48 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
     const clover_block_q8_K *y[4];                                                                 \
     for (int r_ = 0; r_ < 4; r_++) y[r_] = (const clover_block_q8_K *)((const uint8_t *)(xq) + r_ * (x_stride))
 
-/* Q4_K / Q5_K, four rows, in zmm: chunk j's low-nibble values (sub-block 2j) fill the low 256
- * bits of a vector and its high-nibble ones (2j + 1) the high 256, which matches the activations'
- * layout (sub-block 2j at 64 j, 2j + 1 right after), so each row takes one 64-byte load and one
- * maddubs + vpdpwssd per chunk (half the instructions of the ymm form). The low and high halves
- * of a row's sums are the ymm kernel's s0 and s1 lane for lane, added when the block is done,
- * so the integer sums, and hence the floats, equal dk_q45_vnni256's. */
-DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_vnni512_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
+/* Q4_K / Q5_K, four rows in the K-permuted layout (clover_x4_pack_q8_K): dk_q45_sub512 with each
+ * step's weights made once for the 4 rows and each row's step a plain 64-byte load. */
+DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_sub512_4(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5, const void *xq,
                                                int64_t x_stride, float *out) {
     DK_ROWS4(y, xq, x_stride);
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    const __m512i m16 = _mm512_set1_epi8(16);
-    const __m512i nib = DK_IDX2(0, 4), hshift = DK_IDX2(4, 3); /* per half: nibble, qh bit shifts */
-    __m256 acc[4];
-    __m128 accm[4];
-    for (int r = 0; r < 4; r++) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
-    }
+    __m512 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
         else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
         const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
-        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
+        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs, *qh = x5 ? x5[i].qh : NULL;
         const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
         uint32_t u[4];
         dk_unpack_scales(scales, u);
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
-        const __m128i mins16 = _mm256_extracti128_si256(sm16, 1);
-        const float wd = _cvtsh_ss(hd), wdmin = _cvtsh_ss(hdmin);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
+        const float wdmin = _cvtsh_ss(hdmin);
+        __m512i sum[4];
+        for (int r = 0; r < 4; r++) sum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int st = 0; st < 4; st++) {
+            const __m512i w = dk_q45_step(q, qh, st);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+                sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_loadu_si512((const void *)(y[r][i].qs + 64 * st)));
+        }
+        const __m512 ls = dk_q45_lane_scales(u, _cvtsh_ss(hd));
         for (int r = 0; r < 4; r++) {
-            const __m128i prod = dk_mins_prod(mins16, y[r][i].bsums);
             const float yd = y[r][i].d;
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * wdmin), _mm_cvtepi32_ps(prod), accm[r]);
-        }
-        const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm16));
-        __m512i hb = _mm512_setzero_si512();
-        if (x5) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x5[i].qh));
-        __m512i s[4];
-        for (int r = 0; r < 4; r++) s[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++, q += 32) {
-            const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q));
-            __m512i w = _mm512_and_si512(_mm512_srlv_epi16(bits, nib), m4);
-            if (x5) {
-                w = _mm512_or_si512(w, _mm512_and_si512(_mm512_sllv_epi16(hb, hshift), m16));
-                hb = _mm512_srli_epi16(hb, 2);
-            }
-            const __m512i scj = _mm512_shuffle_epi8(
-                sc, _mm512_inserti64x4(_mm512_castsi256_si512(DK_BCAST16(2 * j)), DK_BCAST16(2 * j + 1), 1));
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void *)(y[r][i].qs + 64 * j)));
-                s[r] = _mm512_dpwssd_epi32(s[r], p, scj);
-            }
-        }
-        for (int r = 0; r < 4; r++) {
-            const __m256 d = _mm256_set1_ps(y[r][i].d * wd);
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dk_fold512(s[r])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(yd * wdmin), dk_q45_mins(mins16, y[r][i].bsums, 1), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(yd), ls), _mm512_cvtepi32_ps(sum[r]), acc[r]);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]) + dk_hsum4(accm[r]);
+    for (int r = 0; r < 4; r++) out[r] = dk_hsum16(acc[r]);
 }
 
 DK_AVX512 static void dot4_q4_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
-    dk_q45_vnni512_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
+    dk_q45_sub512_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
 }
 
 DK_AVX512 static void dot4_q5_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
-    dk_q45_vnni512_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
+    dk_q45_sub512_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
 }
 
 DK_AVX512 static void dot4_q6_K_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {

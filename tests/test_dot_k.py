@@ -11,7 +11,9 @@ on row lengths of 1, 3, 5, 8 and 32 blocks (256 .. 8192 values), for weight rows
 bytes (finite random fp16 scales) and rows quantised from random floats, and activations
 quantised from random floats or random Q8_K bytes (qs in -127..127, consistent bsums).
 - the four-row AVX-512 kernels (clover_dot4_k_avx512) equal four calls of the single-row
-  AVX-512 kernel bit for bit, with activation rows packed and at a padded stride;
+  AVX-512 kernel on the plain Q8_K rows bit for bit, with activation rows adjacent and at a
+  padded stride, in the layout clover_dot4_packed names (Q4_K and Q5_K: K-permuted by
+  clover_x4_pack_q8_K, checked against its definition in dot.h);
 SIMD cases are skipped on CPUs without the features (read from /proc/cpuinfo).
 """
 import pathlib
@@ -38,6 +40,8 @@ clover_vec_dot_fn clover_dot_k_avx2(int type);
 clover_vec_dot_fn clover_dot_k_avx512(int type);
 typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
 clover_vec_dot4_fn clover_dot4_k_avx512(int type);
+int clover_dot4_packed(int type);
+void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 """)
@@ -176,6 +180,20 @@ def test_simd_matches_scalar(name, isa):
     print(f"{name} {isa}: max |simd - scalar| / sum|w*x| = {worst:.2e}")
 
 
+def _k_permuted(q8k):
+    """dot.h's K-permuted layout of Q8_K blocks (292 bytes: float d, 256 qs, 16 int16 bsums):
+    byte 64 s + 8 b + i of qs = value 8 s + i of sub-block b (qs[32 b + 8 s + i]); bsums[b] =
+    the sum of sub-block b's 32 values, bsums[8:] = 0."""
+    blocks = q8k.reshape(-1, 292).copy()
+    qs = blocks[:, 4:260].reshape(-1, 8, 4, 8)  # [block, sub-block b, s, i]
+    blocks[:, 4:260] = qs.transpose(0, 2, 1, 3).reshape(-1, 256)
+    sums = blocks[:, 4:260].view(np.int8).reshape(-1, 4, 8, 8).astype(np.int64).sum(axis=(1, 3))
+    bs = np.zeros((blocks.shape[0], 16), np.int16)
+    bs[:, :8] = sums
+    blocks[:, 260:292] = bs.view(np.uint8)
+    return blocks.reshape(-1)
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_dot4_avx512_equals_single_row_bitwise(name):
     need, getter = ISAS["avx512"]
@@ -186,6 +204,8 @@ def test_dot4_avx512_equals_single_row_bitwise(name):
     if not need <= FLAGS:
         pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
     fn1 = getter(tid)
+    packing = klib.clover_dot4_packed(tid)
+    assert packing == (2 if name in ("Q4_K", "Q5_K") else 0)
     rng = np.random.default_rng(300 + tid)
     checked = 0
     for n in LENGTHS:
@@ -203,11 +223,15 @@ def test_dot4_avx512_equals_single_row_bitwise(name):
                     xf[rng.random(n) < 0.01] *= 20
                     rows.append(_quant(Q8K, xf))
             row_bytes = rows[0].size
-            for pad in (0, 64 + 4):  # packed rows, and rows at a larger stride
+            for pad in (0, 64 + 4):  # adjacent rows, and rows at a larger stride
                 stride = row_bytes + pad
                 buf = np.zeros(4 * stride, np.uint8)
                 for r in range(4):
-                    buf[r * stride:r * stride + row_bytes] = rows[r]
+                    if packing == 2:
+                        klib.clover_x4_pack_q8_K(_ptr(rows[r]), _ptr(buf[r * stride:]), n)
+                        assert np.array_equal(buf[r * stride:r * stride + row_bytes], _k_permuted(rows[r]))
+                    else:
+                        buf[r * stride:r * stride + row_bytes] = rows[r]
                 out = np.full(4, np.nan, np.float32)
                 fn4(n, _ptr(w), _ptr(buf), stride, _kffi.cast("float *", out.ctypes.data))
                 want = np.array([fn1(n, _ptr(w), _ptr(rows[r])) for r in range(4)], np.float32)
