@@ -3,11 +3,12 @@
  * kernels and their host code run on a CPU in tests (tests/test_cuda.py through
  * tests/test_cuda_emu.py). Not for speed and not a GPU model: device memory is host memory,
  * copies and launches are synchronous, the blocks of a launch run on a few host threads at once
- * (CLOVER_EMU_THREADS), and the threads of a block run one at a time as fibers on one host thread
+ * (CLOVER_EMU_THREADS, 1 to 8), and the threads of a block run one at a time as fibers on one host thread
  * (emu.cpp), switching only at __syncthreads and warp shuffles. What it checks: index arithmetic,
  * reductions, the order of barriers (a barrier some threads never reach aborts with
- * "deadlock"), shuffles (every lane of the warp must take part), and shared-memory reuse
- * across blocks, and, run a second time with CLOVER_EMU_ORDER=reverse (threads in the opposite
+ * "deadlock"), shuffles (every lane of the warp must take part), and shared memory reused
+ * across the blocks a host thread runs (which blocks those are varies from run to run, so a
+ * read of shared memory the block never wrote may pass or fail), and, run a second time with CLOVER_EMU_ORDER=reverse (threads in the opposite
  * order), results that depend on the order threads run between barriers. What it cannot: races
  * that only a GPU's finer interleaving would show, warp-synchronous code without shuffles,
  * launch limits of real hardware, speed. */

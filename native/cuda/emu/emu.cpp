@@ -76,7 +76,18 @@ struct Runner {
     void *sched_sp; /* resumed when the block is done */
     int cur, live;  /* the running fiber, the live ones */
 };
-__thread Runner *t_run; /* this host thread's, made at its first block */
+/* This host thread's runner, made at its first block; its stacks are unmapped when the thread
+ * exits (in tests, threads that launch come and go: kept, their stacks would run the process
+ * out of mappings). */
+struct RunnerOwner {
+    Runner *r = nullptr;
+    ~RunnerOwner() {
+        if (!r) return;
+        for (char *a : r->stacks) munmap(a, CLOVER_EMU_REGION);
+        delete r;
+    }
+};
+thread_local RunnerOwner t_run;
 /* The running fiber's runner, from its region (on a fiber's stack only). */
 Runner &me() { return *(Runner *)clover_emu_me()->runner; }
 clover_emu_fiber_info *info(Runner &r, int i) {
@@ -231,8 +242,8 @@ void wait_here(State s) {
 /* Take blocks of the running launch until none is left, each run whole on this host thread;
  * none if this thread's fibers' stacks cannot be mapped (blocks left over fail the launch). */
 void run_blocks() {
-    if (!t_run) t_run = new Runner();
-    Runner &r = *t_run;
+    if (!t_run.r) t_run.r = new Runner();
+    Runner &r = *t_run.r;
     if (!ensure_stacks(r, (size_t)g_n)) return;
     r.fibers.resize((size_t)g_n);
     for (int i = 0; i < g_n; i++) {
@@ -253,8 +264,8 @@ void run_blocks() {
     }
 }
 
-/* Helper host threads: CLOVER_EMU_THREADS host threads in all (default: the online CPUs, at most
- * 8) run the blocks of a launch of at least PAR_BLOCKS blocks; each waits for the next launch
+/* Helper host threads: CLOVER_EMU_THREADS host threads in all (1 to 8; default the online
+ * CPUs, at most 8) run the blocks of a launch of at least PAR_BLOCKS blocks; each waits for the next launch
  * (a generation count), takes blocks as the launching thread does, and reports when done.
  * Made at the first such launch, and again in a child after fork (a child has no threads but
  * the one that forked). Never freed: they wait until the process exits. */
