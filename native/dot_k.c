@@ -460,26 +460,39 @@ DK_AVX512 static inline __m512i dk_q8K_step(const __m512i x[4], int s) {
                                    _mm512_permutex2var_epi64(x[2], idx, x[3]));
 }
 
+/* Block i of a Q4_K (x5 == NULL) or Q5_K row, prefetched: its levels' bytes (qh: NULL for Q4_K),
+ * 6-bit scales (u[0..1]) and mins (u[2..3], and as 8 int16 in mins16), d and dmin. */
+typedef struct {
+    const uint8_t *q, *qh;
+    uint32_t u[4];
+    __m128i mins16;
+    float d, dmin;
+} dk_q45_head_t;
+DK_AVX512 static inline __attribute__((always_inline)) dk_q45_head_t dk_q45_head(const dk_q4_K *x4, const dk_q5_K *x5,
+                                                                                 int64_t i) {
+    dk_q45_head_t b;
+    if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
+    else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
+    dk_unpack_scales(x5 ? x5[i].scales : x4[i].scales, b.u);
+    b.q = x5 ? x5[i].qs : x4[i].qs, b.qh = x5 ? x5[i].qh : NULL;
+    b.mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)b.u[3], (int)b.u[2]));
+    b.d = _cvtsh_ss(x5 ? x5[i].d : x4[i].d), b.dmin = _cvtsh_ss(x5 ? x5[i].dmin : x4[i].dmin);
+    return b;
+}
+
 DK_AVX512 static inline float dk_q45_sub512(int64_t n, const dk_q4_K *x4, const dk_q5_K *x5,
                                             const clover_block_q8_K *y) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
-        if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
-        else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
-        const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
-        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs, *qh = x5 ? x5[i].qh : NULL;
-        const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
-        uint32_t u[4];
-        dk_unpack_scales(scales, u);
-        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
-        const __m512 ls = dk_q45_lane_scales(u, _cvtsh_ss(hd));
+        const dk_q45_head_t b = dk_q45_head(x4, x5, i);
+        const __m512 ls = dk_q45_lane_scales(b.u, b.d);
         const float yd = y[i].d;
         __m512i x[4];
         for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(y[i].qs + 64 * k));
         __m512i sum = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int st = 0; st < 4; st++) sum = _mm512_dpbusd_epi32(sum, dk_q45_step(q, qh, st), dk_q8K_step(x, st));
-        acc = _mm512_fnmadd_ps(_mm512_set1_ps(yd * _cvtsh_ss(hdmin)), dk_q45_mins(mins16, y[i].bsums, 0), acc);
+        for (int st = 0; st < 4; st++) sum = _mm512_dpbusd_epi32(sum, dk_q45_step(b.q, b.qh, st), dk_q8K_step(x, st));
+        acc = _mm512_fnmadd_ps(_mm512_set1_ps(yd * b.dmin), dk_q45_mins(b.mins16, y[i].bsums, 0), acc);
         acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(yd), ls), _mm512_cvtepi32_ps(sum), acc);
     }
     return dk_hsum16(acc);
@@ -594,28 +607,20 @@ DK_AVX512 static inline __attribute__((always_inline)) void dk_q45_sub512_4(int6
     __m512 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
-        if (x5) CLOVER_PREFETCH(x5 + i, 3); /* 176-byte blocks */
-        else CLOVER_PREFETCH(x4 + i, 3);    /* 144-byte blocks */
-        const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
-        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs, *qh = x5 ? x5[i].qh : NULL;
-        const uint16_t hd = x5 ? x5[i].d : x4[i].d, hdmin = x5 ? x5[i].dmin : x4[i].dmin;
-        uint32_t u[4];
-        dk_unpack_scales(scales, u);
-        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
-        const float wdmin = _cvtsh_ss(hdmin);
+        const dk_q45_head_t b = dk_q45_head(x4, x5, i);
         __m512i sum[4];
         for (int r = 0; r < 4; r++) sum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int st = 0; st < 4; st++) {
-            const __m512i w = dk_q45_step(q, qh, st);
+            const __m512i w = dk_q45_step(b.q, b.qh, st);
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++)
                 sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_loadu_si512((const void *)(y[r][i].qs + 64 * st)));
         }
-        const __m512 ls = dk_q45_lane_scales(u, _cvtsh_ss(hd));
+        const __m512 ls = dk_q45_lane_scales(b.u, b.d);
         for (int r = 0; r < 4; r++) {
             const float yd = y[r][i].d;
-            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(yd * wdmin), dk_q45_mins(mins16, y[r][i].bsums, 1), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(yd * b.dmin), dk_q45_mins(b.mins16, y[r][i].bsums, 1), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(yd), ls), _mm512_cvtepi32_ps(sum[r]), acc[r]);
         }
     }

@@ -3,13 +3,14 @@
  * kernels and their host code run on a CPU in tests (tests/test_cuda.py through
  * tests/test_cuda_emu.py). Not for speed and not a GPU model: device memory is host memory,
  * copies and launches are synchronous, the blocks of a launch run on a few host threads at once
- * (CLOVER_EMU_THREADS, 1 to 8), and the threads of a block run one at a time as fibers on one host thread
- * (emu.cpp), switching only at __syncthreads and warp shuffles. What it checks: index arithmetic,
- * reductions, the order of barriers (a barrier some threads never reach aborts with
- * "deadlock"), shuffles (every lane of the warp must take part), and shared memory reused
- * across the blocks a host thread runs (which blocks those are varies from run to run, so a
- * read of shared memory the block never wrote may pass or fail), and, run a second time with CLOVER_EMU_ORDER=reverse (threads in the opposite
- * order), results that depend on the order threads run between barriers. What it cannot: races
+ * (CLOVER_EMU_THREADS, 1 to 8), and the threads of a block run one at a time as fibers on one
+ * host thread (emu.cpp), switching only at __syncthreads and warp shuffles. What it checks:
+ * index arithmetic, reductions, the order of barriers (a barrier some threads never reach
+ * aborts with "deadlock"), shuffles (every lane of the warp must take part), and shared memory
+ * reused across the blocks a host thread runs (which blocks those are varies from run to run,
+ * so a read of shared memory the block never wrote may pass or fail), and, run a second time
+ * with CLOVER_EMU_ORDER=reverse (threads in the opposite order), results that depend on the
+ * order threads run between barriers. What it cannot: races
  * that only a GPU's finer interleaving would show, warp-synchronous code without shuffles,
  * launch limits of real hardware, speed. */
 #ifndef CLOVER_EMU_CUDA_RUNTIME_H
@@ -58,11 +59,14 @@ struct clover_emu_fiber_info {
     void *runner;
 };
 #define CLOVER_EMU_REGION ((uintptr_t)1 << 19)
+/* The info of the fiber whose region starts at base. */
+static inline clover_emu_fiber_info *clover_emu_info_at(uintptr_t base) {
+    return (clover_emu_fiber_info *)(base + CLOVER_EMU_REGION - 64 * (base / CLOVER_EMU_REGION % 512 + 1));
+}
 static inline clover_emu_fiber_info *clover_emu_me(void) {
     uintptr_t sp;
     __asm__("movq %%rsp, %0" : "=r"(sp));
-    const uintptr_t base = sp & ~(CLOVER_EMU_REGION - 1);
-    return (clover_emu_fiber_info *)(base + CLOVER_EMU_REGION - 64 * (base / CLOVER_EMU_REGION % 512 + 1));
+    return clover_emu_info_at(sp & ~(CLOVER_EMU_REGION - 1));
 }
 #define threadIdx (clover_emu_me()->tid)
 #define blockIdx (clover_emu_me()->bid)

@@ -90,10 +90,7 @@ struct RunnerOwner {
 thread_local RunnerOwner t_run;
 /* The running fiber's runner, from its region (on a fiber's stack only). */
 Runner &me() { return *(Runner *)clover_emu_me()->runner; }
-clover_emu_fiber_info *info(Runner &r, int i) {
-    const uintptr_t base = (uintptr_t)r.stacks[i];
-    return (clover_emu_fiber_info *)(base + CLOVER_EMU_REGION - 64 * (base / CLOVER_EMU_REGION % 512 + 1));
-}
+clover_emu_fiber_info *info(Runner &r, int i) { return clover_emu_info_at((uintptr_t)r.stacks[i]); }
 
 /* The launch now running (one at a time, g_run), the same for every host thread running it. */
 std::mutex g_run;
