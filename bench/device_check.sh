@@ -5,16 +5,22 @@
 # tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
 # forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
 #
-#   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to OUT_DIR (default $OUT or /tmp/clover-device)
+#   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to /tmp/clover-device-logs, packed at exit
+#                                                # into OUT_DIR/logs.tgz (default $OUT or /tmp/clover-device):
+#                                                # the device tool brings back at most 8 files
 #   CLOVER_DEVICE_FULL=1 bash bench/device_check.sh   # also the 40-layer model: all on the GPU, experts on
 #                                                      # the CPU, a 12 GB budget (issue 8; several minutes more)
 #
-# Python packages the machine lacks travel as wheels in .whl/ (cffi, pycparser, gguf: see the
-# device tool's README); they are installed into /tmp/site when present.
+# Python packages the machine lacks travel as wheels in .whl/ (cffi, pycparser, gguf), and the real
+# model's config in shared/data: bench/device_prep.sh puts both there before the call (carry
+# [".whl", "shared"]); the wheels are installed into /tmp/site when present. Each step has a time
+# limit, so one hang costs that step only; the steps run in order of what they prove.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-${OUT:-/tmp/clover-device}}"
-mkdir -p "$out"
+dest="${1:-${OUT:-/tmp/clover-device}}"
+out=/tmp/clover-device-logs
+rm -rf "$out" && mkdir -p "$out" "$dest"
+trap 'tar czf "$dest/logs.tgz" -C "$out" . 2>/dev/null || true' EXIT
 export PYTHONUNBUFFERED=1
 py=python3
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -38,23 +44,27 @@ print(n, ffi.string(b).decode()); raise SystemExit(0 if n > 0 else 1)"
 
 step "GPU tests (tests/test_cuda.py)"
 set +e
-$py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest.log"
+ptimeout=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout=120" || true)  # a hung test fails alone
+timeout 300 $py -m pytest -q -rs -p no:cacheprovider $ptimeout tests/test_cuda.py 2>&1 | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 
 step "kernels alone (bench/gpu_kernels.py): products with and without tensor cores, attention; us, GB/s, % of copy bw"
-$py bench/gpu_kernels.py --json | tee "$out/kernels.txt" || true
+timeout 90 $py bench/gpu_kernels.py --json | tee "$out/kernels.txt" || true
 
 step "real-dims 4-layer Q4_K_M model"
 model=/tmp/clover-real4-q4km.gguf
-[ -f "$model" ] || $py bench/make_bench_model.py "$model" --dims real --layers 4 --outtype q4_k_m --arch clover \
-    --unique-experts 16 --no-progress > "$out/make_model.log" 2>&1
+[ -f "$model" ] || timeout 240 $py bench/make_bench_model.py "$model" --dims real --layers 4 --outtype q4_k_m \
+    --arch clover --unique-experts 16 --no-progress -t "$(nproc)" > "$out/make_model.log" 2>&1 \
+    || { tail -30 "$out/make_model.log"; exit 1; }
 
 step "modes on the GPU (-ngl all) and the CPU: tokens/s and greedy tokens"
-$py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tee "$out/modes_gpu.txt" | tail -1 > "$out/modes_gpu.json"
-$py bench/modes.py "$model" -n 64 -t "$(nproc)" --json | tee "$out/modes_cpu.txt" | tail -1 > "$out/modes_cpu.json"
-grep -v '^{' "$out/modes_gpu.txt" "$out/modes_cpu.txt"
-$py - "$out/modes_gpu.json" "$out/modes_cpu.json" <<'PY'
+timeout 120 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tee "$out/modes_gpu.txt" | tail -1 \
+    > "$out/modes_gpu.json" || true
+timeout 120 $py bench/modes.py "$model" -n 64 -t "$(nproc)" --json | tee "$out/modes_cpu.txt" | tail -1 \
+    > "$out/modes_cpu.json" || true
+grep -v '^{' "$out/modes_gpu.txt" "$out/modes_cpu.txt" || true
+$py - "$out/modes_gpu.json" "$out/modes_cpu.json" <<'PY' || echo "(no comparison: a modes run failed, see its log above)"
 import json, sys
 g, c = (json.load(open(p)) for p in sys.argv[1:3])
 ok = True
@@ -64,11 +74,14 @@ for mode in c:
     print(f"{mode:9s} GPU {g[mode]['tokens_per_second']:8.1f} t/s  CPU {c[mode]['tokens_per_second']:8.1f} t/s  "
           f"tokens/forward {g[mode]['tokens_per_forward']:.2f}  greedy tokens identical: {same}")
 print("greedy tokens identical in all modes:", ok)
+if "spec" in g:
+    print("on the GPU, spec's tokens equal ar's, per prompt:", g["spec"]["spec_equals_ar"])
 PY
 
 step "modes on the GPU without CUDA graphs (CLOVER_CUDA_GRAPHS=0): tokens/s, and the graphs' speed-up"
-CLOVER_CUDA_GRAPHS=0 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tail -1 > "$out/modes_gpu_nographs.json"
-$py - "$out/modes_gpu.json" "$out/modes_gpu_nographs.json" <<'PY'
+CLOVER_CUDA_GRAPHS=0 timeout 90 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tail -1 \
+    > "$out/modes_gpu_nographs.json" || true
+$py - "$out/modes_gpu.json" "$out/modes_gpu_nographs.json" <<'PY' || echo "(no comparison)"
 import json, sys
 g, n = (json.load(open(p)) for p in sys.argv[1:3])
 for mode in g:
@@ -77,12 +90,13 @@ for mode in g:
 PY
 
 step "bench (pp512, tg128, block forward): GPU (resident forward, then the per-product path), then CPU"
-$py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt"
-CLOVER_GPU_RESIDENT=0 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
-    | tee "$out/bench_gpu_per_product.txt"
+timeout 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt" || true
+CLOVER_GPU_RESIDENT=0 timeout 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
+    | tee "$out/bench_gpu_per_product.txt" || true
 step "bench on the GPU without tensor cores (CLOVER_CUDA_MMA=0: dp4a for every product)"
-CLOVER_CUDA_MMA=0 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu_dp4a.txt"
-$py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt"
+CLOVER_CUDA_MMA=0 timeout 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
+    | tee "$out/bench_gpu_dp4a.txt" || true
+timeout 90 $py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt" || true
 if [ "${CLOVER_DEVICE_FULL:-0}" = 1 ]; then  # issue 8: the full 40-layer model and placements
     step "40-layer real-dims Q4_K_M model (about 20 GiB, generated here)"
     full=/tmp/clover-real40-q4km.gguf

@@ -162,3 +162,4 @@ def test_modes_script_json(clover_gguf_path):
         assert v["tokens"] == 6 * len(v["ids"]) and v["tokens_per_second"] > 0, mode
         kinds = sum(v[k] for k in ("decode", "denoise", "commit", "draft", "verify"))
         assert v["forwards"] == kinds and v["tokens_per_forward"] == pytest.approx(v["tokens"] / kinds), mode
+    assert out["spec"]["spec_equals_ar"] == [True] * len(out["ar"]["ids"])  # on the CPU, else the script exits
