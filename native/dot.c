@@ -235,7 +235,7 @@ static void axpy_f16_scalar(float *o, float p, const uint16_t *v, int64_t n) {
     for (int64_t i = 0; i < n; i++) o[i] += p * clover_h2f(v[i]);
 }
 
-/* The F16 kernels' ISA: isa (< 0 or past this CPU's: the best it has) is AVX2 or wider. */
+/* The F16 and F32 attention kernels' ISA: isa (< 0 or past this CPU's: the best it has) is AVX2 or wider. */
 static int f16_wide(int isa) {
     const int best = clover_dot_best_isa();
     return (isa < 0 || isa > best ? best : isa) >= CLOVER_ISA_AVX2;
@@ -249,4 +249,32 @@ clover_dot_f16_fn clover_dot_f16_kernel(int isa) {
 clover_axpy_f16_fn clover_axpy_f16_kernel(int isa) {
     const clover_axpy_f16_fn f = f16_wide(isa) ? clover_axpy_f16_avx2() : NULL;
     return f ? f : axpy_f16_scalar;
+}
+
+static float dot_f32_scalar(const float *q, const float *k, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += q[i] * k[i];
+    return s;
+}
+
+static void axpy_f32_scalar(float *o, float p, const float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] += p * v[i];
+}
+
+clover_dot_f32_fn clover_dot_f32_kernel(int isa) {
+    const clover_dot_f32_fn f = f16_wide(isa) ? clover_dot_f32_avx2() : NULL;
+    return f ? f : dot_f32_scalar;
+}
+
+clover_axpy_f32_fn clover_axpy_f32_kernel(int isa) {
+    const clover_axpy_f32_fn f = f16_wide(isa) ? clover_axpy_f32_avx2() : NULL;
+    return f ? f : axpy_f32_scalar;
+}
+
+clover_dot_f32x4_fn clover_dot_f32x4_kernel(void) {
+    return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_dot_f32x4_avx512() : NULL;
+}
+
+clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void) {
+    return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_axpy_f32_rows_avx512() : NULL;
 }

@@ -71,18 +71,37 @@ typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq,
 /* Best multi-row kernel for `type` on this CPU, or NULL. */
 clover_vec_dot4_fn clover_dot4_kernel(int type);
 
-/* Float kernels of attention over an F16 KV cache (model.c attend_row): q . k for n float32
- * values q and n fp16 values k, and o[i] += p * v[i] for n fp16 values v (fp16 as IEEE binary16
- * bits). The AVX2 ones convert 8 values an instruction (F16C, part of this file's AVX2 level)
- * and sum the dot in 16 lanes; the scalar ones convert with clover_h2f and sum in order.
- * clover_*_f16_kernel(isa): the AVX2 kernel when isa (< 0 or past this CPU's: its best) is AVX2
- * or wider, else the scalar one. */
+/* Float kernels of attention over an F16 or F32 KV cache (model.c attend_tile): q . k for n
+ * float32 values q and n fp16 (float32) values k, and o[i] += p * v[i] for n fp16 (float32)
+ * values v (fp16 as IEEE binary16 bits). The AVX2 ones convert 8 values an instruction (F16C,
+ * part of this file's AVX2 level) and sum the dot in 16 lanes (F32: 32 lanes); the scalar ones
+ * convert with clover_h2f and sum in order. clover_*_f16_kernel(isa), clover_*_f32_kernel(isa):
+ * the AVX2 kernel when isa (< 0 or past this CPU's: its best) is AVX2 or wider, else the scalar
+ * one. */
 typedef float (*clover_dot_f16_fn)(const float *q, const uint16_t *k, int64_t n);
 typedef void (*clover_axpy_f16_fn)(float *o, float p, const uint16_t *v, int64_t n);
 clover_dot_f16_fn clover_dot_f16_kernel(int isa);
 clover_axpy_f16_fn clover_axpy_f16_kernel(int isa);
 clover_dot_f16_fn clover_dot_f16_avx2(void); /* NULL where this build has no AVX2 code */
 clover_axpy_f16_fn clover_axpy_f16_avx2(void);
+typedef float (*clover_dot_f32_fn)(const float *q, const float *k, int64_t n);
+typedef void (*clover_axpy_f32_fn)(float *o, float p, const float *v, int64_t n);
+clover_dot_f32_fn clover_dot_f32_kernel(int isa);
+clover_axpy_f32_fn clover_axpy_f32_kernel(int isa);
+clover_dot_f32_fn clover_dot_f32_avx2(void);
+clover_axpy_f32_fn clover_axpy_f32_avx2(void);
+/* The F32 kernels over several keys at once, equal bit for bit to the AVX2 ones above called key
+ * by key (AVX-512VL: more registers, fewer loads). dot_f32x4: out[r] = q . k_r for the 4 keys
+ * k_r = k + r k_stride (n values each); axpy_f32_rows: o[i] += p[j] v_j[i] for the rows
+ * v_j = v + j v_stride, j < n_rows in order. clover_*_kernel(): NULL unless this CPU's best ISA
+ * (CLOVER_ISA lowers it) is AVX-512. */
+typedef void (*clover_dot_f32x4_fn)(const float *q, const float *k, int64_t k_stride, int64_t n, float *out);
+typedef void (*clover_axpy_f32_rows_fn)(float *o, const float *p, const float *v, int64_t v_stride, int64_t n_rows,
+                                        int64_t n);
+clover_dot_f32x4_fn clover_dot_f32x4_kernel(void);
+clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void);
+clover_dot_f32x4_fn clover_dot_f32x4_avx512(void);
+clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void);
 
 /* The AVX-512 4-row kernels of the Q8_0 family (Q8_0, Q4_0, IQ4_NL, MXFP4) read activation
  * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0, those of Q4_K and Q5_K

@@ -183,6 +183,66 @@ clover_vec_dot_fn clover_dot_avx512(int type) {
     }
 }
 
+/* The F32 attention kernels over several keys (dot.h). dot_f32x4: four keys' q . k, each summed
+ * as the AVX2 dot_f32 sums it (four 8-lane FMA sums, then 8 lanes, the same reduction, then the
+ * tail in order), with each 32 values of q loaded once for the four keys: AVX-512VL's 32 ymm
+ * registers hold the 16 sums. */
+static inline AVX512 float hsum8(__m256 v) { /* dot_avx2.c's hsum, the same order */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static AVX512 void dot_f32x4(const float *q, const float *k, int64_t ks, int64_t n, float *out) {
+    __m256 a[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int c = 0; c < 4; c++) {
+            const __m256 qc = _mm256_loadu_ps(q + i + 8 * c);
+            for (int r = 0; r < 4; r++) a[r][c] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + r * ks + i + 8 * c), a[r][c]);
+        }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 4; r++) a[r][0] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + r * ks + i), a[r][0]);
+    }
+    for (int r = 0; r < 4; r++) {
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+        for (int64_t j = i; j < n; j++) s += q[j] * k[r * ks + j];
+        out[r] = s;
+    }
+}
+
+/* o += p[j] v_j for the rows j < nv in order (v_j = v + j vs), n values: per value the same
+ * fused multiply-adds in the same order as nv calls of the AVX2 axpy_f32 (and its tail's plain
+ * ones), with 128 values of o held in 16 ymm registers across the rows: one load a
+ * multiply-add, instead of two loads and a store. */
+static AVX512 void axpy_f32_rows(float *o, const float *p, const float *v, int64_t vs, int64_t nv, int64_t n) {
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256 r[16];
+        for (int c = 0; c < 16; c++) r[c] = _mm256_loadu_ps(o + i + 8 * c);
+        for (int64_t j = 0; j < nv; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v + j * vs + i;
+            for (int c = 0; c < 16; c++) r[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), r[c]);
+        }
+        for (int c = 0; c < 16; c++) _mm256_storeu_ps(o + i + 8 * c, r[c]);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 r = _mm256_loadu_ps(o + i);
+        for (int64_t j = 0; j < nv; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * vs + i), r);
+        _mm256_storeu_ps(o + i, r);
+    }
+    for (; i < n; i++)
+        for (int64_t j = 0; j < nv; j++) o[i] += p[j] * v[j * vs + i];
+}
+
+clover_dot_f32x4_fn clover_dot_f32x4_avx512(void) { return dot_f32x4; }
+clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void) { return axpy_f32_rows; }
+
 #else
 clover_vec_dot_fn clover_dot_avx512(int type) {
     (void)type;
@@ -192,4 +252,6 @@ clover_vec_dot4_fn clover_dot4_avx512(int type) {
     (void)type;
     return NULL;
 }
+clover_dot_f32x4_fn clover_dot_f32x4_avx512(void) { return NULL; }
+clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void) { return NULL; }
 #endif

@@ -918,44 +918,100 @@ static void rope_neox(float *v, int64_t pos, int rd, float theta) {
     }
 }
 
-/* A layer's KV cache as attend_row reads it: K and V rows kvd elements apart, each fp16 (dot_k,
- * axpy_v: the F16 kernels of dot.h) or float32 (NULL). */
+/* A layer's KV cache as attend_tile reads it: K and V rows kvd elements apart, each fp16 (dot_k,
+ * axpy_v: the F16 kernels of dot.h; NULL for float32) or float32 (dot_k32, axpy_v32, and where
+ * the CPU has them their several-key forms, equal to them bit for bit). */
 typedef struct {
     const char *k, *v;
     int64_t kvd;
     clover_dot_f16_fn dot_k;
     clover_axpy_f16_fn axpy_v;
+    clover_dot_f32_fn dot_k32;
+    clover_axpy_f32_fn axpy_v32;
+    clover_dot_f32x4_fn dot_k32x4;         /* float32 K: 4 keys a call, or NULL */
+    clover_axpy_f32_rows_fn axpy_v32_rows; /* float32 V: a run of rows a call, or NULL */
 } kv_view;
 
-/* One query row of one head (spec 2.2 steps 3-4): softmax(q K^T * scale) V over n_keys cached
- * keys, times sigmoid of the head's output gate (stored right after q); this head's slice of
- * the KV rows at offset off. sc: n_keys scratch. */
-CLOVER_CLONES static void attend_row(const float *q, const kv_view *kv, int64_t off, int64_t hd, int64_t n_keys,
-                                     float scale, float *sc, float *o) {
-    const float *gate = q + hd;
+/* ATT_KEY_TILE keys a step (64 KiB of float32 K rows at head_dim 256: L2-resident); tiles of up
+ * to ATT_ROWS query rows; ATT_SCRATCH: a thread's score scratch, in floats (8 MiB). */
+enum { ATT_KEY_TILE = 64, ATT_ROWS = 16, ATT_SCRATCH = 2 << 20 };
+/* One layer's attention call, as attend_tile reads it: off is the KV head's offset in a cache row. */
+typedef struct {
+    const float *qg;
+    float *att;
+    int64_t nh, hd, off, pos0, n_keys_max;
+    int causal;
+    float scale;
+} att_job;
+
+/* Attention (spec 2.2 steps 3-4) of query rows [t0, t0 + nt) and heads [h0, h0 + nhc) of one
+ * GQA group (every head reads the same KV head, at offset off in the cache rows): per (row,
+ * head) pair, softmax(q K^T * scale) V over the row's keys, times sigmoid of the head's output
+ * gate (stored right after q in qg [T][n_head][2 hd]); out: att [T][n_head][hd]. Row t's keys:
+ * [0, pos0 + t + 1) when causal (prefix mode), else [0, n_keys_max) (block mode: pos0 + T).
+ * Each pair's arithmetic is fixed whatever the tile: scores in key order, their max, exp and a
+ * double sum in key order, then o += p_j v_j in key order, so a row's output does not depend
+ * on which rows or heads share its tile (spec mode's verify equals ar's decode bit for bit).
+ * The loops over keys run outside those over pairs, ATT_KEY_TILE keys at a time, so each K and
+ * V row is read from memory once per tile rather than once per pair (a long prompt's keys do
+ * not fit the caches). sc: nt nhc n_keys_max floats; sum: nt nhc doubles. */
+CLOVER_CLONES static void attend_tile(const att_job *a, const kv_view *kv, int64_t t0, int64_t nt, int64_t h0,
+                                      int64_t nhc, float *sc, double *sum) {
+    const int64_t hd = a->hd, nv = nt * nhc, ld = a->n_keys_max;
     const size_t ek = kv->dot_k ? 2 : 4, ev = kv->axpy_v ? 2 : 4;
-    float mx = -FLT_MAX;
-    for (int64_t j = 0; j < n_keys; j++) {
-        const void *kj = kv->k + ek * (size_t)(j * kv->kvd + off);
-        sc[j] = (kv->dot_k ? kv->dot_k(q, kj, hd) : dotf(q, kj, hd)) * scale;
-        if (sc[j] > mx) mx = sc[j];
-    }
-    double sum = 0;
-    for (int64_t j = 0; j < n_keys; j++) {
-        sc[j] = expf(sc[j] - mx);
-        sum += sc[j];
-    }
-    memset(o, 0, sizeof(float) * (size_t)hd);
-    for (int64_t j = 0; j < n_keys; j++) {
-        const void *vj = kv->v + ev * (size_t)(j * kv->kvd + off);
-        const float p = (float)(sc[j] / sum);
-        if (kv->axpy_v) {
-            kv->axpy_v(o, p, vj, hd);
-            continue;
+    const int64_t last = a->causal ? a->pos0 + t0 + nt : a->n_keys_max; /* keys of the tile's last row */
+    for (int64_t j0 = 0; j0 < last; j0 += ATT_KEY_TILE)
+        for (int64_t u = 0; u < nv; u++) {
+            const int64_t t = t0 + u / nhc, h = h0 + u % nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
+            const float *q = a->qg + (t * a->nh + h) * 2 * hd;
+            const int64_t je = nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
+            int64_t j = j0;
+            for (; kv->dot_k32x4 && j + 4 <= je; j += 4) {
+                float s4[4];
+                kv->dot_k32x4(q, (const float *)kv->k + j * kv->kvd + a->off, kv->kvd, hd, s4);
+                for (int i = 0; i < 4; i++) sc[u * ld + j + i] = s4[i] * a->scale;
+            }
+            for (; j < je; j++) {
+                const void *kj = kv->k + ek * (size_t)(j * kv->kvd + a->off);
+                sc[u * ld + j] = (kv->dot_k ? kv->dot_k(q, kj, hd) : kv->dot_k32(q, kj, hd)) * a->scale;
+            }
         }
-        for (int64_t d = 0; d < hd; d++) o[d] += p * ((const float *)vj)[d];
+    for (int64_t u = 0; u < nv; u++) {
+        const int64_t t = t0 + u / nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
+        float *s = sc + u * ld, mx = -FLT_MAX;
+        for (int64_t j = 0; j < nk; j++)
+            if (s[j] > mx) mx = s[j];
+        double z = 0;
+        for (int64_t j = 0; j < nk; j++) {
+            s[j] = expf(s[j] - mx);
+            z += s[j];
+        }
+        sum[u] = z;
+        memset(a->att + (t * a->nh + h0 + u % nhc) * hd, 0, sizeof(float) * (size_t)hd);
     }
-    for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
+    for (int64_t j0 = 0; j0 < last; j0 += ATT_KEY_TILE)
+        for (int64_t u = 0; u < nv; u++) {
+            const int64_t t = t0 + u / nhc, h = h0 + u % nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
+            float *o = a->att + (t * a->nh + h) * hd, *p = sc + u * ld;
+            const int64_t je = nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
+            if (kv->axpy_v32_rows && je > j0) { /* the tile's weights in place of its scores, then one call */
+                for (int64_t j = j0; j < je; j++) p[j] = (float)(p[j] / sum[u]);
+                kv->axpy_v32_rows(o, p + j0, (const float *)kv->v + j0 * kv->kvd + a->off, kv->kvd, je - j0, hd);
+                continue;
+            }
+            for (int64_t j = j0; j < je; j++) {
+                const void *vj = kv->v + ev * (size_t)(j * kv->kvd + a->off);
+                const float pj = (float)(p[j] / sum[u]);
+                if (kv->axpy_v) kv->axpy_v(o, pj, vj, hd);
+                else kv->axpy_v32(o, pj, vj, hd);
+            }
+        }
+    for (int64_t u = 0; u < nv; u++) {
+        const int64_t t = t0 + u / nhc, h = h0 + u % nhc;
+        const float *gate = a->qg + (t * a->nh + h) * 2 * hd + hd;
+        float *o = a->att + (t * a->nh + h) * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] *= sigmoidf_(gate[d]);
+    }
 }
 
 /* Element-type bits of the context's KV cache for the CUDA backend (CLOVER_KV_*_F16). */
@@ -1074,32 +1130,44 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     if (c->kv_dev_rows && c->kv_dev_rows[ly->slot] > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* stale there */
     const int64_t n_keys_max = f->pos0 + T;
     const kv_view kv = {kc, vc, kvd, c->type_k == CLOVER_TYPE_F16 ? clover_dot_f16_kernel(-1) : NULL,
-                        c->type_v == CLOVER_TYPE_F16 ? clover_axpy_f16_kernel(-1) : NULL};
+                        c->type_v == CLOVER_TYPE_F16 ? clover_axpy_f16_kernel(-1) : NULL, clover_dot_f32_kernel(-1),
+                        clover_axpy_f32_kernel(-1), c->type_k == CLOVER_TYPE_F16 ? NULL : clover_dot_f32x4_kernel(),
+                        c->type_v == CLOVER_TYPE_F16 ? NULL : clover_axpy_f32_rows_kernel()};
+    const att_job job = {qg, att, nh, hd, 0, f->pos0, n_keys_max, f->mode == MODE_PREFIX, scale};
+    /* work items: (KV head, tile of R rows, chunk of hc of its group's heads); the tiles' score
+     * scratch within ATT_SCRATCH floats a thread where it can, and enough items for the threads */
+    const int64_t budget = ATT_SCRATCH, want = c->n_threads > 1 ? 4 * (int64_t)c->n_threads : 1;
+    int64_t R = T < ATT_ROWS ? T : ATT_ROWS, hc = group;
+    while (R > 1 && R * hc * n_keys_max > budget) R = (R + 1) / 2;
+    while (hc % 2 == 0 && hc * n_keys_max > budget) hc /= 2;
+    while (R > 1 && nkv * ((T + R - 1) / R) * (group / hc) < want) R = (R + 1) / 2;
+    while (hc % 2 == 0 && nkv * T * (group / hc) < want) hc /= 2;
+    const int64_t n_tiles = (T + R - 1) / R, n_chunks = group / hc, n_items = nkv * n_tiles * n_chunks;
     int nomem = 0;
-    /* (row, head) pairs are independent: split them over the threads */
 #ifdef _OPENMP
 #pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && T * nh * n_keys_max * hd >= 65536)
 #endif
     {
-        float *scores = malloc(sizeof(float) * (size_t)n_keys_max);
-        if (!scores) {
+        float *sc = malloc(sizeof(float) * (size_t)(R * hc * n_keys_max));
+        double *sum = malloc(sizeof(double) * (size_t)(R * hc));
+        if (!sc || !sum) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
             nomem = 1;
         }
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t th = 0; th < T * nh; th++) {
-            if (!scores) continue;
-            const int64_t t = th / nh, h = th % nh;
-            /* prefix: causal; block: the whole prefix plus every row of the block */
-            const int64_t n_keys = f->mode == MODE_PREFIX ? f->pos0 + t + 1 : n_keys_max;
-            attend_row(qg + (t * nh + h) * 2 * hd, &kv, (h / group) * hd, hd, n_keys, scale, scores,
-                       att + (t * nh + h) * hd);
+        for (int64_t it = 0; it < n_items; it++) { /* the last rows (most keys) first */
+            if (!sc || !sum) continue;
+            const int64_t r = n_tiles - 1 - it / (nkv * n_chunks), g = it / n_chunks % nkv, ch = it % n_chunks;
+            const int64_t t0 = r * R, nt = T - t0 < R ? T - t0 : R;
+            att_job a = job;
+            a.off = g * hd;
+            attend_tile(&a, &kv, t0, nt, g * group + ch * hc, hc, sc, sum);
         }
-        free(scores);
+        free(sc), free(sum);
     }
     if (nomem) goto done;
     rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;

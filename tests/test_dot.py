@@ -38,6 +38,15 @@ typedef float (*clover_dot_f16_fn)(const float *q, const uint16_t *k, int64_t n)
 typedef void (*clover_axpy_f16_fn)(float *o, float p, const uint16_t *v, int64_t n);
 clover_dot_f16_fn clover_dot_f16_kernel(int isa);
 clover_axpy_f16_fn clover_axpy_f16_kernel(int isa);
+typedef float (*clover_dot_f32_fn)(const float *q, const float *k, int64_t n);
+typedef void (*clover_axpy_f32_fn)(float *o, float p, const float *v, int64_t n);
+clover_dot_f32_fn clover_dot_f32_kernel(int isa);
+clover_axpy_f32_fn clover_axpy_f32_kernel(int isa);
+typedef void (*clover_dot_f32x4_fn)(const float *q, const float *k, int64_t k_stride, int64_t n, float *out);
+typedef void (*clover_axpy_f32_rows_fn)(float *o, const float *p, const float *v, int64_t v_stride, int64_t n_rows,
+                                        int64_t n);
+clover_dot_f32x4_fn clover_dot_f32x4_kernel(void);
+clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void);
 """)
 L = ffi.dlopen(_find_library())
 
@@ -244,3 +253,65 @@ def test_f16_kv_kernels_against_float64(n):
         step = np.spacing((np.abs(o0) + np.abs(float(p) * v.astype(np.float32))).astype(np.float32))
         assert np.all(np.abs(o - want_axpy) <= step), isa
     assert len(kernels) == len(isas)  # the AVX2 kernel is not the scalar one
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 31, 32, 40, 256])
+def test_f32_kv_kernels_against_float64(n):
+    """The F32 KV cache's attention kernels (dot.h clover_dot_f32_kernel / clover_axpy_f32_kernel),
+    scalar and, where this CPU has it, AVX2: q . k within 1e-6 of sum |q k| of float64, and
+    o + p v element by element within one float32 step of |o| + |p v|, with +-0, a subnormal
+    and the largest float32 / 2^64 among the values. Row lengths cover the 32- and 8-wide loops
+    and tails."""
+    rng = np.random.default_rng(100 + n)
+    q = rng.standard_normal(n).astype(np.float32)
+    k = (rng.standard_normal(n) * 4).astype(np.float32)
+    for i, x in zip((0, n // 2, n - 1), (1e-40, -0.0, 3.4e38 / 2**64)):
+        k[i] = x
+    v = rng.standard_normal(n).astype(np.float32)
+    o0 = rng.standard_normal(n).astype(np.float32)
+    p = np.float32(-0.61)
+    want_dot = float(q.astype(np.float64) @ k.astype(np.float64))
+    scale = float(np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)))
+    want_axpy = o0.astype(np.float64) + float(p) * v.astype(np.float64)
+    isas = [0] + ([1] if L.clover_dot_best_isa() >= 1 else [])
+    kernels = set()
+    for isa in isas:
+        dot, axpy = L.clover_dot_f32_kernel(isa), L.clover_axpy_f32_kernel(isa)
+        kernels.add(int(ffi.cast("uintptr_t", dot)))
+        got = dot(ffi.cast("float *", q.ctypes.data), ffi.cast("float *", k.ctypes.data), n)
+        assert abs(got - want_dot) <= 1e-6 * scale, (isa, got, want_dot)
+        o = o0.copy()
+        axpy(ffi.cast("float *", o.ctypes.data), float(p), ffi.cast("float *", v.ctypes.data), n)
+        step = np.spacing((np.abs(o0) + np.abs(float(p) * v)).astype(np.float32))
+        assert np.all(np.abs(o - want_axpy) <= step), isa
+    assert len(kernels) == len(isas)  # the AVX2 kernel is not the scalar one
+
+
+@pytest.mark.skipif(L.clover_dot_best_isa() < 2, reason="this CPU has no AVX-512 (the several-key kernels' ISA)")
+@pytest.mark.parametrize("n", [8, 31, 40, 128, 200, 256])
+def test_f32_several_key_kernels_equal_the_one_key_kernels(n):
+    """dot.h clover_dot_f32x4_kernel / clover_axpy_f32_rows_kernel (AVX-512VL, used by attention
+    on F32 caches): 4 keys' q . k, and o += p_j v_j over 13 rows, equal the AVX2 one-key kernels
+    called key by key bit for bit (so a row's attention does not depend on which kernel took which
+    key), on rows inside a strided cache (stride n + 24) with values over 60 binades."""
+    rng = np.random.default_rng(300 + n)
+    stride, rows = n + 24, 13
+    q = rng.standard_normal(n).astype(np.float32)
+    cache = (rng.standard_normal(stride * rows) * np.exp2(rng.integers(-30, 30, stride * rows))).astype(np.float32)
+    dot1, axpy1 = L.clover_dot_f32_kernel(1), L.clover_axpy_f32_kernel(1)
+    dot4, rows_fn = L.clover_dot_f32x4_kernel(), L.clover_axpy_f32_rows_kernel()
+    assert dot4 != ffi.NULL and rows_fn != ffi.NULL
+    fp = lambda a, off=0: ffi.cast("float *", a.ctypes.data) + off  # noqa: E731
+    out = np.empty(4, np.float32)
+    for base in (0, 5, 9):
+        dot4(fp(q), fp(cache, base * stride), stride, n, fp(out))
+        want = [dot1(fp(q), fp(cache, (base + r) * stride), n) for r in range(4)]
+        assert out.tobytes() == np.array(want, np.float32).tobytes(), (base, out, want)
+    p = rng.random(rows).astype(np.float32)
+    o0 = rng.standard_normal(n).astype(np.float32)
+    o_rows, o_one = o0.copy(), o0.copy()
+    rows_fn(fp(o_rows), fp(p), fp(cache), stride, rows, n)
+    for j in range(rows):
+        axpy1(fp(o_one), float(p[j]), fp(cache, j * stride), n)
+    assert o_rows.tobytes() == o_one.tobytes()
+    assert not np.array_equal(o_rows, o0)
