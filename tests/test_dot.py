@@ -222,67 +222,45 @@ def test_q8_0_activation_quantisation_is_llama_cpps():
         [127, 3, -4, 1, -1, 2]  # weights: roundf, half away from zero (gguf-py / ggml ref bytes)
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 33, 256])
-def test_f16_kv_kernels_against_float64(n):
-    """The F16 KV cache's attention kernels (dot.h clover_dot_f16_kernel / clover_axpy_f16_kernel),
-    scalar and, where this CPU has it, AVX2 + F16C: q . k and o + p v with k, v fp16 (random
-    values, subnormals, +-0 and the largest finite 65504 among them) equal float64 on the same
-    fp16 values within 1e-6 of sum |q k| (dot) and, element by element, within one float32 step
-    of |o| + |p v| (axpy: a rounded product and sum, or one fused rounding). Row lengths cover
-    the 16- and 8-wide loops and tails."""
-    rng = np.random.default_rng(n)
+# per KV cache type: numpy dtype, cffi pointer type, kernel selectors, special values among k
+_KV_KERNELS = {
+    "f16": (np.float16, "uint16_t *", "clover_dot_f16_kernel", "clover_axpy_f16_kernel", (6e-8, -0.0, 65504.0)),
+    "f32": (np.float32, "float *", "clover_dot_f32_kernel", "clover_axpy_f32_kernel", (1e-40, -0.0, 3.4e38 / 2**64)),
+}
+
+
+@pytest.mark.parametrize("kv", sorted(_KV_KERNELS))
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 31, 32, 33, 40, 256])
+def test_kv_kernels_against_float64(kv, n):
+    """The attention kernels over F16 and F32 KV caches (dot.h clover_dot_f16_kernel,
+    clover_axpy_f16_kernel, clover_dot_f32_kernel, clover_axpy_f32_kernel), scalar and, where this
+    CPU has it, AVX2 (+ F16C): q . k and o + p v with k, v in the cache's type (random values, a
+    subnormal, -0 and a large finite value among them: fp16's largest, 65504) equal float64 on
+    the same values within 1e-6 of sum |q k| (dot) and, element by element, within one float32
+    step of |o| + |p v| (axpy: a rounded product and sum, or one fused rounding). Row lengths
+    cover the 32-, 16- and 8-wide loops and tails."""
+    dtype, ptr, dot_name, axpy_name, specials = _KV_KERNELS[kv]
+    rng = np.random.default_rng(n + 100 * (kv == "f32"))
     q = rng.standard_normal(n).astype(np.float32)
-    k = (rng.standard_normal(n) * 4).astype(np.float16)
-    for i, x in zip((0, n // 2, n - 1), (6e-8, -0.0, 65504.0)):  # one of each where n allows
+    k = (rng.standard_normal(n) * 4).astype(dtype)
+    for i, x in zip((0, n // 2, n - 1), specials):  # one of each where n allows
         k[i] = x
-    v = rng.standard_normal(n).astype(np.float16)
+    v = rng.standard_normal(n).astype(dtype)
     o0 = rng.standard_normal(n).astype(np.float32)
-    p = np.float32(0.37)
+    p = np.float32(0.37 if kv == "f16" else -0.61)
     want_dot = float(q.astype(np.float64) @ k.astype(np.float64))
     scale = float(np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)))
     want_axpy = o0.astype(np.float64) + float(p) * v.astype(np.float64)
     isas = [0] + ([1] if L.clover_dot_best_isa() >= 1 else [])
     kernels = set()
     for isa in isas:
-        dot, axpy = L.clover_dot_f16_kernel(isa), L.clover_axpy_f16_kernel(isa)
+        dot, axpy = getattr(L, dot_name)(isa), getattr(L, axpy_name)(isa)
         kernels.add(int(ffi.cast("uintptr_t", dot)))
-        got = dot(ffi.cast("float *", q.ctypes.data), ffi.cast("uint16_t *", k.ctypes.data), n)
+        got = dot(ffi.cast("float *", q.ctypes.data), ffi.cast(ptr, k.ctypes.data), n)
         assert abs(got - want_dot) <= 1e-6 * scale, (isa, got, want_dot)
         o = o0.copy()
-        axpy(ffi.cast("float *", o.ctypes.data), float(p), ffi.cast("uint16_t *", v.ctypes.data), n)
+        axpy(ffi.cast("float *", o.ctypes.data), float(p), ffi.cast(ptr, v.ctypes.data), n)
         step = np.spacing((np.abs(o0) + np.abs(float(p) * v.astype(np.float32))).astype(np.float32))
-        assert np.all(np.abs(o - want_axpy) <= step), isa
-    assert len(kernels) == len(isas)  # the AVX2 kernel is not the scalar one
-
-
-@pytest.mark.parametrize("n", [1, 7, 8, 31, 32, 40, 256])
-def test_f32_kv_kernels_against_float64(n):
-    """The F32 KV cache's attention kernels (dot.h clover_dot_f32_kernel / clover_axpy_f32_kernel),
-    scalar and, where this CPU has it, AVX2: q . k within 1e-6 of sum |q k| of float64, and
-    o + p v element by element within one float32 step of |o| + |p v|, with +-0, a subnormal
-    and the largest float32 / 2^64 among the values. Row lengths cover the 32- and 8-wide loops
-    and tails."""
-    rng = np.random.default_rng(100 + n)
-    q = rng.standard_normal(n).astype(np.float32)
-    k = (rng.standard_normal(n) * 4).astype(np.float32)
-    for i, x in zip((0, n // 2, n - 1), (1e-40, -0.0, 3.4e38 / 2**64)):
-        k[i] = x
-    v = rng.standard_normal(n).astype(np.float32)
-    o0 = rng.standard_normal(n).astype(np.float32)
-    p = np.float32(-0.61)
-    want_dot = float(q.astype(np.float64) @ k.astype(np.float64))
-    scale = float(np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)))
-    want_axpy = o0.astype(np.float64) + float(p) * v.astype(np.float64)
-    isas = [0] + ([1] if L.clover_dot_best_isa() >= 1 else [])
-    kernels = set()
-    for isa in isas:
-        dot, axpy = L.clover_dot_f32_kernel(isa), L.clover_axpy_f32_kernel(isa)
-        kernels.add(int(ffi.cast("uintptr_t", dot)))
-        got = dot(ffi.cast("float *", q.ctypes.data), ffi.cast("float *", k.ctypes.data), n)
-        assert abs(got - want_dot) <= 1e-6 * scale, (isa, got, want_dot)
-        o = o0.copy()
-        axpy(ffi.cast("float *", o.ctypes.data), float(p), ffi.cast("float *", v.ctypes.data), n)
-        step = np.spacing((np.abs(o0) + np.abs(float(p) * v)).astype(np.float32))
         assert np.all(np.abs(o - want_axpy) <= step), isa
     assert len(kernels) == len(isas)  # the AVX2 kernel is not the scalar one
 
