@@ -20,7 +20,8 @@ cd "$(dirname "$0")/.."
 dest="${1:-${OUT:-/tmp/clover-device}}"
 out=/tmp/clover-device-logs
 rm -rf "$out" && mkdir -p "$out" "$dest"
-trap 'tar czf "$dest/logs.tgz" -C "$out" . 2>/dev/null || true' EXIT
+pack() { tar czf "$dest/logs.tgz" -C "$out" . 2>/dev/null || true; }  # at every step: a run the tool
+trap pack EXIT                                                          # stops still brings back its logs
 export PYTHONUNBUFFERED=1
 py=python3
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -30,14 +31,14 @@ else
     export PYTHONPATH="$PWD"
 fi
 t0=$(date +%s)
-step() { echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
+step() { pack; echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 
 step "GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 step "build (CLOVER_CUDA=ON)"
 cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DCLOVER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
     > "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
-cmake --build build-cuda -j"$(nproc)" >> "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+timeout -k 10 300 cmake --build build-cuda -j"$(nproc)" >> "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
 export CLOVER_LIB="$PWD/build-cuda/libclover.so"
 $py -c "from clover_gguf._ffi import lib, ffi; b = ffi.new('char[]', 256); n = lib.clover_gpu_devices(b, 256); \
 print(n, ffi.string(b).decode()); raise SystemExit(0 if n > 0 else 1)"
@@ -45,23 +46,23 @@ print(n, ffi.string(b).decode()); raise SystemExit(0 if n > 0 else 1)"
 step "GPU tests (tests/test_cuda.py)"
 set +e
 ptimeout=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout=120" || true)  # a hung test fails alone
-timeout 300 $py -m pytest -q -rs -p no:cacheprovider $ptimeout tests/test_cuda.py 2>&1 | tee "$out/pytest.log"
+timeout -k 10 300 $py -m pytest -q -rs -p no:cacheprovider $ptimeout tests/test_cuda.py 2>&1 | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 
 step "kernels alone (bench/gpu_kernels.py): products with and without tensor cores, attention; us, GB/s, % of copy bw"
-timeout 90 $py bench/gpu_kernels.py --json | tee "$out/kernels.txt" || true
+timeout -k 10 90 $py bench/gpu_kernels.py --json | tee "$out/kernels.txt" || true
 
 step "real-dims 4-layer Q4_K_M model"
 model=/tmp/clover-real4-q4km.gguf
-[ -f "$model" ] || timeout 240 $py bench/make_bench_model.py "$model" --dims real --layers 4 --outtype q4_k_m \
+[ -f "$model" ] || timeout -k 10 240 $py bench/make_bench_model.py "$model" --dims real --layers 4 --outtype q4_k_m \
     --arch clover --unique-experts 16 --no-progress -t "$(nproc)" > "$out/make_model.log" 2>&1 \
     || { tail -30 "$out/make_model.log"; exit 1; }
 
 step "modes on the GPU (-ngl all) and the CPU: tokens/s and greedy tokens"
-timeout 120 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tee "$out/modes_gpu.txt" | tail -1 \
+timeout -k 10 120 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tee "$out/modes_gpu.txt" | tail -1 \
     > "$out/modes_gpu.json" || true
-timeout 120 $py bench/modes.py "$model" -n 64 -t "$(nproc)" --json | tee "$out/modes_cpu.txt" | tail -1 \
+timeout -k 10 120 $py bench/modes.py "$model" -n 64 -t "$(nproc)" --json | tee "$out/modes_cpu.txt" | tail -1 \
     > "$out/modes_cpu.json" || true
 grep -v '^{' "$out/modes_gpu.txt" "$out/modes_cpu.txt" || true
 $py - "$out/modes_gpu.json" "$out/modes_cpu.json" <<'PY' || echo "(no comparison: a modes run failed, see its log above)"
@@ -79,7 +80,7 @@ if "spec" in g:
 PY
 
 step "modes on the GPU without CUDA graphs (CLOVER_CUDA_GRAPHS=0): tokens/s, and the graphs' speed-up"
-CLOVER_CUDA_GRAPHS=0 timeout 90 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tail -1 \
+CLOVER_CUDA_GRAPHS=0 timeout -k 10 90 $py bench/modes.py "$model" -n 64 -t "$(nproc)" -ngl -1 --json | tail -1 \
     > "$out/modes_gpu_nographs.json" || true
 $py - "$out/modes_gpu.json" "$out/modes_gpu_nographs.json" <<'PY' || echo "(no comparison)"
 import json, sys
@@ -90,18 +91,19 @@ for mode in g:
 PY
 
 step "bench (pp512, tg128, block forward): GPU (resident forward, then the per-product path), then CPU"
-timeout 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt" || true
-CLOVER_GPU_RESIDENT=0 timeout 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
+timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 | tee "$out/bench_gpu.txt" || true
+CLOVER_GPU_RESIDENT=0 timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
     | tee "$out/bench_gpu_per_product.txt" || true
 step "bench on the GPU without tensor cores (CLOVER_CUDA_MMA=0: dp4a for every product)"
-CLOVER_CUDA_MMA=0 timeout 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
+CLOVER_CUDA_MMA=0 timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
     | tee "$out/bench_gpu_dp4a.txt" || true
-timeout 90 $py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt" || true
+timeout -k 10 90 $py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt" || true
 if [ "${CLOVER_DEVICE_FULL:-0}" = 1 ]; then  # issue 8: the full 40-layer model and placements
     step "40-layer real-dims Q4_K_M model (about 20 GiB, generated here)"
     full=/tmp/clover-real40-q4km.gguf
-    [ -f "$full" ] || $py bench/make_bench_model.py "$full" --dims real --layers 40 --outtype q4_k_m --arch clover \
-        --unique-experts 16 --no-progress -t "$(nproc)" > "$out/make_full.log" 2>&1
+    [ -f "$full" ] || timeout -k 10 540 $py bench/make_bench_model.py "$full" --dims real --layers 40 \
+        --outtype q4_k_m --arch clover --unique-experts 16 --no-progress -t "$(nproc)" > "$out/make_full.log" 2>&1 \
+        || { tail -30 "$out/make_full.log"; exit 1; }
     bw=$($py -c "import torch; x = torch.empty(2**31, dtype=torch.uint8, device='cuda'); y = torch.empty_like(x); \
 torch.cuda.synchronize(); import time; t = time.perf_counter(); [y.copy_(x) for _ in range(20)]; torch.cuda.synchronize(); \
 print(2 * 20 * x.numel() / (time.perf_counter() - t))" 2>/dev/null || echo 0)

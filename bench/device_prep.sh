@@ -8,11 +8,13 @@
 #                 and the tests read ROOT/shared/data when ../shared is absent)
 # Both are listed in .git/info/exclude (never committed) and must be named in the call's carry:
 #   run(command="bash bench/device_check.sh", carry=[".whl", "shared"], timeout_s=540)
-# Usage: bash bench/device_prep.sh [SHARED_DIR]   (default ../shared)
+# Usage: bash bench/device_prep.sh [SHARED_DIR]   (default: ../shared beside the checkout)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-shared="${1:-../shared}"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+shared="$(cd "${1:-$root/../shared}" 2>/dev/null && pwd)" || { echo "device_prep: ${1:-../shared} not found" >&2; exit 1; }
 [ -d "$shared/data" ] || { echo "device_prep: $shared/data not found" >&2; exit 1; }
+[ "$shared" != "$root/shared" ] || { echo "device_prep: $shared is the copy this script makes" >&2; exit 1; }
+cd "$root"
 mkdir -p .git/info
 for p in /.whl/ /shared/; do grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
 rm -rf .whl && mkdir -p .whl

@@ -440,6 +440,7 @@ def make_checkpoint(
     max_shard_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     extra_config: dict | None = None,
+    text_overrides: dict | None = None,
     lm_head_gain: float = LM_HEAD_GAIN,
     router_gain: float = ROUTER_GAIN,
     progress: bool = False,
@@ -456,7 +457,8 @@ def make_checkpoint(
     max_shard_bytes: shard limit (default 2 GB; always at most half the total, so there are at
     least two shards). Weights are stored as ``dtype`` (bf16 default). lm_head_gain /
     router_gain: std * sqrt(hidden) of the LM head and router weights (defaults LM_HEAD_GAIN,
-    ROUTER_GAIN). extra_config: keys merged into config.json last. mtp: number of MTP layers
+    ROUTER_GAIN). extra_config: keys merged into config.json last. text_overrides: keys of the text
+    config that the tensors' shapes follow too (e.g. ``{"num_attention_heads": 6}``). mtp: number of MTP layers
     (``mtp_num_hidden_layers`` in config.json; True = 1): the ``mtp.*`` tensors of
     ``param_specs`` are written after the trunk (top level, whatever ``prefix``). Adding them
     changes no other tensor's values. Raises ValueError on bad options.
@@ -466,6 +468,7 @@ def make_checkpoint(
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = text_config(dims, n_layers)
+    cfg.update(text_overrides or {})
     if int(mtp) < 0:
         raise ValueError(f"mtp: {mtp} (expected >= 0)")
     cfg["mtp_num_hidden_layers"] = int(mtp)

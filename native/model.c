@@ -1089,6 +1089,13 @@ static int gpu_attention(fwd *f, const clover_layer *ly, const float *qg, float 
     return rc;
 }
 
+/* The largest divisor of n (> 0) that is at most cap, and at least 1. */
+static int64_t divisor_at_most(int64_t n, int64_t cap) {
+    for (int64_t d = cap < n ? cap : n; d > 1; d--)
+        if (n % d == 0) return d;
+    return 1;
+}
+
 static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
@@ -1134,14 +1141,15 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
                         clover_axpy_f32_kernel(-1), c->type_k == CLOVER_TYPE_F16 ? NULL : clover_dot_f32x4_kernel(),
                         c->type_v == CLOVER_TYPE_F16 ? NULL : clover_axpy_f32_rows_kernel()};
     const att_job job = {qg, att, nh, hd, 0, f->pos0, n_keys_max, f->mode == MODE_PREFIX, scale};
-    /* work items: (KV head, tile of R rows, chunk of hc of its group's heads); the tiles' score
-     * scratch within ATT_SCRATCH floats a thread where it can, and enough items for the threads */
+    /* work items: (KV head, tile of R rows, chunk of hc of its group's heads, hc dividing the
+     * group); the tiles' score scratch within ATT_SCRATCH floats a thread where it can, and
+     * enough items for the threads */
     const int64_t budget = ATT_SCRATCH, want = c->n_threads > 1 ? 4 * (int64_t)c->n_threads : 1;
-    int64_t R = T < ATT_ROWS ? T : ATT_ROWS, hc = group;
+    int64_t R = T < ATT_ROWS ? T : ATT_ROWS, hc = divisor_at_most(group, budget / n_keys_max);
     while (R > 1 && R * hc * n_keys_max > budget) R = (R + 1) / 2;
-    while (hc % 2 == 0 && hc * n_keys_max > budget) hc /= 2;
     while (R > 1 && nkv * ((T + R - 1) / R) * (group / hc) < want) R = (R + 1) / 2;
-    while (hc % 2 == 0 && nkv * T * (group / hc) < want) hc /= 2;
+    const int64_t fed = group * nkv * T / want; /* the largest chunk giving want items at R = 1 */
+    if (nkv * T * (group / hc) < want) hc = divisor_at_most(group, hc < fed ? hc : fed);
     const int64_t n_tiles = (T + R - 1) / R, n_chunks = group / hc, n_items = nkv * n_tiles * n_chunks;
     int nomem = 0;
 #ifdef _OPENMP

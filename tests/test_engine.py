@@ -277,6 +277,27 @@ def test_attention_tiles_leave_each_row_unchanged(ref, gguf_of, type_kv):
         assert d <= 1e-3
 
 
+def test_attention_tiles_with_an_odd_gqa_group(make_ckpt, make_gguf):
+    """A GQA group of 3 heads (6 query heads, 2 KV heads): one-token steps split a group's heads
+    into chunks of 1 to feed 2 threads (attention_layer: chunks divide the group), the 70-token
+    prefill keeps whole groups; the logits are equal bit for bit (with the GDN's recurrence) and
+    match the reference within 1e-3."""
+    opts = {"text_overrides": {"num_attention_heads": 6, "num_key_value_heads": 2}}
+    r = reference.CloverReference.from_pretrained(make_ckpt(**opts), dtype=torch.float32)
+    assert r.config.num_attention_heads == 6
+    toks = _prompt(r, 70, seed=12)
+    with Model(str(make_gguf("f32", **opts)), n_ctx=128, n_threads=2) as m:
+        assert m.hparams["n_head"] == 6 and m.hparams["n_head_kv"] == 2
+        lib.clover_context_set_gdn_chunked(_ctx(m), 0)
+        whole = _prefill(m, toks)
+        lib.clover_context_reset(_ctx(m))
+        steps = np.concatenate([_prefill(m, [t]) for t in toks])
+    assert np.array_equal(whole, steps), f"max abs diff {_max_diff(whole, steps):.2e}"
+    d = _max_diff(whole, r.prefix_logits(toks).numpy())
+    print(f"6 heads / 2 KV heads, 70-token prefill vs the reference: max abs diff {d:.2e}")
+    assert d <= 1e-3
+
+
 _internal = cffi.FFI()
 _internal.cdef("int64_t clover_context_passes(const void *c);")  # engine.h, for tests
 _passes = _internal.dlopen(_ffi._find_library()).clover_context_passes
