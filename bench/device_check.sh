@@ -5,8 +5,8 @@
 # tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
 # forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
 #
-#   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to /tmp/clover-device-logs, packed at exit
-#                                                # into OUT_DIR/logs.tgz (default $OUT or /tmp/clover-device):
+#   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to /tmp/clover-device-logs, packed at each
+#                                                # step into OUT_DIR/logs.tgz (default $OUT or /tmp/clover-device):
 #                                                # the device tool brings back at most 8 files
 #   CLOVER_DEVICE_FULL=1 bash bench/device_check.sh   # also the 40-layer model: all on the GPU, experts on
 #                                                      # the CPU, a 12 GB budget (issue 8; several minutes more)
