@@ -178,10 +178,10 @@ static inline CLOVER_OP_HD void clover_logit_op_apply(float *z, int64_t V, clove
     if (o.kind == CLOVER_OP_PENALTY) {
         float v = z[o.id];
         if (repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
-#ifdef __CUDA_ARCH__
-        if (o.count > 0) v -= __fmul_rn((float)o.count, frequency) + presence; /* never fused (nvcc contracts a * b + c) */
+#ifdef __CUDA_ARCH__ /* nvcc contracts a * b + c into an FMA; C11 does not: the product rounded alone */
+        if (o.count > 0) v -= __fmul_rn((float)o.count, frequency) + presence;
 #else
-        if (o.count > 0) v -= (float)o.count * frequency + presence; /* C11: not contracted */
+        if (o.count > 0) v -= (float)o.count * frequency + presence;
 #endif
         z[o.id] = v;
     } else if (o.kind == CLOVER_OP_ADD) {
