@@ -83,24 +83,41 @@ def seeds(make_gguf, tmp_path_factory) -> list[pathlib.Path]:
     return files
 
 
+_SAN_ENV = dict(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
+                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=1")
+
+
+def _report(returncode: int, stdout: str, stderr: str) -> dict:
+    assert returncode == 0, f"exit {returncode}\n{stderr[-6000:]}"
+    assert "ERROR: AddressSanitizer" not in stderr and "runtime error" not in stderr, stderr[-6000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 def _run(cmd, **kw) -> dict:
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-6000:]}"
-    assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **_SAN_ENV), **kw)
+    return _report(r.returncode, r.stdout, r.stderr)
 
 
 def test_fuzz_fixed_seed_run(san_build, seeds, tmp_path):
-    rep = _run([str(san_build / "fuzz_gguf"), "--iters", str(FUZZ_ITERS), "--seed", "1", "--out", str(tmp_path),
-                *map(str, seeds)], timeout=1800)
-    assert rep["inputs"] == FUZZ_ITERS and rep["findings"] == 0
-    assert not list(tmp_path.glob("crash-*")), "the harness wrote a crash input"
-    assert all(v > 0 for v in rep["ops"].values()), rep["ops"]
-    assert all(v > 0 for v in rep["fields"].values()), rep["fields"]  # every field kind was mutated
-    assert 0 < rep["model_ok"] < rep["inputs"] and rep["forwards"] > 0, rep
-    print(json.dumps(rep))
+    """FUZZ_ITERS mutated inputs in two processes at once (seeds 1 and 2, half each: the harness is
+    single-threaded and CI has 2 cores): no finding, every operation and field kind used by each,
+    some inputs loading and running forwards."""
+    procs = []
+    for seed, n in ((1, FUZZ_ITERS // 2), (2, FUZZ_ITERS - FUZZ_ITERS // 2)):
+        out = tmp_path / f"seed{seed}"
+        out.mkdir()
+        cmd = [str(san_build / "fuzz_gguf"), "--iters", str(n), "--seed", str(seed), "--out", str(out), *map(str, seeds)]
+        procs.append((n, out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                               env=dict(os.environ, **_SAN_ENV))))
+    for n, out, p in procs:
+        stdout, stderr = p.communicate(timeout=1800)
+        rep = _report(p.returncode, stdout, stderr)
+        assert rep["inputs"] == n and rep["findings"] == 0
+        assert not list(out.glob("crash-*")), "the harness wrote a crash input"
+        assert all(v > 0 for v in rep["ops"].values()), rep["ops"]
+        assert all(v > 0 for v in rep["fields"].values()), rep["fields"]  # every field kind was mutated
+        assert 0 < rep["model_ok"] < rep["inputs"] and rep["forwards"] > 0, rep
+        print(json.dumps(rep))
 
 
 def test_truncation_at_every_byte(san_build, seeds, tmp_path):
