@@ -13,7 +13,10 @@ Tests (all from random valid token ids, seeded):
   after the same ``n_prompt``-token prefix, last-row logits.
 
 Each repetition resets the context, times pp, then (at n_past = n_prompt) block and commit;
-tg runs separately from an empty context. A warm-up (one pp of ``n_prompt`` tokens and one tg
+tg runs separately from an empty context. With ``n_depth`` D > 0 (llama-bench's ``-d``), every
+test starts instead after an untimed prefix-mode forward of D random tokens: ``pp512 @ d4096``
+is then the speed of a 512-token prompt appended to a 4096-token context, ``tg128 @ d4096`` the
+speed of decoding there (attention reads D more keys per row). A warm-up (one pp of ``n_prompt`` tokens and one tg
 step, as llama-bench) runs first and is not counted. Figures are mean and sample standard
 deviation over the repetitions. Nothing here imports torch.
 """
@@ -211,7 +214,7 @@ def _check_pos(name: str, v: int) -> int:
 def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
               block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0,
-              n_cpu_moe: int = 0, type_k: str | int = "f32", type_v: str | int = "f32") -> dict:
+              n_cpu_moe: int = 0, type_k: str | int = "f32", type_v: str | int = "f32", n_depth: int = 0) -> dict:
     """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
 
     Args:
@@ -221,7 +224,8 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         commit: False skips the commit test; n_gpu_layers: layers whose weight products run on
             the GPU (-1 = all and the output; CloverError without a usable GPU); n_cpu_moe: the
             routed experts of the first n_cpu_moe layers stay on the CPU; type_k, type_v: the KV
-            cache types (``"f16"``, ``"f32"``; :func:`clover_gguf.api.cache_type`).
+            cache types (``"f16"``, ``"f32"``; :func:`clover_gguf.api.cache_type`); n_depth: tokens
+            in the context before every test (int >= 0, untimed; module docstring).
 
     Returns a dict: ``model`` (:func:`model_summary`), ``threads`` (int, the resolved
     count), ``params`` (the arguments), ``results`` (list of :class:`BenchResult`, in order
@@ -233,12 +237,15 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
                                 (("n_prompt", n_prompt), ("n_gen", n_gen), ("reps", reps), ("block_size", block_size)))
     if isinstance(coreset_top_p, bool) or not (isinstance(coreset_top_p, (int, float)) and 0 < coreset_top_p <= 1):
         raise ValueError(f"coreset_top_p: {coreset_top_p!r} must be in (0, 1]")
+    if isinstance(n_depth, bool) or not isinstance(n_depth, (int, np.integer)) or n_depth < 0:
+        raise ValueError(f"n_depth: {n_depth!r} must be an integer >= 0")
+    D = int(n_depth)
     threads = 0 if n_threads is None else int(n_threads)
     if threads < 0:
         raise ValueError(f"n_threads: {threads} must be >= 0")
     summary = model_summary(path)
     type_k, type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
-    eng = _Engine(path, max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe, type_k, type_v)
+    eng = _Engine(path, D + max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe, type_k, type_v)
     gpu_layers = eng.n_gpu_layers
     try:
         hp = eng.hp
@@ -246,10 +253,11 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         do_block = bool(hp.is_clover) if block is None else (bool(block) and bool(hp.is_clover))
         rng = np.random.default_rng(seed)
         last = ffi.new("float[]", V)
-        pp = BenchResult(f"pp{n_prompt}", n_prompt)
-        tg = BenchResult(f"tg{n_gen}", n_gen)
-        blk = BenchResult(f"block{B}", B, extra={"coreset_top_p": float(coreset_top_p), "prefix": n_prompt})
-        com = BenchResult(f"commit{B}", B, extra={"prefix": n_prompt})
+        at = f" @ d{D}" if D else ""
+        pp = BenchResult(f"pp{n_prompt}{at}", n_prompt)
+        tg = BenchResult(f"tg{n_gen}{at}", n_gen)
+        blk = BenchResult(f"block{B}{at}", B, extra={"coreset_top_p": float(coreset_top_p), "prefix": D + n_prompt})
+        com = BenchResult(f"commit{B}{at}", B, extra={"prefix": D + n_prompt})
         blk_logits = ffi.new("float[]", B * V) if do_block else ffi.NULL
         n_exp = ffi.new("int32_t[]", max(int(hp.n_layer), 1))
         mask = int(hp.mask_token_id)
@@ -259,21 +267,26 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         def toks(n):
             return ffi.new("int32_t[]", rng.integers(0, V, n).tolist())
 
+        def reset():  # an empty context, then the D-token prefix (untimed)
+            lib.clover_context_reset(eng.c)
+            if D:
+                eng.prefill(toks(D), D, last)
+
         if warmup:
             lib.clover_context_reset(eng.c)
             eng.prefill(toks(n_prompt), n_prompt, last)
             lib.clover_context_reset(eng.c)
             eng.prefill(toks(1), 1, last)
         for _ in range(reps):
-            lib.clover_context_reset(eng.c)
+            reset()
             pp.seconds.append(eng.prefill(toks(n_prompt), n_prompt, last))
-            if do_block:  # read-only on the caches: n_past stays n_prompt
+            if do_block:  # read-only on the caches: n_past stays D + n_prompt
                 blk.seconds.append(eng.block(blk_toks, B, float(coreset_top_p), blk_logits, n_exp))
                 distinct.append(float(np.mean([n_exp[i] for i in range(int(hp.n_layer))])))
             if commit:
                 com.seconds.append(eng.prefill(toks(B), B, last))
         for _ in range(reps):
-            lib.clover_context_reset(eng.c)
+            reset()
             ids = toks(n_gen)
             total = 0.0
             for i in range(n_gen):
@@ -298,7 +311,7 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
     return {"model": summary, "threads": threads, "results": results, "block_vs_tg": ratio,
             "params": {"n_prompt": n_prompt, "n_gen": n_gen, "reps": reps, "block_size": B,
                        "coreset_top_p": float(coreset_top_p), "seed": seed, "warmup": warmup,
-                       "type_k": type_k, "type_v": type_v},
+                       "type_k": type_k, "type_v": type_v, "n_depth": D},
             "n_gpu_layers": gpu_layers}
 
 

@@ -287,7 +287,7 @@ def cmd_bench(a) -> int:
                         n_threads=a.threads, block_size=a.block_size, coreset_top_p=a.coreset_top_p,
                         seed=a.seed, warmup=not a.no_warmup, n_gpu_layers=gpu_layers(a),
                         n_cpu_moe=placement_kwargs(a).get("n_cpu_moe", 0), type_k=a.cache_type_k,
-                        type_v=a.cache_type_v)
+                        type_v=a.cache_type_v, n_depth=a.n_depth)
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None
     print(to_json(rep) if a.json else format_table(rep))
@@ -440,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-m", "--model", required=True, help="GGUF file")
     b.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="prompt tokens of pp and prefix of block/commit (512)")
     b.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="tokens of tg (128)")
+    b.add_argument("-d", "--n-depth", type=_nonneg_int, default=0,
+                   help="tokens already in the context before each test, untimed (0; llama-bench's -d)")
     b.add_argument("-r", "--repetitions", type=_positive_int, default=5, help="repetitions of each test (5)")
     b.add_argument("-t", "--threads", type=_nonneg_int, default=None, help="CPU threads (all cores)")
     b.add_argument("--block-size", type=_positive_int, default=32, help="rows of the block and commit forwards (32)")

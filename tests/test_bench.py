@@ -116,6 +116,28 @@ def test_format_and_json(clover_gguf_path):
     assert obj["results"][0]["seconds"] == rep["results"][0].seconds
 
 
+def test_depth_prefills_before_every_test(clover_gguf_path, monkeypatch):
+    """n_depth (llama-bench's -d): every pp, block/commit and tg repetition starts after an
+    untimed forward of D tokens into a fresh context, and the names carry llama-bench's "@ dD"."""
+    from clover_gguf import bench
+
+    calls = []
+    real = bench._Engine.prefill
+
+    def spy(self, toks, n, logits):
+        calls.append(n)
+        return real(self, toks, n, logits)
+
+    monkeypatch.setattr(bench._Engine, "prefill", spy)
+    rep = run_bench(clover_gguf_path, **SMALL, n_depth=7, warmup=False)
+    assert [r.name for r in rep["results"]] == ["pp12 @ d7", "tg5 @ d7", "block8 @ d7", "commit8 @ d7"]
+    assert rep["params"]["n_depth"] == 7 and rep["results"][2].extra["prefix"] == 7 + 12
+    # per repetition: depth, pp, commit; then per repetition: depth, then 5 single-token steps
+    assert calls == [7, 12, 8] * 2 + ([7] + [1] * 5) * 2
+    with pytest.raises(ValueError, match="n_depth"):
+        run_bench(clover_gguf_path, **SMALL, n_depth=-1)
+
+
 def test_bad_arguments(clover_gguf_path):
     with pytest.raises(ValueError, match="n_prompt"):
         run_bench(clover_gguf_path, n_prompt=0)
@@ -134,6 +156,12 @@ def test_cli_bench(clover_gguf_path, capsys, tmp_path):
     assert rc == 0
     out = capsys.readouterr().out
     assert "| pp8 " in out and "| tg3 " in out and "| block32 " in out
+    rc = main(["bench", "-m", str(clover_gguf_path), "-p", "4", "-n", "2", "-d", "5", "-r", "1", "-t", "1",
+               "--block-size", "4", "--json"])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert [x["test"] for x in obj["results"]] == ["pp4 @ d5", "tg2 @ d5", "block4 @ d5", "commit4 @ d5"]
+    assert obj["params"]["n_depth"] == 5
     assert main(["bench", "-m", str(tmp_path / "missing.gguf")]) == 2
     assert "not found" in capsys.readouterr().err
     assert main(["bench", "-m", str(clover_gguf_path), "--coreset-top-p", "0"]) == 2
