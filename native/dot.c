@@ -271,6 +271,48 @@ clover_axpy_f32_fn clover_axpy_f32_kernel(int isa) {
     return f ? f : axpy_f32_scalar;
 }
 
+typedef float gemm_v4 __attribute__((vector_size(16), aligned(4))); /* GCC/Clang vector extension */
+
+/* The portable float32 product (dot.h clover_gemm_f32_kernel): 4 rows x 8 columns a block, in
+ * 4-lane vectors (SSE2 on any x86-64, NEON on arm64; wider vectors on a target without them
+ * fall apart into scalar code). */
+static void gemm_f32_portable(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                              const float *B, int64_t ldb, float *C, int64_t ldc) {
+    int64_t i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) {
+        int64_t n0 = 0;
+        for (; n0 + 8 <= N; n0 += 8) {
+            gemm_v4 c[4][2] = {{{0}}};
+            for (int64_t m = 0; m < K; m++) {
+                const gemm_v4 b0 = *(const gemm_v4 *)(B + m * ldb + n0), b1 = *(const gemm_v4 *)(B + m * ldb + n0 + 4);
+                for (int r = 0; r < 4; r++) {
+                    const float a = A[(i0 + r) * lda + m];
+                    c[r][0] += a * b0, c[r][1] += a * b1;
+                }
+            }
+            for (int r = 0; r < 4; r++)
+                for (int x = 0; x < 2; x++) *(gemm_v4 *)(C + (i0 + r) * ldc + n0 + 4 * x) += alpha * c[r][x];
+        }
+        for (; n0 < N; n0++)
+            for (int r = 0; r < 4; r++) {
+                float acc = 0;
+                for (int64_t m = 0; m < K; m++) acc += A[(i0 + r) * lda + m] * B[m * ldb + n0];
+                C[(i0 + r) * ldc + n0] += alpha * acc;
+            }
+    }
+    for (; i0 < M; i0++)
+        for (int64_t n = 0; n < N; n++) {
+            float acc = 0;
+            for (int64_t m = 0; m < K; m++) acc += A[i0 * lda + m] * B[m * ldb + n];
+            C[i0 * ldc + n] += alpha * acc;
+        }
+}
+
+clover_gemm_f32_fn clover_gemm_f32_kernel(int isa) {
+    const clover_gemm_f32_fn f = f16_wide(isa) ? clover_gemm_f32_avx2() : NULL;
+    return f ? f : gemm_f32_portable;
+}
+
 clover_dot_f32x4_fn clover_dot_f32x4_kernel(void) {
     return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_dot_f32x4_avx512() : NULL;
 }

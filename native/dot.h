@@ -103,6 +103,18 @@ clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void);
 clover_dot_f32x4_fn clover_dot_f32x4_avx512(void);
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void);
 
+/* A float32 matrix product, the chunk-level products of the chunked GDN (model.c
+ * gdn_chunked_head): C[i][n] += alpha * sum_m A[i lda + m] B[m ldb + n] for i < M, n < N, m < K
+ * (row-major, leading dimensions lda, ldb, ldc in floats; C must not overlap A or B). Blocks of
+ * 4 rows x 16 (portable: 8) columns keep their sums in registers while B streams once per block;
+ * each sum runs over m in order. clover_gemm_f32_kernel(isa): the AVX2 + FMA kernel when isa (< 0
+ * or past this CPU's: its best) is AVX2 or wider, else the portable one (GCC vector extensions,
+ * separate multiplies and adds), never NULL. */
+typedef void (*clover_gemm_f32_fn)(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                   const float *B, int64_t ldb, float *C, int64_t ldc);
+clover_gemm_f32_fn clover_gemm_f32_kernel(int isa);
+clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no AVX2 code */
+
 /* The AVX-512 4-row kernels of the Q8_0 family (Q8_0, Q4_0, IQ4_NL, MXFP4) read activation
  * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0, those of Q4_K and Q5_K
  * Q8_K rows in the K-permuted layout made by clover_x4_pack_q8_K, and the other K-quant ones

@@ -135,7 +135,59 @@ static AVX2 void axpy_f32(float *o, float p, const float *v, int64_t n) {
     for (; i < n; i++) o[i] += p * v[i];
 }
 
+/* R (<= 4) rows of the float32 product (dot.h clover_gemm_f32_kernel): per 16 columns, 2R
+ * 8-lane sums over m in order by FMA, then C += alpha * sum by FMA; the last columns 8 and then
+ * 1 at a time. */
+static inline __attribute__((always_inline)) AVX2 void gemm_rows(int R, int64_t N, int64_t K, float alpha,
+                                                                 const float *A, int64_t lda, const float *B,
+                                                                 int64_t ldb, float *C, int64_t ldc) {
+    const __m256 al = _mm256_set1_ps(alpha);
+    int64_t n0 = 0;
+    for (; n0 + 16 <= N; n0 += 16) {
+        __m256 c[4][2];
+        for (int r = 0; r < R; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+        for (int64_t m = 0; m < K; m++) {
+            const __m256 b0 = _mm256_loadu_ps(B + m * ldb + n0), b1 = _mm256_loadu_ps(B + m * ldb + n0 + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 a = _mm256_broadcast_ss(A + r * lda + m);
+                c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]), c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int x = 0; x < 2; x++) {
+                float *cp = C + r * ldc + n0 + 8 * x;
+                _mm256_storeu_ps(cp, _mm256_fmadd_ps(al, c[r][x], _mm256_loadu_ps(cp)));
+            }
+    }
+    for (; n0 + 8 <= N; n0 += 8) {
+        __m256 c[4];
+        for (int r = 0; r < R; r++) c[r] = _mm256_setzero_ps();
+        for (int64_t m = 0; m < K; m++) {
+            const __m256 b0 = _mm256_loadu_ps(B + m * ldb + n0);
+            for (int r = 0; r < R; r++) c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(A + r * lda + m), b0, c[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            float *cp = C + r * ldc + n0;
+            _mm256_storeu_ps(cp, _mm256_fmadd_ps(al, c[r], _mm256_loadu_ps(cp)));
+        }
+    }
+    for (; n0 < N; n0++)
+        for (int r = 0; r < R; r++) {
+            float acc = 0.0f;
+            for (int64_t m = 0; m < K; m++) acc = __builtin_fmaf(A[r * lda + m], B[m * ldb + n0], acc);
+            C[r * ldc + n0] = __builtin_fmaf(alpha, acc, C[r * ldc + n0]);
+        }
+}
+
+static AVX2 void gemm_f32(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
+                          int64_t ldb, float *C, int64_t ldc) {
+    int64_t i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) gemm_rows(4, N, K, alpha, A + i0 * lda, lda, B, ldb, C + i0 * ldc, ldc);
+    for (; i0 < M; i0++) gemm_rows(1, N, K, alpha, A + i0 * lda, lda, B, ldb, C + i0 * ldc, ldc);
+}
+
 clover_dot_f16_fn clover_dot_f16_avx2(void) { return dot_f16; }
+clover_gemm_f32_fn clover_gemm_f32_avx2(void) { return gemm_f32; }
 clover_axpy_f16_fn clover_axpy_f16_avx2(void) { return axpy_f16; }
 clover_dot_f32_fn clover_dot_f32_avx2(void) { return dot_f32; }
 clover_axpy_f32_fn clover_axpy_f32_avx2(void) { return axpy_f32; }
@@ -156,6 +208,7 @@ clover_vec_dot_fn clover_dot_avx2(int type) {
     return NULL;
 }
 clover_dot_f16_fn clover_dot_f16_avx2(void) { return NULL; }
+clover_gemm_f32_fn clover_gemm_f32_avx2(void) { return NULL; }
 clover_axpy_f16_fn clover_axpy_f16_avx2(void) { return NULL; }
 clover_dot_f32_fn clover_dot_f32_avx2(void) { return NULL; }
 clover_axpy_f32_fn clover_axpy_f32_avx2(void) { return NULL; }

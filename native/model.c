@@ -18,6 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...) {
     if (err && err_size > 0) {
@@ -918,6 +921,31 @@ static void rope_neox(float *v, int64_t pos, int rd, float theta) {
     }
 }
 
+/* Subnormal floats (below 2^-126 in magnitude) read and written as zero by the calling thread
+ * from here to flush_subnormals_end(previous state) (x86: MXCSR's DAZ and FTZ bits; elsewhere
+ * nothing), in the GDN's and attention's parallel regions. The GDN's decays exp(G) drive chunk
+ * products and states into that range (attention's weights of far keys can fall there too), and
+ * an x86 multiply or add with a subnormal operand or result takes a microcode assist: dot.h's
+ * AVX2 gemm ran at 0.14 GMAC/s on subnormal inputs against 23 on normal ones on the development
+ * machine, and a real-dims GDN layer's 512-row prefill took 100 ms with them, 52 ms without. */
+static unsigned flush_subnormals_begin(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    const unsigned prev = _mm_getcsr();
+    _mm_setcsr(prev | 0x8040u); /* FTZ (bit 15), DAZ (bit 6) */
+    return prev;
+#else
+    return 0;
+#endif
+}
+
+static void flush_subnormals_end(unsigned prev) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(prev);
+#else
+    (void)prev;
+#endif
+}
+
 /* A layer's KV cache as attend_tile reads it: K and V rows kvd elements apart, each fp16 (dot_k,
  * axpy_v: the F16 kernels of dot.h; NULL for float32) or float32 (dot_k32, axpy_v32, and where
  * the CPU has them their several-key forms, equal to them bit for bit). */
@@ -1156,6 +1184,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
 #pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && T * nh * n_keys_max * hd >= 65536)
 #endif
     {
+        const unsigned csr = flush_subnormals_begin(); /* weights exp(s - max) of far keys: subnormal */
         float *sc = malloc(sizeof(float) * (size_t)(R * hc * n_keys_max));
         double *sum = malloc(sizeof(double) * (size_t)(R * hc));
         if (!sc || !sum) {
@@ -1176,6 +1205,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
             attend_tile(&a, &kv, t0, nt, g * group + ch * hc, hc, sc, sum);
         }
         free(sc), free(sum);
+        flush_subnormals_end(csr);
     }
     if (nomem) goto done;
     rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
@@ -1320,54 +1350,16 @@ CLOVER_CLONES static void gdn_backward_head(const gdn_dims *d, const float *conv
  *   V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), j <= i) V'
  *   S <- exp(G_L) S + (K * exp(G_L - G))^T V'
  * It equals gdn_recurrent_head up to rounding (tested). scratch: gdn_scratch_floats(). */
-/* C[i][n] += alpha * sum_m A[i * lda + m] * B[m * ldb + n] for i < M, n < N, m < K: the
- * chunk-level products of the chunked GDN (V' = U - W S, the readout Q S, the state update
- * K'^T V'). Blocks of 4 rows x 16 columns keep their sums in registers while B streams once
- * per block (inlined into the target_clones callers, so vectorised per ISA). */
-typedef float gemm_v8 __attribute__((vector_size(32), aligned(4))); /* GCC/Clang vector extension */
-
-static inline __attribute__((always_inline)) void gemm_acc(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
-                            const float *B, int64_t ldb, float *C, int64_t ldc) {
-    int64_t i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4) {
-        int64_t n0 = 0;
-        for (; n0 + 16 <= N; n0 += 16) {
-            gemm_v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
-            const float *a0 = A + i0 * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-            for (int64_t m = 0; m < K; m++) {
-                const gemm_v8 b0 = *(const gemm_v8 *)(B + m * ldb + n0);
-                const gemm_v8 b1 = *(const gemm_v8 *)(B + m * ldb + n0 + 8);
-                c00 += a0[m] * b0, c01 += a0[m] * b1;
-                c10 += a1[m] * b0, c11 += a1[m] * b1;
-                c20 += a2[m] * b0, c21 += a2[m] * b1;
-                c30 += a3[m] * b0, c31 += a3[m] * b1;
-            }
-            const gemm_v8 acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-            for (int r = 0; r < 4; r++)
-                for (int h = 0; h < 2; h++) {
-                    gemm_v8 *c = (gemm_v8 *)(C + (i0 + r) * ldc + n0 + 8 * h);
-                    *c += alpha * acc[r][h];
-                }
-        }
-        for (; n0 < N; n0++)
-            for (int r = 0; r < 4; r++) {
-                float acc = 0;
-                for (int64_t m = 0; m < K; m++) acc += A[(i0 + r) * lda + m] * B[m * ldb + n0];
-                C[(i0 + r) * ldc + n0] += alpha * acc;
-            }
-    }
-    for (; i0 < M; i0++)
-        for (int64_t m = 0; m < K; m++) {
-            const float a = alpha * A[i0 * lda + m];
-            for (int64_t n = 0; n < N; n++) C[i0 * ldc + n] += a * B[m * ldb + n];
-        }
-}
-
 #define GDN_CHUNK 64
 CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                              int64_t h, float *S, float *o, float *scratch) {
     const int64_t dk = d->dk, dv = d->dv, CH = GDN_CHUNK;
+    const clover_gemm_f32_fn gemm = clover_gemm_f32_kernel(-1); /* dot.h: C += alpha A B */
     float *A = scratch, *U = A + CH * CH, *W = U + CH * dv, *G = W + CH * dk, *row = G + CH;
+    float *Kt = row + CH; /* [dk][L]: the chunk's K^T, at the end K'^T with K'_j = exp(G_L - G_j) k_j */
+    float *E = Kt + CH * dk; /* [L][CH]: the decay exp(G_i - G_j) for j <= i, else 0 */
+    float *Kc = E + CH * CH, *Vc = Kc + CH * dk; /* the chunk's k and v rows packed ([L][dk], [L][dv]): a
+                                                    product's B rows C floats apart would share cache sets */
     for (int64_t t0 = 0; t0 < T; t0 += CH) {
         const int64_t L = T - t0 < CH ? T - t0 : CH;
         double acc = 0;
@@ -1375,77 +1367,75 @@ CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv,
             acc += g[(t0 + i) * d->Hv + h];
             G[i] = (float)acc;
         }
-        /* A[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j), j < i */
-        for (int64_t i = 0; i < L; i++) {
-            const float *ki = GDN_K(d, conv, t0 + i, h);
-            float bi = beta[(t0 + i) * d->Hv + h];
-            for (int64_t j = 0; j < L; j++) {
-                float a = 0;
-                if (j < i) {
-                    const float *kj = GDN_K(d, conv, t0 + j, h);
-                    a = -bi * dotf(ki, kj, dk) * expf(G[i] - G[j]);
-                }
-                A[i * CH + j] = a;
-            }
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < L; j++) E[i * CH + j] = j <= i ? expf(G[i] - G[j]) : 0.0f;
+        /* Kc, Vc and Kt = K^T [dk][L] (the chunk's keys as gemm's B), then A = K K^T */
+        const float *Q0 = GDN_Q(d, conv, t0, h);
+        for (int64_t j = 0; j < L; j++) {
+            memcpy(Kc + j * dk, GDN_K(d, conv, t0 + j, h), sizeof(float) * (size_t)dk);
+            memcpy(Vc + j * dv, GDN_V(d, conv, t0 + j, h), sizeof(float) * (size_t)dv);
+            for (int64_t m = 0; m < dk; m++) Kt[m * L + j] = Kc[j * dk + m];
         }
-        /* forward substitution, row by row, using the already updated rows above */
+        memset(A, 0, sizeof(float) * (size_t)(L * CH));
+        gemm(L, L, dk, 1.0f, Kc, dk, Kt, L, A, CH);
+        /* A[i][j] = -beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0 */
+        for (int64_t i = 0; i < L; i++) {
+            const float bi = beta[(t0 + i) * d->Hv + h];
+            for (int64_t j = 0; j < L; j++) A[i * CH + j] = j < i ? -bi * A[i * CH + j] * E[i * CH + j] : 0.0f;
+        }
+        /* forward substitution, row by row, using the already updated rows above: A[i][j] =
+         * row[j] + sum_{j < m < i} row[m] A[m][j] with row = A[i] as it was, each sum in m order,
+         * run as axpys over the rows m (contiguous, so vectorised) */
         for (int64_t i = 1; i < L; i++) {
-            for (int64_t j = 0; j < i; j++) row[j] = A[i * CH + j];
-            for (int64_t j = 0; j < i; j++) {
-                float s = 0;
-                for (int64_t m = j + 1; m < i; m++) s += row[m] * A[m * CH + j];
-                A[i * CH + j] = row[j] + s;
+            float *ai = A + i * CH;
+            for (int64_t j = 0; j < i; j++) row[j] = ai[j], ai[j] = 0.0f;
+            for (int64_t m = 1; m < i; m++) {
+                const float r = row[m], *am = A + m * CH;
+                for (int64_t j = 0; j < m; j++) ai[j] += r * am[j];
             }
+            for (int64_t j = 0; j < i; j++) ai[j] = row[j] + ai[j];
         }
         for (int64_t i = 0; i < L; i++) A[i * CH + i] = 1.0f;
-        /* U = A diag(beta) V, W = A diag(beta exp(G)) K */
-        for (int64_t i = 0; i < L; i++) {
-            float *u = U + i * dv, *w = W + i * dk;
-            memset(u, 0, sizeof(float) * (size_t)dv);
-            memset(w, 0, sizeof(float) * (size_t)dk);
-            for (int64_t j = 0; j <= i; j++) {
-                float a = A[i * CH + j], bj = beta[(t0 + j) * d->Hv + h];
-                if (a == 0) continue;
-                const float *vj = GDN_V(d, conv, t0 + j, h), *kj = GDN_K(d, conv, t0 + j, h);
-                float av = a * bj, ak = a * bj * expf(G[j]);
-                for (int64_t m = 0; m < dv; m++) u[m] += av * vj[m];
-                for (int64_t m = 0; m < dk; m++) w[m] += ak * kj[m];
-            }
-        }
+        /* U = (A diag(beta)) V, then W = (A diag(beta) diag(exp(G))) K, A scaled in place */
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j <= i; j++) A[i * CH + j] *= beta[(t0 + j) * d->Hv + h];
+        memset(U, 0, sizeof(float) * (size_t)(L * dv));
+        gemm(L, dv, L, 1.0f, A, CH, Vc, dv, U, dv);
+        for (int64_t j = 0; j < L; j++) row[j] = expf(G[j]);
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j <= i; j++) A[i * CH + j] *= row[j];
+        memset(W, 0, sizeof(float) * (size_t)(L * dk));
+        gemm(L, dk, L, 1.0f, A, CH, Kc, dk, W, dk);
         /* V' = U - W S (in U) */
-        gemm_acc(L, dv, dk, -1.0f, W, dk, S, dv, U, dv);
-        /* O_i = exp(G_i) q_i S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j */
+        gemm(L, dv, dk, -1.0f, W, dk, S, dv, U, dv);
+        /* O_i = exp(G_i) q_i S + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) V'_j: P = Q K^T masked and
+         * decayed (in A), O = diag(exp(G)) Q S + P V' */
         float *o0 = o + (t0 * d->Hv + h) * dv;
-        for (int64_t i = 0; i < L; i++) memset(o0 + i * d->Hv * dv, 0, sizeof(float) * (size_t)dv);
-        gemm_acc(L, dv, dk, 1.0f, GDN_Q(d, conv, t0, h), d->C, S, dv, o0, d->Hv * dv);
-        for (int64_t i = 0; i < L; i++) {
-            const float *qi = GDN_Q(d, conv, t0 + i, h);
-            float *oi = o + ((t0 + i) * d->Hv + h) * dv;
-            float eg = expf(G[i]);
-            for (int64_t n = 0; n < dv; n++) oi[n] *= eg;
-            for (int64_t j = 0; j <= i; j++) {
-                const float *kj = GDN_K(d, conv, t0 + j, h);
-                const float s = dotf(qi, kj, dk) * expf(G[i] - G[j]);
-                const float *uj = U + j * dv;
-                for (int64_t n = 0; n < dv; n++) oi[n] += s * uj[n];
-            }
-        }
-        /* S <- exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T */
-        float egl = expf(G[L - 1]);
+        const int64_t ldo = d->Hv * dv;
+        for (int64_t i = 0; i < L; i++) memset(o0 + i * ldo, 0, sizeof(float) * (size_t)dv);
+        gemm(L, dv, dk, 1.0f, Q0, d->C, S, dv, o0, ldo);
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t n = 0; n < dv; n++) o0[i * ldo + n] *= row[i];
+        memset(A, 0, sizeof(float) * (size_t)(L * CH));
+        gemm(L, L, dk, 1.0f, Q0, d->C, Kt, L, A, CH);
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < L; j++) A[i * CH + j] *= E[i * CH + j];
+        gemm(L, dv, L, 1.0f, A, CH, U, dv, o0, ldo);
+        /* S <- exp(G_L) S + sum_j exp(G_L - G_j) k_j V'_j^T, with Kt scaled to K'^T */
+        const float egl = expf(G[L - 1]);
         for (int64_t m = 0; m < dk * dv; m++) S[m] *= egl;
-        float *Kt = row + CH; /* [dk][L]: K'^T with K'_j = exp(G_L - G_j) k_j */
         for (int64_t j = 0; j < L; j++) {
-            const float *kj = GDN_K(d, conv, t0 + j, h);
             const float e = expf(G[L - 1] - G[j]);
-            for (int64_t m = 0; m < dk; m++) Kt[m * L + j] = kj[m] * e;
+            for (int64_t m = 0; m < dk; m++) Kt[m * L + j] *= e;
         }
-        gemm_acc(dk, dv, L, 1.0f, Kt, L, U, dv, S, dv);
+        gemm(dk, dv, L, 1.0f, Kt, L, U, dv, S, dv);
     }
 }
 
+/* Floats of one thread's GDN scratch: gdn_chunked_head's A, U, W, G, row, Kt, E, Kc and Vc, and
+ * at the end the S and tmp of the token-by-token forms. */
 static int64_t gdn_scratch_floats(const gdn_dims *d) {
-    return GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (d->dv + d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv +
-           GDN_CHUNK * d->dk;
+    return 2 * GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (2 * d->dv + 3 * d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv;
 }
 
 enum { GDN_FORWARD, GDN_FORWARD_CHUNKED, GDN_BACKWARD };
@@ -1460,6 +1450,7 @@ static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float
 #pragma omp parallel num_threads(nth) if (nth > 1 && d->Hv > 1)
 #endif
     {
+        const unsigned csr = flush_subnormals_begin(); /* in every thread of the region */
         float *scratch = malloc(sizeof(float) * (size_t)n_scratch);
         if (!scratch) {
 #ifdef _OPENMP
@@ -1479,6 +1470,7 @@ static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float
             else gdn_backward_head(d, conv, beta, g, T, h, S, o, tmp);
         }
         free(scratch);
+        flush_subnormals_end(csr);
     }
     return err ? CLOVER_E_NOMEM : CLOVER_OK;
 }

@@ -47,6 +47,9 @@ typedef void (*clover_axpy_f32_rows_fn)(float *o, const float *p, const float *v
                                         int64_t n);
 clover_dot_f32x4_fn clover_dot_f32x4_kernel(void);
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void);
+typedef void (*clover_gemm_f32_fn)(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                   const float *B, int64_t ldb, float *C, int64_t ldc);
+clover_gemm_f32_fn clover_gemm_f32_kernel(int isa);
 """)
 L = ffi.dlopen(_find_library())
 
@@ -293,3 +296,36 @@ def test_f32_several_key_kernels_equal_the_one_key_kernels(n):
         axpy1(fp(o_one), float(p[j]), fp(cache, j * stride), n)
     assert o_rows.tobytes() == o_one.tobytes()
     assert not np.array_equal(o_rows, o0)
+
+
+@pytest.mark.parametrize("M,N,K", [(64, 128, 128), (64, 64, 128), (128, 128, 64), (7, 37, 13), (1, 1, 1),
+                                   (5, 24, 64), (4, 16, 0), (3, 9, 200)])
+def test_gemm_f32_against_float64(M, N, K):
+    """dot.h clover_gemm_f32_kernel (the chunked GDN's products), portable and, where this CPU has
+    it, AVX2 + FMA: C + alpha A B on row-major blocks inside larger arrays (leading dimensions
+    past the block) equals float64 within 4 K float32 steps of |C| + |alpha| |A| |B|, element by
+    element; the GDN's shapes (64 x 128 x 128, ...) and shapes with row, column and sum tails;
+    the elements outside the C block are untouched."""
+    rng = np.random.default_rng(M * 10007 + N * 101 + K)
+    lda, ldb, ldc = K + 3, N + 5, N + 7
+    A = rng.standard_normal((M, lda)).astype(np.float32)
+    B = rng.standard_normal((max(K, 1), ldb)).astype(np.float32)
+    C0 = rng.standard_normal((M, ldc)).astype(np.float32)
+    alpha = np.float32(-0.75)
+    a64, b64 = A[:, :K].astype(np.float64), B[:K, :N].astype(np.float64)
+    want = C0[:, :N].astype(np.float64) + float(alpha) * (a64 @ b64)
+    bound = np.abs(C0[:, :N]).astype(np.float64) + abs(float(alpha)) * (np.abs(a64) @ np.abs(b64))
+    tol = 4 * max(K, 1) * np.spacing(bound.astype(np.float32)).astype(np.float64)
+    isas = [0] + ([1] if L.clover_dot_best_isa() >= 1 else [])
+    kernels = set()
+    for isa in isas:
+        f = L.clover_gemm_f32_kernel(isa)
+        kernels.add(int(ffi.cast("uintptr_t", f)))
+        C = C0.copy()
+        f(M, N, K, float(alpha), ffi.cast("float *", A.ctypes.data), lda, ffi.cast("float *", B.ctypes.data), ldb,
+          ffi.cast("float *", C.ctypes.data), ldc)
+        err = np.abs(C[:, :N] - want)
+        assert np.all(err <= tol), (isa, float(err.max()), float(tol.min()))
+        assert np.array_equal(C[:, N:], C0[:, N:]), isa
+    assert len(kernels) == len(isas)  # the AVX2 kernel is not the portable one
+

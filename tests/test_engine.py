@@ -253,6 +253,23 @@ def test_chunked_gdn_equals_recurrence_and_incremental_decode(ref, model_of):
     lib.clover_context_reset(_ctx(m))
 
 
+@pytest.mark.parametrize("nth", [1, 2])
+def test_subnormal_flush_ends_with_the_forward(ref, gguf_of, nth):
+    """The GDN's and attention's parallel regions flush subnormal floats to zero (model.c
+    flush_subnormals_begin: x86 MXCSR DAZ/FTZ) and put the caller's state back: after a 150-token
+    prefill (chunked GDN, attention) and one decode step, float32 arithmetic in this thread (which
+    ran the regions' first share) still gives subnormals."""
+    tiny = np.array([1e-38], np.float32)
+    assert (tiny * np.float32(0.01))[0] != 0  # subnormal results, before
+    with Model(str(gguf_of("f32")), n_ctx=256, n_threads=nth) as m:
+        logits = _prefill(m, _prompt(ref, 150, seed=5))
+        step = _prefill(m, [3])
+    assert np.isfinite(logits).all() and np.isfinite(step).all()
+    x = tiny * np.float32(0.01)
+    assert x[0] != 0 and x[0] < np.finfo(np.float32).tiny  # still subnormal, not flushed
+    assert (np.array([1e-40], np.float32) * np.float32(1.0))[0] != 0  # subnormal inputs read as such
+
+
 @pytest.mark.parametrize("type_kv", ["f32", "f16"])
 def test_attention_tiles_leave_each_row_unchanged(ref, gguf_of, type_kv):
     """Attention runs on tiles of query rows and heads that share each key tile (model.c
