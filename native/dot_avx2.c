@@ -12,15 +12,9 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include "simd_x86.h"
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-static inline AVX2 float fp16(const void *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+#define AVX2 CLOVER_AVX2
 
 /* 8 int32 partial sums of w[i] * x[i] over 32 signed bytes each. */
 static inline AVX2 __m256i isum8(__m256i w, __m256i x) {
@@ -28,12 +22,6 @@ static inline AVX2 __m256i isum8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-static inline AVX2 float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 32 signed bytes from 16 nibble bytes: low nibbles -> elements 0..15, high -> 16..31, each
  * code mapped through a 16-entry table (pshufb). */
@@ -54,15 +42,15 @@ static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
     for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
         CLOVER_PREFETCH(wb, 1);                                                               \
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);                     \
-        const __m256 d = _mm256_set1_ps(SCALE(wb) * fp16(&x[b].d));                          \
+        const __m256 d = _mm256_set1_ps(SCALE(wb) * clover_fp16_load(&x[b].d));              \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(GET(wb), qx)), d, acc);              \
     }                                                                                        \
-    return hsum(acc);
+    return clover_hsum8(acc);
 
 #define GET_Q8_0(p) _mm256_loadu_si256((const __m256i *)((p) + 2))
 #define GET_TABLE2(p) nibbles_table((p) + 2, table)
 #define GET_TABLE1(p) nibbles_table((p) + 1, table)
-#define SCALE_FP16(p) fp16(p)
+#define SCALE_FP16(p) clover_fp16_load(p)
 #define SCALE_E8M0(p) clover_e8m0_half((p)[0])
 
 static AVX2 float dot_q8_0(int64_t n, const void *w, const void *xq) { DOT_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16) }
@@ -94,7 +82,7 @@ static AVX2 float dot_f16(const float *q, const uint16_t *k, int64_t n) {
     }
     for (; i + 8 <= n; i += 8)
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), a0);
-    float s = hsum(_mm256_add_ps(a0, a1));
+    float s = clover_hsum8(_mm256_add_ps(a0, a1));
     for (; i < n; i++) s += q[i] * _cvtsh_ss(k[i]);
     return s;
 }
@@ -121,7 +109,7 @@ static AVX2 float dot_f32(const float *q, const float *k, int64_t n) {
         a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 24), _mm256_loadu_ps(k + i + 24), a3);
     }
     for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    float s = clover_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; i < n; i++) s += q[i] * k[i];
     return s;
 }

@@ -12,15 +12,9 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include "simd_x86.h"
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-
-static inline AVX512 float fp16(const void *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+#define AVX512 CLOVER_AVX512
 
 /* 16 int32: lanes 0-7 sum block a, lanes 8-15 block b (each 32 signed bytes w times x). */
 static inline AVX512 __m512i isum16(__m512i w, __m512i x) {
@@ -65,7 +59,8 @@ static inline AVX512 __m256i load32(const void *p) { return _mm256_loadu_si256((
         CLOVER_PREFETCH(wb, 2);                                                                     \
         const __m512i qw = join(GET(wb), GET(wb + (BYTES)));                                        \
         const __m512i qx = join(load32(x[b].qs), load32(x[b + 1].qs));                              \
-        const __m512 d = scales2(SCALE(wb) * fp16(&x[b].d), SCALE(wb + (BYTES)) * fp16(&x[b + 1].d)); \
+        const __m512 d = scales2(SCALE(wb) * clover_fp16_load(&x[b].d),                             \
+                                 SCALE(wb + (BYTES)) * clover_fp16_load(&x[b + 1].d));              \
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum16(qw, qx)), d, acc);                          \
     }                                                                                               \
     float sum = _mm512_reduce_add_ps(acc);                                                          \
@@ -74,12 +69,12 @@ static inline AVX512 __m256i load32(const void *p) { return _mm256_loadu_si256((
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));      \
         s4 = _mm_hadd_epi32(s4, s4);                                                                \
         s4 = _mm_hadd_epi32(s4, s4);                                                                \
-        sum += (float)_mm_cvtsi128_si32(s4) * (SCALE(wb) * fp16(&x[b].d));                          \
+        sum += (float)_mm_cvtsi128_si32(s4) * (SCALE(wb) * clover_fp16_load(&x[b].d));              \
     }                                                                                               \
     return sum;
 
 #define GET_Q8_0(p) load32((p) + 2)
-#define SCALE_FP16(p) fp16(p)
+#define SCALE_FP16(p) clover_fp16_load(p)
 static AVX512 float dot_q8_0(int64_t n, const void *w, const void *xq) { DOT_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16) }
 
 static AVX512 float dot_q4_0(int64_t n, const void *w, const void *xq) {
@@ -187,13 +182,6 @@ clover_vec_dot_fn clover_dot_avx512(int type) {
  * as the AVX2 dot_f32 sums it (four 8-lane FMA sums, then 8 lanes, the same reduction, then the
  * tail in order), with each 32 values of q loaded once for the four keys: AVX-512VL's 32 ymm
  * registers hold the 16 sums. */
-static inline AVX512 float hsum8(__m256 v) { /* dot_avx2.c's hsum, the same order */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static AVX512 void dot_f32x4(const float *q, const float *k, int64_t ks, int64_t n, float *out) {
     __m256 a[4][4];
     for (int r = 0; r < 4; r++)
@@ -209,7 +197,7 @@ static AVX512 void dot_f32x4(const float *q, const float *k, int64_t ks, int64_t
         for (int r = 0; r < 4; r++) a[r][0] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + r * ks + i), a[r][0]);
     }
     for (int r = 0; r < 4; r++) {
-        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+        float s = clover_hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
         for (int64_t j = i; j < n; j++) s += q[j] * k[r * ks + j];
         out[r] = s;
     }

@@ -208,19 +208,12 @@ DK_EXPORT clover_vec_dot_fn clover_dot_k_scalar(int type) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include "simd_x86.h"
 
-#define DK_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define DK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define DK_AVX2 CLOVER_AVX2
+#define DK_AVX512 CLOVER_AVX512
 
 /* ---------------------------------------------------------------- AVX2 */
-
-DK_AVX2 static inline float dk_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 DK_AVX2 static inline float dk_hsum4(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -269,7 +262,7 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
         const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
     }
-    return dk_hsum8(acc) + dk_hsum4(accm);
+    return clover_hsum8(acc) + dk_hsum4(accm);
 }
 
 DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq) {
@@ -309,7 +302,7 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
         const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
     }
-    return dk_hsum8(acc) + dk_hsum4(accm);
+    return clover_hsum8(acc) + dk_hsum4(accm);
 }
 
 DK_AVX2 static float dot_q6_K_avx2(int64_t n, const void *w_row, const void *xq) {
@@ -354,7 +347,7 @@ DK_AVX2 static float dot_q6_K_avx2(int64_t n, const void *w_row, const void *xq)
         const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return dk_hsum8(acc);
+    return clover_hsum8(acc);
 }
 
 /* The eight signed 6-bit IQ4_XS group scales (ls - 32) as int32 lanes. */
@@ -400,7 +393,7 @@ DK_AVX2 static float dot_iq4_xs_avx2(int64_t n, const void *w_row, const void *x
         acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
                               acc);
     }
-    return dk_hsum8(acc);
+    return clover_hsum8(acc);
 }
 
 /* ---------------------------------------------------------------- AVX-512 (BW, VL, VNNI) */
@@ -450,7 +443,7 @@ DK_AVX512 static inline __m512 dk_q45_mins(__m128i mins16, const int16_t *bsums,
 }
 
 DK_AVX512 static inline float dk_hsum16(__m512 v) {
-    return dk_hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+    return clover_hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
 
 /* The activations of step s from a plain Q8_K block's qs: qword b = qs qword 4 b + s. */
@@ -545,7 +538,7 @@ DK_AVX512 static float dot_q6_K_avx512(int64_t n, const void *w_row, const void 
         const __m256i sumi = _mm256_sub_epi32(dk_fold512(s), corr);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return dk_hsum8(acc);
+    return clover_hsum8(acc);
 }
 
 DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const void *xq) {
@@ -584,7 +577,7 @@ DK_AVX512 static float dot_iq4_xs_avx512(int64_t n, const void *w_row, const voi
         const __m256i sumi = _mm256_sub_epi32(dk_fold512(s), corr);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return dk_hsum8(acc);
+    return clover_hsum8(acc);
 }
 
 /* ---------------------------------------------------------------- AVX-512 four-row kernels */
@@ -682,7 +675,7 @@ DK_AVX512 static void dot4_q6_K_avx512(int64_t n, const void *w_row, const void 
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * wd), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]);
+    for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]);
 }
 
 DK_AVX512 static void dot4_iq4_xs_avx512(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
@@ -726,7 +719,7 @@ DK_AVX512 static void dot4_iq4_xs_avx512(int64_t n, const void *w_row, const voi
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * wd), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = dk_hsum8(acc[r]);
+    for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]);
 }
 
 DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
