@@ -320,3 +320,11 @@ clover_dot_f32x4_fn clover_dot_f32x4_kernel(void) {
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void) {
     return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_axpy_f32_rows_avx512() : NULL;
 }
+
+clover_dot_f16x4_fn clover_dot_f16x4_kernel(void) {
+    return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_dot_f16x4_avx512() : NULL;
+}
+
+clover_axpy_f16_rows_fn clover_axpy_f16_rows_kernel(void) {
+    return clover_dot_best_isa() >= CLOVER_ISA_AVX512 ? clover_axpy_f16_rows_avx512() : NULL;
+}

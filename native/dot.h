@@ -102,6 +102,14 @@ clover_dot_f32x4_fn clover_dot_f32x4_kernel(void);
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void);
 clover_dot_f32x4_fn clover_dot_f32x4_avx512(void);
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void);
+/* The same over fp16 keys and values, equal bit for bit to the AVX2 F16 kernels key by key. */
+typedef void (*clover_dot_f16x4_fn)(const float *q, const uint16_t *k, int64_t k_stride, int64_t n, float *out);
+typedef void (*clover_axpy_f16_rows_fn)(float *o, const float *p, const uint16_t *v, int64_t v_stride,
+                                        int64_t n_rows, int64_t n);
+clover_dot_f16x4_fn clover_dot_f16x4_kernel(void);
+clover_axpy_f16_rows_fn clover_axpy_f16_rows_kernel(void);
+clover_dot_f16x4_fn clover_dot_f16x4_avx512(void);
+clover_axpy_f16_rows_fn clover_axpy_f16_rows_avx512(void);
 
 /* A float32 matrix product, the chunk-level products of the chunked GDN (model.c
  * gdn_chunked_head): C[i][n] += alpha * sum_m A[i lda + m] B[m ldb + n] for i < M, n < N, m < K

@@ -228,7 +228,57 @@ static AVX512 void axpy_f32_rows(float *o, const float *p, const float *v, int64
         for (int64_t j = 0; j < nv; j++) o[i] += p[j] * v[j * vs + i];
 }
 
+/* The F16 forms of the two (dot.h): dot_f16x4 sums each key as dot_avx2.c's dot_f16 does (two
+ * 8-lane FMA sums over 16 values a step, the last 8 into the first sum, the same reduction, the
+ * tail in order), each 16 values of q loaded once for the four keys; axpy_f16_rows runs each 8
+ * values' fused multiply-adds over the rows in order as nv calls of axpy_f16 would, 128 values
+ * of o held in registers. */
+static inline AVX512 __m256 h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static AVX512 void dot_f16x4(const float *q, const uint16_t *k, int64_t ks, int64_t n, float *out) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int c = 0; c < 2; c++) {
+            const __m256 qc = _mm256_loadu_ps(q + i + 8 * c);
+            for (int r = 0; r < 4; r++) a[r][c] = _mm256_fmadd_ps(qc, h8(k + r * ks + i + 8 * c), a[r][c]);
+        }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 4; r++) a[r][0] = _mm256_fmadd_ps(qc, h8(k + r * ks + i), a[r][0]);
+    }
+    for (int r = 0; r < 4; r++) {
+        float s = clover_hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+        for (int64_t j = i; j < n; j++) s += q[j] * _cvtsh_ss(k[r * ks + j]);
+        out[r] = s;
+    }
+}
+
+static AVX512 void axpy_f16_rows(float *o, const float *p, const uint16_t *v, int64_t vs, int64_t nv, int64_t n) {
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256 r[16];
+        for (int c = 0; c < 16; c++) r[c] = _mm256_loadu_ps(o + i + 8 * c);
+        for (int64_t j = 0; j < nv; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const uint16_t *vj = v + j * vs + i;
+            for (int c = 0; c < 16; c++) r[c] = _mm256_fmadd_ps(pj, h8(vj + 8 * c), r[c]);
+        }
+        for (int c = 0; c < 16; c++) _mm256_storeu_ps(o + i + 8 * c, r[c]);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 r = _mm256_loadu_ps(o + i);
+        for (int64_t j = 0; j < nv; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), h8(v + j * vs + i), r);
+        _mm256_storeu_ps(o + i, r);
+    }
+    for (; i < n; i++)
+        for (int64_t j = 0; j < nv; j++) o[i] += p[j] * _cvtsh_ss(v[j * vs + i]);
+}
+
 clover_dot_f32x4_fn clover_dot_f32x4_avx512(void) { return dot_f32x4; }
+clover_dot_f16x4_fn clover_dot_f16x4_avx512(void) { return dot_f16x4; }
+clover_axpy_f16_rows_fn clover_axpy_f16_rows_avx512(void) { return axpy_f16_rows; }
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void) { return axpy_f32_rows; }
 
 #else
@@ -241,5 +291,7 @@ clover_vec_dot4_fn clover_dot4_avx512(int type) {
     return NULL;
 }
 clover_dot_f32x4_fn clover_dot_f32x4_avx512(void) { return NULL; }
+clover_dot_f16x4_fn clover_dot_f16x4_avx512(void) { return NULL; }
+clover_axpy_f16_rows_fn clover_axpy_f16_rows_avx512(void) { return NULL; }
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_avx512(void) { return NULL; }
 #endif

@@ -947,8 +947,8 @@ static void flush_subnormals_end(unsigned prev) {
 }
 
 /* A layer's KV cache as attend_tile reads it: K and V rows kvd elements apart, each fp16 (dot_k,
- * axpy_v: the F16 kernels of dot.h; NULL for float32) or float32 (dot_k32, axpy_v32, and where
- * the CPU has them their several-key forms, equal to them bit for bit). */
+ * axpy_v: the F16 kernels of dot.h; NULL for float32) or float32 (dot_k32, axpy_v32); where the
+ * CPU has them, the several-key forms of the cache's types, equal to those bit for bit. */
 typedef struct {
     const char *k, *v;
     int64_t kvd;
@@ -958,7 +958,25 @@ typedef struct {
     clover_axpy_f32_fn axpy_v32;
     clover_dot_f32x4_fn dot_k32x4;         /* float32 K: 4 keys a call, or NULL */
     clover_axpy_f32_rows_fn axpy_v32_rows; /* float32 V: a run of rows a call, or NULL */
+    clover_dot_f16x4_fn dot_k16x4;         /* fp16 K: 4 keys a call, or NULL */
+    clover_axpy_f16_rows_fn axpy_v16_rows; /* fp16 V: a run of rows a call, or NULL */
 } kv_view;
+
+/* out[i] = q . k_{j+i} * scale for i < 4 (K rows j.. of the cache at offset off; hd values), by
+ * the several-key kernel of the cache's K type (kv->dot_k32x4 or kv->dot_k16x4, one of them set). */
+static void dot_keys4(const kv_view *kv, const float *q, int64_t j, int64_t off, int64_t hd, float scale, float *out) {
+    float s4[4];
+    if (kv->dot_k16x4) kv->dot_k16x4(q, (const uint16_t *)kv->k + j * kv->kvd + off, kv->kvd, hd, s4);
+    else kv->dot_k32x4(q, (const float *)kv->k + j * kv->kvd + off, kv->kvd, hd, s4);
+    for (int i = 0; i < 4; i++) out[i] = s4[i] * scale;
+}
+
+/* o += p[i] v_{j0+i} for i < n (V rows j0.. at offset off; hd values), by the several-row kernel of
+ * the cache's V type (kv->axpy_v32_rows or kv->axpy_v16_rows, one of them set). */
+static void axpy_rows(const kv_view *kv, float *o, const float *p, int64_t j0, int64_t n, int64_t off, int64_t hd) {
+    if (kv->axpy_v16_rows) kv->axpy_v16_rows(o, p, (const uint16_t *)kv->v + j0 * kv->kvd + off, kv->kvd, n, hd);
+    else kv->axpy_v32_rows(o, p, (const float *)kv->v + j0 * kv->kvd + off, kv->kvd, n, hd);
+}
 
 /* ATT_KEY_TILE keys a step (64 KiB of float32 K rows at head_dim 256: L2-resident); tiles of up
  * to ATT_ROWS query rows; ATT_SCRATCH: a thread's score scratch, in floats (8 MiB). */
@@ -994,11 +1012,8 @@ CLOVER_CLONES static void attend_tile(const att_job *a, const kv_view *kv, int64
             const float *q = a->qg + (t * a->nh + h) * 2 * hd;
             const int64_t je = nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
             int64_t j = j0;
-            for (; kv->dot_k32x4 && j + 4 <= je; j += 4) {
-                float s4[4];
-                kv->dot_k32x4(q, (const float *)kv->k + j * kv->kvd + a->off, kv->kvd, hd, s4);
-                for (int i = 0; i < 4; i++) sc[u * ld + j + i] = s4[i] * a->scale;
-            }
+            for (; (kv->dot_k32x4 || kv->dot_k16x4) && j + 4 <= je; j += 4)
+                dot_keys4(kv, q, j, a->off, hd, a->scale, sc + u * ld + j);
             for (; j < je; j++) {
                 const void *kj = kv->k + ek * (size_t)(j * kv->kvd + a->off);
                 sc[u * ld + j] = (kv->dot_k ? kv->dot_k(q, kj, hd) : kv->dot_k32(q, kj, hd)) * a->scale;
@@ -1022,9 +1037,9 @@ CLOVER_CLONES static void attend_tile(const att_job *a, const kv_view *kv, int64
             const int64_t t = t0 + u / nhc, h = h0 + u % nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
             float *o = a->att + (t * a->nh + h) * hd, *p = sc + u * ld;
             const int64_t je = nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
-            if (kv->axpy_v32_rows && je > j0) { /* the tile's weights in place of its scores, then one call */
+            if ((kv->axpy_v32_rows || kv->axpy_v16_rows) && je > j0) { /* the weights in place, one call */
                 for (int64_t j = j0; j < je; j++) p[j] = (float)(p[j] / sum[u]);
-                kv->axpy_v32_rows(o, p + j0, (const float *)kv->v + j0 * kv->kvd + a->off, kv->kvd, je - j0, hd);
+                axpy_rows(kv, o, p + j0, j0, je - j0, a->off, hd);
                 continue;
             }
             for (int64_t j = j0; j < je; j++) {
@@ -1167,7 +1182,9 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     const kv_view kv = {kc, vc, kvd, c->type_k == CLOVER_TYPE_F16 ? clover_dot_f16_kernel(-1) : NULL,
                         c->type_v == CLOVER_TYPE_F16 ? clover_axpy_f16_kernel(-1) : NULL, clover_dot_f32_kernel(-1),
                         clover_axpy_f32_kernel(-1), c->type_k == CLOVER_TYPE_F16 ? NULL : clover_dot_f32x4_kernel(),
-                        c->type_v == CLOVER_TYPE_F16 ? NULL : clover_axpy_f32_rows_kernel()};
+                        c->type_v == CLOVER_TYPE_F16 ? NULL : clover_axpy_f32_rows_kernel(),
+                        c->type_k == CLOVER_TYPE_F16 ? clover_dot_f16x4_kernel() : NULL,
+                        c->type_v == CLOVER_TYPE_F16 ? clover_axpy_f16_rows_kernel() : NULL};
     const att_job job = {qg, att, nh, hd, 0, f->pos0, n_keys_max, f->mode == MODE_PREFIX, scale};
     /* work items: (KV head, tile of R rows, chunk of hc of its group's heads, hc dividing the
      * group); the tiles' score scratch within ATT_SCRATCH floats a thread where it can, and

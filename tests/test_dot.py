@@ -47,6 +47,11 @@ typedef void (*clover_axpy_f32_rows_fn)(float *o, const float *p, const float *v
                                         int64_t n);
 clover_dot_f32x4_fn clover_dot_f32x4_kernel(void);
 clover_axpy_f32_rows_fn clover_axpy_f32_rows_kernel(void);
+typedef void (*clover_dot_f16x4_fn)(const float *q, const uint16_t *k, int64_t k_stride, int64_t n, float *out);
+typedef void (*clover_axpy_f16_rows_fn)(float *o, const float *p, const uint16_t *v, int64_t v_stride,
+                                        int64_t n_rows, int64_t n);
+clover_dot_f16x4_fn clover_dot_f16x4_kernel(void);
+clover_axpy_f16_rows_fn clover_axpy_f16_rows_kernel(void);
 typedef void (*clover_gemm_f32_fn)(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                                    const float *B, int64_t ldb, float *C, int64_t ldc);
 clover_gemm_f32_fn clover_gemm_f32_kernel(int isa);
@@ -269,31 +274,39 @@ def test_kv_kernels_against_float64(kv, n):
 
 
 @pytest.mark.skipif(L.clover_dot_best_isa() < 2, reason="this CPU has no AVX-512 (the several-key kernels' ISA)")
+@pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("n", [8, 31, 40, 128, 200, 256])
-def test_f32_several_key_kernels_equal_the_one_key_kernels(n):
-    """dot.h clover_dot_f32x4_kernel / clover_axpy_f32_rows_kernel (AVX-512VL, used by attention
-    on F32 caches): 4 keys' q . k, and o += p_j v_j over 13 rows, equal the AVX2 one-key kernels
+def test_several_key_kernels_equal_the_one_key_kernels(kv, n):
+    """dot.h clover_dot_f32x4_kernel / clover_axpy_f32_rows_kernel and their F16 forms
+    clover_dot_f16x4_kernel / clover_axpy_f16_rows_kernel (AVX-512VL, used by attention): 4 keys'
+    q . k, and o += p_j v_j over 13 rows, equal the AVX2 one-key kernels of the same cache type
     called key by key bit for bit (so a row's attention does not depend on which kernel took which
-    key), on rows inside a strided cache (stride n + 24) with values over 60 binades."""
-    rng = np.random.default_rng(300 + n)
+    key), on rows inside a strided cache (stride n + 24) with values over 60 binades (F32) or
+    fp16's range with subnormals (F16)."""
+    rng = np.random.default_rng(300 + n + 1000 * (kv == "f16"))
     stride, rows = n + 24, 13
     q = rng.standard_normal(n).astype(np.float32)
-    cache = (rng.standard_normal(stride * rows) * np.exp2(rng.integers(-30, 30, stride * rows))).astype(np.float32)
-    dot1, axpy1 = L.clover_dot_f32_kernel(1), L.clover_axpy_f32_kernel(1)
-    dot4, rows_fn = L.clover_dot_f32x4_kernel(), L.clover_axpy_f32_rows_kernel()
+    if kv == "f32":
+        cache = (rng.standard_normal(stride * rows) * np.exp2(rng.integers(-30, 30, stride * rows))).astype(np.float32)
+    else:
+        cache = (rng.standard_normal(stride * rows) * np.exp2(rng.integers(-20, 12, stride * rows))).astype(np.float16)
+    ptr = "float *" if kv == "f32" else "uint16_t *"
+    dot1, axpy1 = getattr(L, f"clover_dot_{kv}_kernel")(1), getattr(L, f"clover_axpy_{kv}_kernel")(1)
+    dot4, rows_fn = getattr(L, f"clover_dot_{kv}x4_kernel")(), getattr(L, f"clover_axpy_{kv}_rows_kernel")()
     assert dot4 != ffi.NULL and rows_fn != ffi.NULL
     fp = lambda a, off=0: ffi.cast("float *", a.ctypes.data) + off  # noqa: E731
+    cp = lambda off=0: ffi.cast(ptr, cache.ctypes.data) + off  # noqa: E731
     out = np.empty(4, np.float32)
     for base in (0, 5, 9):
-        dot4(fp(q), fp(cache, base * stride), stride, n, fp(out))
-        want = [dot1(fp(q), fp(cache, (base + r) * stride), n) for r in range(4)]
+        dot4(fp(q), cp(base * stride), stride, n, fp(out))
+        want = [dot1(fp(q), cp((base + r) * stride), n) for r in range(4)]
         assert out.tobytes() == np.array(want, np.float32).tobytes(), (base, out, want)
     p = rng.random(rows).astype(np.float32)
     o0 = rng.standard_normal(n).astype(np.float32)
     o_rows, o_one = o0.copy(), o0.copy()
-    rows_fn(fp(o_rows), fp(p), fp(cache), stride, rows, n)
+    rows_fn(fp(o_rows), fp(p), cp(), stride, rows, n)
     for j in range(rows):
-        axpy1(fp(o_one), float(p[j]), fp(cache, j * stride), n)
+        axpy1(fp(o_one), float(p[j]), cp(j * stride), n)
     assert o_rows.tobytes() == o_one.tobytes()
     assert not np.array_equal(o_rows, o0)
 
