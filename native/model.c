@@ -990,6 +990,14 @@ typedef struct {
     float scale;
 } att_job;
 
+/* Keys of query row t: [0, pos0 + t + 1) when causal (prefix mode), else [0, n_keys_max). */
+static inline int64_t row_keys(const att_job *a, int64_t t) { return a->causal ? a->pos0 + t + 1 : a->n_keys_max; }
+
+/* The end of key tile [j0, j0 + ATT_KEY_TILE) for a row with nk keys (j0 when it has none there). */
+static inline int64_t tile_end(int64_t j0, int64_t nk) {
+    return nk < j0 ? j0 : nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
+}
+
 /* Attention (spec 2.2 steps 3-4) of query rows [t0, t0 + nt) and heads [h0, h0 + nhc) of one
  * GQA group (every head reads the same KV head, at offset off in the cache rows): per (row,
  * head) pair, softmax(q K^T * scale) V over the row's keys, times sigmoid of the head's output
@@ -1005,12 +1013,11 @@ CLOVER_CLONES static void attend_tile(const att_job *a, const kv_view *kv, int64
                                       int64_t nhc, float *sc, double *sum) {
     const int64_t hd = a->hd, nv = nt * nhc, ld = a->n_keys_max;
     const size_t ek = kv->dot_k ? 2 : 4, ev = kv->axpy_v ? 2 : 4;
-    const int64_t last = a->causal ? a->pos0 + t0 + nt : a->n_keys_max; /* keys of the tile's last row */
+    const int64_t last = row_keys(a, t0 + nt - 1); /* keys of the tile's last row */
     for (int64_t j0 = 0; j0 < last; j0 += ATT_KEY_TILE)
         for (int64_t u = 0; u < nv; u++) {
-            const int64_t t = t0 + u / nhc, h = h0 + u % nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
+            const int64_t t = t0 + u / nhc, h = h0 + u % nhc, je = tile_end(j0, row_keys(a, t));
             const float *q = a->qg + (t * a->nh + h) * 2 * hd;
-            const int64_t je = nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
             int64_t j = j0;
             for (; (kv->dot_k32x4 || kv->dot_k16x4) && j + 4 <= je; j += 4)
                 dot_keys4(kv, q, j, a->off, hd, a->scale, sc + u * ld + j);
@@ -1020,7 +1027,7 @@ CLOVER_CLONES static void attend_tile(const att_job *a, const kv_view *kv, int64
             }
         }
     for (int64_t u = 0; u < nv; u++) {
-        const int64_t t = t0 + u / nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
+        const int64_t t = t0 + u / nhc, nk = row_keys(a, t);
         float *s = sc + u * ld, mx = -FLT_MAX;
         for (int64_t j = 0; j < nk; j++)
             if (s[j] > mx) mx = s[j];
@@ -1034,9 +1041,8 @@ CLOVER_CLONES static void attend_tile(const att_job *a, const kv_view *kv, int64
     }
     for (int64_t j0 = 0; j0 < last; j0 += ATT_KEY_TILE)
         for (int64_t u = 0; u < nv; u++) {
-            const int64_t t = t0 + u / nhc, h = h0 + u % nhc, nk = a->causal ? a->pos0 + t + 1 : a->n_keys_max;
+            const int64_t t = t0 + u / nhc, h = h0 + u % nhc, je = tile_end(j0, row_keys(a, t));
             float *o = a->att + (t * a->nh + h) * hd, *p = sc + u * ld;
-            const int64_t je = nk < j0 + ATT_KEY_TILE ? nk : j0 + ATT_KEY_TILE;
             if ((kv->axpy_v32_rows || kv->axpy_v16_rows) && je > j0) { /* the weights in place, one call */
                 for (int64_t j = j0; j < je; j++) p[j] = (float)(p[j] / sum[u]);
                 axpy_rows(kv, o, p + j0, j0, je - j0, a->off, hd);
