@@ -12,7 +12,9 @@ For each GGUF (arch ``qwen35moe`` so llama.cpp loads it):
   pp = one ``eval()`` of P random tokens after ``reset()`` (and an untimed ``eval()`` of D),
   tg = N single-token ``eval()`` calls after the same; the same warm-up and repetitions;
 - the bandwidth limit: bench/bandwidth.py's read bandwidth with ``--threads`` threads divided
-  by the weight bytes read per decoded token (``clover_gguf.bench.bytes_per_token``).
+  by the weight bytes read per decoded token (``clover_gguf.bench.bytes_per_token``; the KV
+  cache's reads, which grow with ``--n-depth``, are not counted, so at depth it overstates the
+  share of the limit).
 
 Prints one markdown table (``--json`` for the raw figures). Tokens are random ids in
 [0, n_vocab), seeded, the same for both engines.
@@ -102,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-llama", action="store_true", help="only our engine")
     ap.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
     a = ap.parse_args(argv)
+    if a.n_depth < 0:
+        ap.error(f"--n-depth: {a.n_depth} must be >= 0")
 
     import numpy as np
 
@@ -151,7 +155,8 @@ def main(argv=None) -> int:
     for r in rows:
         print("| " + " | ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(r)) + " |")
     if a.json:
-        print(json.dumps({"bandwidth_gbps": bw, "threads": a.threads, "reps": a.reps, "runs": raw},
+        print(json.dumps({"bandwidth_gbps": bw, "threads": a.threads, "reps": a.reps, "n_depth": a.n_depth,
+                          "cache_type": a.cache_type, "runs": raw},
                          default=lambda o: None))
     return 0
 

@@ -12,13 +12,14 @@ Tests (all from random valid token ids, seeded):
 - ``commit{B}``: one B-row prefix-mode forward (the commit pass of a diffusion block) right
   after the same ``n_prompt``-token prefix, last-row logits.
 
-Each repetition resets the context, times pp, then (at n_past = n_prompt) block and commit;
+Each repetition resets the context, times pp, then (at n_past = D + n_prompt) block and commit;
 tg runs separately from an empty context. With ``n_depth`` D > 0 (llama-bench's ``-d``), every
 test starts instead after an untimed prefix-mode forward of D random tokens: ``pp512 @ d4096``
 is then the speed of a 512-token prompt appended to a 4096-token context, ``tg128 @ d4096`` the
-speed of decoding there (attention reads D more keys per row). A warm-up (one pp of ``n_prompt`` tokens and one tg
-step, as llama-bench) runs first and is not counted. Figures are mean and sample standard
-deviation over the repetitions. Nothing here imports torch.
+speed of decoding there (attention reads D more keys per row). A warm-up (one pp of
+``n_prompt`` tokens and one tg step, each after the D-token prefix, as llama-bench) runs first
+and is not counted. Figures are mean and sample standard deviation over the repetitions.
+Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -272,10 +273,10 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
             if D:
                 eng.prefill(toks(D), D, last)
 
-        if warmup:
-            lib.clover_context_reset(eng.c)
+        if warmup:  # (each after the D-token prefix, so the token stream is bench/compare.py's llama.cpp one)
+            reset()
             eng.prefill(toks(n_prompt), n_prompt, last)
-            lib.clover_context_reset(eng.c)
+            reset()
             eng.prefill(toks(1), 1, last)
         for _ in range(reps):
             reset()

@@ -116,8 +116,8 @@ clover_axpy_f16_rows_fn clover_axpy_f16_rows_avx512(void);
  * (row-major, leading dimensions lda, ldb, ldc in floats; C must not overlap A or B). Blocks of
  * 4 rows x 16 (portable: 8) columns keep their sums in registers while B streams once per block;
  * each sum runs over m in order. clover_gemm_f32_kernel(isa): the AVX2 + FMA kernel when isa (< 0
- * or past this CPU's: its best) is AVX2 or wider, else the portable one (GCC vector extensions,
- * separate multiplies and adds), never NULL. */
+ * or past this CPU's: its best) is AVX2 or wider, else the portable one (GCC vector extensions;
+ * multiplies and adds, fused only where the compiler contracts them), never NULL. */
 typedef void (*clover_gemm_f32_fn)(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                                    const float *B, int64_t ldb, float *C, int64_t ldc);
 clover_gemm_f32_fn clover_gemm_f32_kernel(int isa);
