@@ -828,17 +828,6 @@ static float silu(float x) { return x / (1.0f + expf(-x)); }
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* Float dot product; the simd reduction lets the compiler keep vector partial sums (a fixed
- * order for a given build, so results stay deterministic). */
-static inline float dotf(const float *a, const float *b, int64_t n) {
-    float s = 0;
-#ifdef _OPENMP
-#pragma omp simd reduction(+ : s)
-#endif
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* y = x * rsqrt(mean(x^2) + eps) * w; w already holds 1 + w_hf for N1p norms (spec 2, 4.3). */
 static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
     double ss = 0;
