@@ -1370,8 +1370,7 @@ CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv,
     float *A = scratch, *U = A + CH * CH, *W = U + CH * dv, *G = W + CH * dk, *row = G + CH;
     float *Kt = row + CH; /* [dk][L]: the chunk's K^T, at the end K'^T with K'_j = exp(G_L - G_j) k_j */
     float *E = Kt + CH * dk; /* [L][CH]: the decay exp(G_i - G_j) for j <= i, else 0 */
-    float *Kc = E + CH * CH, *Vc = Kc + CH * dk; /* the chunk's k and v rows packed ([L][dk], [L][dv]): a
-                                                    product's B rows C floats apart would share cache sets */
+    float *Kc = E + CH * CH, *Vc = Kc + CH * dk; /* the chunk's k and v rows packed: [L][dk], [L][dv] */
     for (int64_t t0 = 0; t0 < T; t0 += CH) {
         const int64_t L = T - t0 < CH ? T - t0 : CH;
         double acc = 0;
