@@ -22,7 +22,6 @@ static inline AVX2 __m256i isum8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-
 /* 32 signed bytes from 16 nibble bytes: low nibbles -> elements 0..15, high -> 16..31, each
  * code mapped through a 16-entry table (pshufb). */
 static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
