@@ -178,102 +178,85 @@ clover_vec_dot_fn clover_dot_avx512(int type) {
     }
 }
 
-/* The F32 attention kernels over several keys (dot.h). dot_f32x4: four keys' q . k, each summed
- * as the AVX2 dot_f32 sums it (four 8-lane FMA sums, then 8 lanes, the same reduction, then the
- * tail in order), with each 32 values of q loaded once for the four keys: AVX-512VL's 32 ymm
- * registers hold the 16 sums. */
-static AVX512 void dot_f32x4(const float *q, const float *k, int64_t ks, int64_t n, float *out) {
+/* The attention kernels over several keys (dot.h), for float32 and fp16 caches (f16), each equal
+ * bit for bit to its AVX2 one-key kernel called key by key. kv8 / kv1: 8 cache values, or one,
+ * from element i of c, as float. */
+static inline __attribute__((always_inline)) AVX512 __m256 kv8(const void *c, int f16, int64_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + i)))
+               : _mm256_loadu_ps((const float *)c + i);
+}
+
+static inline __attribute__((always_inline)) AVX512 float kv1(const void *c, int f16, int64_t i) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+}
+
+/* out[r] = q . k_r for the 4 keys k_r = k + r ks (n values), each summed as the AVX2 one-key
+ * kernel sums it: C 8-lane FMA sums over 8 C values a step (dot_f32: C = 4; dot_f16: 2), the last
+ * 8s into the first sum, the sums added pairwise, 8 lanes reduced, then the tail in order. Each 8
+ * C values of q are loaded once for the four keys (AVX-512VL's 32 ymm registers hold the sums). */
+static inline __attribute__((always_inline)) AVX512 void kv_dot4(int C, int f16, const float *q, const void *k,
+                                                                 int64_t ks, int64_t n, float *out) {
     __m256 a[4][4];
     for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; c++) a[r][c] = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int c = 0; c < 4; c++) {
+    for (; i + 8 * C <= n; i += 8 * C)
+        for (int c = 0; c < C; c++) {
             const __m256 qc = _mm256_loadu_ps(q + i + 8 * c);
-            for (int r = 0; r < 4; r++) a[r][c] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + r * ks + i + 8 * c), a[r][c]);
+            for (int r = 0; r < 4; r++) a[r][c] = _mm256_fmadd_ps(qc, kv8(k, f16, r * ks + i + 8 * c), a[r][c]);
         }
     for (; i + 8 <= n; i += 8) {
         const __m256 qc = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 4; r++) a[r][0] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + r * ks + i), a[r][0]);
+        for (int r = 0; r < 4; r++) a[r][0] = _mm256_fmadd_ps(qc, kv8(k, f16, r * ks + i), a[r][0]);
     }
     for (int r = 0; r < 4; r++) {
-        float s = clover_hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
-        for (int64_t j = i; j < n; j++) s += q[j] * k[r * ks + j];
+        __m256 t = _mm256_add_ps(a[r][0], a[r][1]);
+        for (int c = 2; c < C; c += 2) t = _mm256_add_ps(t, _mm256_add_ps(a[r][c], a[r][c + 1]));
+        float s = clover_hsum8(t);
+        for (int64_t j = i; j < n; j++) s += q[j] * kv1(k, f16, r * ks + j);
         out[r] = s;
     }
 }
 
 /* o += p[j] v_j for the rows j < nv in order (v_j = v + j vs), n values: per value the same
- * fused multiply-adds in the same order as nv calls of the AVX2 axpy_f32 (and its tail's plain
- * ones), with 128 values of o held in 16 ymm registers across the rows: one load a
+ * fused multiply-adds in the same order as nv calls of the AVX2 axpy kernel (and its tail's
+ * plain ones), with 128 values of o held in 16 ymm registers across the rows: one load a
  * multiply-add, instead of two loads and a store. */
-static AVX512 void axpy_f32_rows(float *o, const float *p, const float *v, int64_t vs, int64_t nv, int64_t n) {
+static inline __attribute__((always_inline)) AVX512 void kv_axpy_rows(int f16, float *o, const float *p,
+                                                                      const void *v, int64_t vs, int64_t nv, int64_t n) {
     int64_t i = 0;
     for (; i + 128 <= n; i += 128) {
         __m256 r[16];
         for (int c = 0; c < 16; c++) r[c] = _mm256_loadu_ps(o + i + 8 * c);
         for (int64_t j = 0; j < nv; j++) {
             const __m256 pj = _mm256_set1_ps(p[j]);
-            const float *vj = v + j * vs + i;
-            for (int c = 0; c < 16; c++) r[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), r[c]);
+            for (int c = 0; c < 16; c++) r[c] = _mm256_fmadd_ps(pj, kv8(v, f16, j * vs + i + 8 * c), r[c]);
         }
         for (int c = 0; c < 16; c++) _mm256_storeu_ps(o + i + 8 * c, r[c]);
     }
     for (; i + 8 <= n; i += 8) {
         __m256 r = _mm256_loadu_ps(o + i);
-        for (int64_t j = 0; j < nv; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * vs + i), r);
+        for (int64_t j = 0; j < nv; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), kv8(v, f16, j * vs + i), r);
         _mm256_storeu_ps(o + i, r);
     }
     for (; i < n; i++)
-        for (int64_t j = 0; j < nv; j++) o[i] += p[j] * v[j * vs + i];
+        for (int64_t j = 0; j < nv; j++) o[i] += p[j] * kv1(v, f16, j * vs + i);
 }
 
-/* The F16 forms of the two (dot.h): dot_f16x4 sums each key as dot_avx2.c's dot_f16 does (two
- * 8-lane FMA sums over 16 values a step, the last 8 into the first sum, the same reduction, the
- * tail in order), each 16 values of q loaded once for the four keys; axpy_f16_rows runs each 8
- * values' fused multiply-adds over the rows in order as nv calls of axpy_f16 would, 128 values
- * of o held in registers. */
-static inline AVX512 __m256 h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static AVX512 void dot_f32x4(const float *q, const float *k, int64_t ks, int64_t n, float *out) {
+    kv_dot4(4, 0, q, k, ks, n, out);
+}
 
 static AVX512 void dot_f16x4(const float *q, const uint16_t *k, int64_t ks, int64_t n, float *out) {
-    __m256 a[4][2];
-    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int c = 0; c < 2; c++) {
-            const __m256 qc = _mm256_loadu_ps(q + i + 8 * c);
-            for (int r = 0; r < 4; r++) a[r][c] = _mm256_fmadd_ps(qc, h8(k + r * ks + i + 8 * c), a[r][c]);
-        }
-    for (; i + 8 <= n; i += 8) {
-        const __m256 qc = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 4; r++) a[r][0] = _mm256_fmadd_ps(qc, h8(k + r * ks + i), a[r][0]);
-    }
-    for (int r = 0; r < 4; r++) {
-        float s = clover_hsum8(_mm256_add_ps(a[r][0], a[r][1]));
-        for (int64_t j = i; j < n; j++) s += q[j] * _cvtsh_ss(k[r * ks + j]);
-        out[r] = s;
-    }
+    kv_dot4(2, 1, q, k, ks, n, out);
+}
+
+static AVX512 void axpy_f32_rows(float *o, const float *p, const float *v, int64_t vs, int64_t nv, int64_t n) {
+    kv_axpy_rows(0, o, p, v, vs, nv, n);
 }
 
 static AVX512 void axpy_f16_rows(float *o, const float *p, const uint16_t *v, int64_t vs, int64_t nv, int64_t n) {
-    int64_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        __m256 r[16];
-        for (int c = 0; c < 16; c++) r[c] = _mm256_loadu_ps(o + i + 8 * c);
-        for (int64_t j = 0; j < nv; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            const uint16_t *vj = v + j * vs + i;
-            for (int c = 0; c < 16; c++) r[c] = _mm256_fmadd_ps(pj, h8(vj + 8 * c), r[c]);
-        }
-        for (int c = 0; c < 16; c++) _mm256_storeu_ps(o + i + 8 * c, r[c]);
-    }
-    for (; i + 8 <= n; i += 8) {
-        __m256 r = _mm256_loadu_ps(o + i);
-        for (int64_t j = 0; j < nv; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), h8(v + j * vs + i), r);
-        _mm256_storeu_ps(o + i, r);
-    }
-    for (; i < n; i++)
-        for (int64_t j = 0; j < nv; j++) o[i] += p[j] * _cvtsh_ss(v[j * vs + i]);
+    kv_axpy_rows(1, o, p, v, vs, nv, n);
 }
 
 clover_dot_f32x4_fn clover_dot_f32x4_avx512(void) { return dot_f32x4; }
