@@ -5,8 +5,9 @@
   (clover_cuda_matmul_d), for T = 1 (decode), 32 (a block forward) and 512 (a prefill pass),
   with and without tensor cores (CLOVER_CUDA_MMA=0) where T >= 16 (fewer rows never take them);
 - attention against a KV cache of ``--keys`` rows at 35B-A3B's heads (16 query heads, 2 KV
-  heads, head_dim 256; clover_cuda_attention_d): a decode step (1 row, causal) and a 32-row
-  block pass, with an F32 and an F16 cache (``-ctk/-ctv f16``).
+  heads, head_dim 256; clover_cuda_attention_d): a decode step (1 row, causal), a 32-row block
+  pass and the last 512 rows of a prefill (causal), the last two with and without tensor cores,
+  with an F32 and an F16 cache (``-ctk/-ctv f16``).
 
 Printed per case: microseconds per call, the bytes read per second (weights; or K and V), that as
 a percentage of the device's copy bandwidth measured here (2 x bytes / time of a
@@ -142,22 +143,25 @@ def run(ne0: int, ne1: int, types: list[str], rows: list[int], iters: int, reps:
 
 def attention(n_keys: int, bw: float, iters: int, reps: int, n_head: int = 16, n_kv: int = 2, hd: int = 256) -> list:
     """Cases of clover_cuda_attention_d over a cache of n_keys rows (random values), F32 and F16: a
-    decode step (row n_keys - 1, causal) and a 32-row block pass (its rows the cache's last 32)."""
+    decode step (row n_keys - 1, causal), a 32-row block pass (its rows the cache's last 32) and
+    a 512-row prefill pass (causal, the last 512 rows; where n_keys >= 512), the last two with
+    tensor cores (k_attention_mma) and without (CLOVER_CUDA_MMA=0: k_attention)."""
     rng = np.random.default_rng(1)
-    kvd = n_kv * hd
+    kvd, T_max = n_kv * hd, min(512, n_keys)
     kv = rng.standard_normal((n_keys, kvd)).astype(np.float32)
-    q = (rng.standard_normal((32, n_head, 2 * hd)) * 0.1).astype(np.float32)
+    q = (rng.standard_normal((T_max, n_head, 2 * hd)) * 0.1).astype(np.float32)
     bufs = {}
     try:
         for name, a in (("k", kv), ("k16", kv.astype(np.float16)), ("q", q)):
             p = _cffi.new("void **")
             _check(_clib.clover_cuda_upload(_cffi.cast("void *", a.ctypes.data), a.nbytes, p, _err, 256), "upload")
             bufs[name] = p[0]
-        bufs["o"], bufs["pos"] = _alloc(4 * 32 * n_head * hd), _alloc(8)
+        bufs["o"], bufs["pos"] = _alloc(4 * T_max * n_head * hd), _alloc(8)
         cases = []
+        shapes = [(1, 1, "decode"), (32, 0, "block32")] + ([(512, 1, "prefill512")] if n_keys >= 512 else [])
         for cache, kv_f16, es in (("f32", 0, 4), ("f16", 3, 2)):  # K and V: the same buffer, read twice
             k = bufs["k16" if kv_f16 else "k"]
-            for T, causal, what in ((1, 1, "decode"), (32, 0, "block32")):
+            for T, causal, what in shapes:
                 pos = _cffi.new("int64_t *", n_keys - T)
                 _check(_clib.clover_cuda_write(bufs["pos"], 0, pos, 8, _err, 256), "write pos")
 
@@ -166,12 +170,16 @@ def attention(n_keys: int, bw: float, iters: int, reps: int, n_head: int = 16, n
                                                          _cffi.cast("int64_t *", bufs["pos"]), T, n_head, n_kv, hd,
                                                          causal, hd ** -0.5, _cffi.cast("float *", bufs["o"]), _err,
                                                          256), "attention_d")
-                s = _best(call, iters, reps, bufs["o"])
-                kv_bytes = 2 * n_keys * kvd * es
-                cases.append({"case": what, "cache": cache, "keys": n_keys, "rows": T, "us": s * 1e6,
-                              "kv_bytes_per_s": kv_bytes / s, "pct_bandwidth": 100 * kv_bytes / s / bw})
+                for mma in (("1", "0") if T > 1 else ("1",)):
+                    os.environ["CLOVER_CUDA_MMA"] = mma
+                    s = _best(call, iters, reps, bufs["o"])
+                    kv_bytes = 2 * n_keys * kvd * es
+                    cases.append({"case": what, "cache": cache, "keys": n_keys, "rows": T,
+                                  "mma": mma == "1" if T > 1 else None, "us": s * 1e6,
+                                  "kv_bytes_per_s": kv_bytes / s, "pct_bandwidth": 100 * kv_bytes / s / bw})
         return cases
     finally:
+        os.environ.pop("CLOVER_CUDA_MMA", None)
         for p in bufs.values():
             _clib.clover_cuda_free(p)
 
@@ -205,8 +213,9 @@ def main(argv=None) -> int:
         r["attention"] = attention(a.keys, r["copy_bandwidth"], a.iters, a.reps)
         print("attention (16 heads, 2 KV heads, head_dim 256)")
         for c in r["attention"]:
-            print(f"{c['case']:8s} {c['cache']} {c['keys']:6d} keys {c['rows']:3d} rows {c['us']:10.1f} us "
-                  f"{c['kv_bytes_per_s'] / 1e9:8.1f} GB/s of K and V {c['pct_bandwidth']:6.1f} % bw")
+            tc = "-" if c["mma"] is None else "yes" if c["mma"] else "no"
+            print(f"{c['case']:10s} {c['cache']} {c['keys']:6d} keys {c['rows']:3d} rows tensor cores {tc:3s} "
+                  f"{c['us']:10.1f} us {c['kv_bytes_per_s'] / 1e9:8.1f} GB/s of K and V {c['pct_bandwidth']:6.1f} % bw")
     if a.json:
         print(json.dumps(r))
     return 0

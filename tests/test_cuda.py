@@ -326,26 +326,41 @@ def _f(a: np.ndarray):
 
 
 @gpu
+@pytest.mark.parametrize("mma", [True, False], ids=["tensor-cores", "no-tensor-cores"])
 @pytest.mark.parametrize("hd,n_head,n_kv,kv_f16", [(64, 4, 2, 0), (256, 16, 2, 0), (256, 16, 2, 3), (128, 6, 6, 1),
-                                                  (32, 20, 2, 2), (32, 16, 16, 0)])
-def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv, kv_f16):
+                                                  (32, 20, 2, 2), (32, 16, 16, 0), (64, 12, 4, 1)])
+def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv, kv_f16, mma, monkeypatch):
     """clover_cuda_attention in prefix (causal) and block mode, GQA, a cache holding 37 earlier
     rows written by clover_cuda_write, against float64 numpy (softmax(q K^T / sqrt(hd)) V times
-    sigmoid(gate), spec 2.2): within 1e-5 of max |v| (float32 sums; seen about 1e-7). Block mode
-    then runs again on the same rows with other values: the cache rows are overwritten, as a
-    denoising step rewrites its block's scratch rows. 1, 11 and 40 rows: the keys go in up to 64
-    splits (one row: most splits empty) or several, or, with 16 KV heads at 40 rows, one
-    (k_attention writes the output without k_attention_merge); 20 heads on 2 KV heads: two blocks
-    per KV head, the second with warps past the group's heads. kv_f16 (1: K, 2: V, 3: both): those
+    sigmoid(gate), spec 2.2): within 1e-5 of max |v| (float32 sums, or tf32 products of three
+    terms; seen about 1e-7). Block mode then runs again on the same rows with other values: the
+    cache rows are overwritten, as a denoising step rewrites its block's scratch rows. One row
+    takes k_attention, its keys in up to 64 splits (most empty); 11 and 40 rows take
+    k_attention_mma where there are tensor cores (16 queries a warp, from rows that differ in
+    their causal key counts; 12 heads on 4 KV heads: 3 a KV head, so a tile's queries straddle
+    rows), its keys in splits of 64 or more (48 keys: one, 77: two, the merge skipping the empty
+    ones), else k_attention, its keys in several splits or, with 16 KV heads at 40 rows, one (the
+    output written without k_attention_merge); 20 heads on 2 KV heads: two k_attention blocks per
+    KV head, the second with warps past the group's heads. kv_f16 (1: K, 2: V, 3: both): those
     caches hold fp16 values (the reference reads the same fp16 values); 35B-A3B's heads with both
     cache types."""
+    if not mma:
+        monkeypatch.setenv("CLOVER_CUDA_MMA", "0")
     for T in (1, 11, 40):
         _check_attention(hd, n_head, n_kv, T, kv_f16)
 
 
-def _check_attention(hd, n_head, n_kv, T, kv_f16):
+@gpu
+def test_long_prefill_attention_on_tensor_cores_without_splits():
+    """1000 causal rows at 16 heads on 16 KV heads: 1008 tiles of 16 queries in 256 blocks of
+    k_attention_mma, enough to fill the GPU, so one split and the output written by the kernel
+    itself (no k_attention_merge); against float64 numpy as above, over up to 1000 keys."""
+    _check_attention(32, 16, 16, 1000, 0, n_ctx=1000, pos0=0, modes=(1,))
+
+
+def _check_attention(hd, n_head, n_kv, T, kv_f16, n_ctx=96, pos0=37, modes=(1, 0, 0)):
     rng = np.random.default_rng(hd + T)
-    n_ctx, pos0, kvd = 96, 37, n_kv * hd
+    kvd = n_kv * hd
     dts = [np.float16 if kv_f16 & bit else np.float32 for bit in (1, 2)]  # K, V cache element types
     k_all = rng.standard_normal((n_ctx, kvd)).astype(dts[0])
     v_all = rng.standard_normal((n_ctx, kvd)).astype(dts[1])
@@ -361,7 +376,7 @@ def _check_attention(hd, n_head, n_kv, T, kv_f16):
 
     try:
         write(slice(0, pos0))
-        for causal in (1, 0, 0):
+        for causal in modes:
             q = (rng.standard_normal((T, n_head, 2 * hd)) * 0.3).astype(np.float32)
             k_all[pos0:pos0 + T] = rng.standard_normal((T, kvd))
             v_all[pos0:pos0 + T] = rng.standard_normal((T, kvd))
@@ -370,14 +385,17 @@ def _check_attention(hd, n_head, n_kv, T, kv_f16):
             rc = _clib.clover_cuda_attention(_f(q), kd[0], vd[0], kv_f16, n_ctx, pos0, T, n_head, n_kv, hd, causal,
                                              1 / np.sqrt(hd), _f(out), err, 256)
             assert rc == 0, _cffi.string(err)
-            for t in range(T):
-                n_keys = pos0 + t + 1 if causal else pos0 + T
-                for h in range(n_head):
-                    kv = slice((h // (n_head // n_kv)) * hd, (h // (n_head // n_kv) + 1) * hd)
-                    sc = k_all[:n_keys, kv].astype(np.float64) @ q[t, h, :hd] / np.sqrt(hd)
-                    p = np.exp(sc - sc.max())
-                    want = (p / p.sum()) @ v_all[:n_keys, kv] / (1 + np.exp(-q[t, h, hd:].astype(np.float64)))
-                    assert np.max(np.abs(out[t, h] - want)) <= 1e-5 * np.abs(v_all).max(), (causal, t, h)
+            n_rep, n_all = n_head // n_kv, pos0 + T
+            for h in range(n_head):
+                kv = slice((h // n_rep) * hd, (h // n_rep + 1) * hd)
+                sc = q[:, h, :hd].astype(np.float64) @ k_all[:n_all, kv].astype(np.float64).T / np.sqrt(hd)  # [T][keys]
+                if causal:
+                    sc[np.arange(n_all)[None, :] > pos0 + np.arange(T)[:, None]] = -np.inf
+                p = np.exp(sc - sc.max(axis=1, keepdims=True))
+                gate = 1 / (1 + np.exp(-q[:, h, hd:].astype(np.float64)))
+                want = (p / p.sum(axis=1, keepdims=True)) @ v_all[:n_all, kv].astype(np.float64) * gate
+                err_h = np.max(np.abs(out[:, h] - want), axis=1)
+                assert np.all(err_h <= 1e-5 * np.abs(v_all).max()), (causal, int(np.argmax(err_h)), h)
         bad = _clib.clover_cuda_attention(_f(q), kd[0], vd[0], kv_f16, n_ctx, n_ctx - T + 1, T, n_head, n_kv, hd, 1,
                                           1.0, _f(out), err, 256)
         assert bad == lib.CLOVER_E_ARG and "pos0" in _cffi.string(err).decode()
@@ -999,7 +1017,8 @@ def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
 def test_gpu_kernels_bench_runs():
     """bench/gpu_kernels.py (device_check.sh runs it) at small sizes: its declarations match the
     library (a stale one would crash on the device), every case is timed, and the attention
-    cases cover the F32 and F16 caches."""
+    cases cover the F32 and F16 caches, the block pass with and without tensor cores (64 keys:
+    no prefill case)."""
     import json
     import pathlib
     import subprocess
@@ -1014,8 +1033,9 @@ def test_gpu_kernels_bench_runs():
     assert [(c["type"], c["T"], c["mma"]) for c in out["cases"]] == [
         ("Q4_K", 1, None), ("Q4_K", 32, True), ("Q4_K", 32, False), ("F16", 1, None), ("F16", 32, True),
         ("F16", 32, False)]
-    assert [(c["case"], c["cache"]) for c in out["attention"]] == [
-        ("decode", "f32"), ("block32", "f32"), ("decode", "f16"), ("block32", "f16")]
+    assert [(c["case"], c["cache"], c["mma"]) for c in out["attention"]] == [
+        (case, cache, mma) for cache in ("f32", "f16")
+        for case, mma in (("decode", None), ("block32", True), ("block32", False))]
     assert all(c["us"] > 0 for c in out["cases"] + out["attention"])
 
 

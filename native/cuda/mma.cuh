@@ -5,7 +5,9 @@
  * differ only in float order; this one shares each weight group's unpacking among 8 NT rows.
  * And those of F16 and BF16 weights on f16/bf16 tensor cores (k_matmul_mma_f), with the float32
  * activations split into 2 f16 (3 bf16) terms whose sum is the value within 2^-22 (2^-27) of it,
- * so that these products, too, differ from the CPU's float32 ones in rounding only.
+ * so that these products, too, differ from the CPU's float32 ones in rounding only. And the
+ * tf32 tile product and split (tf32_split, mma_16x8x8_tf32) with which k_attention_mma in
+ * cuda.cu makes float32 products of float32 values on tensor cores.
  *
  * Fragment layout of mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 (PTX ISA, "Matrix Fragments
  * for mma.m16n8k16 with integer type"), lane = 4 g + t: A (16 x 16) register a0 holds row g,
@@ -237,6 +239,59 @@ __global__ void k_matmul_mma_f(const uint8_t *W, int64_t w_stride, int64_t ne0, 
             for (int i = 0; i < 4; i++) acc[n][i] += c[n][i] + cl[n][i];
     }
     mma_store<NT>(acc, mr, ne1, Y, inv);
+}
+
+/* ---- float32 values on tf32 tensor cores ---- */
+
+/* x rounded to tf32 (float32 with 10 fraction bits; to nearest, ties away from zero, as PTX's
+ * cvt.rna.tf32.f32), in a float32; Inf and NaN as they are. The same integer steps on the GPU
+ * and off it. */
+__device__ __forceinline__ float tf32_round(float x) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7F800000u) != 0x7F800000u) u = (u + 0x1000u) & 0xFFFFE000u;
+    return __uint_as_float(u);
+}
+
+/* x as hi + lo, both tf32 values: hi = x rounded, lo = the rest rounded, so hi + lo is x within
+ * 2^-22 of |x| (the split of CUTLASS's "3xTF32" float32 products: hi hi' + hi lo' + lo hi'). */
+struct tf32_pair {
+    float hi, lo;
+};
+__device__ __forceinline__ tf32_pair tf32_split(float x) {
+    const float hi = tf32_round(x);
+    return {hi, tf32_round(x - hi)};
+}
+
+/* c += A B for one 16 x 8 x 8 tile of tf32 values (float32 registers whose low 13 bits are zero)
+ * with float32 sums: mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (PTX ISA, "Matrix
+ * Fragments for mma.m16n8k8", .tf32), lane = 4 g + t: a[0] is A's row g, column t, a[1] row
+ * g + 8, column t, a[2] and a[3] the same rows, column t + 4; b0 is B's row t, column g, b1 row
+ * t + 4; c as in mma_16x8x16. Off the GPU the same layout, from every lane's registers
+ * (clover_emu_gather), summed in k order. */
+__device__ __forceinline__ void mma_16x8x8_tf32(float c[4], const float a[4], float b0, float b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+          "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+#elif !defined(CLOVER_CUDA_EMU)
+    __trap(); /* never launched below sm_80 (use_mma) */
+#else
+    const int g = threadIdx.x / 4, t = threadIdx.x % 4;
+    const uint32_t mine[6] = {__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]),
+                              __float_as_uint(a[3]), __float_as_uint(b0),   __float_as_uint(b1)};
+    uint32_t all[32][6]; /* every lane's registers */
+    clover_emu_gather(mine, &all[0][0], 6);
+    for (int k = 0; k < 8; k++) { /* lane 4 g + u holds A's columns u (a[0], a[1]) and u + 4 (a[2], a[3]) of rows
+                                   * g, g + 8, and B's rows u (b0) and u + 4 (b1) of column g */
+        const int u = k % 4, h = k / 4;
+        const float x0 = __uint_as_float(all[4 * g + u][2 * h]), x1 = __uint_as_float(all[4 * g + u][2 * h + 1]);
+        const float y0 = __uint_as_float(all[4 * (2 * t) + u][4 + h]);
+        const float y1 = __uint_as_float(all[4 * (2 * t + 1) + u][4 + h]);
+        c[0] += x0 * y0, c[1] += x0 * y1, c[2] += x1 * y0, c[3] += x1 * y1;
+    }
+#endif
 }
 
 #endif
