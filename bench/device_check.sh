@@ -97,6 +97,11 @@ CLOVER_GPU_RESIDENT=0 timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" 
 step "bench on the GPU without tensor cores (CLOVER_CUDA_MMA=0: dp4a for every product)"
 CLOVER_CUDA_MMA=0 timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 128 -r 2 \
     | tee "$out/bench_gpu_dp4a.txt" || true
+step "bench on the GPU after a 4096-token prefix (-d 4096): attention over a long cache, with and without tensor cores"
+timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 32 -d 4096 -r 1 \
+    | tee "$out/bench_gpu_d4096.txt" || true
+CLOVER_CUDA_MMA=0 timeout -k 10 60 $py -m clover_gguf.cli bench -m "$model" -ngl all -p 512 -n 32 -d 4096 -r 1 \
+    | tee "$out/bench_gpu_d4096_no_mma.txt" || true
 timeout -k 10 90 $py -m clover_gguf.cli bench -m "$model" -p 512 -n 128 -r 2 | tee "$out/bench_cpu.txt" || true
 if [ "${CLOVER_DEVICE_FULL:-0}" = 1 ]; then  # issue 8: the full 40-layer model and placements
     step "40-layer real-dims Q4_K_M model (about 20 GiB, generated here)"
