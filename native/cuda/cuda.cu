@@ -613,11 +613,12 @@ __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
                 mma_16x8x8_tf32(ss[n], al, b0.hi, b1.hi);
                 if (!k16) mma_16x8x8_tf32(ss[n], ah, b0.lo, b1.lo);
             }
-            if ((ks + 1) % (ATT_CHUNK / 8) == 0 || ks == ND - 1)
+            if ((ks + 1) % (ATT_CHUNK / 8) == 0 || ks == ND - 1) {
                 UNROLL
                 for (int n = 0; n < 2; n++)
                     UNROLL
                     for (int i = 0; i < 4; i++) sc[n][i] += sm[n][i] + ss[n][i], sm[n][i] = ss[n][i] = 0.0f;
+            }
         }
         /* the online softmax: c[i] of n-tile n is key kt + 8 n + 2 t + (i & 1) of query g + 8 (i >> 1) */
         float mx[2] = {-FLT_MAX, -FLT_MAX}, corr[2]; /* masked keys' scores: -Inf, their weights 0 */
