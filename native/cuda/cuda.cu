@@ -44,12 +44,10 @@
 #define LAUNCH(k, grid, block) clover_emu_launch(k, grid, block)
 #define UNROLL
 #define UNROLL_4
-#define UNROLL_1
 #else
 #define LAUNCH(k, grid, block) k<<<grid, block, 0, stream()>>>
 #define UNROLL _Pragma("unroll")
 #define UNROLL_4 _Pragma("unroll 4")
-#define UNROLL_1 _Pragma("unroll 1")
 #endif
 
 /* The stream every kernel runs on: a blocking stream, so the synchronous copies (legacy stream)
@@ -593,7 +591,6 @@ __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
             UNROLL
             for (int i = 0; i < 4; i++) sc[n][i] = sm[n][i] = ss[n][i] = 0.0f;
         }
-        UNROLL_1
         for (int ks = 0; ks < ND; ks++) {
             float qa[2], qb[2], ah[4], al[4];
             load_n<2>(q[0], false, 8 * ks + 2 * t, qa);
@@ -674,9 +671,6 @@ __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
                     UNROLL
                     for (int i = 0; i < 4; i++) acc[d4 + e][i] += cm[i] + cs[i];
                 }
-#ifdef __CUDA_ARCH__
-                asm volatile("" ::: "memory"); /* the next loads after these products: fewer registers live */
-#endif
             }
         }
     }
