@@ -3,7 +3,8 @@
 # CUDA backend, run the GPU tests, time the kernels alone (bench/gpu_kernels.py: products per type,
 # attention over 4096 keys), then on the real-dims 4-layer Q4_K_M model (generated here): greedy
 # tokens of every mode on the GPU vs the CPU, and a short benchmark (pp512, tg128, block
-# forward, tokens/s per mode) on the GPU and on the CPU. Target: under 8 minutes on an H200.
+# forward, tokens/s per mode; the GPU also after a 4096-token prefix) on the GPU and on the CPU.
+# Target: under 8 minutes on an H200.
 #
 #   bash bench/device_check.sh [OUT_DIR]        # logs and JSON go to /tmp/clover-device-logs, packed at each
 #                                                # step into OUT_DIR/logs.tgz (default $OUT or /tmp/clover-device):
