@@ -352,10 +352,10 @@ def test_attention_with_the_cache_on_the_device_equals_float64(hd, n_head, n_kv,
 
 @gpu
 def test_long_prefill_attention_on_tensor_cores_without_splits():
-    """1000 causal rows at 16 heads on 16 KV heads: 1008 tiles of 16 queries in 256 blocks of
+    """1024 causal rows at 16 heads on 16 KV heads: 1024 tiles of 16 queries (a warp each) of
     k_attention_mma, enough to fill the GPU, so one split and the output written by the kernel
-    itself (no k_attention_merge); against float64 numpy as above, over up to 1000 keys."""
-    _check_attention(32, 16, 16, 1000, 0, n_ctx=1000, pos0=0, modes=(1,))
+    itself (no k_attention_merge); against float64 numpy as above, over up to 1024 keys."""
+    _check_attention(32, 16, 16, 1024, 0, n_ctx=1024, pos0=0, modes=(1,))
 
 
 def _check_attention(hd, n_head, n_kv, T, kv_f16, n_ctx=96, pos0=37, modes=(1, 0, 0)):

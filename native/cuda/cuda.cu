@@ -533,8 +533,8 @@ template <int N> __device__ __forceinline__ void load_n(const void *c, bool f16,
 }
 
 /* Gated attention as k_attention, on tf32 tensor cores, for many rows (prefill, block forwards,
- * verify). Warp threadIdx.y of block x takes 16 queries of KV head x / per_g (per_g blocks a KV
- * head): that head's query heads row after row (query i: row i / n_rep, head x / per_g n_rep +
+ * verify). Warp threadIdx.y of block x (blockDim.y <= ATT_MMA_WARPS warps) takes 16 queries of
+ * KV head x / per_g (per_g blocks a KV head): that head's query heads row after row (query i: row i / n_rep, head x / per_g n_rep +
  * i % n_rep), so each key is read once for 16 of them; blockIdx.y takes split y of the keys
  * (att_mma_keys: of the largest key count of the 16, each query masking the keys past its own),
  * in tiles of 16. Every product is a float32 one made of tf32 ones (tf32_split: q k = qh kh +
@@ -549,7 +549,7 @@ template <int N> __device__ __forceinline__ void load_n(const void *c, bool f16,
  * g ND .. g ND + ND - 1 of V's rows (ND = HD / 8) and holds, of queries g and g + 8, the output
  * dimensions n ND + d for n = 2t, 2t + 1 and d < ND (acc[d][2 r + n - 2t] for query g + 8 r).
  * Writes as k_attention: O, or (m, s, output) to P for k_attention_merge. Caller: HD / 8 a
- * multiple of 4 (HD 32, 64, 128 or 256 here). */
+ * multiple of 4 (HD 32, 64, 128 or 256 here); Q, K and V 16-byte aligned (vector loads). */
 template <int HD>
 __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
     k_attention_mma(const float *Q, const void *K, const void *V, int kv_f16, float *O, float *P,
@@ -559,8 +559,8 @@ __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
     static_assert(ND % 4 == 0, "V rows in 4-value loads");
     if (pos_p) pos0 = *pos_p;
     const int64_t n_rep = n_head / n_kv, nq = T * n_rep, n_tiles = (nq + 15) / 16;
-    const int64_t per_g = (n_tiles + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS, gk = blockIdx.x / per_g;
-    const int64_t tile = (blockIdx.x % per_g) * ATT_MMA_WARPS + threadIdx.y, kvd = n_kv * HD;
+    const int64_t per_g = (n_tiles + blockDim.y - 1) / blockDim.y, gk = blockIdx.x / per_g;
+    const int64_t tile = (blockIdx.x % per_g) * blockDim.y + threadIdx.y, kvd = n_kv * HD;
     if (tile >= n_tiles) return; /* the whole warp (no block barriers here) */
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
     const bool k16 = kv_f16 & CLOVER_KV_K_F16, v16 = kv_f16 & CLOVER_KV_V_F16;
@@ -1197,11 +1197,11 @@ extern "C" int clover_cuda_write(void *dev, size_t offset, const void *host, siz
     return nbytes ? copy((char *)dev + offset, host, nbytes, cudaMemcpyHostToDevice, err, err_size) : CLOVER_OK;
 }
 
-/* Splits of the keys for an attention kernel of n_blocks blocks a split: one when those fill the
- * GPU alone, else up to ATT_SPLITS_MAX, about `want` blocks in all (k_attention: 512; a decode
- * step at 35B-A3B's 2 KV heads takes 64 splits). */
-static int att_splits(int64_t n_blocks, int64_t want) {
-    const int64_t S = (want + n_blocks - 1) / n_blocks;
+/* Splits of the keys for an attention kernel of n units (blocks or warps) a split: one when those
+ * fill the GPU alone, else up to ATT_SPLITS_MAX, about `want` units in all (k_attention: 512
+ * blocks; a decode step at 35B-A3B's 2 KV heads takes 64 splits). */
+static int att_splits(int64_t n, int64_t want) {
+    const int64_t S = (want + n - 1) / n;
     return S < ATT_SPLITS_MAX ? (int)S : ATT_SPLITS_MAX;
 }
 
@@ -1211,11 +1211,14 @@ static int attention_launch(const float *Q, const void *K, const void *V, int kv
                             const int64_t *pos_p, int64_t pos0, int64_t T, int64_t n_head, int64_t n_kv, int64_t hd,
                             int causal, float scale, char *err, size_t err_size) {
     const int64_t n_rep = n_head / n_kv, n_chunk = (n_rep + ATT_REP - 1) / ATT_REP;
-    /* k_attention_mma: blocks of ATT_MMA_WARPS tiles of 16 queries, per_g of them a KV head (about
-     * 256 blocks fill an H200 at 8 warps an SM) */
-    const bool mma = T >= 2 && T * n_rep >= 16 && (hd == 32 || hd == 64 || hd == 128 || hd == 256) && use_mma();
-    const int64_t per_g = (T * n_rep + 16 * ATT_MMA_WARPS - 1) / (16 * ATT_MMA_WARPS);
-    const int S = mma ? att_splits(n_kv * per_g, 256) : att_splits(T * n_kv * n_chunk, 512);
+    /* k_attention_mma: a warp per tile of 16 queries, up to ATT_MMA_WARPS of a KV head's tiles a
+     * block, per_g blocks a KV head, and splits for about 1024 warps in all (an H200 holds 8 of
+     * them an SM); where its vector loads are aligned */
+    const bool mma = T >= 2 && T * n_rep >= 16 && (hd == 32 || hd == 64 || hd == 128 || hd == 256) &&
+                     ((uintptr_t)Q | (uintptr_t)K | (uintptr_t)V) % 16 == 0 && use_mma();
+    const int64_t n_tiles = (T * n_rep + 15) / 16, warps = n_tiles < ATT_MMA_WARPS ? n_tiles : (int64_t)ATT_MMA_WARPS;
+    const int64_t per_g = (n_tiles + warps - 1) / warps;
+    const int S = mma ? att_splits(n_kv * n_tiles, 1024) : att_splits(T * n_kv * n_chunk, 512);
     float *P = NULL;
     if (S > 1) {
         const int rc = grow(&g_att, sizeof(float) * (size_t)(T * n_head * S * (hd + 2)), err, err_size);
@@ -1223,7 +1226,7 @@ static int attention_launch(const float *Q, const void *K, const void *V, int kv
         P = (float *)g_att.p;
     }
     if (mma) {
-        const dim3 grid((unsigned)(n_kv * per_g), (unsigned)S), block(32, ATT_MMA_WARPS);
+        const dim3 grid((unsigned)(n_kv * per_g), (unsigned)S), block(32, (unsigned)warps);
 #define ATT_MMA(HD) LAUNCH(k_attention_mma<HD>, grid, block)(Q, K, V, kv_f16, O, P, pos_p, pos0, T, n_head, n_kv, causal, scale)
         if (hd == 32) ATT_MMA(32);
         else if (hd == 64) ATT_MMA(64);

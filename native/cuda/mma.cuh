@@ -267,7 +267,8 @@ __device__ __forceinline__ tf32_pair tf32_split(float x) {
  * Fragments for mma.m16n8k8", .tf32), lane = 4 g + t: a[0] is A's row g, column t, a[1] row
  * g + 8, column t, a[2] and a[3] the same rows, column t + 4; b0 is B's row t, column g, b1 row
  * t + 4; c as in mma_16x8x16. Off the GPU the same layout, from every lane's registers
- * (clover_emu_gather), summed in k order. */
+ * (clover_emu_gather), summed in k order; an operand that is not a tf32 value aborts there (the
+ * tensor cores ignore its low 13 bits). */
 __device__ __forceinline__ void mma_16x8x8_tf32(float c[4], const float a[4], float b0, float b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -281,6 +282,8 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float c[4], const float a[4], fl
     const int g = threadIdx.x / 4, t = threadIdx.x % 4;
     const uint32_t mine[6] = {__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]),
                               __float_as_uint(a[3]), __float_as_uint(b0),   __float_as_uint(b1)};
+    for (int i = 0; i < 6; i++)
+        if (mine[i] & 0x1FFFu) abort(); /* not a tf32 value: the GPU would drop bits the sums here keep */
     uint32_t all[32][6]; /* every lane's registers */
     clover_emu_gather(mine, &all[0][0], 6);
     for (int k = 0; k < 8; k++) { /* lane 4 g + u holds A's columns u (a[0], a[1]) and u + 4 (a[2], a[3]) of rows
