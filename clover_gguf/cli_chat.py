@@ -35,7 +35,9 @@ def stream_interruptibly(make_iter, cancel, handle) -> bool:
     """Iterate ``make_iter()`` in a worker thread and call ``handle(item)`` here, in the main
     thread. The first Ctrl+C calls ``cancel()`` and keeps reading until the iterator ends
     (returns True: interrupted); a second one exits the process with status 130 at once.
-    An exception of the iterator is raised here."""
+    An exception of the iterator is raised here; one of ``handle`` (stdout closed early: a
+    BrokenPipeError) cancels the iterator and waits for the worker before it is raised, so that
+    the caller may close the model the worker is using."""
     q: queue.Queue = queue.Queue()
 
     def work():
@@ -56,7 +58,12 @@ def stream_interruptibly(make_iter, cancel, handle) -> bool:
             except queue.Empty:
                 continue
             if kind == 0:
-                handle(item)
+                try:
+                    handle(item)
+                except Exception:
+                    cancel()
+                    t.join()
+                    raise
                 continue
         except KeyboardInterrupt:
             if interrupted:
