@@ -150,7 +150,8 @@ def cmd_run(a) -> int:
             obj = {
                 "text": text,
                 "tokens": st["tokens"],
-                "n_tokens": st["n_generated"],
+                "n_tokens": len(st["tokens"]),  # the answer's tokens
+                "n_decoded": st["n_generated"],  # the decoder's: a stop string's whole block in diffusion
                 "n_prompt": st["n_prompt"],
                 "n_forward": st["n_forward"],
                 "tokens_per_forward": st["tokens_per_forward"],
