@@ -118,7 +118,7 @@ def cmd_run(a) -> int:
         a.model = DEFAULT_MODEL
     m = _load(a.model, a.ctx_size, a.threads, placement_kwargs(a))
     with m:
-        kw = dict(max_tokens=a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
+        kw = dict(max_tokens=m.n_ctx if a.n_predict == -1 else a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
                   top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
                   coreset_top_p=a.coreset_top_p, min_p=a.min_p, presence_penalty=a.presence_penalty,
                   repeat_penalty=a.repeat_penalty, frequency_penalty=a.frequency_penalty,
@@ -173,6 +173,11 @@ def cmd_run(a) -> int:
                 f"{st['tokens_per_forward']:.2f} tokens/forward, finish: {st['finish_reason']}",
                 file=sys.stderr,
             )
+        room = m.n_ctx - st["n_prompt"] - st["n_generated"]
+        if st["mode"] == "diffusion" and st["finish_reason"] == "length" and room > 0 and \
+                st["n_generated"] < kw["max_tokens"]:
+            print(f"note: the next diffusion block did not fit in the context ({room} of n_ctx {m.n_ctx} "
+                 "positions left); raise -c, or use --mode ar or spec, which fill it to the end", file=sys.stderr)
     return 130 if interrupted else _EXIT_OK
 
 
@@ -342,6 +347,16 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------- parser
+def _n_predict(s: str) -> int:
+    """-n: a positive count, or -1 (llama.cpp's "no limit": until an end token or a full context)."""
+    if s.strip() == "-1":
+        return -1
+    try:
+        return _positive_int(s)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or -1: no limit)") from None
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -370,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run Clover block-diffusion (and Qwen3.5/3.6-MoE) models from GGUF files.",
     )
     p.add_argument("--version", action="version", version=f"clover-gguf {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{run,chat,compare,info,logits,bench,serve,convert}")
+    sub = p.add_subparsers(dest="command", metavar="{run,chat,compare,info,logits,bench,serve,fit,convert}")
     sub.required = True
 
     r = sub.add_parser("run", help="generate text from a prompt")
@@ -378,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file (default: the small Clover trained on Python's sources shipped in the package)")
     r.add_argument("-p", "--prompt", default=None,
                    help="prompt text (special tokens recognised); default: read from stdin when it is piped")
-    r.add_argument("-n", "--n-predict", type=_positive_int, default=256, help="max tokens to generate (256)")
+    r.add_argument("-n", "--n-predict", type=_n_predict, default=256,
+                   help="max tokens to generate, -1 = until an end token or the context is full (256)")
     r.add_argument("--mode", choices=["diffusion", "ar", "spec"], default=None,
                    help="decoding mode (default: diffusion for clover, ar for qwen35moe; spec: "
                         "self-speculative, the output of greedy ar in fewer forwards)")
@@ -387,10 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0, help="top-p, 1 = off (1.0)")
     r.add_argument("--min-p", type=float, default=None, help="min-p, applied after top-p, 0 = off (0)")
     r.add_argument("--presence-penalty", type=float, default=None,
-                   help="subtracted from already generated tokens, 0 = off (GGUF default, 0.9)")
+                   help="subtracted from already generated tokens, 0 = off (the GGUF's: 0.9 in a Clover "
+                        "conversion, 0 in the embedded model and parent files)")
     r.add_argument("--repeat-penalty", type=float, default=None,
                    help="divides positive / multiplies negative logits of prompt and generated tokens, "
-                        "1 = off (GGUF default, 1.05)")
+                        "1 = off (the GGUF's: 1.05 in a Clover conversion, 1 in the embedded model and parent files)")
     r.add_argument("--frequency-penalty", type=float, default=None,
                    help="subtracted per occurrence among generated tokens, 0 = off (0)")
     r.add_argument("--logit-bias", type=_logit_bias, action="append", metavar="ID=BIAS",
@@ -478,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Parsed by the converter itself (see main); listed here for --help.
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF "
-                   "(clover-gguf convert HF_DIR -o OUT.gguf --outtype {f32,f16,bf16,q8_0} [--arch clover|qwen35moe])",
+                   "(clover-gguf convert HF_DIR -o OUT.gguf [--outtype TYPE] [--arch clover|qwen35moe]; "
+                   "clover-gguf convert --help lists the types)",
                    add_help=False)
     return p
 
