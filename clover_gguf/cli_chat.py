@@ -221,9 +221,13 @@ def placement_kwargs(a) -> dict:
 
 
 def print_plan(model) -> None:
-    """The GPU placement line of a loaded Model (stderr), when one was asked for."""
+    """The GPU placement line of a loaded Model (stderr), when one was asked for; after a fall
+    back to the CPU (no usable GPU: nothing offloaded) it says so before the planned one."""
     if getattr(model, "placement", None):
-        print(f"placement: {model.placement['plan']}", file=sys.stderr, flush=True)
+        plan = model.placement["plan"]
+        if not getattr(model, "n_gpu_layers", 0):
+            plan = f"everything on the CPU (the plan for a GPU was: {plan})"
+        print(f"placement: {plan}", file=sys.stderr, flush=True)
 
 
 def warn_to_stderr(fn, *args, **kwargs):

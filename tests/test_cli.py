@@ -348,3 +348,16 @@ def test_run_n_minus_1_fills_the_context_and_a_block_that_does_not_fit_is_explai
     assert r.returncode == 0 and "note: the next diffusion block did not fit in the context" in r.stderr, r.stderr
     r = cli("run", "-p", "hi", "-n", -2)
     assert r.returncode == 2 and "-n/--n-predict: -2 must be > 0 (or -1: no limit)" in r.stderr, r.stderr
+
+
+def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
+    """``-ngl all`` where no GPU is usable: the warning, then a placement line that says the
+    CPU runs everything (it printed the GPU plan alone, as if it were in effect)."""
+    from clover_gguf._ffi import ffi, lib
+    info = ffi.new("char[]", 256)
+    if lib.clover_gpu_devices(info, 256) > 0:
+        pytest.skip("a GPU is present (tests/test_cuda.py covers placements there)")
+    r = cli("run", "-p", "import os", "-n", 4, "-ngl", "all", "-t", 1)
+    assert r.returncode == 0, r.stderr
+    assert "running on the CPU" in r.stderr
+    assert "placement: everything on the CPU (the plan for a GPU was: GPU:" in r.stderr, r.stderr
