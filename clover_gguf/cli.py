@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 
-from .cli_chat import DIM, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, gpu_layers, \
+from .cli_chat import DIM, MODEL_HELP, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, gpu_layers, \
     model_stats_timings, placement_kwargs, print_plan, stats_line, stream_interruptibly, warn_to_stderr
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
@@ -112,10 +112,6 @@ def cmd_run(a) -> int:
         a.prompt = sys.stdin.read()
         if a.prompt.endswith("\n"):  # the newline echo and editors add, as $(...) drops it
             a.prompt = a.prompt[:-1]
-    if a.model is None:  # the small trained Clover shipped in the package
-        from . import DEFAULT_MODEL
-
-        a.model = DEFAULT_MODEL
     m = _load(a.model, a.ctx_size, a.threads, placement_kwargs(a))
     with m:
         kw = dict(max_tokens=m.n_ctx if a.n_predict == -1 else a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
@@ -389,8 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     r = sub.add_parser("run", help="generate text from a prompt")
-    r.add_argument("-m", "--model", default=None,
-                   help="GGUF file (default: the small Clover trained on Python's sources shipped in the package)")
+    r.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     r.add_argument("-p", "--prompt", default=None,
                    help="prompt text (special tokens recognised); default: read from stdin when it is piped")
     r.add_argument("-n", "--n-predict", type=_n_predict, default=256,
@@ -441,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     lg = sub.add_parser("logits", help="write prefix-mode logits [n_tokens, n_vocab] float32 to .npy")
-    lg.add_argument("-m", "--model", required=True, help="GGUF file")
+    lg.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     src = lg.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
@@ -455,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_parser(sub)
 
     b = sub.add_parser("bench", help="llama-bench-style speed table: pp, tg, block and commit forwards")
-    b.add_argument("-m", "--model", required=True, help="GGUF file")
+    b.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     b.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="prompt tokens of pp and prefix of block/commit (512)")
     b.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="tokens of tg (128)")
     b.add_argument("-d", "--n-depth", type=_nonneg_int, default=0,
@@ -472,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                         "/v1/models, /health, /metrics)")
-    sv.add_argument("-m", "--model", required=True, help="GGUF file")
+    sv.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     sv.add_argument("--port", type=_nonneg_int, default=8080, help="port (8080)")
     sv.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"),
@@ -486,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ft = sub.add_parser("fit", help="print the GPU placement (bytes on the GPU and on the CPU) for a memory "
                         "budget, or for -ngl / --n-cpu-moe; needs no GPU")
-    ft.add_argument("-m", "--model", required=True, help="GGUF file")
+    ft.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     add_device_args(ft)
     ft.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
                     help="context length whose caches are counted on the GPU (4096)")
@@ -512,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise _UsageError(str(e)) from None
         parser = build_parser()
         a = parser.parse_args(argv)
+        if getattr(a, "model", "") is None:  # no -m: the small trained Clover shipped in the package
+            from . import DEFAULT_MODEL
+
+            a.model = DEFAULT_MODEL
         return a.func(a)
     except _UsageError as e:
         _err(str(e))

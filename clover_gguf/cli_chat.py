@@ -29,6 +29,9 @@ import unicodedata
 
 DIM, BOLD, OFF = "\033[2m", "\033[1m", "\033[0m"
 
+# -m of every subcommand but compare and convert (the resolution is in cli.main)
+MODEL_HELP = "GGUF file (default: the small Clover trained on Python's sources shipped in the package)"
+
 
 # ---------------------------------------------------------------------------- shared
 def stream_interruptibly(make_iter, cancel, handle) -> bool:
@@ -393,7 +396,7 @@ def cmd_chat(a) -> int:
 
 def add_chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="interactive multi-turn chat on the GGUF's chat template")
-    c.add_argument("-m", "--model", required=True, help="GGUF file")
+    c.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     c.add_argument("-sys", "--system-prompt", default=None, help="system prompt")
     c.add_argument("--mode", choices=["diffusion", "ar", "spec"], default=None,
                    help="decoding mode (default: diffusion for clover, ar for qwen35moe)")

@@ -361,3 +361,16 @@ def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
     assert r.returncode == 0, r.stderr
     assert "running on the CPU" in r.stderr
     assert "placement: everything on the CPU (the plan for a GPU was: GPU:" in r.stderr, r.stderr
+
+
+def test_subcommands_without_m_take_the_embedded_model():
+    """As ``run``, ``fit``, ``chat``, ``logits``, ``bench`` and ``serve`` default to the GGUF
+    shipped in the package (they required -m); ``compare`` still needs its two."""
+    r = cli("fit", "--gpu-budget", "1G")
+    assert r.returncode == 0 and r.stdout.startswith(str(clover_gguf.DEFAULT_MODEL)), r.stdout + r.stderr
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "clover_gguf", "chat", "-n", "8", "-t", "1"], input="def add(a, b):\n",
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "tokens/forward" in r.stderr, r.stderr
+    r = cli("compare", "-p", "x")
+    assert r.returncode == 2 and "-m/--model" in r.stderr
