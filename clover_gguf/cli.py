@@ -13,8 +13,8 @@ import os
 import shutil
 import sys
 
-from .cli_chat import DIM, MODEL_HELP, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, gpu_layers, \
-    model_stats_timings, placement_kwargs, print_plan, stats_line, stream_interruptibly, warn_to_stderr
+from .cli_chat import DIM, MODEL_HELP, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, \
+    gpu_layers, model_stats_timings, placement_kwargs, print_plan, stats_line, stream_interruptibly, warn_to_stderr
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
 
@@ -114,8 +114,8 @@ def cmd_run(a) -> int:
             a.prompt = a.prompt[:-1]
     m = _load(a.model, a.ctx_size, a.threads, placement_kwargs(a))
     with m:
-        kw = dict(max_tokens=m.n_ctx if a.n_predict == -1 else a.n_predict, mode=a.mode, temperature=a.temp, top_k=a.top_k,
-                  top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
+        kw = dict(max_tokens=m.n_ctx if a.n_predict == -1 else a.n_predict, mode=a.mode, temperature=a.temp,
+                  top_k=a.top_k, top_p=a.top_p, seed=a.seed, block_size=a.block_size, threshold=a.threshold,
                   coreset_top_p=a.coreset_top_p, min_p=a.min_p, presence_penalty=a.presence_penalty,
                   repeat_penalty=a.repeat_penalty, frequency_penalty=a.frequency_penalty,
                   logit_bias=dict(a.logit_bias or []) or None, think_close_bias_start=a.think_close_bias_start,
@@ -173,7 +173,7 @@ def cmd_run(a) -> int:
         if st["mode"] == "diffusion" and st["finish_reason"] == "length" and room > 0 and \
                 st["n_generated"] < kw["max_tokens"]:
             print(f"note: the next diffusion block did not fit in the context ({room} of n_ctx {m.n_ctx} "
-                 "positions left); raise -c, or use --mode ar or spec, which fill it to the end", file=sys.stderr)
+                  "positions left); raise -c, or use --mode ar or spec, which fill it to the end", file=sys.stderr)
     return 130 if interrupted else _EXIT_OK
 
 

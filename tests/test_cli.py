@@ -336,9 +336,9 @@ def test_run_piped_into_a_reader_that_closes_early_exits_0():
 
 def test_run_n_minus_1_fills_the_context_and_a_block_that_does_not_fit_is_explained():
     """``-n -1`` (llama.cpp's no limit) generates until the context is full: in ar mode every
-    position of ``-c 64`` is used (the embedded model writes no end token here). In diffusion mode a block that no longer fits ends the
-    generation early, and a note on stderr says so (``-c 10`` with a 32-row block: no tokens,
-    before, silently)."""
+    position of ``-c 64`` is used (the embedded model writes no end token here). In diffusion
+    mode a block that no longer fits ends the generation early, and a note on stderr says so
+    (``-c 10`` with a 32-row block: no tokens, before, silently)."""
     r = cli("run", "-p", "import os", "-n", -1, "-c", 64, "--mode", "ar", "-t", 2, "--json")
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
