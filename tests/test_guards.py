@@ -233,7 +233,7 @@ CLI_CASES = [
     (("--threshold", "nan"), "threshold"),
     (("--coreset-top-p", "0"), "coreset_top_p"),
     (("--repeat-penalty", "0"), "repeat_penalty"),
-    (("-n", "-1"), "--n-predict"),
+    (("-n", "-2"), "--n-predict"),  # -1 is "no limit"
     (("-n", "0"), "--n-predict"),
     (("-c", "0"), "--ctx-size"),
     (("-t", "-1"), "--threads"),
