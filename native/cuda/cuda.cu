@@ -397,11 +397,15 @@ __device__ __forceinline__ float kv_load(const void *c, bool f16, int64_t i) {
     return f16 ? __half2float(((const __half *)c)[i]) : ((const float *)c)[i];
 }
 
-/* The gated output of one (row, head) (spec 2.2 step 4): o = acc / s * sigmoid(gate), lane l
- * holding dimensions l + 32 i of acc, the gate and o (nd = head_dim / 32 of them). */
+/* One value of the gated output (spec 2.2 step 4): acc / s * sigmoid(gate). */
+__device__ __forceinline__ float gated(float acc, float s, float gate) {
+    return acc / s * (1.0f / (1.0f + expf(-gate)));
+}
+
+/* The gated output of one (row, head), lane l holding dimensions l + 32 i of acc, the gate and o
+ * (nd = head_dim / 32 of them). */
 __device__ __forceinline__ void gated_out(const float *acc, float s, const float *gate, float *o, int nd) {
-    FOR_ND(i, nd)
-        o[threadIdx.x + 32 * i] = acc[i] / s * (1.0f / (1.0f + expf(-gate[threadIdx.x + 32 * i])));
+    FOR_ND(i, nd) o[threadIdx.x + 32 * i] = gated(acc[i], s, gate[threadIdx.x + 32 * i]);
 }
 
 /* (m, s, acc) and (m2, s2, acc2) merged into the first, n of acc's values held */
@@ -529,20 +533,21 @@ template <int N> __device__ __forceinline__ void load_n(const void *c, bool f16,
     memcpy(w, p, (size_t)N * (f16 ? 2 : 4));
 #endif
     for (int j = 0; j < N; j++)
-        v[j] = f16 ? __half2float(__ushort_as_half((unsigned short)(w[j / 2] >> 16 * (j % 2)))) : __uint_as_float(w[j]);
+        v[j] = f16 ? __half2float(__ushort_as_half((unsigned short)(w[j / 2] >> 16 * (j % 2))))
+                   : __uint_as_float(w[j]);
 }
 
 /* Gated attention as k_attention, on tf32 tensor cores, for many rows (prefill, block forwards,
  * verify). Warp threadIdx.y of block x (blockDim.y <= ATT_MMA_WARPS warps) takes 16 queries of
- * KV head x / per_g (per_g blocks a KV head): that head's query heads row after row (query i: row i / n_rep, head x / per_g n_rep +
- * i % n_rep), so each key is read once for 16 of them; blockIdx.y takes split y of the keys
- * (att_mma_keys: of the largest key count of the 16, each query masking the keys past its own),
- * in tiles of 16. Every product is a float32 one made of tf32 ones (tf32_split: q k = qh kh +
- * qh kl + ql kh; the values of an fp16 cache are tf32 values, so two), summed on the tensor
- * cores in fresh tiles (scores: the first term's apart from the others', per ATT_CHUNK
- * dimensions; weighted values: per 8 keys) and in float32 across them, since tensor cores
- * truncate as they add (see k_matmul_mma_f); the online softmax as k_attention's, masked keys
- * scoring -Inf. The mma's k index takes dimensions (scores) or keys
+ * KV head x / per_g (per_g blocks a KV head): that head's query heads row after row (query i:
+ * row i / n_rep, head x / per_g n_rep + i % n_rep), so each key is read once for 16 of them;
+ * blockIdx.y takes split y of the keys (att_mma_keys: of the largest key count of the 16, each
+ * query masking the keys past its own), in tiles of 16. Every product is a float32 one made of
+ * tf32 ones (tf32_split: q k = qh kh + qh kl + ql kh; the values of an fp16 cache are tf32
+ * values, so two), summed on the tensor cores in fresh tiles (scores: the first term's apart
+ * from the others', per ATT_CHUNK dimensions; weighted values: per 8 keys) and in float32
+ * across them, since tensor cores truncate as they add (see k_matmul_mma_f); the online softmax
+ * as k_attention's, masked keys scoring -Inf. The mma's k index takes dimensions (scores) or keys
  * (weighted values) in pairs: column u and u + 4 of a k-step are values 2u and 2u + 1 of its 8,
  * for Q and K alike and for the weights and V alike; and the n index of the value tiles is
  * permuted so that a lane's values of one key lie together: lane 4g + t loads dimensions
@@ -692,7 +697,7 @@ __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
                 const int64_t dim = (2 * t + c) * ND + d;
                 const float a = acc[d][2 * r + c];
                 if (pp) pp[2 + dim] = a;
-                else O[th * HD + dim] = a / s[r] * (1.0f / (1.0f + expf(-q[r][HD + dim])));
+                else O[th * HD + dim] = gated(a, s[r], q[r][HD + dim]);
             }
         }
     }
