@@ -20,13 +20,16 @@ PKG_PARENT = str(pathlib.Path(clover_gguf.__file__).resolve().parent.parent)
 PROMPT = "def fib(n):"
 
 
-def cli(*args, timeout=300):
+def cli_env() -> dict:
+    """The environment of a ``python -m clover_gguf`` child that imports this process's package."""
+    return dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                PYTHONIOENCODING="utf-8")
+
+
+def cli(*args, timeout=300, input=None):
     """Run ``python -m clover_gguf ARGS`` with the same clover_gguf package as this process."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONIOENCODING"] = "utf-8"
     return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True,
-                          text=True, encoding="utf-8", env=env, timeout=timeout)
+                          text=True, encoding="utf-8", env=cli_env(), timeout=timeout, input=input)
 
 
 @pytest.fixture(scope="module")
@@ -324,10 +327,9 @@ def test_stdout_closed_early_cancels_the_worker_before_the_model_closes():
 def test_run_piped_into_a_reader_that_closes_early_exits_0():
     """``clover-gguf run ... | head -1`` on the embedded model: exit 0 and nothing on stderr,
     each of 5 times (before the fix, 1 to 3 of 5 such runs died with SIGSEGV)."""
-    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for _ in range(5):
         p = subprocess.Popen([sys.executable, "-m", "clover_gguf", "run", "-p", "import os", "-n", "200", "-t", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
         p.stdout.readline()
         p.stdout.close()
         err = p.stderr.read().decode()
@@ -368,9 +370,7 @@ def test_subcommands_without_m_take_the_embedded_model():
     shipped in the package (they required -m); ``compare`` still needs its two."""
     r = cli("fit", "--gpu-budget", "1G")
     assert r.returncode == 0 and r.stdout.startswith(str(clover_gguf.DEFAULT_MODEL)), r.stdout + r.stderr
-    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "clover_gguf", "chat", "-n", "8", "-t", "1"], input="def add(a, b):\n",
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = cli("chat", "-n", 8, "-t", 1, input="def add(a, b):\n", timeout=120)
     assert r.returncode == 0 and "tokens/forward" in r.stderr, r.stderr
     r = cli("compare", "-p", "x")
     assert r.returncode == 2 and "-m/--model" in r.stderr
