@@ -216,6 +216,7 @@ int clover_cuda_graph_launch(void *graph, char *err, size_t err_size) {
 }
 void clover_cuda_graph_free(void *graph) { (void)graph; }
 int64_t clover_cuda_scratch_epoch(void) { return 0; }
+void clover_cuda_release_scratch(void) {}
 int clover_cuda_kv_store_d(void *k_cache, void *v_cache, int kv_f16, int64_t n_ctx, int64_t kvd, const int64_t *pos,
                            const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size) {
     (void)k_cache, (void)v_cache, (void)kv_f16, (void)n_ctx, (void)kvd, (void)pos, (void)k_new, (void)v_new, (void)T;

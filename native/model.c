@@ -553,9 +553,10 @@ int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cp
     const int64_t need = clover_model_placement_bytes(m, n_gpu_layers, n_cpu_moe, 0);
     int64_t free_b = 0, total_b = 0;
     if (clover_cuda_mem_info(&free_b, &total_b) == CLOVER_OK && need > free_b)
-        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_gpu_layers: %d layers need %.2f GiB of weights on the GPU, "
-                              "%.2f GiB of %.2f GiB is free", n_gpu_layers, (double)need / (1 << 30),
-                              (double)free_b / (1 << 30), (double)total_b / (1 << 30));
+        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "n_gpu_layers: %d needs %.2f MiB of weights on the GPU; "
+                              "%.2f MiB of %.2f MiB is free (offload fewer layers, keep routed experts on the CPU "
+                              "with n_cpu_moe, or let fit choose)", n_gpu_layers, (double)need / (1 << 20),
+                              (double)free_b / (1 << 20), (double)total_b / (1 << 20));
     clover_tensor *w[24];
     int rc = CLOVER_OK;
     for (int il = 0; il < L && rc == CLOVER_OK; il++)
@@ -774,9 +775,9 @@ static void moe_host_release(clover_context *c) {
 
 void clover_context_free(clover_context *c) {
     if (!c) return;
-    if (c->gpu_counted) {
+    if (c->gpu_counted) { /* the last one gives the backend's shared scratch back */
         pthread_mutex_lock(&g_graph_mu);
-        g_n_gpu_contexts--;
+        if (--g_n_gpu_contexts == 0) clover_cuda_release_scratch();
         pthread_mutex_unlock(&g_graph_mu);
     }
     for (size_t i = 0; i < sizeof c->graph / sizeof c->graph[0]; i++) clover_cuda_graph_free(c->graph[i].exec);

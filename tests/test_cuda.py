@@ -20,7 +20,11 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
   and Q4_K_M, and across the placements of issue 8;
 - selection on the GPU of a resident model: greedy with the sampler's edits, and top-k
   (clover_cuda_top_k_d against a numpy sort, then sampled tokens equal to the CPU's seed for
-  seed in every mode). Under the emulator (about 1000x slower
+  seed in every mode);
+- under the emulator only (its device memory size and allocation faults): a GPU too small for
+  the weights, a full GPU during generation, and a failed allocation at every point of a load
+  and a generation, each a clear error after which the model still works, with no memory left
+  allocated. Under the emulator (about 1000x slower
   than the CPU engine) the model has 8-token blocks and 16 tokens are generated, not 32-token
   blocks and 32 tokens: the same code paths in a few minutes.
 """
@@ -74,6 +78,7 @@ int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *o
                         clover_cand *cand, float *bad, float *pre, char *err, size_t err_size);
 int clover_cuda_experts(const clover_cuda_weight *gate, const clover_cuda_weight *up, const clover_cuda_weight *down,
                         int64_t n_expert, const int64_t *start, const float *xg, float *yg, char *err, size_t err_size);
+int64_t clover_emu_fail_alloc(int64_t n); /* the emulator's only (native/cuda/emu/cuda_runtime.h) */
 """)
 _clib = _cffi.dlopen(_ffi._find_library())
 
@@ -621,6 +626,125 @@ def test_greedy_tokens_identical_across_placements(make_gguf):
             for mode, toks in want.items():
                 assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == toks, (kw, mode)
 
+
+
+emulated = pytest.mark.skipif(not EMULATED, reason="needs the CUDA emulator's memory size and allocation faults")
+
+
+def _gpu_free() -> int:
+    free, total = ffi.new("int64_t *"), ffi.new("int64_t *")
+    assert lib.clover_gpu_memory(free, total) == 0
+    return int(free[0])
+
+
+@emulated
+def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(make_gguf, monkeypatch):
+    """Issue 8 on a small GPU (the emulator's device memory cut to CLOVER_EMU_MEMORY bytes):
+    - room for half the weights: every layer is refused before any upload, by name (the layers,
+      the GiB needed and free), leaving the memory as it was;
+    - room for the weights and 4 KiB: the load holds, and what needs more (the context's state, the
+      forward's buffers) fails with CloverError naming the allocation, not a crash; closing the
+      model gives all its memory back;
+    - room for half the weights and placement.RESERVE: --fit's budget taken from the free memory
+      (gpu_budget="free") chooses a placement that holds and runs, with the CPU's greedy tokens
+      in ar and diffusion."""
+    from clover_gguf import CloverError, Model
+    from clover_gguf.placement import RESERVE, placement
+
+    path = make_gguf("q4_k_m", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu:
+        ids = cpu.tokenize("class Config:\n    def __init__(self")
+        want = {mode: cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0]
+                for mode in ("ar", "diffusion")}
+        gpu_bytes = placement(cpu, -1)["gpu"]
+    used = (4 << 30) - _gpu_free()  # what earlier tests left allocated (the backend's scratch)
+
+    monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes // 2))
+    free = _gpu_free()
+    with pytest.raises(CloverError, match=r"n_gpu_layers: 5 needs [0-9.]+ MiB of weights on the GPU; [0-9.]+ MiB of [0-9.]+ MiB is free \(offload fewer"):
+        Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1)
+    assert _gpu_free() == free
+
+    monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes + 4096))
+    free = _gpu_free()
+    with pytest.raises(CloverError, match="cudaMalloc"):
+        with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+            g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode="ar", end_ids=[])
+    assert _gpu_free() == free
+
+    monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + RESERVE + gpu_bytes // 2))
+    free = _gpu_free()
+    with Model(path, n_ctx=512, n_threads=2, gpu_budget="free") as g:
+        plan = g.placement
+        assert 0 < plan["gpu"] <= gpu_bytes // 2 and plan["budget"] == free, plan
+        for mode, toks in want.items():
+            assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == toks, (plan, mode)
+
+
+@emulated
+def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf):
+    """Out of GPU memory at any point (clover_emu_fail_alloc: the k-th allocation from the load on
+    fails, for every k until a run makes fewer than k), with every layer offloaded and the routed
+    experts of the first two on the CPU (the resident forward, its buffers, the backend's
+    scratch, pinned host memory for the experts' activations): loading the model and generating
+    in ar and diffusion either raise CloverError naming the allocation's size and what to change,
+    or (pinned host memory, which has a fallback) give the CPU's tokens, never crash. After a
+    failed generation the same model, with memory back, generates the CPU's tokens (the
+    emulator's failed allocations set the runtime's last error, as a GPU's do, so an error left
+    there would fail that run). Closing the model gives back all the GPU memory: the free memory
+    equals that after a clean run (the last context's close frees the backend's scratch too)."""
+    from clover_gguf import CloverError, Model
+
+    fail_alloc = _clib.clover_emu_fail_alloc
+    path = make_gguf("q4_k_m", **GEN_MODEL)
+    n_tok = 6
+    with Model(path, n_ctx=256, n_threads=2) as cpu:
+        ids = cpu.tokenize("import os\n")
+        want = {mode: cpu.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0]
+                for mode in ("ar", "diffusion")}
+
+    def cycle():
+        """Load, generate in each mode: the model (None if the load failed), tokens per mode, error."""
+        got, m = {}, None
+        try:
+            m = Model(path, n_ctx=256, n_threads=2, n_gpu_layers=-1, n_cpu_moe=2)
+            for mode in want:
+                got[mode] = m.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0]
+            return m, got, None
+        except CloverError as e:
+            return m, got, e
+
+    m, got, e = cycle()
+    assert e is None and got == want
+    m.close()
+    free = _gpu_free()
+    assert free == 4 << 30  # nothing left allocated
+    n_load_failed = n_gen_failed = 0
+    for k in range(1, 1000):
+        start = fail_alloc(k)
+        m, got, e = cycle()
+        made = fail_alloc(0) - start
+        try:
+            if e is not None:
+                assert made >= k and re.search(r"cudaMalloc of [0-9.]+ (MiB|bytes) \(.*\): out of memory .*the GPU's "
+                                               r"memory is full: offload fewer layers", str(e)), (k, str(e))
+                n_load_failed += m is None
+                n_gen_failed += m is not None
+                if m is not None:  # generation failed: the model still works
+                    for mode, toks in want.items():
+                        assert m.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0] == toks, (k, mode)
+            else:
+                assert got == want, k
+        finally:
+            if m is not None:
+                m.close()
+        assert _gpu_free() == free, (k, str(e))
+        if made < k:  # this run never reached the k-th allocation: every point was tried
+            break
+    else:
+        pytest.fail("more than 1000 GPU allocations in one run")
+    # the weights' uploads, then the context's and the scratch's buffers in the first forwards
+    assert n_load_failed >= 50 and n_gen_failed >= 10, (k, n_load_failed, n_gen_failed)
 
 # byte offsets of fp16 fields in each block (kept finite when blocks are random bytes)
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),

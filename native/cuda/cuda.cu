@@ -67,6 +67,23 @@ static void set_err(char *err, size_t n, const char *what, cudaError_t e) {
     if (err && n) snprintf(err, n, "CUDA: %s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
+/* A failed cudaMalloc of nbytes for `what`: the message (the size, and on a full GPU what to
+ * change), and the runtime's last error cleared, which the failure also set: else the next
+ * launch check (launched) would report it for a launch that succeeded. Returns CLOVER_E_NOMEM. */
+static int alloc_failed(char *err, size_t n, const char *what, size_t nbytes, cudaError_t e) {
+    cudaGetLastError();
+    char size[32];
+    if (nbytes < (1 << 20)) snprintf(size, sizeof size, "%zu bytes", nbytes);
+    else snprintf(size, sizeof size, "%.2f MiB", (double)nbytes / (1 << 20));
+    if (err && n)
+        snprintf(err, n, "CUDA: cudaMalloc of %s (%s): %s (%s)%s", size, what, cudaGetErrorString(e), cudaGetErrorName(e),
+                 e == cudaErrorMemoryAllocation ? "; the GPU's memory is full: offload fewer layers (n_gpu_layers), "
+                                                  "keep routed experts on the CPU (n_cpu_moe), use a smaller n_ctx, "
+                                                  "or let fit choose the placement"
+                                                : "");
+    return CLOVER_E_NOMEM;
+}
+
 #include "dequant.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -802,9 +819,8 @@ static int grow(scratch *s, size_t bytes, char *err, size_t err_size) {
     s->cap = 0;
     cudaError_t e = cudaMalloc(&s->p, bytes);
     if (e != cudaSuccess) {
-        set_err(err, err_size, "cudaMalloc of scratch", e);
         s->p = NULL;
-        return CLOVER_E_NOMEM;
+        return alloc_failed(err, err_size, "the products' scratch", bytes, e);
     }
     s->cap = bytes;
     return CLOVER_OK;
@@ -1039,9 +1055,8 @@ extern "C" int clover_cuda_upload(const void *host, size_t nbytes, void **dev, c
     *dev = NULL;
     cudaError_t e = cudaMalloc(dev, nbytes ? nbytes : 1);
     if (e != cudaSuccess) {
-        set_err(err, err_size, "cudaMalloc of a weight", e);
         *dev = NULL;
-        return CLOVER_E_NOMEM;
+        return alloc_failed(err, err_size, "a weight", nbytes, e);
     }
     e = cudaMemcpy(*dev, host, nbytes, cudaMemcpyHostToDevice);
     if (e != cudaSuccess) {
@@ -1182,9 +1197,8 @@ extern "C" int clover_cuda_alloc(size_t nbytes, void **dev, char *err, size_t er
     *dev = NULL;
     cudaError_t e = cudaMalloc(dev, nbytes ? nbytes : 1);
     if (e != cudaSuccess) {
-        set_err(err, err_size, "cudaMalloc", e);
         *dev = NULL;
-        return CLOVER_E_NOMEM;
+        return alloc_failed(err, err_size, "a context buffer", nbytes, e);
     }
     e = cudaMemset(*dev, 0, nbytes);
     if (e != cudaSuccess) {
@@ -2049,6 +2063,18 @@ extern "C" int64_t clover_cuda_scratch_epoch(void) {
     const int64_t e = g_epoch;
     pthread_mutex_unlock(&g_lock);
     return e;
+}
+
+extern "C" void clover_cuda_release_scratch(void) {
+    pthread_mutex_lock(&g_lock);
+    scratch *all[] = {&g_x, &g_y, &g_gate, &g_up, &g_tiles, &g_q, &g_gdn, &g_h, &g_att};
+    for (scratch *s : all) {
+        if (s->p) cudaFree(s->p);
+        s->p = NULL;
+        s->cap = 0;
+    }
+    g_epoch++;
+    pthread_mutex_unlock(&g_lock);
 }
 
 extern "C" int clover_cuda_capture_begin(char *err, size_t err_size) {

@@ -245,6 +245,10 @@ int clover_cuda_capture_end(void **graph, char *err, size_t err_size);
 int clover_cuda_graph_launch(void *graph, char *err, size_t err_size);
 void clover_cuda_graph_free(void *graph);
 int64_t clover_cuda_scratch_epoch(void);
+/* Free the backend's own scratch (the products' activations and partial results; it grows to the
+ * largest pass so far and is shared by every context): called when the last context that used
+ * the GPU is freed, so that closing every model gives all the GPU memory back. The epoch changes. */
+void clover_cuda_release_scratch(void);
 /* dst[i] = src[i] for n floats, as a kernel (stream-ordered, so a graph can hold it). */
 int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size);
 /* Rows t < T of k_new, v_new [T][kvd] into rows *pos + t of k_cache, v_cache [n_ctx][kvd] (pos:

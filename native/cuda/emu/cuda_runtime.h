@@ -102,6 +102,11 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b);
 cudaError_t cudaMalloc(void **p, size_t n);
 cudaError_t cudaFree(void *p);
 cudaError_t cudaMallocHost(void **p, size_t n); /* host memory (64-byte aligned) */
+/* Device memory for tests of a small or full GPU: the device holds CLOVER_EMU_MEMORY bytes (read
+ * at each call; default 4 GiB), and clover_emu_fail_alloc(n) makes the n-th allocation from now
+ * (cudaMalloc or cudaMallocHost) fail with cudaErrorMemoryAllocation (n <= 0: none); it returns
+ * the allocations made since the library was loaded. */
+extern "C" int64_t clover_emu_fail_alloc(int64_t n);
 cudaError_t cudaFreeHost(void *p);
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind);
 cudaError_t cudaMemset(void *p, int v, size_t n);

@@ -101,11 +101,23 @@ uint64_t g_blocks;              /* blocks in the grid */
 std::atomic<uint64_t> g_next;   /* the next block to take (x fastest, then y, then z) */
 
 size_t g_page;
-/* memory accounting for cudaMemGetInfo: a 4 GiB device, less what is allocated */
+/* memory accounting for cudaMemGetInfo: a 4 GiB device (CLOVER_EMU_MEMORY bytes), less what is
+ * allocated; g_fail_in: the allocation (cudaMalloc, cudaMallocHost) that fails, counted down from
+ * clover_emu_fail_alloc's argument (0: none) */
 std::mutex g_mem;
 size_t g_allocated;
-const size_t TOTAL = (size_t)4 << 30;
-cudaError_t g_last = cudaSuccess; /* the last launch's error, for cudaGetLastError */
+int64_t g_fail_in, g_allocs;
+size_t total_bytes() {
+    const char *env = getenv("CLOVER_EMU_MEMORY");
+    return env && *env ? (size_t)strtoull(env, NULL, 10) : (size_t)4 << 30;
+}
+/* Whether this allocation is the one clover_emu_fail_alloc armed (under g_mem). */
+bool injected_failure() {
+    g_allocs++;
+    return g_fail_in > 0 && --g_fail_in == 0;
+}
+cudaError_t g_last = cudaSuccess; /* the last error of a launch or an allocation, for cudaGetLastError (as the
+                                   * runtime's: a failed cudaMalloc sets it too) */
 struct clover_emu_graph *g_capture; /* the open capture, else NULL */
 bool g_capture_ok;
 /* A call a capture does not allow: it invalidates the open capture (true), else is allowed. */
@@ -366,13 +378,14 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev) {
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "CUDA emulator on the CPU (tests only)");
     p->major = 9, p->minor = 0;
-    p->totalGlobalMem = TOTAL;
+    p->totalGlobalMem = total_bytes();
     return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
     std::lock_guard<std::mutex> lock(g_mem);
-    *free_b = TOTAL > g_allocated ? TOTAL - g_allocated : 0;
-    *total_b = TOTAL;
+    const size_t total = total_bytes();
+    *free_b = total > g_allocated ? total - g_allocated : 0;
+    *total_b = total;
     return cudaSuccess;
 }
 /* Each allocation carries its size in a 256-byte header (kept 256-aligned, as cudaMalloc's). */
@@ -380,17 +393,23 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     *p = NULL;
     if (capture_forbids()) return cudaErrorStreamCaptureUnsupported;
     std::lock_guard<std::mutex> lock(g_mem);
-    if (n > TOTAL - g_allocated) return cudaErrorMemoryAllocation;
+    const size_t total = total_bytes();
+    if (injected_failure() || g_allocated > total || n > total - g_allocated) return g_last = cudaErrorMemoryAllocation;
     char *b = (char *)aligned_alloc(256, 256 + ((n + 255) & ~(size_t)255));
-    if (!b) return cudaErrorMemoryAllocation;
+    if (!b) return g_last = cudaErrorMemoryAllocation;
     memcpy(b, &n, sizeof n);
     g_allocated += n;
     *p = b + 256;
     return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void **p, size_t n) {
+    *p = NULL;
+    {
+        std::lock_guard<std::mutex> lock(g_mem);
+        if (injected_failure()) return g_last = cudaErrorMemoryAllocation;
+    }
     *p = aligned_alloc(64, (n + 63) & ~(size_t)63);
-    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+    return *p ? cudaSuccess : g_last = cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFreeHost(void *p) {
     free(p);
@@ -498,4 +517,11 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
     default: return "cudaErrorUnknown";
     }
+}
+
+extern "C" int64_t clover_emu_fail_alloc(int64_t n) {
+    std::lock_guard<std::mutex> lock(g_mem);
+    const int64_t done = g_allocs;
+    g_fail_in = n > 0 ? n : 0;
+    return done;
 }
