@@ -852,9 +852,6 @@ static int wmatmul(const clover_tensor *w, const float *x, int64_t T, float *y, 
     return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, n_threads);
 }
 
-static int matmul(const clover_context *c, const clover_tensor *w, const float *x, int64_t T, float *y) {
-    return wmatmul(w, x, T, y, c->n_threads);
-}
 
 /* Expert e of a 3-D expert tensor as a 2-D view. */
 static clover_tensor expert_view(const clover_tensor *w, int64_t e) {
@@ -881,6 +878,13 @@ typedef struct {
     size_t err_size;
     const struct select_req *sreq; /* clover_block_forward_select's request, else NULL */
 } fwd;
+
+/* wmatmul with the context's threads; a product on the GPU that fails leaves the CUDA error in
+ * f->err (cpu_forward keeps it instead of its generic message). 0 or non-zero. */
+static int matmul(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) {
+    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, f->err, f->err_size);
+    return wmatmul(w, x, T, y, f->c->n_threads);
+}
 
 /* clover_block_forward_select's edits and outputs (see there). */
 typedef struct select_req {
@@ -1146,7 +1150,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     float *att = malloc(sizeof(float) * (size_t)(T * nh * hd));
     int rc = CLOVER_E_NOMEM;
     if (!qg || !k || !v || !att) goto done;
-    if (matmul(c, &ly->wq, xn, T, qg) || matmul(c, &ly->wk, xn, T, k) || matmul(c, &ly->wv, xn, T, v)) goto done;
+    if (matmul(f, &ly->wq, xn, T, qg) || matmul(f, &ly->wk, xn, T, k) || matmul(f, &ly->wv, xn, T, v)) goto done;
     const size_t ek = kv_elem_bytes(c->type_k), ev = kv_elem_bytes(c->type_v);
     char *kc = (char *)c->k_cache + ek * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
     char *vc = (char *)c->v_cache + ev * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
@@ -1170,7 +1174,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
     const float scale = 1.0f / sqrtf((float)hd);
     if (ly->wo.dev && hd % 32 == 0 && hd <= 256 && nh <= 65535 && nh % nkv == 0) { /* on the GPU: attention too */
         rc = gpu_attention(f, ly, qg, scale, att);
-        if (rc == CLOVER_OK) rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
+        if (rc == CLOVER_OK) rc = matmul(f, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
         goto done;
     }
     if (c->kv_dev_rows && c->kv_dev_rows[ly->slot] > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* stale there */
@@ -1221,7 +1225,7 @@ static int attention_layer(fwd *f, const clover_layer *ly, const float *xn, floa
         flush_subnormals_end(csr);
     }
     if (nomem) goto done;
-    rc = matmul(c, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
+    rc = matmul(f, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
     free(qg), free(k), free(v), free(att);
     return rc;
@@ -1617,8 +1621,8 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
         goto done;
     rc = CLOVER_E_NOMEM;
     if (!qkv || !cv || !z || !b || !a || !o) goto done;
-    if (matmul(c, &ly->wqkv, xn, T, qkv) || matmul(c, &ly->wz, xn, T, z) || matmul(c, &ly->wbeta, xn, T, b) ||
-        matmul(c, &ly->walpha, xn, T, a))
+    if (matmul(f, &ly->wqkv, xn, T, qkv) || matmul(f, &ly->wz, xn, T, z) || matmul(f, &ly->wbeta, xn, T, b) ||
+        matmul(f, &ly->walpha, xn, T, a))
         goto done;
     conv_causal(&d, ly->conv, hist, qkv, T, cv);
     qk_norm(&d, cv, T, 1e-6f);
@@ -1667,7 +1671,7 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             if (gdn_heads(GDN_FORWARD, &d, cv, b, a, T, S, o, c->n_threads)) goto done;
         }
         if (hp->is_clover) {
-            if (matmul(c, &ly->wbeta_bwd, xn, T, bb) || matmul(c, &ly->walpha_bwd, xn, T, ab)) goto done;
+            if (matmul(f, &ly->wbeta_bwd, xn, T, bb) || matmul(f, &ly->walpha_bwd, xn, T, ab)) goto done;
             conv_anticausal(&d, ly->conv_bwd, qkv, T, cvb);
             qk_norm(&d, cvb, T, 1e-6f);
             gates(&d, bb, ab, ly->ssm_a_bwd, ly->dt_bias_bwd, T);
@@ -1697,7 +1701,7 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             rmsnorm(oh, oh, ly->ssm_norm, d.dv, hp->rms_eps);
             for (int64_t n = 0; n < d.dv; n++) oh[n] *= silu(zh[n]);
         }
-    rc = matmul(c, &ly->wout, o, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
+    rc = matmul(f, &ly->wout, o, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
     free(qkv), free(cv), free(z), free(b), free(a), free(o);
     free(S), free(ob), free(cvb), free(bb), free(ab);
@@ -1868,7 +1872,7 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
         !ys || !sg)
         goto done;
     /* router: softmax in fp32 over all experts, top-k, renormalise (spec 2.3 step 1) */
-    if (matmul(c, &ly->router, xn, T, probs)) goto done;
+    if (matmul(f, &ly->router, xn, T, probs)) goto done;
     for (int64_t t = 0; t < T; t++) {
         float *p = probs + t * E, mx = -FLT_MAX;
         for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
@@ -2578,6 +2582,7 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
     float *xn = malloc(sizeof(float) * (size_t)(T * H));
     float *o = malloc(sizeof(float) * (size_t)(T * H));
     int rc = CLOVER_E_NOMEM;
+    if (f->err && f->err_size) f->err[0] = '\0'; /* a step that fails may say why (the GPU's products) */
     if (!x || !xn || !o) goto done;
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T; t++)
@@ -2602,18 +2607,19 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
             if (rows[t]) rmsnorm(xn + n++ * H, x + t * H, m->output_norm, H, hp->rms_eps);
         float *lg = n ? malloc(sizeof(float) * (size_t)(n * hp->n_vocab)) : NULL;
         rc = n && !lg ? CLOVER_E_NOMEM : CLOVER_OK;
-        if (n && lg && matmul(c, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
+        if (n && lg && matmul(f, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
         for (int64_t t = 0, k = 0; t < T && rc == CLOVER_OK; t++)
             if (rows[t]) memcpy(logits + t * hp->n_vocab, lg + k++ * hp->n_vocab, sizeof(float) * (size_t)hp->n_vocab);
         if (rc == CLOVER_OK && n) rc = check_finite(f, lg, n * hp->n_vocab, -1, NULL);
         free(lg);
     } else if (logits) {
         for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
-        rc = matmul(c, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
+        rc = matmul(f, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
         if (rc == CLOVER_OK) rc = check_finite(f, logits, (T - logit_row0) * hp->n_vocab, -1, NULL);
     }
 done:
-    if (rc == CLOVER_E_NOMEM) clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
+    if (rc == CLOVER_E_NOMEM && !(f->err && f->err_size && f->err[0]))
+        clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
     free(x), free(xn), free(o);
     return rc;
 }

@@ -682,14 +682,18 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
 
 
 @emulated
-def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf):
+@pytest.mark.parametrize("placement", [dict(n_gpu_layers=-1, n_cpu_moe=2), dict(n_gpu_layers=2)],
+                         ids=["resident_cpu_moe", "two_layers"])
+def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf, placement):
     """Out of GPU memory at any point (clover_emu_fail_alloc: the k-th allocation from the load on
-    fails, for every k until a run makes fewer than k), with every layer offloaded and the routed
-    experts of the first two on the CPU (the resident forward, its buffers, the backend's
-    scratch, pinned host memory for the experts' activations): loading the model and generating
-    in ar and diffusion either raise CloverError naming the allocation's size and what to change,
+    fails, for every k until a run makes fewer than k), in two placements: every layer offloaded
+    with the routed experts of the first two on the CPU (the resident forward, its buffers, the
+    backend's scratch, pinned host memory for the experts' activations), and two layers
+    offloaded (the per-product path): loading the model and generating in ar, diffusion and
+    spec (its verify record and state snapshots) either raise CloverError naming the
+    allocation's size and what to change,
     or (pinned host memory, which has a fallback) give the CPU's tokens, never crash. After a
-    failed generation the same model, with memory back, generates the CPU's tokens (the
+    failed generation the same model, with memory back, generates the CPU's tokens in that mode (the
     emulator's failed allocations set the runtime's last error, as a GPU's do, so an error left
     there would fail that run). Closing the model gives back all the GPU memory: the free memory
     equals that after a clean run (the last context's close frees the backend's scratch too)."""
@@ -701,13 +705,13 @@ def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf
     with Model(path, n_ctx=256, n_threads=2) as cpu:
         ids = cpu.tokenize("import os\n")
         want = {mode: cpu.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0]
-                for mode in ("ar", "diffusion")}
+                for mode in ("ar", "diffusion", "spec")}
 
     def cycle():
         """Load, generate in each mode: the model (None if the load failed), tokens per mode, error."""
         got, m = {}, None
         try:
-            m = Model(path, n_ctx=256, n_threads=2, n_gpu_layers=-1, n_cpu_moe=2)
+            m = Model(path, n_ctx=256, n_threads=2, **placement)
             for mode in want:
                 got[mode] = m.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0]
             return m, got, None
@@ -730,9 +734,9 @@ def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf
                                                r"memory is full: offload fewer layers", str(e)), (k, str(e))
                 n_load_failed += m is None
                 n_gen_failed += m is not None
-                if m is not None:  # generation failed: the model still works
-                    for mode, toks in want.items():
-                        assert m.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0] == toks, (k, mode)
+                if m is not None:  # generation failed: the model still works, in the mode that failed
+                    mode = next(mode for mode in want if mode not in got)
+                    assert m.generate_tokens(ids, max_tokens=n_tok, mode=mode, end_ids=[])[0] == want[mode], (k, mode)
             else:
                 assert got == want, k
         finally:
@@ -744,7 +748,7 @@ def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf
     else:
         pytest.fail("more than 1000 GPU allocations in one run")
     # the weights' uploads, then the context's and the scratch's buffers in the first forwards
-    assert n_load_failed >= 50 and n_gen_failed >= 10, (k, n_load_failed, n_gen_failed)
+    assert n_load_failed >= 20 and n_gen_failed >= 15, (k, n_load_failed, n_gen_failed)
 
 # byte offsets of fp16 fields in each block (kept finite when blocks are random bytes)
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
