@@ -14,7 +14,7 @@ import re
 from ._ffi import ffi, lib
 from .api import CACHE_TYPE_BYTES
 
-PARTS = ("gpu", "dense", "experts", "output", "experts_cpu")
+PARTS = ("gpu", "dense", "experts", "output", "experts_cpu", "vectors")
 # bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
 # resident forward's buffers for a 512-row prefill pass are about 210 MiB plus 50 MiB of product
 # scratch, 45 MiB for a 32-row block pass: native/model.c res_layout; BF16 weights add 48 MiB,
@@ -27,6 +27,8 @@ def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = 
     ``gpu`` (the weights on the GPU), ``dense`` (attention/GDN projections, routers, shared
     experts of the offloaded layers), ``experts`` (their routed experts on the GPU), ``output``
     (the LM head), ``experts_cpu`` (routed experts of offloaded layers kept on the CPU),
+    ``vectors`` (the float32 norms, conv weights and gates a whole offload copies for the
+    resident forward; ``gpu`` counts them),
     ``cache`` (one context's state on the GPU, :func:`cache_bytes`, for ``n_ctx`` tokens,
     default the model's), plus the arguments (``n_gpu_layers`` -1 = all and the output)."""
     n = _layers(model, n_gpu_layers)
@@ -111,6 +113,8 @@ def describe(plan: dict, n_layer: int) -> str:
         parts.append(f"routed experts of layers {k}-{layers - 1} {plan['experts'] / gib:.2f} GiB")
     if plan["output"]:
         parts.append(f"output {plan['output'] / gib:.2f} GiB")
+    if plan.get("vectors"):
+        parts.append(f"norms and gates {plan['vectors'] / gib:.2f} GiB")
     if plan.get("cache"):
         parts.append(f"caches {plan['cache'] / gib:.2f} GiB")
     line = f"GPU: {' + '.join(parts)} = {(plan['gpu'] + plan.get('cache', 0)) / gib:.2f} GiB"

@@ -473,13 +473,18 @@ static int resident_dims_ok(const clover_hparams *hp) {
            hp->rope_dim % 2 == 0 && hp->rope_dim <= hd;
 }
 
+/* Whether a whole offload makes the model resident: not with CLOVER_GPU_RESIDENT=0 (the
+ * per-product path, for comparison) or dimensions the resident kernels do not take. */
+static int resident_wanted(const clover_model *m) {
+    const char *env = getenv("CLOVER_GPU_RESIDENT");
+    return !(env && strcmp(env, "0") == 0) && resident_dims_ok(&m->hp);
+}
+
 /* After a whole offload (every layer, with or without its routed experts (--n-cpu-moe), and the
  * output): copy the float32 vectors (norms, conv weights, gates) to the device too and mark the
- * model resident, unless CLOVER_GPU_RESIDENT=0 (the per-product path, for comparison) or the
- * dimensions do not fit. */
+ * model resident, where resident_wanted. */
 static int make_resident(clover_model *m, char *err, size_t err_size) {
-    const char *env = getenv("CLOVER_GPU_RESIDENT");
-    if ((env && strcmp(env, "0") == 0) || !resident_dims_ok(&m->hp)) return CLOVER_OK;
+    if (!resident_wanted(m)) return CLOVER_OK;
     vec_pair v[16];
     int rc = CLOVER_OK;
     for (int il = 0; il < m->hp.n_layer && rc == CLOVER_OK; il++) {
@@ -497,6 +502,19 @@ static int make_resident(clover_model *m, char *err, size_t err_size) {
     m->cpu_experts = 0;
     for (int il = 0; il < m->hp.n_layer; il++) m->cpu_experts += !m->layers[il].gate_exps.dev;
     return rc;
+}
+
+/* Bytes make_resident copies: the float32 vectors of every layer and the output norm (0 where
+ * it does not run). */
+static int64_t resident_bytes(const clover_model *m) {
+    if (!resident_wanted(m)) return 0;
+    vec_pair v[16];
+    int64_t n = m->hp.n_embd;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        layer_vectors(&m->hp, &m->layers[il], v);
+        for (int i = 0; v[i].host; i++) n += v[i].n;
+    }
+    return (int64_t)sizeof(float) * n;
 }
 
 int64_t clover_context_graph_launches(const clover_context *c) { return c ? c->n_graph_launches : 0; }
@@ -519,10 +537,11 @@ int clover_gpu_devices(char *info, size_t info_size) { return clover_cuda_device
 int clover_gpu_memory(int64_t *free_bytes, int64_t *total_bytes) { return clover_cuda_mem_info(free_bytes, total_bytes); }
 
 int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe, int32_t part) {
-    if (!m || n_gpu_layers < 0 || n_cpu_moe < 0 || part < 0 || part > 4) return -1;
+    if (!m || n_gpu_layers < 0 || n_cpu_moe < 0 || part < 0 || part > 5) return -1;
     const int32_t L = n_gpu_layers < m->hp.n_layer ? n_gpu_layers : m->hp.n_layer;
     clover_tensor *w[24];
-    int64_t b[5] = {0, 0, 0, 0, 0}; /* total, dense, routed experts, output, routed experts left on the CPU */
+    /* total, dense, routed experts, output, routed experts left on the CPU, resident vectors */
+    int64_t b[6] = {0, 0, 0, 0, 0, 0};
     for (int il = 0; il < m->hp.n_layer; il++)
         for (int experts = 0; experts < 2; experts++) {
             layer_weights(&m->layers[il], experts, w);
@@ -532,8 +551,8 @@ int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers
                 else if (experts && il < L) b[4] += n;
             }
         }
-    if (n_gpu_layers > m->hp.n_layer) b[3] = tensor_bytes(&m->output);
-    b[0] = b[1] + b[2] + b[3];
+    if (n_gpu_layers > m->hp.n_layer) b[3] = tensor_bytes(&m->output), b[5] = resident_bytes(m);
+    b[0] = b[1] + b[2] + b[3] + b[5];
     return b[part];
 }
 
@@ -877,13 +896,17 @@ typedef struct {
     char *err;
     size_t err_size;
     const struct select_req *sreq; /* clover_block_forward_select's request, else NULL */
+    int gpu_rc;                     /* the code of a failed GPU product (matmul), else 0 */
 } fwd;
 
-/* wmatmul with the context's threads; a product on the GPU that fails leaves the CUDA error in
- * f->err (cpu_forward keeps it instead of its generic message). 0 or non-zero. */
+/* wmatmul with the context's threads: 0, or non-zero when it failed; a product on the GPU that
+ * fails leaves its code in f->gpu_rc and the CUDA error in f->err, which cpu_forward reports
+ * instead of its generic out-of-memory code and message. */
 static int matmul(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) {
-    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, f->err, f->err_size);
-    return wmatmul(w, x, T, y, f->c->n_threads);
+    if (!w->dev) return wmatmul(w, x, T, y, f->c->n_threads);
+    const int rc = clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, f->err, f->err_size);
+    if (rc != CLOVER_OK) f->gpu_rc = rc;
+    return rc;
 }
 
 /* clover_block_forward_select's edits and outputs (see there). */
@@ -1824,19 +1847,24 @@ typedef struct {
     int64_t T, Is;
     float *sg, *gt, *up, *ys;
     int n_threads; /* for products on the CPU */
-    int rc;
+    int rc;        /* CLOVER_OK, or the code of the product that failed */
+    char err[256]; /* and its message, if the GPU gave one */
 } shared_job;
+
+/* y = w x for the shared expert's job: on the GPU (its error into j->err) or the CPU. */
+static int shared_mm(shared_job *j, const clover_tensor *w, const float *x, float *y) {
+    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, j->T, y, j->err, sizeof j->err);
+    return wmatmul(w, x, j->T, y, j->n_threads) ? CLOVER_E_NOMEM : CLOVER_OK;
+}
 
 static void *shared_expert(void *arg) {
     shared_job *j = arg;
     const clover_layer *ly = j->ly;
-    j->rc = 1;
-    if (wmatmul(&ly->shexp_gate, j->xn, j->T, j->sg, j->n_threads) ||
-        wmatmul(&ly->gate_sh, j->xn, j->T, j->gt, j->n_threads) || wmatmul(&ly->up_sh, j->xn, j->T, j->up, j->n_threads))
+    if ((j->rc = shared_mm(j, &ly->shexp_gate, j->xn, j->sg)) || (j->rc = shared_mm(j, &ly->gate_sh, j->xn, j->gt)) ||
+        (j->rc = shared_mm(j, &ly->up_sh, j->xn, j->up)))
         return NULL;
     for (int64_t i = 0; i < j->T * j->Is; i++) j->gt[i] = silu(j->gt[i]) * j->up[i];
-    if (wmatmul(&ly->down_sh, j->gt, j->T, j->ys, j->n_threads)) return NULL;
-    j->rc = 0;
+    j->rc = shared_mm(j, &ly->down_sh, j->gt, j->ys);
     return NULL;
 }
 
@@ -1914,7 +1942,7 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
      * while a helper thread runs the shared expert's products on the GPU if they are there
      * (--cpu-moe: CPU and GPU work overlap, issue 8) */
     const int gpu_experts = ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev;
-    shared_job sj = {c, ly, xn, T, Is, sg, gt, up, ys, 1, 1};
+    shared_job sj = {c, ly, xn, T, Is, sg, gt, up, ys, 1, 1, ""};
     pthread_t helper;
     const int overlap = !gpu_experts && ly->gate_sh.dev && ly->up_sh.dev && ly->down_sh.dev &&
                         pthread_create(&helper, NULL, shared_expert, &sj) == 0;
@@ -1936,7 +1964,11 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
         rc = rc_experts;
         goto done;
     }
-    if (sj.rc) goto done;
+    if (sj.rc) {
+        rc = sj.rc;
+        if (sj.err[0]) clover_set_err(f->err, f->err_size, rc, "%s", sj.err);
+        goto done;
+    }
     /* weighted sum in a fixed order, so the result does not depend on the thread count */
     memset(out, 0, sizeof(float) * (size_t)(T * H));
     for (int64_t q = 0; q < P; q++)
@@ -2582,7 +2614,8 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
     float *xn = malloc(sizeof(float) * (size_t)(T * H));
     float *o = malloc(sizeof(float) * (size_t)(T * H));
     int rc = CLOVER_E_NOMEM;
-    if (f->err && f->err_size) f->err[0] = '\0'; /* a step that fails may say why (the GPU's products) */
+    f->gpu_rc = 0; /* a step that fails may say why (the GPU's products) */
+    if (f->err && f->err_size) f->err[0] = '\0';
     if (!x || !xn || !o) goto done;
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     for (int64_t t = 0; t < T; t++)
@@ -2618,6 +2651,7 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
         if (rc == CLOVER_OK) rc = check_finite(f, logits, (T - logit_row0) * hp->n_vocab, -1, NULL);
     }
 done:
+    if (rc == CLOVER_E_NOMEM && f->gpu_rc) rc = f->gpu_rc;
     if (rc == CLOVER_E_NOMEM && !(f->err && f->err_size && f->err[0]))
         clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
     free(x), free(xn), free(o);
@@ -2709,7 +2743,7 @@ static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
                               "at most %d tokens", n, c->rec_cap);
-    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq};
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq, 0};
     rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
     if (rc == CLOVER_OK) {
         c->n_past += n;
@@ -2919,7 +2953,7 @@ static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, fl
                               c->n_past, c->n_ctx);
     int rc = check_tokens(c->m, tokens, B, err, err_size);
     if (rc) return rc;
-    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq};
+    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq, 0};
     return forward(&f, tokens, logits, 0, rows);
 }
 

@@ -640,8 +640,8 @@ def _gpu_free() -> int:
 @emulated
 def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(make_gguf, monkeypatch):
     """Issue 8 on a small GPU (the emulator's device memory cut to CLOVER_EMU_MEMORY bytes):
-    - room for half the weights: every layer is refused before any upload, by name (the layers,
-      the GiB needed and free), leaving the memory as it was;
+    - room for half the weights: every layer is refused before any upload, by name (n_gpu_layers,
+      the MiB needed and free), leaving the memory as it was;
     - room for the weights and 4 KiB: the load holds, and what needs more (the context's state, the
       forward's buffers) fails with CloverError naming the allocation, not a crash; closing the
       model gives all its memory back;
@@ -667,8 +667,9 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
 
     monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes + 4096))
     free = _gpu_free()
-    with pytest.raises(CloverError, match="cudaMalloc"):
-        with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:
+    with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:  # placement's bytes are the load's
+        assert lib.clover_model_gpu_bytes(g._model) == gpu_bytes and _gpu_free() == free - gpu_bytes
+        with pytest.raises(CloverError, match=r"cudaMalloc of .* out of memory .*the GPU's memory is full"):
             g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode="ar", end_ids=[])
     assert _gpu_free() == free
 
@@ -721,8 +722,9 @@ def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf
     m, got, e = cycle()
     assert e is None and got == want
     m.close()
-    free = _gpu_free()
-    assert free == 4 << 30  # nothing left allocated
+    free, total = ffi.new("int64_t *"), ffi.new("int64_t *")
+    assert lib.clover_gpu_memory(free, total) == 0 and free[0] == total[0]  # nothing left allocated
+    free = int(free[0])
     n_load_failed = n_gen_failed = 0
     for k in range(1, 1000):
         start = fail_alloc(k)

@@ -22,6 +22,12 @@ DENSE = re.compile(r"blk\.(\d+)\.(attn_(q|k|v|output|qkv|gate)|ssm_(out|alpha|be
                    r"ffn_gate_inp|ffn_gate_inp_shexp|ffn_(gate|up|down)_shexp)\.weight")
 
 
+# the float32 tensors a whole offload copies for the resident forward (native/model.c layer_vectors)
+VECTORS = re.compile(r"blk\.\d+\.(attn_norm\.weight|post_attention_norm\.weight|attn_[qk]_norm\.weight|"
+                     r"ssm_conv1d(_bwd)?\.weight|ssm_a(_bwd)?|ssm_dt(_bwd)?\.bias|ssm_norm\.weight|ssm_bwd_mix)"
+                     r"|output_norm\.weight")
+
+
 def _sizes(path):
     dense, experts, out = {}, {}, 0
     for t in GGUFReader(str(path)).tensors:
@@ -43,11 +49,13 @@ def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
         assert len(dense) == len(experts) == L
         full = placement(m, -1)
         assert full["n_gpu_layers"] == L + 1
-        assert (full["dense"], full["experts"], full["output"], full["experts_cpu"]) == \
-            (sum(dense.values()), sum(experts.values()), out, 0)
-        assert full["gpu"] == full["dense"] + full["experts"] + full["output"]
+        vectors = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if VECTORS.fullmatch(t.name))
+        assert vectors > 0
+        assert (full["dense"], full["experts"], full["output"], full["experts_cpu"], full["vectors"]) == \
+            (sum(dense.values()), sum(experts.values()), out, 0, vectors)
+        assert full["gpu"] == full["dense"] + full["experts"] + full["output"] + full["vectors"]
         p = placement(m, 3, 2)  # layers 0-2 on the GPU, experts of 0-1 on the CPU, no output
-        assert p["dense"] == sum(dense[i] for i in range(3)) and p["output"] == 0
+        assert p["dense"] == sum(dense[i] for i in range(3)) and p["output"] == p["vectors"] == 0
         assert p["experts"] == experts[2] and p["experts_cpu"] == experts[0] + experts[1]
         cpu_moe = placement(m, -1, 1 << 30)
         assert cpu_moe["experts"] == 0 and cpu_moe["experts_cpu"] == sum(experts.values())

@@ -63,13 +63,17 @@ static cudaStream_t stream(void) {
     return g_stream;
 }
 
+/* The message of a failed runtime call, and the runtime's last error cleared (a failed call sets
+ * it; left there, the next launch check would report it again: see alloc_failed). */
 static void set_err(char *err, size_t n, const char *what, cudaError_t e) {
+    cudaGetLastError();
     if (err && n) snprintf(err, n, "CUDA: %s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
 /* A failed cudaMalloc of nbytes for `what`: the message (the size, and on a full GPU what to
  * change), and the runtime's last error cleared, which the failure also set: else the next
- * launch check (launched) would report it for a launch that succeeded. Returns CLOVER_E_NOMEM. */
+ * launch check (launched) would report it for a launch that succeeded. Returns CLOVER_E_NOMEM
+ * when the GPU's memory is full, else CLOVER_E_DEVICE. */
 static int alloc_failed(char *err, size_t n, const char *what, size_t nbytes, cudaError_t e) {
     cudaGetLastError();
     char size[32];
@@ -81,7 +85,7 @@ static int alloc_failed(char *err, size_t n, const char *what, size_t nbytes, cu
                                                   "keep routed experts on the CPU (n_cpu_moe), use a smaller n_ctx, "
                                                   "or let fit choose the placement"
                                                 : "");
-    return CLOVER_E_NOMEM;
+    return e == cudaErrorMemoryAllocation ? CLOVER_E_NOMEM : CLOVER_E_DEVICE;
 }
 
 #include "dequant.cuh"

@@ -146,7 +146,9 @@ CLOVER_API int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, i
 /* Bytes of weights a clover_model_offload(m, n_gpu_layers, n_cpu_moe) would place, by part:
  * 0 all on the GPU, 1 the offloaded layers' dense weights (attention/GDN projections, router,
  * shared expert), 2 their routed experts on the GPU, 3 the output projection, 4 the offloaded
- * layers' routed experts kept on the CPU. -1 for bad arguments. Needs no GPU (for --fit plans). */
+ * layers' routed experts kept on the CPU, 5 the float32 vectors (norms, conv weights, gates)
+ * copied for the resident forward when every layer and the output are offloaded (unless
+ * CLOVER_GPU_RESIDENT=0). -1 for bad arguments. Needs no GPU (for --fit plans). */
 CLOVER_API int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe,
                                                 int32_t part);
 /* Bytes of weights on the GPU (0 when none). */

@@ -116,8 +116,9 @@ bool injected_failure() {
     g_allocs++;
     return g_fail_in > 0 && --g_fail_in == 0;
 }
-cudaError_t g_last = cudaSuccess; /* the last error of a launch or an allocation, for cudaGetLastError (as the
-                                   * runtime's: a failed cudaMalloc sets it too) */
+/* the last error of a launch or an allocation of this host thread, for cudaGetLastError (as the
+ * runtime's: per thread, and a failed cudaMalloc sets it too) */
+thread_local cudaError_t g_last = cudaSuccess;
 struct clover_emu_graph *g_capture; /* the open capture, else NULL */
 bool g_capture_ok;
 /* A call a capture does not allow: it invalidates the open capture (true), else is allowed. */
