@@ -871,7 +871,6 @@ static int wmatmul(const clover_tensor *w, const float *x, int64_t T, float *y, 
     return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, n_threads);
 }
 
-
 /* Expert e of a 3-D expert tensor as a 2-D view. */
 static clover_tensor expert_view(const clover_tensor *w, int64_t e) {
     clover_tensor v = *w;
