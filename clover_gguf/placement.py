@@ -43,7 +43,9 @@ def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
     (native/model.c gpu_attention, gpu_gdn): the KV cache of each offloaded attention layer,
     [n_ctx][n_head_kv * head_dim] for K and for V in the model's cache types (``type_k``,
     ``type_v``: 2 bytes a value for F16, 4 for F32), and, once any GDN layer is offloaded, the
-    state of every GDN layer, float32 [Hv][dk][dv]."""
+    state of every GDN layer, float32 [Hv][dk][dv], with, when every layer and the output are
+    (the resident forward), its conv history, float32 [d_conv - 1][channels]. The context
+    allocates these when it is created (native/model.c gpu_state_reserve)."""
     hp = model.hparams
     n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
     on = range(min(n_gpu_layers, n_layer))
@@ -55,6 +57,9 @@ def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
         n_gdn = sum((il + 1) % interval != 0 for il in range(n_layer))
         dv = int(hp["ssm_d_inner"]) // int(hp["ssm_dt_rank"])
         gdn = n_gdn * int(hp["ssm_dt_rank"]) * int(hp["ssm_d_state"]) * dv * 4
+        if n_gpu_layers > n_layer:
+            channels = 2 * int(hp["ssm_n_group"]) * int(hp["ssm_d_state"]) + int(hp["ssm_d_inner"])
+            gdn += n_gdn * (int(hp["ssm_d_conv"]) - 1) * channels * 4
     return kv + gdn
 
 

@@ -728,6 +728,8 @@ static int64_t available_memory(void) {
     return -1;
 }
 
+static int gpu_state_reserve(clover_context *c, char *err, size_t err_size);
+
 clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_threads, int32_t type_k,
                                    int32_t type_v, char *err, size_t err_size) {
     if (!m) {
@@ -780,6 +782,13 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
         clover_set_err(err, err_size, CLOVER_E_NOMEM,
                        "n_ctx: %d needs a KV cache of %lld values per layer, allocation failed", n_ctx,
                        (long long)(2 * kv * (int64_t)n_ctx));
+        return NULL;
+    }
+    char why[256] = "";
+    const int rc = m->gpu_bytes ? gpu_state_reserve(c, why, sizeof why) : CLOVER_OK;
+    if (rc != CLOVER_OK) {
+        clover_context_free(c);
+        clover_set_err(err, err_size, rc, "n_ctx: %d: the KV cache and GDN state on the GPU: %s", n_ctx, why);
         return NULL;
     }
     return c;
@@ -1581,17 +1590,46 @@ static int gdn_snapshot_on_device(clover_context *c, char *err, size_t err_size)
     return CLOVER_OK;
 }
 
+/* The device GDN state of every GDN layer and, for the resident forward, their conv history on
+ * the device (both zeroed), unless allocated already. */
+static int gdn_dev_alloc(clover_context *c, char *err, size_t err_size) {
+    int rc = CLOVER_OK;
+    if (!c->gdn_on_dev && (rc = alloc_gdn_states(c, &c->gdn_dev, &c->gdn_on_dev, err, err_size)) != CLOVER_OK) return rc;
+    if (c->m->resident && !c->conv_dev)
+        rc = clover_cuda_alloc(conv_slot_bytes(&c->m->hp) * (size_t)c->m->n_gdn, &c->conv_dev, err, err_size);
+    return rc;
+}
+
+/* Whether GDN layer ly runs its recurrence on the GPU (its output projection is there and the
+ * kernels take its dimensions). */
+static int gdn_on_gpu(const clover_layer *ly, const gdn_dims *d) {
+    return ly->wout.dev && d->dk <= 256 && d->dv <= 1024;
+}
+
+/* At context creation on a model with weights on the GPU: the device KV cache of the offloaded
+ * attention layers, and the device GDN state where a GDN layer runs there, as llama.cpp
+ * allocates its KV cache with the context: a GPU too small for n_ctx fails there, not at the
+ * first forward. */
+static int gpu_state_reserve(clover_context *c, char *err, size_t err_size) {
+    const clover_model *m = c->m;
+    const gdn_dims d = gdn_dims_of(&m->hp);
+    int rc = offloaded_attn(m, m->n_attn) > 0 ? kv_dev_alloc(c, err, err_size) : CLOVER_OK;
+    for (int il = 0; il < m->hp.n_layer && rc == CLOVER_OK; il++)
+        if (!m->layers[il].is_attn && gdn_on_gpu(&m->layers[il], &d)) {
+            rc = gdn_dev_alloc(c, err, err_size);
+            break;
+        }
+    return rc;
+}
+
 /* Make the device copy of GDN slot g current: the device state (and, for the resident forward,
- * the conv history on the device) allocated at the first use, the host copy uploaded unless
- * the device one is already current. */
+ * the conv history on the device) allocated unless it is (gpu_state_reserve), the host copy
+ * uploaded unless the device one is already current. */
 static int gdn_slot_to_device(clover_context *c, int g, char *err, size_t err_size) {
     const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), at = slot_bytes * (size_t)g;
     const size_t conv_bytes = conv_slot_bytes(&c->m->hp);
-    int rc = CLOVER_OK;
-    if (!c->gdn_on_dev && (rc = alloc_gdn_states(c, &c->gdn_dev, &c->gdn_on_dev, err, err_size)) != CLOVER_OK) return rc;
-    if (c->m->resident && !c->conv_dev &&
-        (rc = clover_cuda_alloc(conv_bytes * (size_t)c->m->n_gdn, &c->conv_dev, err, err_size)) != CLOVER_OK)
-        return rc;
+    int rc = gdn_dev_alloc(c, err, err_size);
+    if (rc != CLOVER_OK) return rc;
     if (c->gdn_on_dev[g]) return CLOVER_OK;
     rc = clover_cuda_write(c->gdn_dev, at, (const char *)c->gdn_state + at, slot_bytes, err, err_size);
     if (rc == CLOVER_OK && c->conv_dev)
@@ -1638,7 +1676,7 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
     float *S = NULL, *ob = NULL, *cvb = NULL, *bb = NULL, *ab = NULL;
     int rc = CLOVER_E_NOMEM;
     /* the recurrence on the GPU when the layer is offloaded (the conv and norms stay here) */
-    const int on_gpu = ly->wout.dev && d.dk <= 256 && d.dv <= 1024;
+    const int on_gpu = gdn_on_gpu(ly, &d);
     if (!on_gpu && c->gdn_on_dev && c->gdn_on_dev[ly->slot] && (rc = gdn_to_host(c, f->err, f->err_size)) != CLOVER_OK)
         goto done;
     rc = CLOVER_E_NOMEM;

@@ -642,9 +642,13 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
     """Issue 8 on a small GPU (the emulator's device memory cut to CLOVER_EMU_MEMORY bytes):
     - room for half the weights: every layer is refused before any upload, by name (n_gpu_layers,
       the MiB needed and free), leaving the memory as it was;
-    - room for the weights and 4 KiB: the load holds, and what needs more (the context's state, the
-      forward's buffers) fails with CloverError naming the allocation, not a crash; closing the
-      model gives all its memory back;
+    - room for the weights and half the context's state on the GPU (KV cache, GDN state, conv
+      history: placement's ``cache``): the context, which allocates that state when it is
+      created (as llama.cpp's), fails by name (n_ctx, the allocation), leaving the memory as it
+      was;
+    - room for the weights, that state and 4 KiB: the model loads, taking exactly the plan's
+      bytes, and the first forward's buffers fail with CloverError naming the allocation, not a
+      crash; closing the model gives all its memory back;
     - room for half the weights and placement.RESERVE: --fit's budget taken from the free memory
       (gpu_budget="free") chooses a placement that holds and runs, with the CPU's greedy tokens
       in ar and diffusion."""
@@ -656,7 +660,8 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
         ids = cpu.tokenize("class Config:\n    def __init__(self")
         want = {mode: cpu.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0]
                 for mode in ("ar", "diffusion")}
-        gpu_bytes = placement(cpu, -1)["gpu"]
+        plan = placement(cpu, -1)
+        gpu_bytes, cache = plan["gpu"], plan["cache"]
     used = (4 << 30) - _gpu_free()  # what earlier tests left allocated (the backend's scratch)
 
     monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes // 2))
@@ -665,10 +670,17 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
         Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1)
     assert _gpu_free() == free
 
-    monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes + 4096))
+    monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes + cache // 2))
+    free = _gpu_free()
+    with pytest.raises(CloverError, match=r"n_ctx: 512: the KV cache and GDN state on the GPU: CUDA: cudaMalloc of "
+                                          r".* out of memory"):
+        Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1)
+    assert _gpu_free() == free
+
+    monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes + cache + 4096))
     free = _gpu_free()
     with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g:  # placement's bytes are the load's
-        assert lib.clover_model_gpu_bytes(g._model) == gpu_bytes and _gpu_free() == free - gpu_bytes
+        assert lib.clover_model_gpu_bytes(g._model) == gpu_bytes and _gpu_free() == free - gpu_bytes - cache
         with pytest.raises(CloverError, match=r"cudaMalloc of .* out of memory .*the GPU's memory is full"):
             g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode="ar", end_ids=[])
     assert _gpu_free() == free

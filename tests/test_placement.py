@@ -65,17 +65,19 @@ def test_placement_bytes_match_the_tensor_sizes(make_gguf, outtype):
 def test_cache_bytes_are_the_device_kv_cache_and_gdn_state(make_gguf):
     """One context's state on the GPU: K and V rows for every offloaded attention layer and
     position (4 bytes a value in the default F32 cache, 2 in an F16 one), and the GDN state
-    [Hv][dk][dv] (float32) of every GDN layer once one is offloaded (tiny model: layer 3 of 4 is
-    attention, 2 KV heads of 64, 4 value heads of 64 x 64)."""
+    [Hv][dk][dv] (float32) of every GDN layer once one is offloaded, with its conv history
+    [d_conv - 1][channels] (float32) when everything is (tiny model: layer 3 of 4 is attention,
+    2 KV heads of 64, 4 value heads of 64 x 64, a 4-tap conv over 512 channels)."""
     with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
         hp = m.hparams
         assert (hp["n_layer"], hp["full_attention_interval"], hp["n_head_kv"], hp["head_dim"]) == (4, 4, 2, 64)
-        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4
+        assert (hp["ssm_d_conv"], 2 * hp["ssm_n_group"] * hp["ssm_d_state"] + hp["ssm_d_inner"]) == (4, 512)
+        assert cache_bytes(m, 100, 5) == 1 * 2 * 100 * 2 * 64 * 4 + 3 * 4 * 64 * 64 * 4 + 3 * 3 * 512 * 4
         assert cache_bytes(m, 100, 3) == 3 * 4 * 64 * 64 * 4  # layer 3, the attention one, stays on the CPU
         assert placement(m, -1)["cache"] == cache_bytes(m, 16, 5) and placement(m, 0)["cache"] == 0
         assert placement(m, 2, 0, 4096)["cache"] == cache_bytes(m, 4096, 2)
     with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1, type_k="f32", type_v="f16") as m:
-        assert cache_bytes(m, 100, 5) == 1 * 100 * 2 * 64 * (4 + 2) + 3 * 4 * 64 * 64 * 4
+        assert cache_bytes(m, 100, 4) == 1 * 100 * 2 * 64 * (4 + 2) + 3 * 4 * 64 * 64 * 4
 
 
 def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
