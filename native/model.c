@@ -873,11 +873,13 @@ static void l2norm(float *x, int64_t n, float eps) {
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
-/* y = W x for T rows, on the GPU when W was offloaded (clover_model_offload), else on the CPU with
- * n_threads. Non-zero on failure. */
-static int wmatmul(const clover_tensor *w, const float *x, int64_t T, float *y, int n_threads) {
-    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, NULL, 0);
-    return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, n_threads);
+/* y = W x for T rows, on the GPU when W was offloaded (clover_model_offload; its error message
+ * into err, when given), else on the CPU with n_threads. CLOVER_OK, or the failure's code
+ * (CLOVER_E_NOMEM on the CPU). */
+static int wmatmul(const clover_tensor *w, const float *x, int64_t T, float *y, int n_threads, char *err,
+                   size_t err_size) {
+    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, err, err_size);
+    return clover_matmul(w->type, w->data, w->ne[0], w->ne[1], x, T, y, n_threads) ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
 /* Expert e of a 3-D expert tensor as a 2-D view. */
@@ -911,9 +913,8 @@ typedef struct {
  * fails leaves its code in f->gpu_rc and the CUDA error in f->err, which cpu_forward reports
  * instead of its generic out-of-memory code and message. */
 static int matmul(fwd *f, const clover_tensor *w, const float *x, int64_t T, float *y) {
-    if (!w->dev) return wmatmul(w, x, T, y, f->c->n_threads);
-    const int rc = clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, T, y, f->err, f->err_size);
-    if (rc != CLOVER_OK) f->gpu_rc = rc;
+    const int rc = wmatmul(w, x, T, y, f->c->n_threads, f->err, f->err_size);
+    if (rc != CLOVER_OK && w->dev) f->gpu_rc = rc;
     return rc;
 }
 
@@ -1830,9 +1831,9 @@ static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float 
                       float *y) {
     clover_tensor wg = expert_view(&ly->gate_exps, e), wu = expert_view(&ly->up_exps, e);
     clover_tensor wd = expert_view(&ly->down_exps, e);
-    if (wmatmul(&wg, x, n, gt, 1) || wmatmul(&wu, x, n, up, 1)) return CLOVER_E_NOMEM;
+    if (wmatmul(&wg, x, n, gt, 1, NULL, 0) || wmatmul(&wu, x, n, up, 1, NULL, 0)) return CLOVER_E_NOMEM;
     for (int64_t i = 0; i < n * I; i++) gt[i] = silu(gt[i]) * up[i];
-    return wmatmul(&wd, gt, n, y, 1) ? CLOVER_E_NOMEM : CLOVER_OK;
+    return wmatmul(&wd, gt, n, y, 1, NULL, 0) ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
 /* The routed experts on the CPU: expert e over its bucket [start[e], start[e+1]) of xg into yg
@@ -1888,10 +1889,9 @@ typedef struct {
     char err[256]; /* and its message, if the GPU gave one */
 } shared_job;
 
-/* y = w x for the shared expert's job: on the GPU (its error into j->err) or the CPU. */
+/* y = w x for the shared expert's job (wmatmul, a GPU error into j->err). */
 static int shared_mm(shared_job *j, const clover_tensor *w, const float *x, float *y) {
-    if (w->dev) return clover_cuda_matmul(w->type, w->dev, w->ne[0], w->ne[1], x, j->T, y, j->err, sizeof j->err);
-    return wmatmul(w, x, j->T, y, j->n_threads) ? CLOVER_E_NOMEM : CLOVER_OK;
+    return wmatmul(w, x, j->T, y, j->n_threads, j->err, sizeof j->err);
 }
 
 static void *shared_expert(void *arg) {

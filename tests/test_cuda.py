@@ -631,10 +631,15 @@ def test_greedy_tokens_identical_across_placements(make_gguf):
 emulated = pytest.mark.skipif(not EMULATED, reason="needs the CUDA emulator's memory size and allocation faults")
 
 
-def _gpu_free() -> int:
+def _gpu_memory() -> tuple[int, int]:
+    """The GPU's free and total bytes (clover_gpu_memory)."""
     free, total = ffi.new("int64_t *"), ffi.new("int64_t *")
     assert lib.clover_gpu_memory(free, total) == 0
-    return int(free[0])
+    return int(free[0]), int(total[0])
+
+
+def _gpu_free() -> int:
+    return _gpu_memory()[0]
 
 
 @emulated
@@ -662,7 +667,8 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
                 for mode in ("ar", "diffusion")}
         plan = placement(cpu, -1)
         gpu_bytes, cache = plan["gpu"], plan["cache"]
-    used = (4 << 30) - _gpu_free()  # what earlier tests left allocated (the backend's scratch)
+    free, total = _gpu_memory()
+    used = total - free  # what earlier tests left allocated
 
     monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes // 2))
     free = _gpu_free()
@@ -734,9 +740,8 @@ def test_each_failed_gpu_allocation_is_an_error_and_the_model_recovers(make_gguf
     m, got, e = cycle()
     assert e is None and got == want
     m.close()
-    free, total = ffi.new("int64_t *"), ffi.new("int64_t *")
-    assert lib.clover_gpu_memory(free, total) == 0 and free[0] == total[0]  # nothing left allocated
-    free = int(free[0])
+    free, total = _gpu_memory()
+    assert free == total  # nothing left allocated
     n_load_failed = n_gen_failed = 0
     for k in range(1, 1000):
         start = fail_alloc(k)
