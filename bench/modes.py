@@ -10,7 +10,7 @@ bit for bit equal), on the GPU (``-ngl``) it is recorded (``spec_equals_ar``, pe
 spec's verify is one multi-row pass there, whose sums run in another order than ar's steps.
 
 Usage: CLOVER_LIB=... python bench/modes.py MODEL.gguf [-n 128] [-t 2] [--block-size B]
-       [--threshold X] [--coreset-top-p P] [--json] [-ngl N]
+       [--threshold X] [--coreset-top-p P] [--json] [-ngl N] [--prompts K]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n"
 KINDS = ("prefill", "denoise", "commit", "decode", "draft", "verify")
 
 
-def run(path: str, n: int, threads: int, n_gpu_layers: int = 0, **kw) -> dict:
+def run(path: str, n: int, threads: int, n_gpu_layers: int = 0, n_prompts: int = len(PROMPTS), **kw) -> dict:
     out = {}
     with Model(path, n_ctx=max(1024, n + 64), n_threads=threads, n_gpu_layers=n_gpu_layers) as m:
         modes = ["ar", "diffusion", "spec"] if m.is_clover else ["ar"]
@@ -37,7 +37,7 @@ def run(path: str, n: int, threads: int, n_gpu_layers: int = 0, **kw) -> dict:
             agg = {"tokens": 0, "seconds": 0.0, "forwards": 0, **{k: 0 for k in KINDS}, "accept_hist": [],
                    "experts": [], "experts_full": [], "max_experts": 0, "max_experts_full": 0, "ids": [],
                    "spec_equals_ar": []}
-            for i, p in enumerate(PROMPTS):
+            for i, p in enumerate(PROMPTS[:n_prompts]):
                 ids, st = m.generate_tokens(m.tokenize(p), max_tokens=n, mode=mode, end_ids=[], **kw)
                 if mode == "ar":
                     ar_tokens.append(ids)
@@ -74,12 +74,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--coreset-top-p", type=float, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first K prompts (default all)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (-1 = all)")
     a = ap.parse_args(argv)
     kw = {k: v for k, v in (("block_size", a.block_size), ("threshold", a.threshold),
                             ("coreset_top_p", a.coreset_top_p)) if v is not None}
-    res = run(a.model, a.n_gen, a.threads, a.n_gpu_layers, **kw)
-    print(f"{a.model}: {len(PROMPTS)} prompts x {a.n_gen} greedy tokens, {a.threads} threads, {kw or 'GGUF defaults'}")
+    if not 1 <= a.prompts <= len(PROMPTS):
+        ap.error(f"--prompts: {a.prompts} is not in 1..{len(PROMPTS)}")
+    res = run(a.model, a.n_gen, a.threads, a.n_gpu_layers, a.prompts, **kw)
+    print(f"{a.model}: {a.prompts} prompts x {a.n_gen} greedy tokens, {a.threads} threads, {kw or 'GGUF defaults'}")
     print("| mode | tokens/s | tokens/forward | forwards (prefill excluded) | experts/layer mean (max), coreset | without coreset | spec accepted drafts histogram |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- |")
     for mode, r in res.items():

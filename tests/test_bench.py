@@ -180,14 +180,55 @@ def test_modes_script_json(clover_gguf_path):
     import pathlib
 
     script = pathlib.Path(__file__).parent.parent / "bench" / "modes.py"
-    r = subprocess.run([sys.executable, str(script), str(clover_gguf_path), "-n", "6", "-t", "1", "--json"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(script), str(clover_gguf_path), "-n", "6", "-t", "1", "--json",
+                        "--prompts", "3"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(out) == ["ar", "diffusion", "spec"]
     for mode, v in out.items():
-        assert v["ids"] and all(len(ids) == 6 for ids in v["ids"]), mode
+        assert len(v["ids"]) == 3 and all(len(ids) == 6 for ids in v["ids"]), mode
         assert v["tokens"] == 6 * len(v["ids"]) and v["tokens_per_second"] > 0, mode
         kinds = sum(v[k] for k in ("decode", "denoise", "commit", "draft", "verify"))
         assert v["forwards"] == kinds and v["tokens_per_forward"] == pytest.approx(v["tokens"] / kinds), mode
     assert out["spec"]["spec_equals_ar"] == [True] * len(out["ar"]["ids"])  # on the CPU, else the script exits
+    r = subprocess.run([sys.executable, str(script), str(clover_gguf_path), "--prompts", "9"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--prompts: 9 is not in 1..5" in r.stderr
+
+
+def test_logits_check_script(clover_gguf_path, tmp_path):
+    """bench/logits_check.py (device_check.sh's logits step): it saves the prefix and block
+    logits of each prompt with the model's shapes, and its comparison reports the largest
+    difference, the argmax disagreements and the expert counts: a file against itself differs
+    nowhere; against the CPU's scalar path (CLOVER_ISA=scalar) it prints a finite figure."""
+    import os
+    import pathlib
+
+    from clover_gguf import Model
+
+    script = str(pathlib.Path(__file__).parent.parent / "bench" / "logits_check.py")
+    simd, scalar = tmp_path / "simd.npz", tmp_path / "scalar.npz"
+    for out, env in ((simd, {}), (scalar, {"CLOVER_ISA": "scalar"})):
+        r = subprocess.run([sys.executable, script, str(clover_gguf_path), str(out), "-t", "1", "--prompts", "2"],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr
+    with Model(str(clover_gguf_path)) as m:
+        n_vocab, n_layer, block = m.n_vocab, m.hparams["n_layer"], m.hparams["block_size"]
+        n_pre = [len(m.tokenize(p)) for p in ("def fibonacci(n):", "The quick brown fox")]
+    z = np.load(simd)
+    assert sorted(z.files) == sorted(f"{k}{i}{s}" for i in range(2) for k, s in
+                                     (("pre", ""), ("blk", ""), ("full", ""), ("blk", "_experts"), ("full", "_experts")))
+    assert [z[f"pre{i}"].shape for i in range(2)] == [(n, n_vocab) for n in n_pre]
+    assert z["blk0"].shape == (block, n_vocab) and z["full1_experts"].shape == (n_layer,)
+    assert all(np.all(np.isfinite(z[k])) for k in z.files)
+    assert np.all(z["blk0_experts"] <= z["full0_experts"])  # the coreset is a subset of the experts
+    r = subprocess.run([sys.executable, script, "--compare", str(simd), str(simd), str(scalar)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"{simd} against {simd}:" and lines[4] == f"{scalar} against {simd}:"
+    for line in lines[1:4]:
+        assert "max |diff| / std 0.00e+00, argmax differs in 0 of " in line, line
+    assert "prefix" in lines[1] and "layers whose expert count differs 0" in lines[2]
+    worst = [float(line.split("max |diff| / std ")[1].split(",")[0]) for line in lines[5:8]]
+    assert all(np.isfinite(w) and w >= 0 for w in worst)
