@@ -114,6 +114,10 @@ class Model:
         gpu_budget: bytes of GPU memory, or "free" (what the GPU reports free): choose
             n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
             is in :attr:`placement` (``placement["plan"]``).
+        plan_callback: called with the placement's plan line (str: bytes per part) once a
+            usable GPU is found, before any weight goes to it (the CLI prints it, so --fit's
+            plan shows before the upload, and also when the upload is refused); not called
+            when nothing is offloaded.
         prefix_reuse: a generation whose prompt extends exactly the tokens the caches hold
             after the previous generation (its prompt and committed tokens) prefills only the
             new tokens (``last_stats["n_prompt_reused"]``); off by default, so every call
@@ -128,7 +132,7 @@ class Model:
 
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
-                 type_k: str | int = "f32", type_v: str | int = "f32") -> None:
+                 type_k: str | int = "f32", type_v: str | int = "f32", plan_callback=None) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
@@ -146,6 +150,9 @@ class Model:
         n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, lo=0, hi=2**31 - 1)
         if gpu_budget is not None and gpu_budget != "free":
             gpu_budget = _check_int("gpu_budget", gpu_budget, lo=1, hi=2**62)
+        if plan_callback is not None and not callable(plan_callback):
+            raise ValueError(f"plan_callback: expected a callable or None, got {plan_callback!r}")
+        self._plan_callback = plan_callback
         self.n_ctx = n_ctx
         self.type_k, self.type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
         self.n_gpu_layers = 0  # layers whose products run on the GPU (the output counts as one)
@@ -258,6 +265,8 @@ class Model:
                 warnings.warn(f"n_gpu_layers={n_gpu_layers}: {ffi.string(info).decode('utf-8', 'replace')}; "
                               "running on the CPU", UserWarning, stacklevel=3)
             return 0
+        if self._plan_callback is not None:
+            self._plan_callback(self.placement["plan"])
         err = err_buf()
         rc = lib.clover_model_offload(self._model, n, n_cpu_moe, err, len(err))
         if rc < 0:

@@ -214,23 +214,27 @@ def gpu_layers(a) -> int:
 
 def placement_kwargs(a) -> dict:
     """``n_gpu_layers``, ``n_cpu_moe``, ``gpu_budget``, ``type_k`` and ``type_v`` of
-    :class:`Clover` / ``Model`` from :func:`add_device_args`'s flags."""
+    :class:`Clover` / ``Model`` from :func:`add_device_args`'s flags, and ``plan_callback``
+    (:func:`print_plan_line`: the plan shows before the weights go to the GPU)."""
     cache = dict(type_k=getattr(a, "cache_type_k", "f32"), type_v=getattr(a, "cache_type_v", "f32"))
     if getattr(a, "device", None) == "cpu":
         return dict(n_gpu_layers=0, **cache)
     fit = getattr(a, "fit", False)
     return dict(n_gpu_layers=gpu_layers(a), n_cpu_moe=1 << 30 if getattr(a, "cpu_moe", False) else
-                getattr(a, "n_cpu_moe", 0), gpu_budget=(a.gpu_budget or "free") if fit else None, **cache)
+                getattr(a, "n_cpu_moe", 0), gpu_budget=(a.gpu_budget or "free") if fit else None,
+                plan_callback=print_plan_line, **cache)
+
+
+def print_plan_line(plan: str) -> None:
+    """``placement: PLAN`` on stderr: Model's ``plan_callback``, called before the upload."""
+    print(f"placement: {plan}", file=sys.stderr, flush=True)
 
 
 def print_plan(model) -> None:
-    """The GPU placement line of a loaded Model (stderr), when one was asked for; after a fall
-    back to the CPU (no usable GPU: nothing offloaded) it says so before the planned one."""
-    if getattr(model, "placement", None):
-        plan = model.placement["plan"]
-        if not getattr(model, "n_gpu_layers", 0):
-            plan = f"everything on the CPU (the plan for a GPU was: {plan})"
-        print(f"placement: {plan}", file=sys.stderr, flush=True)
+    """After a load that fell back to the CPU (a placement was asked for, but no usable GPU:
+    nothing offloaded, and the plan line was not printed), say so with the planned one."""
+    if getattr(model, "placement", None) and not getattr(model, "n_gpu_layers", 0):
+        print_plan_line(f"everything on the CPU (the plan for a GPU was: {model.placement['plan']})")
 
 
 def warn_to_stderr(fn, *args, **kwargs):

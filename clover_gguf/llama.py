@@ -156,6 +156,8 @@ class Clover:
             (the previous prompt and its committed answer: the next chat turn), prefill only the
             new tokens (``timings["n_prompt_reused"]``). True by default; the output then equals
             a full prefill's up to float rounding (summation order).
+        plan_callback: called with the GPU placement's plan line before the weights go to the
+            GPU (see :class:`~clover_gguf.api.Model`).
 
     Raises:
         CloverError: the native loader's message (bad file, missing tensor, ...).
@@ -173,7 +175,7 @@ class Clover:
                  type_k: str | int = "f32", type_v: str | int = "f32", seed: int = 0, verbose: bool = False,
                  mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
-                 prefix_reuse: bool = True) -> None:
+                 prefix_reuse: bool = True, plan_callback=None) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
         self._state = threading.Lock()  # guards _closed
         self._lock = threading.Lock()   # the call lock
@@ -189,7 +191,7 @@ class Clover:
         t0 = time.perf_counter()
         self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse,
                             n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpu_budget=gpu_budget,
-                            type_k=type_k, type_v=type_v)
+                            type_k=type_k, type_v=type_v, plan_callback=plan_callback)
         try:
             self.mode = mode if mode is not None else ("diffusion" if self._model.is_clover else "ar")
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p

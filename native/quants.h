@@ -66,8 +66,8 @@ int64_t clover_row_nbytes(int type, int64_t n_in);
  * Q4_0/IQ4_NL/MXFP4, 256 for the others).
  * clover_kq_nbytes: bytes of n values, -1 for other types or a bad n.
  * clover_kq_to_f32 / clover_kq_from_f32: as clover_to_f32 / clover_from_f32 for these types
- * only (CLOVER_E_ARG for any other type). These types are not engine weight types:
- * clover_row_nbytes (loader, matmul) still rejects them. */
+ * only (CLOVER_E_ARG for any other type). All but Q8_K (activations only) are engine weight
+ * types too: clover_row_nbytes accepts those that have a dot kernel (native/dot.h). */
 int64_t clover_kq_nbytes(int type, int64_t n);
 /* ggml's IQ4_NL and MXFP4 code tables and the MXFP4 block scale (half of 2^(e-127)). */
 extern const int8_t clover_kv_iq4nl[16];

@@ -30,8 +30,12 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
 """
 from __future__ import annotations
 
+import os
+import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import cffi
 
@@ -658,7 +662,7 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
       (gpu_budget="free") chooses a placement that holds and runs, with the CPU's greedy tokens
       in ar and diffusion."""
     from clover_gguf import CloverError, Model
-    from clover_gguf.placement import RESERVE, placement
+    from clover_gguf.placement import RESERVE, describe, placement
 
     path = make_gguf("q4_k_m", **GEN_MODEL)
     with Model(path, n_ctx=512, n_threads=2) as cpu:
@@ -667,14 +671,24 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
                 for mode in ("ar", "diffusion")}
         plan = placement(cpu, -1)
         gpu_bytes, cache = plan["gpu"], plan["cache"]
+        plan_line = describe(plan, cpu.hparams["n_layer"])
     free, total = _gpu_memory()
     used = total - free  # what earlier tests left allocated
 
     monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes // 2))
     free = _gpu_free()
+    seen = []  # plan_callback's calls: (the plan line, the free memory then)
     with pytest.raises(CloverError, match=r"n_gpu_layers: 5 needs [0-9.]+ MiB of weights on the GPU; [0-9.]+ MiB of [0-9.]+ MiB is free \(offload fewer"):
-        Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1)
+        Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1, plan_callback=lambda p: seen.append((p, _gpu_free())))
     assert _gpu_free() == free
+    assert seen == [(plan_line, free)]  # the plan came before the refusal
+    # the CLI prints it too: the plan line, then the error naming n_gpu_layers
+    pkg = str(pathlib.Path(_ffi.__file__).resolve().parent.parent)
+    r = subprocess.run([sys.executable, "-m", "clover_gguf", "run", "-m", str(path), "-p", "x", "-n", "1", "-ngl", "all"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=pkg + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert r.returncode == 2 and "placement: GPU:" in r.stderr, r.stderr
+    assert r.stderr.index(f"placement: {plan_line}") < r.stderr.index("n_gpu_layers: 5 needs"), r.stderr
 
     monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + gpu_bytes + cache // 2))
     free = _gpu_free()
@@ -693,9 +707,12 @@ def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(ma
 
     monkeypatch.setenv("CLOVER_EMU_MEMORY", str(used + RESERVE + gpu_bytes // 2))
     free = _gpu_free()
-    with Model(path, n_ctx=512, n_threads=2, gpu_budget="free") as g:
+    seen.clear()
+    with Model(path, n_ctx=512, n_threads=2, gpu_budget="free",
+               plan_callback=lambda p: seen.append((p, _gpu_free()))) as g:
         plan = g.placement
         assert 0 < plan["gpu"] <= gpu_bytes // 2 and plan["budget"] == free, plan
+        assert seen == [(plan["plan"], free)]  # --fit's plan, before any upload
         for mode, toks in want.items():
             assert g.generate_tokens(ids, max_tokens=GEN_TOKENS, mode=mode, end_ids=[])[0] == toks, (plan, mode)
 
@@ -781,8 +798,6 @@ def dq_check(tmp_path_factory):
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc not found")
-    import pathlib
-    import subprocess
 
     exe = tmp_path_factory.mktemp("dq") / "dq_check"
     src = pathlib.Path(__file__).parent / "cuda" / "dq_check.cu"
@@ -798,7 +813,6 @@ def test_gpu_dequantisation_equals_the_cpu_engine(dq_check, tmp_path, name):
     bytes (finite fp16 scales): the index and bit arithmetic of every format, checked without
     a GPU; and so does the integer form the products use (s * q_j + o from qpack/qscale, with
     its alignment claims checked)."""
-    import subprocess
 
     rng = np.random.default_rng(3)
     type_ = {**PLAIN, **BLOCKS}[name]
@@ -1167,9 +1181,6 @@ def test_gpu_kernels_bench_runs():
     cases cover the F32 and F16 caches, the block pass with and without tensor cores (64 keys:
     no prefill case)."""
     import json
-    import pathlib
-    import subprocess
-    import sys
 
     script = pathlib.Path(__file__).parent.parent / "bench" / "gpu_kernels.py"
     r = subprocess.run([sys.executable, str(script), "--ne0", "256", "--ne1", "64", "--types", "Q4_K,F16",
