@@ -353,8 +353,9 @@ def test_run_n_minus_1_fills_the_context_and_a_block_that_does_not_fit_is_explai
 
 
 def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
-    """``-ngl all`` where no GPU is usable: the warning, then a placement line that says the
-    CPU runs everything (it printed the GPU plan alone, as if it were in effect)."""
+    """``-ngl all`` (and ``--device cuda``) where no GPU is usable: the warning, then a placement
+    line that says the CPU runs everything (it printed the GPU plan alone, as if it were in
+    effect); ``--device cpu`` overrides ``-ngl``: no GPU, no warning; the same text each time."""
     from clover_gguf._ffi import ffi, lib
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) > 0:
@@ -363,6 +364,13 @@ def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
     assert r.returncode == 0, r.stderr
     assert "running on the CPU" in r.stderr
     assert "placement: everything on the CPU (the plan for a GPU was: GPU:" in r.stderr, r.stderr
+    # --device cuda is -ngl all; --device cpu asks for no GPU, so nothing is said of one
+    r2 = cli("run", "-p", "import os", "-n", 4, "--device", "cuda", "-t", 1)
+    assert r2.returncode == 0 and r2.stdout == r.stdout, r2.stderr
+    assert "running on the CPU" in r2.stderr and "placement: everything on the CPU" in r2.stderr, r2.stderr
+    r3 = cli("run", "-p", "import os", "-n", 4, "--device", "cpu", "-ngl", "all", "-t", 1)
+    assert r3.returncode == 0 and r3.stdout == r.stdout, r3.stderr
+    assert "GPU" not in r3.stderr and "placement" not in r3.stderr, r3.stderr
 
 
 def test_subcommands_without_m_take_the_embedded_model():
