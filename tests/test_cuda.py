@@ -100,6 +100,18 @@ int clover_cuda_route_d(float *probs, int64_t T, int64_t E, int32_t k, float cor
 int clover_cuda_moe_combine_d(float *x, const float *yg, const float *pw, const int32_t *pair, int32_t k,
                               const float *ys, const float *sg, int64_t T, int64_t H, int32_t *bad, char *err,
                               size_t err_size);
+int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
+                         float repetition, float frequency, float presence, int32_t mask_id, int32_t *id, float *conf,
+                         char *err, size_t err_size);
+int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_id, const clover_cand *cand,
+                            int32_t k, float temperature, double *total, char *err, size_t err_size);
+int clover_cuda_kv_store_d(void *k_cache, void *v_cache, int kv_f16, int64_t n_ctx, int64_t kvd, const int64_t *pos,
+                           const float *k_new, const float *v_new, int64_t T, char *err, size_t err_size);
+int clover_cuda_gather_d(const float *x, const int32_t *rows, int64_t n, int64_t H, float *y, char *err,
+                         size_t err_size);
+int clover_cuda_swiglu_d(float *g, const float *u, int64_t n, char *err, size_t err_size);
+int clover_cuda_add_d(float *x, const float *o, int64_t n, int32_t *bad, char *err, size_t err_size);
+int clover_cuda_copy_d(float *dst, const float *src, int64_t n, char *err, size_t err_size);
 int64_t clover_emu_fail_alloc(int64_t n); /* the emulator's only (native/cuda/emu/cuda_runtime.h) */
 """)
 _clib = _cffi.dlopen(_ffi._find_library())
@@ -1293,6 +1305,114 @@ def test_moe_combine_kernel_equals_float64_and_flags_non_finite_results():
         assert flag == int(inf)
         if not inf:
             assert _rel(got, want) <= 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("V", [300, 248320])
+def test_greedy_and_row_total_kernels_against_numpy(V):
+    """clover_cuda_greedy_d against the CPU sampler's greedy rule redone in numpy: per row the
+    edits (repetition, frequency and presence penalties as native/sampler.c applies them in
+    float32, a logit_bias, a mask), then the argmax, lowest id on ties and never the mask token,
+    exact; its confidence 1 / sum of exp(z - max) over the other ids within 1e-6 relative. Rows:
+    few distinct values (ties everywhere), distinct floats, edited. clover_cuda_row_total_d (top-p
+    alone's row weight at temperature 0.7, from a row's maximum) within 1e-9 relative of float64.
+    V 248320 is the real vocabulary."""
+    rng = np.random.default_rng(V)
+    z = np.stack([rng.integers(-3, 4, V).astype(np.float32), (rng.standard_normal(V) * 4).astype(np.float32),
+                  (rng.standard_normal(V) * 4).astype(np.float32)])
+    mask = int(np.argmax(z[0]))  # the mask token holds the first row's largest value
+    top2 = np.argsort(-z[2], kind="stable")[:2]
+    ops = [(0, int(top2[0]), 3, 0.0), (0, int(top2[1]), 0, 0.0), (1, int(rng.integers(0, V)), 0, 1.5),
+           (2, int(top2[1]), 0, 0.0)]
+    start = np.array([0, 0, 0, 4], np.int32)  # the edits are row 2's
+    rep, freq, pres = 1.3, 0.4, 0.25
+    want = z.copy()
+    for kind, i, count, value in ops:
+        v = want[2, i]
+        if kind == 0:
+            v = np.float32(v / np.float32(rep)) if v > 0 else np.float32(v * np.float32(rep))
+            if count > 0:
+                v = np.float32(v - np.float32(np.float32(np.float32(count) * np.float32(freq)) + np.float32(pres)))
+        want[2, i] = v + np.float32(value) if kind == 1 else (-np.inf if kind == 2 else v)
+    c_ops = _cffi.new("clover_logit_op[]", [dict(kind=o[0], id=o[1], count=o[2], value=o[3]) for o in ops])
+    devs = [_dev(a) for a in (z, np.frombuffer(_cffi.buffer(c_ops), np.uint8).copy(), start,
+                              np.zeros(3, np.int32), np.zeros(3, np.float32))]
+    try:
+        _call(_clib.clover_cuda_greedy_d, devs[0], 3, V, devs[1], devs[2], rep, freq, pres, mask, devs[3], devs[4])
+        ids, conf, edited = _host(devs[3], (3,), np.int32), _host(devs[4], (3,)), _host(devs[0], z.shape)
+    finally:
+        for dv_ in devs:
+            _clib.clover_cuda_free(dv_)
+    np.testing.assert_array_equal(edited, want)
+    for r in range(3):
+        others = np.delete(want[r], mask).astype(np.float64)
+        best = max((i for i in range(V) if i != mask), key=lambda i: (want[r, i], -i))
+        assert ids[r] == best, r
+        assert abs(conf[r] - 1 / np.sum(np.exp(others - others.max()))) <= 1e-6 * conf[r], r
+    # row_total from each row's maximum (as clover_cuda_top_k_d's first candidate gives it)
+    cand = np.zeros((3, 2), np.int32)
+    cand[:, 0] = np.array([np.max(np.delete(want[r], mask)) for r in range(3)], np.float32).view(np.int32)
+    devs = [_dev(a) for a in (want, cand, np.zeros(3, np.float64))]
+    try:
+        _call(_clib.clover_cuda_row_total_d, devs[0], 3, V, mask, devs[1], 1, 0.7, devs[2])
+        total = _host(devs[2], (3,), np.float64)
+    finally:
+        for dv_ in devs:
+            _clib.clover_cuda_free(dv_)
+    for r in range(3):
+        d = (np.delete(want[r], mask) - cand[r, 0:1].view(np.float32)).astype(np.float32).astype(np.float64)
+        ref = np.sum(np.exp(d / np.float64(np.float32(0.7))).astype(np.float32).astype(np.float64))
+        assert abs(total[r] - ref) <= 1e-9 * ref, r
+
+
+@gpu
+@pytest.mark.parametrize("kv_f16", [0, 1, 2, 3])
+def test_kv_store_gather_swiglu_add_and_copy_kernels(kv_f16):
+    """The resident forward's data-movement kernels: clover_cuda_kv_store_d writes rows *pos ..
+    *pos + T - 1 of the caches (fp16 where kv_f16 says, rounded to nearest even as numpy's
+    float16), leaves the others and skips rows past n_ctx; clover_cuda_gather_d, _swiglu_d
+    (within 1e-6 relative of float64), _add_d (exact; its flag set only by a non-finite sum) and
+    _copy_d. The real model's K and V rows: 2 KV heads of 256."""
+    rng = np.random.default_rng(kv_f16)
+    n_ctx, kvd, T = 12, 512, 5
+    kn, vn = rng.standard_normal((T, kvd)).astype(np.float32), rng.standard_normal((T, kvd)).astype(np.float32)
+    for pos0 in (3, 9):  # 9: the last two rows fall past n_ctx
+        caches = [np.full((n_ctx, kvd), 7.0, np.float16 if kv_f16 & bit else np.float32) for bit in (1, 2)]
+        devs = [_dev(a) for a in (*caches, np.array([pos0], np.int64), kn, vn)]
+        try:
+            _call(_clib.clover_cuda_kv_store_d, devs[0], devs[1], kv_f16, n_ctx, kvd, devs[2], devs[3], devs[4], T)
+            got = [_host(devs[i], c.shape, c.dtype) for i, c in enumerate(caches)]
+        finally:
+            for dv_ in devs:
+                _clib.clover_cuda_free(dv_)
+        for c, g, new in zip(caches, got, (kn, vn)):
+            want = c.copy()
+            n = min(T, n_ctx - pos0)
+            want[pos0:pos0 + n] = new[:n].astype(c.dtype)
+            np.testing.assert_array_equal(g, want)
+    x = rng.standard_normal((T, kvd)).astype(np.float32)
+    rows = np.array([4, 0, 4, 2], np.int32)
+    g, u = rng.standard_normal(3000).astype(np.float32) * 4, rng.standard_normal(3000).astype(np.float32)
+    a, o = g.copy(), u.copy()
+    o[17] = np.inf
+    devs = [_dev(v) for v in (x, rows, np.zeros((len(rows), kvd), np.float32), g, u, a, o, np.zeros(1, np.int32),
+                              np.zeros(3000, np.float32))]
+    try:
+        _call(_clib.clover_cuda_gather_d, devs[0], devs[1], len(rows), kvd, devs[2])
+        np.testing.assert_array_equal(_host(devs[2], (len(rows), kvd)), x[rows])
+        _call(_clib.clover_cuda_swiglu_d, devs[3], devs[4], 3000)
+        want = _silu(g.astype(np.float64)) * u
+        assert _rel(_host(devs[3], g.shape), want) <= 1e-6
+        _call(_clib.clover_cuda_add_d, devs[5], devs[4], 3000, devs[7])
+        np.testing.assert_array_equal(_host(devs[5], a.shape), a + u)
+        assert _host(devs[7], (1,), np.int32)[0] == 0
+        _call(_clib.clover_cuda_add_d, devs[5], devs[6], 3000, devs[7])
+        assert _host(devs[7], (1,), np.int32)[0] == 1
+        _call(_clib.clover_cuda_copy_d, devs[8], devs[4], 3000)
+        np.testing.assert_array_equal(_host(devs[8], u.shape), u)
+    finally:
+        for dv_ in devs:
+            _clib.clover_cuda_free(dv_)
 
 
 @gpu

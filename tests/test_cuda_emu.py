@@ -24,7 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # tests/test_cuda.py's kernel-level tests (seconds under the emulator) and the F32 whole-model
 # test (the resident forward's kernels; 30 s), for the run in reverse thread order
-KERNEL_TESTS = "matmul or experts or attention or gdn or routing or combine or (whole_model and f32)"
+KERNEL_TESTS = "matmul or experts or attention or gdn or routing or combine or greedy_and or kv_store or (whole_model and f32)"
 
 
 def test_cuda_tests_pass_under_the_emulator(tmp_path):
