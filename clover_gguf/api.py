@@ -242,7 +242,8 @@ class Model:
         n_layer: all, and the output projection) to the GPU, less the routed experts of the first
         ``n_cpu_moe`` layers; with ``gpu_budget`` the placement is :func:`placement.fit`'s.
         Without a usable GPU: a warning, the CPU. Sets :attr:`placement` (bytes per part and the
-        plan line); returns the layers offloaded; raises CloverError when the GPU cannot hold them."""
+        plan line) and, with a usable GPU, passes the plan line to plan_callback before the upload;
+        returns the layers offloaded; raises CloverError when the GPU cannot hold them."""
         from . import placement as P
 
         budget = None
