@@ -108,14 +108,19 @@ def parse_size(s: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
+def _layer_range(a: int, b: int) -> str:
+    """Layers a to b (inclusive) in a plan line: ``layer 3`` or ``layers 0-2``."""
+    return f"layer {a}" if a == b else f"layers {a}-{b}"
+
+
 def describe(plan: dict, n_layer: int) -> str:
     """A one-line plan: bytes per part on the GPU and on the CPU."""
     gib = 1 << 30
     n, k = plan["n_gpu_layers"], min(plan["n_cpu_moe"], min(plan["n_gpu_layers"], n_layer))
     layers = min(n, n_layer)
-    parts = [f"layers 0-{layers - 1} dense {plan['dense'] / gib:.2f} GiB" if layers else "no layer"]
+    parts = [f"{_layer_range(0, layers - 1)} dense {plan['dense'] / gib:.2f} GiB" if layers else "no layer"]
     if plan["experts"]:
-        parts.append(f"routed experts of layers {k}-{layers - 1} {plan['experts'] / gib:.2f} GiB")
+        parts.append(f"routed experts of {_layer_range(k, layers - 1)} {plan['experts'] / gib:.2f} GiB")
     if plan["output"]:
         parts.append(f"output {plan['output'] / gib:.2f} GiB")
     if plan.get("vectors"):
@@ -127,9 +132,9 @@ def describe(plan: dict, n_layer: int) -> str:
         line += f" (budget {plan['budget'] / gib:.2f} GiB)"
     cpu = []
     if plan["experts_cpu"]:
-        cpu.append(f"routed experts of layers 0-{k - 1} {plan['experts_cpu'] / gib:.2f} GiB")
+        cpu.append(f"routed experts of {_layer_range(0, k - 1)} {plan['experts_cpu'] / gib:.2f} GiB")
     if layers < n_layer:
-        cpu.append(f"layers {layers}-{n_layer - 1}")
+        cpu.append(_layer_range(layers, n_layer - 1))
     if not plan["output"]:
         cpu.append("output")
     return line + "; CPU: " + (", ".join(cpu) if cpu else "nothing")

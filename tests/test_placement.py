@@ -100,7 +100,23 @@ def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
         assert small["gpu"] + small["cache"] <= full["dense"] // 2 + cache
         assert fit(m, RESERVE)["n_gpu_layers"] == 0
         line = describe(p, L)
-        assert line.startswith("GPU: layers 0-") and "CPU: routed experts of layers 0-" in line
+        assert line.startswith("GPU: layers 0-") and "CPU: routed experts of layer" in line
+
+
+def test_plan_line_names_each_part():
+    """describe's line, exactly: layer ranges (one layer named alone), GiB per part, the budget."""
+    g = 1 << 30
+    plan = dict(n_gpu_layers=2, n_cpu_moe=1, dense=g, experts=g // 2, experts_cpu=g // 4, output=0, vectors=0,
+                cache=g // 4, gpu=3 * g // 2, budget=2 * g)
+    assert describe(plan, 4) == ("GPU: layers 0-1 dense 1.00 GiB + routed experts of layer 1 0.50 GiB + caches 0.25 GiB"
+                                 " = 1.75 GiB (budget 2.00 GiB); CPU: routed experts of layer 0 0.25 GiB, layers 2-3,"
+                                 " output")
+    plan.update(n_gpu_layers=5, n_cpu_moe=0, experts_cpu=0, output=g // 8, budget=None)
+    del plan["budget"]
+    assert describe(plan, 4) == ("GPU: layers 0-3 dense 1.00 GiB + routed experts of layers 0-3 0.50 GiB + output "
+                                 "0.12 GiB + caches 0.25 GiB = 1.75 GiB; CPU: nothing")
+    plan.update(n_gpu_layers=0, dense=0, experts=0, output=0, cache=0, gpu=0)
+    assert describe(plan, 1) == "GPU: no layer = 0.00 GiB; CPU: layer 0, output"
 
 
 def test_parse_size():
