@@ -111,7 +111,8 @@ class Model:
             rounded to nearest even when written; last-bit differences between the backends can
             then become fp16 steps, so their tokens can part at a near-tie); ggml type ids 0 and
             1 also work.
-        gpu_budget: bytes of GPU memory, or "free" (what the GPU reports free): choose
+        gpu_budget: bytes of GPU memory, a size such as ``"12G"`` (binary units, as the CLI's
+            --gpu-budget), or "free" (what the GPU reports free): choose
             n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
             is in :attr:`placement` (``placement["plan"]``).
         plan_callback: called with the placement's plan line (str: bytes per part) once a
@@ -148,6 +149,13 @@ class Model:
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
         n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, lo=-1, hi=2**31 - 1)
         n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, lo=0, hi=2**31 - 1)
+        if isinstance(gpu_budget, str) and gpu_budget != "free":
+            from .placement import parse_size  # "12G", as the CLI's --gpu-budget
+            try:
+                gpu_budget = parse_size(gpu_budget)
+            except ValueError:
+                raise ValueError(f'gpu_budget: {gpu_budget!r} is not "free", a byte count or a size such as 12G') \
+                    from None
         if gpu_budget is not None and gpu_budget != "free":
             gpu_budget = _check_int("gpu_budget", gpu_budget, lo=1, hi=2**62)
         if plan_callback is not None and not callable(plan_callback):
@@ -263,8 +271,11 @@ class Model:
         info = ffi.new("char[]", 256)
         if n == 0 or lib.clover_gpu_devices(info, len(info)) <= 0:
             if n:
-                warnings.warn(f"n_gpu_layers={n_gpu_layers}: {ffi.string(info).decode('utf-8', 'replace')}; "
-                              "running on the CPU", UserWarning, stacklevel=3)
+                asked = f"gpu_budget's plan, n_gpu_layers={n}" if budget is not None else f"n_gpu_layers={n_gpu_layers}"
+                if n > int(self.hparams["n_layer"]):
+                    asked += " (every layer and the output)"
+                warnings.warn(f"{asked}: {ffi.string(info).decode('utf-8', 'replace')}; running on the CPU",
+                              UserWarning, stacklevel=3)
             return 0
         if self._plan_callback is not None:
             self._plan_callback(self.placement["plan"])

@@ -119,6 +119,14 @@ def test_plan_line_names_each_part():
     assert describe(plan, 1) == "GPU: no layer = 0.00 GiB; CPU: layer 0, output"
 
 
+def test_gpu_budget_sizes_are_checked(make_gguf):
+    """Model's gpu_budget: a size string that is not one is refused by name before the load."""
+    with pytest.raises(ValueError, match=r"gpu_budget: 'lots' is not \"free\", a byte count or a size such as 12G"):
+        Model(str(make_gguf("q8_0")), gpu_budget="lots")
+    with pytest.raises(ValueError, match="gpu_budget"):
+        Model(str(make_gguf("q8_0")), gpu_budget=0)
+
+
 def test_parse_size():
     assert parse_size("12G") == 12 << 30 and parse_size("800M") == 800 << 20 and parse_size("1.5GiB") == 3 << 29
     assert parse_size("4096") == 4096
@@ -152,7 +160,9 @@ def test_fit_command_and_budget_without_a_gpu(make_gguf):
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) > 0:
         pytest.skip("a GPU is present (tests/test_cuda.py covers placements there)")
-    with pytest.warns(UserWarning, match="running on the CPU"):
-        with Model(path, n_ctx=64, n_threads=1, gpu_budget=600 << 20) as g, Model(path, n_ctx=64, n_threads=1) as c:
+    with pytest.warns(UserWarning, match=r"gpu_budget's plan, n_gpu_layers=5 \(every layer and the output\): .*"
+                                         "running on the CPU"):
+        with Model(path, n_ctx=64, n_threads=1, gpu_budget="600M") as g, Model(path, n_ctx=64, n_threads=1) as c:
             assert g.n_gpu_layers == 0 and g.placement["plan"].startswith("GPU:")
+            assert g.placement["budget"] == 600 << 20  # "600M", as the CLI's --gpu-budget
             assert g.generate_tokens([1, 2, 3], max_tokens=6)[0] == c.generate_tokens([1, 2, 3], max_tokens=6)[0]
