@@ -232,9 +232,18 @@ def print_plan_line(plan: str) -> None:
 
 def print_plan(model) -> None:
     """After a load that fell back to the CPU (a placement was asked for, but no usable GPU:
-    nothing offloaded, and the plan line was not printed), say so with the planned one."""
-    if getattr(model, "placement", None) and not getattr(model, "n_gpu_layers", 0):
-        print_plan_line(f"everything on the CPU (the plan for a GPU was: {model.placement['plan']})")
+    nothing offloaded, and the plan line was not printed), say so with the planned one; when
+    ``--fit``'s budget holds no layer, say that instead."""
+    plan = getattr(model, "placement", None)
+    if not plan or getattr(model, "n_gpu_layers", 0):
+        return
+    if plan["n_gpu_layers"] == 0 and "budget" in plan:
+        from .placement import RESERVE
+        gib = 1 << 30
+        print_plan_line(f"everything on the CPU (a GPU budget of {plan['budget'] / gib:.2f} GiB, less "
+                        f"{RESERVE / gib:.2f} GiB kept for the CUDA context and buffers, holds no layer)")
+    else:
+        print_plan_line(f"everything on the CPU (the plan for a GPU was: {plan['plan']})")
 
 
 def warn_to_stderr(fn, *args, **kwargs):

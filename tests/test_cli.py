@@ -355,7 +355,8 @@ def test_run_n_minus_1_fills_the_context_and_a_block_that_does_not_fit_is_explai
 def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
     """``-ngl all`` (and ``--device cuda``) where no GPU is usable: the warning, then a placement
     line that says the CPU runs everything (it printed the GPU plan alone, as if it were in
-    effect); ``--device cpu`` overrides ``-ngl``: no GPU, no warning; the same text each time."""
+    effect); ``--device cpu`` overrides ``-ngl``: no GPU, no warning; ``--fit`` with a budget too
+    small for any layer says so; the same text each time."""
     from clover_gguf._ffi import ffi, lib
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) > 0:
@@ -371,6 +372,11 @@ def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
     r3 = cli("run", "-p", "import os", "-n", 4, "--device", "cpu", "-ngl", "all", "-t", 1)
     assert r3.returncode == 0 and r3.stdout == r.stdout, r3.stderr
     assert "GPU" not in r3.stderr and "placement" not in r3.stderr, r3.stderr
+    # --fit with a budget below the reserve: no layer fits, so the line says that, not an empty GPU plan
+    r4 = cli("run", "-p", "import os", "-n", 4, "--fit", "--gpu-budget", "100M", "-t", 1)
+    assert r4.returncode == 0 and r4.stdout == r.stdout, r4.stderr
+    assert ("placement: everything on the CPU (a GPU budget of 0.10 GiB, less 0.50 GiB kept for the CUDA context"
+            " and buffers, holds no layer)") in r4.stderr, r4.stderr
 
 
 def test_subcommands_without_m_take_the_embedded_model():
