@@ -30,6 +30,7 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -497,8 +498,7 @@ def test_gdn_recurrence_on_the_device_equals_float64(Hk, Hv, dk, dv):
             want = _gdn_reference(conv.astype(np.float64), beta.astype(np.float64), g.astype(np.float64), S_ref,
                                   Hk, dk, dv, backward=kind == 2)
             assert np.max(np.abs(o - want)) <= 1e-4 * np.abs(want).max(), (kind, float(np.max(np.abs(o - want))))
-            back = np.zeros_like(S0)
-            assert _clib.clover_cuda_read(dev, 0, _cffi.cast("void *", back.ctypes.data), back.nbytes, err, 256) == 0
+            back = _host(dev, S0.shape)
             if kind == 0:
                 assert np.max(np.abs(back - S_ref)) <= 1e-4 * np.abs(S_ref).max()
                 S0 = back
@@ -529,8 +529,7 @@ def test_gdn_chunked_prefill_equals_float64(Hk, Hv, dk, dv, T):
         o = np.zeros((T, Hv, dv), np.float32)
         assert _clib.clover_cuda_gdn(3, _f(conv), _f(beta), _f(g), T, Hk, Hv, dk, dv, C, _cffi.cast("float *", dev),
                                      _f(o), err, 256) == 0, _cffi.string(err)
-        back = np.zeros_like(S0)
-        assert _clib.clover_cuda_read(dev, 0, _cffi.cast("void *", back.ctypes.data), back.nbytes, err, 256) == 0
+        back = _host(dev, S0.shape)
     finally:
         _clib.clover_cuda_free(dev)
     S_ref = S0.astype(np.float64)
@@ -980,6 +979,24 @@ def _dev(a: np.ndarray):
     return d[0]
 
 
+def _host(dev, shape, dtype=np.float32) -> np.ndarray:
+    """A host copy of the device array dev of that shape and dtype."""
+    a = np.zeros(shape, dtype)
+    assert _clib.clover_cuda_read(dev, 0, _cffi.cast("void *", a.ctypes.data), a.nbytes, _cffi.NULL, 0) == 0
+    return a
+
+
+@contextlib.contextmanager
+def _on_device(*arrays: np.ndarray):
+    """Device copies of arrays (a list, to which more may be appended), freed on exit."""
+    devs = [_dev(a) for a in arrays]
+    try:
+        yield devs
+    finally:
+        for d in devs:
+            _clib.clover_cuda_free(d)
+
+
 @gpu
 @pytest.mark.parametrize("V, k", [(300, 1), (300, 7), (5000, 256), (248320, 20)])
 def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V, k):
@@ -1013,11 +1030,8 @@ def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V,
         err = _cffi.new("char[256]")
         assert _clib.clover_cuda_top_k_d(dz, 4, V, dops, dstart, 1.0, 0.0, 0.0, mask, k, dcand[0], dbad[0], dpre[0],
                                          err, 256) == 0, _cffi.string(err)
-        cand, bad, pre = np.zeros(4 * k * 2, np.int32), np.zeros(4, np.float32), np.zeros(len(ops), np.float32)
-        assert _clib.clover_cuda_read(dpre[0], 0, _cffi.cast("void *", pre.ctypes.data), pre.nbytes, _cffi.NULL, 0) == 0
-        np.testing.assert_array_equal(pre, want_pre)  # each edit's input, for the host to redo edits
-        assert _clib.clover_cuda_read(dcand[0], 0, _cffi.cast("void *", cand.ctypes.data), cand.nbytes, _cffi.NULL, 0) == 0
-        assert _clib.clover_cuda_read(dbad[0], 0, _cffi.cast("void *", bad.ctypes.data), bad.nbytes, _cffi.NULL, 0) == 0
+        np.testing.assert_array_equal(_host(dpre[0], len(ops)), want_pre)  # each edit's input, for the host to redo edits
+        cand, bad = _host(dcand[0], 4 * k * 2, np.int32), _host(dbad[0], 4)
         cz, cid = cand.view(np.float32)[0::2].reshape(4, k), cand[1::2].reshape(4, k)
         for r in range(3):
             order = sorted((i for i in range(V) if i != mask), key=lambda i: (-want_z[r, i], i))[:k]
@@ -1029,13 +1043,6 @@ def test_top_k_kernel_against_numpy_with_ties_signed_zeros_edits_and_the_mask(V,
     finally:
         for d in (dz, dops, dstart, dcand[0], dbad[0], dpre[0]):
             _clib.clover_cuda_free(d)
-
-
-def _host(dev, shape, dtype=np.float32) -> np.ndarray:
-    """A host copy of the device array dev of that shape and dtype."""
-    a = np.zeros(shape, dtype)
-    assert _clib.clover_cuda_read(dev, 0, _cffi.cast("void *", a.ctypes.data), a.nbytes, _cffi.NULL, 0) == 0
-    return a
 
 
 def _call(fn, *args) -> None:
@@ -1092,13 +1099,9 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
     y = np.zeros((len(idx), n + 4), np.float32)
     xs = x[idx, :n].astype(np.float64)
     want = xs / np.sqrt(np.mean(xs * xs, axis=1, keepdims=True) + eps) * w
-    devs = [_dev(a) for a in (x, idx, w, y)]
-    try:
+    with _on_device(x, idx, w, y) as devs:
         _call(_clib.clover_cuda_rmsnorm_d, devs[0], n + 8, devs[1], devs[2], n, len(idx), eps, devs[3], n + 4)
         assert _rel(_host(devs[3], y.shape)[:, :n], want) <= 2e-6
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
 
     # head norm + RoPE
     hd, nh, hs, rd, theta = d["hd"], d["n_head"], d["head_stride"], d["rd"], d["theta"]
@@ -1114,14 +1117,10 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
             ang = (d["pos0"] + t) * np.power(float(theta), -2.0 * j / rd)
             a, b = v[:rd // 2].copy(), v[rd // 2:rd].copy()
             v[:rd // 2], v[rd // 2:rd] = a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)
-    devs = [_dev(a) for a in (x, w, pos)]
-    try:
+    with _on_device(x, w, pos) as devs:
         _call(_clib.clover_cuda_head_norm_rope_d, devs[0], T, nh, nh * hs, hs, devs[1], hd, eps, devs[2], rd,
               theta)
         assert _rel(_host(devs[0], x.shape), want) <= 2e-6
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
 
     # conv: causal with history, anti-causal, the new history
     Hk, Hv, dk, dvv, K = d["Hk"], d["Hv"], d["dk"], d["dv"], d["K"]
@@ -1132,8 +1131,7 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
     pad = np.concatenate([cin.astype(np.float64), np.zeros((K - 1, C))])
     anti = _silu(sum(cw[:, j].astype(np.float64) * pad[K - 1 - j:K - 1 - j + T] for j in range(K)))
     out = np.zeros((T, C), np.float32)
-    devs = [_dev(a) for a in (cw, hist, cin, out)]
-    try:
+    with _on_device(cw, hist, cin, out) as devs:
         _call(_clib.clover_cuda_conv_d, 0, devs[0], devs[1], devs[2], T, C, K, devs[3])
         assert _rel(_host(devs[3], out.shape), causal) <= 2e-6
         _call(_clib.clover_cuda_conv_d, 1, devs[0], _cffi.NULL, devs[2], T, C, K, devs[3])
@@ -1144,9 +1142,6 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
         devs.append(_dev(short))
         _call(_clib.clover_cuda_conv_hist_d, devs[1], devs[-1], 1, C, K)
         np.testing.assert_array_equal(_host(devs[1], hist.shape), np.concatenate([ext, short])[-(K - 1):])
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
 
     # GDN prep: qk norm and gates
     conv = f32(T, C)
@@ -1161,16 +1156,12 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
     xa = a.astype(np.float64) + dt_bias
     want_b = 1 / (1 + np.exp(-b.astype(np.float64)))
     want_g = ssm_a * np.where(xa > 20, xa, np.log1p(np.exp(np.minimum(xa, 20))))
-    devs = [_dev(v) for v in (conv, b, a, ssm_a, dt_bias)]
-    try:
+    with _on_device(conv, b, a, ssm_a, dt_bias) as devs:
         _call(_clib.clover_cuda_gdn_prep_d, devs[0], T, C, Hk, dk, eps, devs[1], devs[2], devs[3], devs[4], Hv)
         got = _host(devs[0], conv.shape)
         assert _rel(got, want) <= 2e-6
         np.testing.assert_array_equal(got[:, 2 * Hk * dk:], conv[:, 2 * Hk * dk:])  # v untouched
         assert _rel(_host(devs[1], b.shape), want_b) <= 2e-6 and _rel(_host(devs[2], a.shape), want_g) <= 2e-6
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
 
     # GDN out: o (+ sigmoid(mix) ob), rmsnorm with w, times silu(z)
     o, ob, z = f32(T, Hv, dvv), f32(T, Hv, dvv), f32(T, Hv, dvv, s=2.0)
@@ -1180,14 +1171,10 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
         if with_ob:
             oo = oo + (1 / (1 + np.exp(-mix.astype(np.float64))))[:, None] * ob
         want = oo / np.sqrt(np.mean(oo * oo, axis=2, keepdims=True) + eps) * w * _silu(z.astype(np.float64))
-        devs = [_dev(v) for v in (o, ob, mix, z, w)]
-        try:
+        with _on_device(o, ob, mix, z, w) as devs:
             _call(_clib.clover_cuda_gdn_out_d, devs[0], devs[1] if with_ob else _cffi.NULL, devs[2], devs[3], devs[4],
                   T, Hv, dvv, eps)
             assert _rel(_host(devs[0], o.shape), want) <= 2e-6, with_ob
-        finally:
-            for dv_ in devs:
-                _clib.clover_cuda_free(dv_)
 
 
 def _route_reference(p: np.ndarray, k: int, top_p: float) -> tuple[list, int]:
@@ -1241,14 +1228,10 @@ def test_routing_kernel_equals_the_cpus_top_k_and_coreset(T, E, k, top_p, kind):
     bufs = dict(sel=np.zeros(P, np.int32), wsel=np.zeros(P, np.float32), prow=np.zeros(P, np.int32),
                 pw=np.zeros(P, np.float32), pair=np.zeros(P, np.int32), tiles=np.full(3 * n_tiles, -7, np.int32),
                 stats=np.full(2, -1, np.int32))
-    devs = {name: _dev(a) for name, a in dict(probs=logits, **bufs).items()}
-    try:
-        _call(_clib.clover_cuda_route_d, devs["probs"], T, E, k, top_p, devs["sel"], devs["wsel"], devs["prow"],
-              devs["pw"], devs["pair"], devs["tiles"], devs["stats"])
-        got = {name: _host(devs[name], a.shape, a.dtype) for name, a in dict(probs=logits, **bufs).items()}
-    finally:
-        for dv_ in devs.values():
-            _clib.clover_cuda_free(dv_)
+    arrays = dict(probs=logits, **bufs)
+    with _on_device(*arrays.values()) as devs:
+        _call(_clib.clover_cuda_route_d, devs[0], T, E, k, top_p, *devs[1:])
+        got = {name: _host(d, a.shape, a.dtype) for d, (name, a) in zip(devs, arrays.items())}
     lg = logits.astype(np.float64)
     soft = np.exp(lg - lg.max(axis=1, keepdims=True))
     soft /= soft.sum(axis=1, keepdims=True)
@@ -1294,14 +1277,10 @@ def test_moe_combine_kernel_equals_float64_and_flags_non_finite_results():
         if inf:
             yg[pair[2, 3], 7] = np.inf
         bad = np.zeros(1, np.int32)
-        devs = [_dev(a) for a in (x, yg, pw, pair, ys, sg, bad)]
-        try:
+        with _on_device(x, yg, pw, pair, ys, sg, bad) as devs:
             _call(_clib.clover_cuda_moe_combine_d, devs[0], devs[1], devs[2], devs[3], k, devs[4], devs[5], T, H,
                   devs[6])
             got, flag = _host(devs[0], x.shape), int(_host(devs[6], (1,), np.int32)[0])
-        finally:
-            for dv_ in devs:
-                _clib.clover_cuda_free(dv_)
         assert flag == int(inf)
         if not inf:
             assert _rel(got, want) <= 1e-6
@@ -1335,14 +1314,10 @@ def test_greedy_and_row_total_kernels_against_numpy(V):
                 v = np.float32(v - np.float32(np.float32(np.float32(count) * np.float32(freq)) + np.float32(pres)))
         want[2, i] = v + np.float32(value) if kind == 1 else (-np.inf if kind == 2 else v)
     c_ops = _cffi.new("clover_logit_op[]", [dict(kind=o[0], id=o[1], count=o[2], value=o[3]) for o in ops])
-    devs = [_dev(a) for a in (z, np.frombuffer(_cffi.buffer(c_ops), np.uint8).copy(), start,
-                              np.zeros(3, np.int32), np.zeros(3, np.float32))]
-    try:
+    with _on_device(z, np.frombuffer(_cffi.buffer(c_ops), np.uint8).copy(), start, np.zeros(3, np.int32),
+                    np.zeros(3, np.float32)) as devs:
         _call(_clib.clover_cuda_greedy_d, devs[0], 3, V, devs[1], devs[2], rep, freq, pres, mask, devs[3], devs[4])
         ids, conf, edited = _host(devs[3], (3,), np.int32), _host(devs[4], (3,)), _host(devs[0], z.shape)
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
     np.testing.assert_array_equal(edited, want)
     for r in range(3):
         others = np.delete(want[r], mask).astype(np.float64)
@@ -1352,13 +1327,9 @@ def test_greedy_and_row_total_kernels_against_numpy(V):
     # row_total from each row's maximum (as clover_cuda_top_k_d's first candidate gives it)
     cand = np.zeros((3, 2), np.int32)
     cand[:, 0] = np.array([np.max(np.delete(want[r], mask)) for r in range(3)], np.float32).view(np.int32)
-    devs = [_dev(a) for a in (want, cand, np.zeros(3, np.float64))]
-    try:
+    with _on_device(want, cand, np.zeros(3, np.float64)) as devs:
         _call(_clib.clover_cuda_row_total_d, devs[0], 3, V, mask, devs[1], 1, 0.7, devs[2])
         total = _host(devs[2], (3,), np.float64)
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
     for r in range(3):
         d = (np.delete(want[r], mask) - cand[r, 0:1].view(np.float32)).astype(np.float32).astype(np.float64)
         ref = np.sum(np.exp(d / np.float64(np.float32(0.7))).astype(np.float32).astype(np.float64))
@@ -1378,13 +1349,9 @@ def test_kv_store_gather_swiglu_add_and_copy_kernels(kv_f16):
     kn, vn = rng.standard_normal((T, kvd)).astype(np.float32), rng.standard_normal((T, kvd)).astype(np.float32)
     for pos0 in (3, 9):  # 9: the last two rows fall past n_ctx
         caches = [np.full((n_ctx, kvd), 7.0, np.float16 if kv_f16 & bit else np.float32) for bit in (1, 2)]
-        devs = [_dev(a) for a in (*caches, np.array([pos0], np.int64), kn, vn)]
-        try:
+        with _on_device(*caches, np.array([pos0], np.int64), kn, vn) as devs:
             _call(_clib.clover_cuda_kv_store_d, devs[0], devs[1], kv_f16, n_ctx, kvd, devs[2], devs[3], devs[4], T)
             got = [_host(devs[i], c.shape, c.dtype) for i, c in enumerate(caches)]
-        finally:
-            for dv_ in devs:
-                _clib.clover_cuda_free(dv_)
         for c, g, new in zip(caches, got, (kn, vn)):
             want = c.copy()
             n = min(T, n_ctx - pos0)
@@ -1395,9 +1362,8 @@ def test_kv_store_gather_swiglu_add_and_copy_kernels(kv_f16):
     g, u = rng.standard_normal(3000).astype(np.float32) * 4, rng.standard_normal(3000).astype(np.float32)
     a, o = g.copy(), u.copy()
     o[17] = np.inf
-    devs = [_dev(v) for v in (x, rows, np.zeros((len(rows), kvd), np.float32), g, u, a, o, np.zeros(1, np.int32),
-                              np.zeros(3000, np.float32))]
-    try:
+    with _on_device(x, rows, np.zeros((len(rows), kvd), np.float32), g, u, a, o, np.zeros(1, np.int32),
+                    np.zeros(3000, np.float32)) as devs:
         _call(_clib.clover_cuda_gather_d, devs[0], devs[1], len(rows), kvd, devs[2])
         np.testing.assert_array_equal(_host(devs[2], (len(rows), kvd)), x[rows])
         _call(_clib.clover_cuda_swiglu_d, devs[3], devs[4], 3000)
@@ -1410,9 +1376,6 @@ def test_kv_store_gather_swiglu_add_and_copy_kernels(kv_f16):
         assert _host(devs[7], (1,), np.int32)[0] == 1
         _call(_clib.clover_cuda_copy_d, devs[8], devs[4], 3000)
         np.testing.assert_array_equal(_host(devs[8], u.shape), u)
-    finally:
-        for dv_ in devs:
-            _clib.clover_cuda_free(dv_)
 
 
 @gpu

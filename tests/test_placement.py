@@ -111,7 +111,7 @@ def test_plan_line_names_each_part():
     assert describe(plan, 4) == ("GPU: layers 0-1 dense 1.00 GiB + routed experts of layer 1 0.50 GiB + caches 0.25 GiB"
                                  " = 1.75 GiB (budget 2.00 GiB); CPU: routed experts of layer 0 0.25 GiB, layers 2-3,"
                                  " output")
-    plan.update(n_gpu_layers=5, n_cpu_moe=0, experts_cpu=0, output=g // 8, budget=None)
+    plan.update(n_gpu_layers=5, n_cpu_moe=0, experts_cpu=0, output=g // 8)
     del plan["budget"]
     assert describe(plan, 4) == ("GPU: layers 0-3 dense 1.00 GiB + routed experts of layers 0-3 0.50 GiB + output "
                                  "0.12 GiB + caches 0.25 GiB = 1.75 GiB; CPU: nothing")
