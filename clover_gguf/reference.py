@@ -7,10 +7,11 @@ This module needs torch; ``import clover_gguf`` never imports it.
 - Prefix (causal) mode, spec 3.2: exactly the Qwen3.6 autoregressive computation (checked
   against transformers' Qwen3_5MoeForCausalLM in tests/test_reference.py).
 - Block (denoising) mode, spec 3.2/3.3: the B rows of a block against read-only caches;
-  attention rows see the prefix and the whole block; GDN layers add a backward branch with an
-  anti-causal conv, a reverse recurrence with exclusive readout, and ``sigmoid(bwd_mix)`` mixing.
+  attention rows see the prefix and the whole block; GDN layers run the block operator (the
+  conv with right taps, the history slot read from the clean state, the block softmax).
 - MoE block coreset routing, spec 5.6, in block mode.
-- ``generate_ar`` / ``generate_diffusion``: the greedy decoders of the shared contract (spec 5.2).
+- ``generate_ar`` / ``generate_diffusion`` / ``generate_spec``: the greedy decoders (spec 5.2,
+  5.5), with both logit conventions (3.5) and both block placements (3.1).
 
 Main entry points: ``CloverReference.from_pretrained(hf_dir)``, ``.prefix_logits(tokens)``,
 ``.block_logits(prefix, block, coreset_top_p)``.
@@ -21,14 +22,14 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "ReferenceConfig", "CloverReference", "State", "generate_ar", "generate_diffusion",
-    "coreset_route",
+    "generate_spec", "coreset_route", "BLOCK_TENSORS",
 ]
 
 
@@ -60,14 +61,16 @@ class ReferenceConfig:
     partial_rotary_factor: float
     rms_norm_eps: float
     eos_token_id: int | list | None = None
-    # Clover (spec 3.4); clover is False for a parent (qwen3_5_moe) checkpoint.
+    # Clover (spec 3.4, docs/gguf-layout.md); clover: the checkpoint has the block tensors
+    # (set by CloverReference.from_pretrained), False for a parent (qwen3_5_moe) checkpoint.
     clover: bool = False
     mask_token_id: int | None = None
     block_size: int = 32
     threshold: float = 0.95
-    logits_shift: bool = True
     moe_block_coreset_top_p: float = 0.9
-    extra: dict = field(default_factory=dict)
+    # spec 3.1 / 3.5 defaults of a clover_moe file; the decoders take both values
+    shift_logits: bool = False
+    block_aligned: bool = True
 
     @property
     def rotary_dim(self) -> int:
@@ -110,15 +113,11 @@ class ReferenceConfig:
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
             eos_token_id=t.get("eos_token_id", cfg.get("eos_token_id")),
         )
-        if "mask_token_id" in cfg:
-            c.clover = True
+        if cfg.get("mask_token_id") is not None:
             c.mask_token_id = int(cfg["mask_token_id"])
-            c.block_size = int(cfg.get("block_size", 32))
-            c.threshold = float(cfg.get("threshold", 0.95))
-            c.logits_shift = bool(cfg.get("logits_shift", True))
-            c.moe_block_coreset_top_p = float(cfg.get("moe_block_coreset_top_p", 0.9))
-            c.extra = {k: cfg[k] for k in ("presence_penalty", "repetition_penalty",
-                                           "think_close_bias_start", "eos_bias_start") if k in cfg}
+        c.block_size = int(cfg.get("block_size", 32))
+        c.threshold = float(cfg.get("threshold", 0.95))
+        c.moe_block_coreset_top_p = float(cfg.get("moe_block_coreset_top_p", 0.9))
         return c
 
 
@@ -193,11 +192,11 @@ class State:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2.1 Gated DeltaNet (+ 3.3 backward branch in block mode)
+# 2.1 Gated DeltaNet (+ 3.3 BD-GDN, the block operator)
 # ---------------------------------------------------------------------------------------------
 
 class GatedDeltaNet:
-    """Spec 2.1 (prefix mode) and 3.3 (block mode: forward + backward branch)."""
+    """Spec 2.1 (prefix mode) and 3.3 (block mode: right taps, history slot, block softmax)."""
 
     def __init__(self, w: dict, cfg: ReferenceConfig):
         self.cfg = cfg
@@ -213,14 +212,12 @@ class GatedDeltaNet:
         self.dt_bias = w["dt_bias"]                   # [Hv]
         self.norm_w = w["norm.weight"]                # [dv], plain weight (no +1)
         self.W_out = w["out_proj.weight"]             # [H, Hv*dv]
-        self.has_bwd = cfg.clover
-        if self.has_bwd:                              # spec 3.3
-            self.conv_w_bwd = w["conv1d_bwd.weight"][:, 0, :]
-            self.A_log_bwd = w["A_log_bwd"]
-            self.dt_bias_bwd = w["dt_bias_bwd"]
-            self.W_b_bwd = w["in_proj_b_bwd.weight"]
-            self.W_a_bwd = w["in_proj_a_bwd.weight"]
-            self.bwd_mix = w["bwd_mix"]
+        self.has_block = cfg.clover
+        if self.has_block:                            # spec 3.3 [assumed shapes, docs/gguf-layout.md]
+            self.conv_right = w["conv_right_weight"][:, 0, :]    # [C, K-1]; [:, d-1] multiplies row t+d
+            self.bd_lambda = w["bd_softmax_logit_scale"]         # [Hv]
+            self.bd_beta0 = w["bd_softmax_history_bias"]         # [Hv]
+            self.bd_c = w["bd_softmax_history_c"]                # [Hv]
 
     def new_cache(self, dtype) -> GDNCache:
         C = self.W_qkv.shape[0]
@@ -232,26 +229,26 @@ class GatedDeltaNet:
     def _conv_causal(self, qkv, hist):
         xp = torch.cat([hist, qkv], 0)                # [K-1+T, C]
         T = qkv.shape[0]
-        out = sum(self.conv_w[:, j] * xp[j:j + T] for j in range(self.K))
+        return sum(self.conv_w[:, j] * xp[j:j + T] for j in range(self.K))
+
+    # 3.3 step 1: the causal conv over [history | block] plus the right taps over the block rows
+    # ahead of each row, zero past the block's last row [assumed]; then SiLU.
+    def _conv_block(self, qkv, hist, right=True):
+        out = self._conv_causal(qkv, hist)
+        if right:
+            T, C = qkv.shape
+            xr = torch.cat([qkv, qkv.new_zeros(self.K - 1, C)], 0)
+            out = out + sum(self.conv_right[:, d - 1] * xr[d:d + T] for d in range(1, self.K))
         return F.silu(out)
 
-    # 3.3: anti-causal conv, c_t = sum_j w_bwd[ch, j] * qkv_{t+K-1-j}, zeros past the block end.
-    def _conv_anticausal(self, qkv):
-        T, C = qkv.shape
-        xp = torch.cat([qkv, qkv.new_zeros(self.K - 1, C)], 0)
-        out = sum(self.conv_w_bwd[:, j] * xp[self.K - 1 - j:self.K - 1 - j + T] for j in range(self.K))
-        return F.silu(out)
-
-    # 2.1 step 3: split, L2-normalise q and k per head, scale q by 1/sqrt(dk).
+    # 2.1 step 3: split, L2-normalise q and k per head (q~, k~), then q = q~ / sqrt(dk).
     def _split(self, c):
         T = c.shape[0]
         kd = self.Hk * self.dk
-        q = c[:, :kd].reshape(T, self.Hk, self.dk)
-        k = c[:, kd:2 * kd].reshape(T, self.Hk, self.dk)
+        qn = l2norm(_acc(c[:, :kd].reshape(T, self.Hk, self.dk)))
+        k = l2norm(_acc(c[:, kd:2 * kd].reshape(T, self.Hk, self.dk)))
         v = c[:, 2 * kd:].reshape(T, self.Hv, self.dv)
-        q = l2norm(_acc(q)) / math.sqrt(self.dk)
-        k = l2norm(_acc(k))
-        return q, k, _acc(v)
+        return qn / math.sqrt(self.dk), k, _acc(v), qn
 
     # 2.1 step 4: beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) (<= 0).
     @staticmethod
@@ -260,22 +257,37 @@ class GatedDeltaNet:
         g = -torch.exp(_acc(A_log)) * F.softplus(_acc(x @ W_a.T) + _acc(dt_bias))
         return beta, g
 
-    # 2.1 steps 5-6 (and the 3.3 reverse, exclusive-readout variant).
-    def _recurrence(self, q, k, v, g, beta, S, reverse=False, exclusive=False):
+    def _key_head(self):
+        return torch.arange(self.Hv) // (self.Hv // self.Hk)   # value head h -> key head h // r (HF order)
+
+    # 2.1 steps 5-6: the delta rule, token by token.
+    def _recurrence(self, q, k, v, g, beta, S):
         T = q.shape[0]
-        key_head = torch.arange(self.Hv) // (self.Hv // self.Hk)   # value head h -> key head h // r
+        kh = self._key_head()
         o = torch.zeros(T, self.Hv, self.dv, dtype=S.dtype)
-        for t in (range(T - 1, -1, -1) if reverse else range(T)):
-            qt, kt = q[t][key_head], k[t][key_head]                   # [Hv, dk]
-            if exclusive:
-                o[t] = torch.einsum("hk,hkv->hv", qt, S)
+        for t in range(T):
+            qt, kt = q[t][kh], k[t][kh]                               # [Hv, dk]
             S = S * torch.exp(g[t])[:, None, None]
             kv = torch.einsum("hk,hkv->hv", kt, S)                    # S^T k
             delta = beta[t][:, None] * (v[t] - kv)
             S = S + kt[:, :, None] * delta[:, None, :]
-            if not exclusive:
-                o[t] = torch.einsum("hk,hkv->hv", qt, S)
+            o[t] = torch.einsum("hk,hkv->hv", qt, S)
         return o, S
+
+    # 3.3 steps 3-4 [assumed form]: per value head, a softmax over the B block rows (cosine
+    # scores scaled by exp(lambda)) and one history slot (logit beta0 + c ln(1 + P), value the
+    # clean state's read S^T q_i).
+    def _block_softmax(self, q, qn, k, v, S, P):
+        kh = self._key_head()
+        o_hist = torch.einsum("thk,hkv->thv", q[:, kh].to(S.dtype), S)          # [B, Hv, dv]
+        cos = torch.einsum("ihk,jhk->hij", qn[:, kh], k[:, kh])                  # [Hv, B, B]
+        s_blk = torch.exp(_acc(self.bd_lambda))[:, None, None] * cos
+        s_hist = _acc(self.bd_beta0) + _acc(self.bd_c) * math.log1p(P)          # [Hv]
+        B = q.shape[0]
+        s = torch.cat([s_blk, s_hist[:, None, None].expand(-1, B, 1).to(s_blk.dtype)], -1)
+        a = torch.softmax(_acc(s), -1)                                           # [Hv, B, B+1]
+        o = torch.einsum("hij,jhv->ihv", a[..., :B], v) + a[..., B].transpose(0, 1)[..., None] * o_hist
+        return o.to(S.dtype)
 
     # 2.1 steps 7-8: gated RMSNorm per head (plain weight), then W_out.
     def _output(self, o, x):
@@ -287,29 +299,20 @@ class GatedDeltaNet:
     def prefix(self, x: torch.Tensor, cache: GDNCache) -> torch.Tensor:
         """Prefix mode over x [T, H]; advances ``cache`` (conv history and state)."""
         qkv = x @ self.W_qkv.T
-        c = self._conv_causal(qkv, cache.conv)
+        c = F.silu(self._conv_causal(qkv, cache.conv))
         cache.conv = torch.cat([cache.conv, qkv], 0)[-(self.K - 1):]
-        q, k, v = self._split(c)
+        q, k, v, _ = self._split(c)
         beta, g = self._gates(x, self.W_b, self.W_a, self.A_log, self.dt_bias)
         o, cache.S = self._recurrence(q, k, v, g, beta, cache.S)
         return self._output(o, x)
 
-    def block(self, x: torch.Tensor, cache: GDNCache, backward: bool = True) -> torch.Tensor:
-        """Block mode over the B rows x [B, H] (spec 3.3); ``cache`` is read, not written."""
+    def block(self, x: torch.Tensor, cache: GDNCache, P: int, right: bool = True) -> torch.Tensor:
+        """Block mode (spec 3.3) over the B rows x [B, H] after P clean tokens; ``cache`` (the
+        clean conv history and state) is read, not written. ``right=False`` drops the right taps
+        (for tests)."""
         qkv = x @ self.W_qkv.T
-        # Forward branch: the unchanged layer from a copy of the prefix state and conv history.
-        q, k, v = self._split(self._conv_causal(qkv, cache.conv))
-        beta, g = self._gates(x, self.W_b, self.W_a, self.A_log, self.dt_bias)
-        o_f, _ = self._recurrence(q, k, v, g, beta, cache.S.clone())
-        o = o_f
-        if backward and self.has_bwd:
-            # Backward branch: own anti-causal conv and gates, reverse exclusive recurrence from 0.
-            qb, kb, vb = self._split(self._conv_anticausal(qkv))
-            beta_b, g_b = self._gates(x, self.W_b_bwd, self.W_a_bwd, self.A_log_bwd, self.dt_bias_bwd)
-            o_b, _ = self._recurrence(qb, kb, vb, g_b, beta_b, torch.zeros_like(cache.S),
-                                      reverse=True, exclusive=True)
-            o = o_f + torch.sigmoid(_acc(self.bwd_mix))[None, :, None] * o_b   # mix per value head
-        return self._output(o, x)
+        q, k, v, qn = self._split(self._conv_block(qkv, cache.conv, right))
+        return self._output(self._block_softmax(q, qn, k, v, cache.S, P), x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,14 +481,27 @@ class DecoderLayer:
         m, ids = self.moe(self.post_norm(h))
         return h + m, ids
 
-    def block(self, x, cache, pos0, coreset_top_p, backward=True):
+    def block(self, x, cache, pos0, coreset_top_p, right=True):
         a = self.input_norm(x)
-        h = x + (self.mixer.block(a, cache, backward) if self.is_gdn else self.mixer.block(a, cache, pos0))
+        h = x + (self.mixer.block(a, cache, pos0, right) if self.is_gdn else self.mixer.block(a, cache, pos0))
         m, ids = self.moe(self.post_norm(h), coreset_top_p)
         return h + m, ids
 
 
 _LM_PREFIXES = ("model.language_model.", "model.")
+# Clover's block tensors of a GDN layer (linear_attn.*; spec 0, 3.3)
+BLOCK_TENSORS = ("conv_right_weight", "bd_softmax_logit_scale", "bd_softmax_history_bias",
+                 "bd_softmax_history_c")
+
+
+def _mask_from_tokenizer(hf_dir: pathlib.Path):
+    """The id of the one added token of tokenizer.json whose content contains "mask", else None."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    hits = [int(t["id"]) for t in json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+            if "mask" in str(t.get("content", ""))]
+    return hits[0] if len(hits) == 1 else None
 _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 
 
@@ -568,20 +584,25 @@ class CloverReference:
         kv_cache_dtype (e.g. torch.float16, or a (keys, values) pair of dtypes or None): attention
         keys (after norm and RoPE) and values are rounded to it before attention reads them, as
         the engine's KV cache of that type (clover-spec 6); None keeps them in ``dtype``.
-        A Clover checkpoint needs both ``mask_token_id`` and the backward-branch tensors; a
-        missing one of the two raises ValueError saying which. Missing tensors raise KeyError.
+        A checkpoint is Clover when every GDN layer has the four block tensors (spec 3.4); some
+        but not all of them raise ValueError naming the first missing one. The mask token is
+        config.json's ``mask_token_id``, else the one added token of tokenizer.json whose content
+        contains ``mask`` (spec 3.1). Missing tensors raise KeyError.
         """
         hf_dir = pathlib.Path(hf_dir)
         cfg_json = json.loads((hf_dir / "config.json").read_text())
         config = ReferenceConfig.from_hf(cfg_json)
         weights = _load_hf_tensors(hf_dir, dtype, tensor_hook)
-        has_bwd = any(n.endswith("linear_attn.conv1d_bwd.weight") for n in weights)
-        if config.clover and not has_bwd:
-            raise ValueError(f"{hf_dir}: config has mask_token_id but the checkpoint has no "
-                             "Clover backward-branch tensors (linear_attn.conv1d_bwd.weight, ...)")
-        if has_bwd and not config.clover:
-            raise ValueError(f"{hf_dir}: checkpoint has Clover backward-branch tensors but "
-                             "config.json has no mask_token_id")
+        gdn = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+        want = [f"layers.{i}.linear_attn.{n}" for i in gdn for n in BLOCK_TENSORS]
+        have = [n for n in want if n in weights]
+        if have and len(have) != len(want):
+            missing = next(n for n in want if n not in weights)
+            raise ValueError(f"{hf_dir}: the checkpoint has {len(have)} of the {len(want)} Clover block "
+                             f"tensors (spec 3.3); missing model.{missing}")
+        config.clover = bool(have)
+        if config.clover and config.mask_token_id is None:
+            config.mask_token_id = _mask_from_tokenizer(hf_dir)
         return cls(config, weights, dtype, kv_cache_dtype)
 
     # -- incremental interface (also used by the decoders) ------------------------------------
@@ -605,17 +626,18 @@ class CloverReference:
         return self._logits(x)
 
     def forward_block(self, state: State, block: list, coreset_top_p: float | None = 1.0,
-                      backward: bool = True):
+                      right: bool = True):
         """Block (denoising) mode, spec 3.2/3.3/5.6, over the B tokens of ``block`` at positions
-        state.pos..state.pos+B-1; ``state`` is not modified. coreset_top_p None = normal routing.
-        ``backward=False`` drops the GDN backward branch (for tests). Returns (logits [B, V],
-        distinct experts per layer (list of int))."""
-        if not self.config.clover and backward:
-            raise ValueError("block mode needs a Clover checkpoint (mask_token_id and backward-branch tensors)")
+        state.pos..state.pos+B-1 (P = state.pos clean tokens before it); ``state`` is not
+        modified. coreset_top_p None = normal routing. ``right=False`` drops the conv's right
+        taps (for tests). Returns (logits [B, V], distinct experts per layer (list of int)).
+        Raises ValueError for a checkpoint without the block tensors."""
+        if not self.config.clover:
+            raise ValueError("block mode needs a Clover checkpoint (the block tensors of spec 3.3)")
         x = self.embed[torch.tensor(block, dtype=torch.long)]
         distinct = []
         for layer, cache in zip(self.layers, state.layers):
-            x, ids = layer.block(x, cache, state.pos, coreset_top_p, backward)
+            x, ids = layer.block(x, cache, state.pos, coreset_top_p, right)
             distinct.append(int(ids.unique().numel()))
         return self._logits(x), distinct
 
@@ -685,36 +707,48 @@ def generate_ar(ref: CloverReference, prompt: list, max_tokens: int, end_ids):
 
 @torch.no_grad()
 def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, block_size: int,
-                       threshold: float, coreset_top_p: float | None, end_ids):
-    """Greedy threshold block decoding (spec 5.2) with the contract's exact semantics.
+                       threshold: float, coreset_top_p: float | None, end_ids,
+                       shift_logits: bool | None = None, block_aligned: bool | None = None):
+    """Greedy threshold block decoding (spec 5.2) with the engine's exact semantics.
 
-    Per block at P (always full size B): with logits_shift slot 0 = argmax of the causal logits
-    (no forward; an end id there is emitted and stops), other slots MASK. While a slot is
-    masked: one block forward (coreset top-p); slot j is predicted by row j-1 (logits_shift) or
-    row j; every masked slot whose confidence > threshold is filled, else the single most
-    confident (ties: lowest slot). After each step, an end id at slot e with no mask before it
-    emits slots 0..e and stops. A full block is emitted (truncated to the budget); unless the
-    budget is exhausted it is committed by a prefix-mode forward whose last row gives the next
-    slot 0. Returns (tokens, n_forward): prefill 1 + denoise forwards + commit forwards.
-    max_tokens <= 0 returns ([], 0).
+    Placement (spec 3.1): aligned blocks cover [kB, (k+1)B): the prompt up to the last block
+    boundary at or before its end is prefilled and its tail fills the first block's leading
+    slots, fixed (never masked or predicted; not emitted); unaligned, the whole prompt is
+    prefilled and every block starts all masked. Logit convention (spec 3.5): slot j is
+    predicted by row j (in place) or, with shift_logits, by row j-1, where a block with no
+    fixed slot takes slot 0 from the causal logits of the last committed row (no forward; an
+    end id there is emitted and stops). While a slot is masked: one block forward (coreset
+    top-p); every masked slot whose confidence > threshold is filled, else the single most
+    confident (ties: lowest slot); an end id at slot e with no mask before it emits the
+    generated slots up to e and stops. A finished block's generated slots are emitted
+    (truncated to the budget); unless the budget is spent, the whole block is committed by a
+    prefix-mode forward. shift_logits / block_aligned None: the config's (spec 4.2 defaults).
+    Returns (tokens, n_forward): prefill (when anything is prefilled) + denoise + commit
+    forwards. max_tokens <= 0 returns ([], 0).
     """
     if max_tokens <= 0:
         return [], 0
     cfg = ref.config
     if not cfg.clover:
         raise ValueError("diffusion decoding needs a Clover checkpoint")
-    B, shift, mask_id = int(block_size), cfg.logits_shift, cfg.mask_token_id
+    B, mask_id = int(block_size), cfg.mask_token_id
+    shift = cfg.shift_logits if shift_logits is None else bool(shift_logits)
+    aligned = cfg.block_aligned if block_aligned is None else bool(block_aligned)
     if B < 1:
         raise ValueError(f"block_size: {B} (expected >= 1)")
     end_ids = set(end_ids or ())
     state = ref.new_state()
-    L = ref.forward_prefix(state, list(prompt))[-1]
-    n_forward, out = 1, []
+    p0 = len(prompt) // B * B if aligned else len(prompt)
+    tail = list(prompt[p0:])
+    L = ref.forward_prefix(state, list(prompt[:p0]))[-1] if p0 else None
+    n_forward, out = (1 if p0 else 0), []
     while True:
         budget = max_tokens - len(out)
-        blk = [mask_id] * B
-        masked = [True] * B
-        if shift:
+        nf = len(tail)
+        blk = tail + [mask_id] * (B - nf)
+        masked = [False] * nf + [True] * (B - nf)
+        tail = []
+        if shift and nf == 0:
             t0, _ = _argmax_conf(L, mask_id)
             blk[0], masked[0] = t0, False
             if t0 in end_ids:
@@ -724,10 +758,7 @@ def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, bloc
         while any(masked):
             rows, _ = ref.forward_block(state, blk, coreset_top_p)
             n_forward += 1
-            cand = {}
-            for j in range(B):
-                if masked[j]:
-                    cand[j] = _argmax_conf(rows[j - 1] if shift else rows[j], mask_id)
+            cand = {j: _argmax_conf(rows[j - 1] if shift else rows[j], mask_id) for j in range(B) if masked[j]}
             fill = [j for j, (_, c) in cand.items() if c > threshold]
             if not fill:
                 best = None
@@ -737,7 +768,7 @@ def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, bloc
                 fill = [best]
             for j in fill:
                 blk[j], masked[j] = cand[j][0], False
-            for e in range(B):
+            for e in range(nf, B):
                 if masked[e]:
                     break
                 if blk[e] in end_ids:
@@ -746,10 +777,60 @@ def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, bloc
             if stop_at is not None:
                 break
         if stop_at is not None:
-            out.extend(blk[:min(stop_at + 1, budget)])
+            out.extend(blk[nf:stop_at + 1][:budget])
             return out, n_forward
-        out.extend(blk[:budget])
+        out.extend(blk[nf:][:budget])
         if len(out) >= max_tokens:
             return out, n_forward
         L = ref.forward_prefix(state, blk)[-1]
         n_forward += 1
+
+
+@torch.no_grad()
+def generate_spec(ref: CloverReference, prompt: list, max_tokens: int, block_size: int,
+                  coreset_top_p: float | None, end_ids, shift_logits: bool | None = None):
+    """Greedy self-speculative decoding (spec 5.5): seed s = the argmax of the last causal row;
+    one block forward on [s, MASK x (B-1)] drafts d_j = the argmax of slot j's row (row j in
+    place, row j-1 with shift_logits); one prefix-mode forward on [s, d_1..] verifies; the
+    longest run of d_j equal to the verify's greedy prediction is accepted, s and the accepted
+    drafts are emitted (up to and including an end id, within the budget), and the state is
+    rebuilt by a prefix-mode forward of the kept tokens from a copy taken before the verify (the
+    engine's rollback replays them). Its tokens equal ``generate_ar``'s. Returns (tokens,
+    n_forward, accepted drafts per verify (list)). max_tokens <= 0 returns ([], 0, [])."""
+    import copy
+    if max_tokens <= 0:
+        return [], 0, []
+    cfg = ref.config
+    if not cfg.clover:
+        raise ValueError("spec decoding needs a Clover checkpoint")
+    B, mask_id = int(block_size), cfg.mask_token_id
+    shift = cfg.shift_logits if shift_logits is None else bool(shift_logits)
+    end_ids = set(end_ids or ())
+    state = ref.new_state()
+    seed, _ = _argmax_conf(ref.forward_prefix(state, list(prompt))[-1], mask_id)
+    n_forward, out, accepted = 1, [], []
+    while True:
+        if seed in end_ids:
+            return out + [seed], n_forward, accepted
+        blk = [seed] + [mask_id] * (B - 1)
+        if B > 1:
+            rows, _ = ref.forward_block(state, blk, coreset_top_p)
+            n_forward += 1
+            for j in range(1, B):
+                blk[j], _ = _argmax_conf(rows[j - 1] if shift else rows[j], mask_id)
+        before = copy.deepcopy(state)
+        verify = ref.forward_prefix(state, blk)
+        n_forward += 1
+        a = [_argmax_conf(r, mask_id)[0] for r in verify]
+        c = 0
+        while c + 1 < B and blk[c + 1] == a[c]:
+            c += 1
+        accepted.append(c)
+        keep = blk[:c + 1]
+        for t in keep:
+            out.append(t)
+            if t in end_ids or len(out) >= max_tokens:
+                return out, n_forward, accepted
+        state = before
+        ref.forward_prefix(state, keep)
+        seed = a[c]

@@ -1,7 +1,8 @@
 """Random test checkpoints in the Hugging Face layout (clover-spec sections 1, 3.3, 3.4).
 
-Writes what ``save_pretrained`` of a Qwen3.5/3.6-MoE text model would write, optionally with
-the Clover backward-branch tensors and diffusion keys:
+Writes what ``save_pretrained`` of a Qwen3.5/3.6-MoE text model would write, optionally as
+Clover's real layout (``CloverMoeModelLM``: the four block tensors of every GDN layer,
+``num_shared_experts`` and the decoding record of docs/gguf-layout.md):
 
 - ``config.json``: the Qwen3.5-MoE text config (top level, or nested under ``text_config`` when
   the tensor prefix is ``model.language_model.``) plus the Clover keys of spec 3.4;
@@ -274,14 +275,12 @@ def _layer_specs(cfg: dict, p: str, layer_type: str, clover: bool, fused_experts
             (a + "norm.weight", (dv,), "gnorm"),
             (a + "out_proj.weight", (H, Hv * dv), "linear"),
         ]
-        if clover:  # spec 3.3 backward branch
+        if clover:  # spec 3.3: right taps and the block softmax (lambda, beta0, c)
             specs += [
-                (a + "conv1d_bwd.weight", (C, 1, K), "conv"),
-                (a + "A_log_bwd", (Hv,), "A_log"),
-                (a + "dt_bias_bwd", (Hv,), "dt_bias"),
-                (a + "in_proj_b_bwd.weight", (Hv, H), "linear"),
-                (a + "in_proj_a_bwd.weight", (Hv, H), "linear"),
-                (a + "bwd_mix", (Hv,), "mix"),
+                (a + "conv_right_weight", (C, 1, K - 1), "conv"),
+                (a + "bd_softmax_logit_scale", (Hv,), "bd_logit_scale"),
+                (a + "bd_softmax_history_bias", (Hv,), "bd_history_bias"),
+                (a + "bd_softmax_history_c", (Hv,), "bd_history_c"),
             ]
     else:
         a = p + "self_attn."
@@ -321,8 +320,8 @@ def param_specs(cfg: dict, clover: bool = True, fused_experts: bool = True):
     """List the HF parameters of a Qwen3.5-MoE text model (names without the ``model.``-style
     prefix; ``lm_head.weight`` and ``mtp.*`` are top level).
 
-    Returns [(name, shape tuple, kind)], kind naming the initialiser. With ``clover`` the six
-    backward-branch tensors of spec 3.3 are added to every GDN layer. Fused experts are one
+    Returns [(name, shape tuple, kind)], kind naming the initialiser. With ``clover`` the four
+    block tensors of spec 3.3 are added to every GDN layer. Fused experts are one
     3-D ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] (no
     ``.weight``); otherwise ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
 
@@ -406,8 +405,12 @@ def make_tensor(name: str, shape: tuple, kind: str, seed: int, dtype=torch.bfloa
         return _randn(shape, g, 0.3, 0.0, dtype)
     if kind == "dt_bias":
         return _randn(shape, g, 0.5, 0.0, dtype)
-    if kind == "mix":
-        return _randn(shape, g, 1.0, 0.0, dtype)
+    if kind == "bd_logit_scale":  # lambda: exp(lambda) ~ 2..5 on cosine scores
+        return _randn(shape, g, 0.3, 1.2, dtype)
+    if kind == "bd_history_bias":  # beta0
+        return _randn(shape, g, 0.5, 0.0, dtype)
+    if kind == "bd_history_c":  # c, the weight of ln(1 + P)
+        return _randn(shape, g, 0.3, 0.5, dtype)
     if kind == "A_log":  # A ~ U(1, 16)
         u = torch.rand(shape, generator=g, dtype=torch.float64)
         return torch.log(1.0 + 15.0 * u).to(dtype)
@@ -435,7 +438,6 @@ def make_checkpoint(
     vocab_size: int | None = None,
     block_size: int = 32,
     threshold: float = 0.95,
-    logits_shift: bool = True,
     moe_block_coreset_top_p: float = 0.9,
     max_shard_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
@@ -448,8 +450,9 @@ def make_checkpoint(
 ) -> pathlib.Path:
     """Write a random HF checkpoint to ``out_dir`` (created if needed) and return its Path.
 
-    dims: "tiny" | "real"; n_layers: override the layer count; clover: add the Clover config keys
-    and backward-branch tensors (spec 3.3-3.4), else a Qwen3.6-style parent; prefix: "model." or
+    dims: "tiny" | "real"; n_layers: override the layer count; clover: Clover's real layout
+    (``CloverMoeModelLM``, the four block tensors of every GDN layer, ``num_shared_experts`` and
+    the decoding record, spec 3.3-3.4), else a Qwen3.6-style parent; prefix: "model." or
     "model.language_model." (then the text config is nested under "text_config" as HF's
     Qwen3_5MoeForConditionalGeneration writes it); fused_experts: 3-D experts vs per-expert 2-D;
     seed: all values are a function of it. tokenizer_vocab: trained tokenizer size (the config
@@ -491,19 +494,20 @@ def make_checkpoint(
             "tie_word_embeddings": False,
             "dtype": cfg["dtype"],
         }
-    if clover:
-        config["architectures"] = ["CloverForDiffusionLM"]
-        config["model_type"] = "clover"
+    if clover:  # spec 3.4: CloverMoeModelLM, num_shared_experts, the decoding record
+        config["architectures"] = ["CloverMoeModelLM"]
+        config["model_type"] = "clover_moe"
+        config["num_shared_experts"] = 1
         config.update({
             "mask_token_id": ids["<|mask|>"],
             "block_size": int(block_size),
             "threshold": float(threshold),
             "moe_block_coreset_top_p": float(moe_block_coreset_top_p),
             "presence_penalty": 0.9,
+            "frequency_penalty": 0.0,
             "repetition_penalty": 1.05,
             "think_close_bias_start": 4096,
             "eos_bias_start": 8192,
-            "logits_shift": bool(logits_shift),
         })
     config["transformers_version"] = "5.23.0"
     if extra_config:
