@@ -85,6 +85,15 @@ int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float 
     return CLOVER_E_DEVICE;
 }
 
+int clover_cuda_gdn_block(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t C,
+                          const float *state, const float *lambda, const float *beta0, const float *c, int64_t P,
+                          float *o, char *err, size_t err_size) {
+    (void)conv, (void)T, (void)Hk, (void)Hv, (void)dk, (void)dv, (void)C, (void)state, (void)lambda, (void)beta0;
+    (void)c, (void)P, (void)o;
+    if (err && err_size) snprintf(err, err_size, "built without CUDA");
+    return CLOVER_E_DEVICE;
+}
+
 /* the device-resident forward's operations: never reached (no model is offloaded without CUDA) */
 static int no_cuda(char *err, size_t err_size) {
     if (err && err_size) snprintf(err, err_size, "built without CUDA");
@@ -119,9 +128,9 @@ int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_c
     return no_cuda(err, err_size);
 }
 
-int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C, int32_t K,
-                       float *out, char *err, size_t err_size) {
-    (void)anti, (void)w, (void)hist, (void)in, (void)T, (void)C, (void)K, (void)out;
+int clover_cuda_conv_d(const float *w, const float *wr, const float *hist, const float *in, int64_t T, int64_t C,
+                       int32_t K, float *out, char *err, size_t err_size) {
+    (void)w, (void)wr, (void)hist, (void)in, (void)T, (void)C, (void)K, (void)out;
     return no_cuda(err, err_size);
 }
 
@@ -141,9 +150,17 @@ int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const floa
     return clover_cuda_gdn(kind, conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
 }
 
-int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w, int64_t T,
-                          int64_t Hv, int64_t dv, float eps, char *err, size_t err_size) {
-    (void)o, (void)ob, (void)mix, (void)z, (void)w, (void)T, (void)Hv, (void)dv, (void)eps;
+int clover_cuda_gdn_block_d(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t C,
+                            const float *state, const float *lambda, const float *beta0, const float *c,
+                            const int64_t *pos, float *o, char *err, size_t err_size) {
+    (void)conv, (void)T, (void)Hk, (void)Hv, (void)dk, (void)dv, (void)C, (void)state, (void)lambda, (void)beta0;
+    (void)c, (void)pos, (void)o;
+    return no_cuda(err, err_size);
+}
+
+int clover_cuda_gdn_out_d(float *o, const float *z, const float *w, int64_t T, int64_t Hv, int64_t dv, float eps,
+                          char *err, size_t err_size) {
+    (void)o, (void)z, (void)w, (void)T, (void)Hv, (void)dv, (void)eps;
     return no_cuda(err, err_size);
 }
 

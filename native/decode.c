@@ -38,7 +38,10 @@ struct clover_decoder {
     int have_seed;
     int in_block;      /* diffusion: a block is being denoised */
     int32_t n_masked;  /* diffusion: its slots still masked */
-    int32_t n_streamed; /* diffusion: its leading slots already handed out */
+    int32_t n_fixed;   /* diffusion: its leading slots holding the prompt's tail (spec 3.1), fixed */
+    int32_t n_streamed; /* diffusion: its leading slots final so far (the fixed ones included) */
+    int32_t *tail;     /* diffusion with aligned blocks: the prompt past the last block boundary, */
+    int32_t n_tail;    /* the first block's fixed slots (n_tail < block_size) */
     uint8_t *need;     /* [block_size] LM-head rows the next denoising pass needs */
     clover_logit_op *ops; /* [n_vocab + n_logit_bias + n_end_ids + 2] a row's spec 5.4 edits */
     /* selection on the GPU (select_on_gpu): every needed row's edits (gops, gops_cap entries)
@@ -75,7 +78,7 @@ static int32_t vocab_id(const clover_model *m, const char *s) {
 
 void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     memset(p, 0, sizeof *p);
-    p->mode = m && m->hp.is_clover ? CLOVER_MODE_DIFFUSION : CLOVER_MODE_AR;
+    p->mode = m && m->hp.has_block ? CLOVER_MODE_DIFFUSION : CLOVER_MODE_AR;
     p->max_tokens = 256;
     p->temperature = 0.0f;
     p->top_k = 0;
@@ -86,36 +89,28 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     p->coreset_top_p = m ? m->hp.coreset_top_p : 0.9f;
     /* spec 5.3-5.4 */
     p->min_p = 0.0f;
-    /* the model card's repetition controls are Clover's (spec 4.2); a parent (qwen35moe) file
-     * decodes without penalties by default, as llama.cpp does */
-    const int clover = m && m->hp.is_clover;
-    p->presence_penalty = clover ? m->hp.presence_penalty : 0.0f;
-    p->repetition_penalty = clover ? m->hp.repetition_penalty : 1.0f;
-    p->frequency_penalty = 0.0f;
+    /* the decoding record's repetition controls (spec 4.2; model.c read_record gives a parent's
+     * file llama.cpp's: none, over the whole history) */
+    p->presence_penalty = m ? m->hp.presence_penalty : 0.0f;
+    p->repetition_penalty = m ? m->hp.repetition_penalty : 1.0f;
+    p->frequency_penalty = m ? m->hp.frequency_penalty : 0.0f;
+    p->penalty_scope = m ? m->hp.penalty_scope : CLOVER_PENALTY_ALL;
     p->think_open_id = vocab_id(m, "<think>");
     p->think_close_id = vocab_id(m, "</think>");
     p->think_close_bias_start = m ? m->hp.think_close_bias_start : 4096;
     p->eos_bias_start = m ? m->hp.eos_bias_start : 8192;
-    /* Ramp slope and cap are runtime options of spec 5.4 [assumed form, no published values]:
-     * 0.01 logit per token reaches the cap of 10 logits 1000 tokens after the start. */
-    p->bias_slope = 0.01f;
-    p->bias_max = 10.0f;
+    p->bias_slope = m ? m->hp.bias_slope : 0.01f;
+    p->bias_max = m ? m->hp.bias_max : 10.0f;
 }
 
 static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
     const clover_hparams *hp = &m->hp;
     if (p->mode != CLOVER_MODE_AR && p->mode != CLOVER_MODE_DIFFUSION && p->mode != CLOVER_MODE_SPEC)
         return clover_set_err(err, n, CLOVER_E_ARG, "mode: %d is not ar (0), diffusion (1) or spec (2)", p->mode);
-    if (p->mode == CLOVER_MODE_SPEC && !hp->is_clover)
-        return clover_set_err(err, n, CLOVER_E_ARG, "mode: spec drafts in block mode and needs a clover model "
-                              "(this file is qwen35moe)");
-    if (p->mode == CLOVER_MODE_SPEC && (hp->mask_token_id < 0 || !hp->logits_shift))
-        return clover_set_err(err, n, CLOVER_E_ARG, "mode: spec needs clover.diffusion.mask_token_id and "
-                              "logits_shift = true (spec 5.5)");
-    if (p->mode == CLOVER_MODE_DIFFUSION && !hp->is_clover)
-        return clover_set_err(err, n, CLOVER_E_ARG, "mode: diffusion needs a clover model (this file is qwen35moe)");
-    if (p->mode == CLOVER_MODE_DIFFUSION && hp->mask_token_id < 0)
-        return clover_set_err(err, n, CLOVER_E_ARG, "mode: diffusion needs clover.diffusion.mask_token_id");
+    if (p->mode != CLOVER_MODE_AR && !hp->has_block) {
+        clover_no_block(m, p->mode == CLOVER_MODE_SPEC ? "mode: spec" : "mode: diffusion", err, n);
+        return CLOVER_E_ARG;
+    }
     if (p->max_tokens <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "max_tokens: %d must be > 0", p->max_tokens);
     /* temperature, top_k, top_p, min_p, penalties, logit_bias, think ids, ramps (sampler.c,
      * shared with clover_sample_logits) */
@@ -140,7 +135,7 @@ void clover_decoder_free(clover_decoder *d) {
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
     free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart);
-    free(d->tops), free(d->gpre), free(d->gtotal);
+    free(d->tops), free(d->gpre), free(d->gtotal), free(d->tail);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -198,7 +193,7 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
         !d->proc || !d->need || !d->ops || !d->gstart ||
         clover_history_init(&d->hist, (int32_t)V, p->think_open_id, p->think_close_id))
         goto nomem;
-    clover_history_prompt(&d->hist, prompt, n_prompt);
+    clover_history_prompt(&d->hist, prompt, n_prompt, p->penalty_scope);
     clover_rng_seed(&d->rng, p->seed);
     clover_sampler_params_init(&d->sp, &d->p, m->hp.mask_token_id);
     d->sel_k = clover_select_k(&d->sp, (int32_t)V);
@@ -221,15 +216,25 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
         clover_decoder_free(d);
         return NULL;
     }
-    if (p->n_reuse == 0) clover_context_reset(c);
+    /* aligned diffusion blocks (spec 3.1): the prompt up to its last block boundary is prefilled and
+     * its tail fills the first block's leading slots; a cache past that boundary cannot be rewound */
+    const int32_t p0 = p->mode == CLOVER_MODE_DIFFUSION && m->hp.block_aligned ? n_prompt / (int32_t)B * (int32_t)B
+                                                                              : n_prompt;
+    const int32_t reuse = p->n_reuse <= p0 ? p->n_reuse : 0;
+    d->n_tail = n_prompt - p0;
+    if (d->n_tail > 0) {
+        if (!(d->tail = malloc(sizeof(int32_t) * (size_t)d->n_tail))) goto nomem;
+        memcpy(d->tail, prompt + p0, sizeof(int32_t) * (size_t)d->n_tail);
+    }
+    if (reuse == 0) clover_context_reset(c);
     else atomic_store(&c->abort_req, 0); /* as the reset would: no stale cancel */
-    if (clover_prefill(c, prompt + p->n_reuse, n_prompt - p->n_reuse, d->causal, 0, err, err_size)) {
+    if (p0 > reuse && clover_prefill(c, prompt + reuse, p0 - reuse, d->causal, 0, err, err_size)) {
         clover_decoder_free(d);
         return NULL;
     }
     d->st.n_prompt = n_prompt;
-    d->st.n_prompt_reused = p->n_reuse;
-    d->st.n_forward_prefill = 1;
+    d->st.n_prompt_reused = reuse;
+    d->st.n_forward_prefill = p0 > reuse;
     return d;
 nomem:
     clover_decoder_free(d);
@@ -330,12 +335,12 @@ static int32_t top_draw(clover_decoder *d, int64_t r, float *conf) {
  * (clover_block_forward_select): an id and a confidence per row, or its top-k candidates, come
  * back, not logits. */
 static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
-    const int32_t B = d->p.block_size, shift = d->c->m->hp.logits_shift;
+    const int32_t B = d->p.block_size, shift = d->c->m->hp.shift_logits, nf = d->n_fixed;
     int64_t n_ops = 0;
     int rc = CLOVER_OK;
     for (int32_t r = 0; r < B && rc == CLOVER_OK; r++) {
         d->gstart[r] = (int32_t)n_ops;
-        if (d->need[r]) rc = row_ops(d, &n_ops, shift ? r + 1 : r, d->block, d->filled, B, err, err_size);
+        if (d->need[r]) rc = row_ops(d, &n_ops, r + shift - nf, d->block + nf, d->filled + nf, B - nf, err, err_size);
     }
     d->gstart[B] = (int32_t)n_ops;
     /* row r predicts slot r + shift: its id and confidence land in cand, conf of that slot */
@@ -407,18 +412,21 @@ static void count_experts(clover_decoder *d) {
     }
 }
 
-/* Start a diffusion block: all slots masked, slot 0 the causal prediction with logits_shift. */
+/* Start a diffusion block (spec 5.2): the prompt's tail in the first aligned block's leading
+ * slots (fixed), the other slots masked; with shift_logits a block without fixed slots takes
+ * slot 0 from the causal prediction of the last committed row (spec 3.5). */
 static void start_block(clover_decoder *d) {
     const clover_hparams *hp = &d->c->m->hp;
-    const int32_t B = d->p.block_size;
+    const int32_t B = d->p.block_size, nf = d->n_tail;
     for (int32_t j = 0; j < B; j++) {
-        d->block[j] = hp->mask_token_id;
-        d->filled[j] = 0;
+        d->block[j] = j < nf ? d->tail[j] : hp->mask_token_id;
+        d->filled[j] = j < nf;
     }
-    d->n_masked = B;
-    d->n_streamed = 0;
+    d->n_tail = 0;
+    d->n_fixed = d->n_streamed = nf;
+    d->n_masked = B - nf;
     d->in_block = 1;
-    if (hp->logits_shift) { /* slot 0 is the causal prediction of the last prefix row (spec 3.5) */
+    if (hp->shift_logits && nf == 0) {
         d->block[0] = next_token(d);
         d->filled[0] = 1;
         d->n_masked--;
@@ -430,10 +438,10 @@ static void start_block(clover_decoder *d) {
 static int denoise(clover_decoder *d, char *err, size_t err_size) {
     clover_context *c = d->c;
     const clover_hparams *hp = &c->m->hp;
-    const int32_t B = d->p.block_size, V = hp->n_vocab, shift = hp->logits_shift;
+    const int32_t B = d->p.block_size, V = hp->n_vocab, shift = hp->shift_logits, nf = d->n_fixed;
     for (int32_t r = 0; r < B; r++) d->need[r] = 0;
     for (int32_t j = 0; j < B; j++)
-        if (!d->filled[j]) d->need[shift ? j - 1 : j] = 1; /* shift: slot 0 is always filled */
+        if (!d->filled[j]) d->need[shift ? j - 1 : j] = 1; /* shift: slot 0 is filled (fixed, or causal) */
     const int on_gpu = select_on_gpu(d);
     int rc = on_gpu ? denoise_on_gpu(d, err, err_size)
                     : clover_block_forward_rows(c, d->block, B, d->p.coreset_top_p, d->logits, d->need, d->nexp, err,
@@ -445,7 +453,8 @@ static int denoise(clover_decoder *d, char *err, size_t err_size) {
     for (int32_t j = 0; j < B; j++) {
         if (d->filled[j]) continue;
         const int64_t r = shift ? j - 1 : j; /* the row predicting slot j */
-        if (!on_gpu) d->cand[j] = sample_slot(d, d->logits + r * V, j, d->block, d->filled, B, &d->conf[j]);
+        if (!on_gpu)
+            d->cand[j] = sample_slot(d, d->logits + r * V, j - nf, d->block + nf, d->filled + nf, B - nf, &d->conf[j]);
         else if (d->sel_k) d->cand[j] = top_draw(d, r, &d->conf[j]);
         if (best < 0 || d->conf[j] > d->conf[best]) best = j;
     }
@@ -473,7 +482,7 @@ static int32_t stream_block(clover_decoder *d, int32_t *out) {
     int32_t n = 0, e = -1;
     for (int32_t j = d->n_streamed; j < B && d->filled[j] && e < 0; j++, n++)
         if (is_end(d, d->block[j])) e = j;
-    const int64_t left = d->p.max_tokens - d->st.n_generated - d->n_streamed;
+    const int64_t left = d->p.max_tokens - d->st.n_generated - (d->n_streamed - d->n_fixed);
     if (n >= left) {
         n = (int32_t)left;
         d->done = 1;
@@ -509,14 +518,15 @@ static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char 
     }
     if (!d->done && d->n_masked > 0) return 1;
     /* the block is complete or generation ended inside it */
-    const int32_t n_final = d->n_streamed;
     d->in_block = 0;
     d->st.n_blocks++;
-    for (int32_t i = 0; i < n_final; i++) clover_history_add(&d->hist, d->block[i]); /* spec 5.4 history */
-    d->st.n_generated += n_final;
+    for (int32_t i = d->n_fixed; i < d->n_streamed; i++) clover_history_add(&d->hist, d->block[i]); /* spec 5.4 */
+    d->st.n_generated += d->n_streamed - d->n_fixed;
     if (d->done) return 0;
-    /* commit: prefix-mode forward of the block writes the caches and gives the next slot 0 */
-    int rc = prefill_next(d, d->block, B, err, err_size);
+    /* commit: prefix-mode forward of the block writes the caches (and with shift_logits gives the
+     * next block's slot 0) */
+    int rc = c->m->hp.shift_logits ? prefill_next(d, d->block, B, err, err_size)
+                                   : clover_prefill(c, d->block, B, NULL, 0, err, err_size);
     if (rc) return rc;
     d->st.n_forward_commit++;
     return 1;
@@ -536,20 +546,22 @@ static int32_t emit_until_end(clover_decoder *d, const int32_t *block, int32_t n
     return got;
 }
 
-/* Spec's draft of slot j on the GPU with penalties (step_spec): row j - 1's best draft_k
- * candidates under the history's edits only, with the inputs of those edits in gpre. Slot j's
- * penalties also count the drafted block[0..j); being >= 0 (repetition >= 1) they only lower
- * those tokens' logits. A drafted candidate's logit is redone from its raw value with slot j's
- * edits for it, in the CPU's order (clover_logit_ops). At temperature 0 the argmax (spec 5.3) is
- * among the candidates up to the first one not drafted (draft_k > j, so there is one, unless the
- * candidates are every id); for a top-k draw the candidates, re-ranked, begin with the row's
- * top_k (at most j < B of them were lowered, draft_k >= top_k + B - 1), drawn as clover_sample
- * would. Either way the pick equals sample_slot's. Row j - 1's candidates are edited in place. */
+/* Spec's draft of slot j on the GPU with penalties (step_spec): the best draft_k candidates of
+ * slot j's row (row j, or j - 1 with shift_logits) under the history's edits only, with the inputs
+ * of those edits in gpre. Slot j's penalties also count the drafted block[0..j); being >= 0
+ * (repetition >= 1) they only lower those tokens' logits. A drafted candidate's logit is redone
+ * from its raw value with slot j's edits for it, in the CPU's order (clover_logit_ops). At
+ * temperature 0 the argmax (spec 5.3) is among the candidates up to the first one not drafted
+ * (draft_k > j, so there is one, unless the candidates are every id); for a top-k draw the
+ * candidates, re-ranked, begin with the row's top_k (at most j < B of them were lowered, draft_k
+ * >= top_k + B - 1), drawn as clover_sample would. Either way the pick equals sample_slot's. The
+ * row's candidates are edited in place. */
 static int32_t draft_pick(clover_decoder *d, int32_t j) {
-    clover_cand *c = d->tops + (int64_t)(j - 1) * d->draft_k;
+    const int32_t r = j - d->c->m->hp.shift_logits; /* the row predicting slot j (spec 3.5) */
+    clover_cand *c = d->tops + (int64_t)r * d->draft_k;
     const int draw = d->sp.temperature > 0.0f;
     const clover_sampler_params *sp = &d->sp;
-    const int32_t q0 = d->gstart[j - 1], q1 = d->gstart[j];
+    const int32_t q0 = d->gstart[r], q1 = d->gstart[r + 1];
     const int think = slot_push(d, j, d->block, NULL, j);
     const int32_t n_ops = clover_logit_ops(sp, &d->hist, d->st.n_generated + j, think, d->ops);
     slot_pop(d, d->block, NULL, j);
@@ -582,8 +594,8 @@ static int32_t draft_pick(clover_decoder *d, int32_t j) {
     return clover_sample_top(c, d->sel_k, sp, &d->rng, &conf, d->scratch, 0.0);
 }
 
-/* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...],
- * verify [s, d_1..] in one prefix-mode forward giving a_0..a_{B-1}; accept the longest run
+/* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...]
+ * (d_j from slot j's row, read in place or shifted by the logit convention, spec 3.5), verify [s, d_1..] in one prefix-mode forward giving a_0..a_{B-1}; accept the longest run
  * d_i == a_{i-1}, emit s, d_1..d_c, roll the caches back to the kept tokens and seed the next
  * block with a_c. The verify runs the GDN token by token (as ar's decode steps do) so its logits,
  * and hence the output, equal ar's; rollback replays the recurrence over the kept tokens. */
@@ -622,11 +634,13 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
               draft_gpu = gpu && !think_ramp && (!pens || (lowering && d->draft_k > 0));
     const int32_t k = pens ? d->draft_k : d->sel_k; /* draft_gpu: candidates a row */
     int rc = CLOVER_OK;
-    if (draft_gpu) { /* row j - 1 predicts slot j (logits_shift); with penalties, the history's edits only */
+    const int32_t sh = hp->shift_logits; /* slot j is predicted by row j - sh (spec 3.5) */
+    if (draft_gpu) { /* with penalties, the history's edits only */
         int64_t n_ops = 0;
         for (int32_t r = 0; r < B && rc == CLOVER_OK; r++) {
-            d->gstart[r] = (int32_t)n_ops, d->need[r] = r < B - 1;
-            if (r < B - 1) rc = row_ops(d, &n_ops, r + 1, d->block, NULL, pens ? 0 : r + 1, err, err_size);
+            const int32_t j = r + sh;
+            d->gstart[r] = (int32_t)n_ops, d->need[r] = j >= 1 && j < B;
+            if (d->need[r]) rc = row_ops(d, &n_ops, j, d->block, NULL, pens ? 0 : j, err, err_size);
         }
         d->gstart[B] = (int32_t)n_ops;
         if (rc == CLOVER_OK && pens && n_ops > d->gpre_cap) {
@@ -636,7 +650,7 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         }
         if (rc == CLOVER_OK)
             rc = clover_block_forward_select(c, d->block, B, d->p.coreset_top_p, d->need, d->gops, d->gstart, sp, k,
-                                             d->block + 1, d->conf + 1, d->tops, pens ? d->gpre : NULL,
+                                             d->block + sh, d->conf + sh, d->tops, pens ? d->gpre : NULL,
                                              pens ? NULL : d->gtotal, !pens && d->sel_total ? d->logits : NULL, d->nexp,
                                              err, err_size);
     } else {
@@ -645,10 +659,10 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     if (rc) return rc;
     d->st.n_forward_draft++;
     count_experts(d);
-    for (int32_t j = 1; j < B && (!draft_gpu || k); j++) /* slot j is predicted by row j - 1 (logits_shift) */
-        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - 1) * V, j, d->block, NULL, j, &conf)
+    for (int32_t j = 1; j < B && (!draft_gpu || k); j++)
+        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - sh) * V, j, d->block, NULL, j, &conf)
                       : pens     ? draft_pick(d, j)
-                                 : top_draw(d, j - 1, &conf);
+                                 : top_draw(d, j - sh, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
     if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known now */

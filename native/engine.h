@@ -32,20 +32,23 @@ typedef struct {
     /* Gated DeltaNet (spec 2.1) */
     clover_tensor wqkv, wz, wbeta, walpha, wout;
     const float *conv, *ssm_a, *dt_bias, *ssm_norm;
-    /* backward branch (spec 3.3), NULL/zero for qwen35moe */
-    clover_tensor wbeta_bwd, walpha_bwd;
-    const float *conv_bwd, *ssm_a_bwd, *dt_bias_bwd, *bwd_mix;
+    /* the block operator (spec 3.3): right conv taps [C][K-1], lambda, beta0, c [Hv]; NULL
+     * without block tensors (qwen35moe, a clover_moe trunk without its sidecar) */
+    const float *conv_right, *bd_lambda, *bd_beta0, *bd_c;
     /* MoE (spec 2.3) */
     clover_tensor router, gate_exps, up_exps, down_exps, shexp_gate, gate_sh, up_sh, down_sh;
     /* device copies of the float32 vectors above, for the resident forward (else NULL) */
     struct {
-        float *attn_norm, *post_norm, *q_norm, *k_norm, *conv, *ssm_a, *dt_bias, *ssm_norm, *conv_bwd, *ssm_a_bwd,
-            *dt_bias_bwd, *bwd_mix;
+        float *attn_norm, *post_norm, *q_norm, *k_norm, *conv, *ssm_a, *dt_bias, *ssm_norm, *conv_right, *bd_lambda,
+            *bd_beta0, *bd_c;
     } dev;
 } clover_layer;
 
 struct clover_model {
     clover_gguf *g;
+    clover_gguf *side;  /* the diffusion sidecar holding the block tensors and record, or NULL */
+    char *side_path;    /* its path (owned), or NULL */
+    char *path;         /* the model file's path (owned; NULL when loaded from memory), for messages */
     clover_hparams hp;
     int n_attn, n_gdn;
     clover_tensor tok_embd, output;
@@ -131,6 +134,10 @@ int clover_context_checkpoint(clover_context *c, int32_t n_max, char *err, size_
  * state are restored from the checkpoint and the recurrence is replayed over the n_keep
  * recorded tokens (token by token, as a decode step computes it). Ends the recording. */
 int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t err_size);
+
+/* CLOVER_E_STATE with the message that `what` (block mode, a decoding mode) needs the block
+ * tensors, saying how to get them (the diffusion sidecar of docs/gguf-layout.md). */
+int clover_no_block(const clover_model *m, const char *what, char *err, size_t err_size);
 
 /* Write a formatted message into err (may be NULL) and return code. */
 int clover_set_err(char *err, size_t err_size, int code, const char *fmt, ...);
@@ -229,8 +236,9 @@ typedef struct {
 
 int clover_history_init(clover_history *h, int32_t n_vocab, int32_t think_open_id, int32_t think_close_id);
 void clover_history_free(clover_history *h);
-/* Mark the prompt tokens (repetition penalty history; think state). */
-void clover_history_prompt(clover_history *h, const int32_t *tokens, int32_t n);
+/* The prompt's tokens: the think state, and with scope CLOVER_PENALTY_ALL the repetition
+ * penalty's history (spec 5.4: "response" counts generated tokens only). */
+void clover_history_prompt(clover_history *h, const int32_t *tokens, int32_t n, int32_t scope);
 /* A generated token, for good: count and think state. */
 void clover_history_add(clover_history *h, int32_t t);
 /* Count t as generated / undo the last push of t (strict LIFO); the think state is untouched.

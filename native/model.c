@@ -168,8 +168,8 @@ static const float *get_f32(loader *L, const char *name, int required, int64_t n
     return (const float *)t.data;
 }
 
+/* The trunk's hyperparameters (spec 4.2, keys prefixed with the architecture; hp->arch set). */
 static void read_hparams(loader *L, clover_hparams *hp) {
-    memset(hp, 0, sizeof *hp);
     hp->n_layer = get_int(L, "block_count", 1, 0, 1, 4096);
     /* llama.cpp keeps MTP layers as extra blocks after the trunk (spec 4.3) */
     hp->n_layer_nextn = get_int(L, "nextn_predict_layers", 0, 0, 0, 4096);
@@ -208,16 +208,8 @@ static void read_hparams(loader *L, clover_hparams *hp) {
         return;
     }
     hp->n_layer -= hp->n_layer_nextn;
-    /* diffusion keys: spec 4.2 defaults when absent */
-    hp->mask_token_id = get_int(L, "diffusion.mask_token_id", hp->is_clover, -1, 0, INT32_MAX);
-    hp->block_size = get_int(L, "diffusion.block_size", 0, 32, 1, 1 << 16);
-    hp->threshold = get_float(L, "diffusion.threshold", 0, 0.95, 1e-9, 1.0);
-    hp->coreset_top_p = get_float(L, "diffusion.moe_block_coreset_top_p", 0, 0.9, 1e-9, 1.0);
-    hp->logits_shift = get_int(L, "diffusion.logits_shift", 0, 1, 0, 1);
-    hp->presence_penalty = get_float(L, "diffusion.presence_penalty", 0, 0.9, -1e9, 1e9);
-    hp->repetition_penalty = get_float(L, "diffusion.repetition_penalty", 0, 1.05, 1e-9, 1e9);
-    hp->think_close_bias_start = get_int(L, "diffusion.think_close_bias_start", 0, 4096, 0, INT32_MAX);
-    hp->eos_bias_start = get_int(L, "diffusion.eos_bias_start", 0, 8192, 0, INT32_MAX);
+    if (hp->arch == CLOVER_ARCH_CLOVER_MOE) /* llama.cpp's clover_moe; the engine runs one shared expert */
+        get_int(L, "expert_shared_count", 0, 1, 1, 1);
 }
 
 /* Layer il is a full-attention layer: attention.recurrent_layers when present (false =
@@ -255,14 +247,6 @@ static void load_layer(loader *L, const clover_hparams *hp, int il, clover_layer
         ly->ssm_a = get_f32(L, TN("ssm_a"), 1, Hv, 1);
         ly->dt_bias = get_f32(L, TN("ssm_dt.bias"), 1, Hv, 1);
         ly->ssm_norm = get_f32(L, TN("ssm_norm.weight"), 1, dv, 1);
-        if (hp->is_clover) { /* spec 3.3 */
-            get_tensor(L, TN("ssm_beta_bwd.weight"), 1, 0, H, Hv, 1, &ly->wbeta_bwd);
-            get_tensor(L, TN("ssm_alpha_bwd.weight"), 1, 0, H, Hv, 1, &ly->walpha_bwd);
-            ly->conv_bwd = get_f32(L, TN("ssm_conv1d_bwd.weight"), 1, hp->ssm_d_conv, C);
-            ly->ssm_a_bwd = get_f32(L, TN("ssm_a_bwd"), 1, Hv, 1);
-            ly->dt_bias_bwd = get_f32(L, TN("ssm_dt_bwd.bias"), 1, Hv, 1);
-            ly->bwd_mix = get_f32(L, TN("ssm_bwd_mix"), 1, Hv, 1);
-        }
     }
     get_tensor(L, TN("ffn_gate_inp.weight"), 1, 0, H, E, 1, &ly->router);
     get_tensor(L, TN("ffn_gate_exps.weight"), 1, 0, H, hp->n_ff_exp, E, &ly->gate_exps);
@@ -288,6 +272,99 @@ static void check_mtp_layer(loader *L, const clover_hparams *hp, int il) {
     get_f32(L, n, 1, H, 1);
     snprintf(n, sizeof n, "blk.%d.nextn.hnorm.weight", il);
     get_f32(L, n, 1, H, 1);
+}
+
+/* Channels of a GDN layer's conv: q and k of Hk key heads, v of Hv value heads (spec 2.1). */
+static int64_t conv_channels(const clover_hparams *hp) {
+    return 2 * (int64_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner;
+}
+
+/* Clover's block tensors of a GDN layer (spec 3.3; names and shapes: docs/gguf-layout.md). */
+static const char *const BLOCK_TENSORS[4] = {"ssm_conv1d_right.weight", "bd_logit_scale", "bd_history_bias",
+                                              "bd_history_c"};
+
+/* Whether g holds any block tensor of one of m's GDN layers. */
+static int has_any_block_tensor(const clover_gguf *g, const clover_model *m) {
+    char n[128];
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (int j = 0; j < 4 && !m->layers[il].is_attn; j++) {
+            snprintf(n, sizeof n, "blk.%d.%s", il, BLOCK_TENSORS[j]);
+            if (clover_gguf_find_tensor(g, n) >= 0) return 1;
+        }
+    return 0;
+}
+
+/* The four block tensors of every GDN layer of m from L's file, each required, F32, of the
+ * trunk's shapes: the right conv taps {K-1, C} and lambda, beta0, c {Hv}. 0 with the error set
+ * (naming the tensor) when one is missing or misshapen. */
+static int load_block_tensors(loader *L, clover_model *m) {
+    const clover_hparams *hp = &m->hp;
+    const int64_t C = conv_channels(hp), Hv = hp->ssm_dt_rank;
+    char n[128];
+    for (int il = 0; il < hp->n_layer && !L->failed; il++) {
+        clover_layer *ly = &m->layers[il];
+        if (ly->is_attn) continue;
+#define BN(j) (snprintf(n, sizeof n, "blk.%d.%s", il, BLOCK_TENSORS[j]), n)
+        ly->conv_right = get_f32(L, BN(0), 1, hp->ssm_d_conv - 1, C);
+        ly->bd_lambda = get_f32(L, BN(1), 1, Hv, 1);
+        ly->bd_beta0 = get_f32(L, BN(2), 1, Hv, 1);
+        ly->bd_c = get_f32(L, BN(3), 1, Hv, 1);
+#undef BN
+    }
+    return !L->failed;
+}
+
+/* String value of key `name` of L's file, or NULL when absent; a key of another type fails L. */
+static const char *get_str_key(loader *L, const char *name) {
+    const int64_t k = clover_gguf_find_key(L->g, name);
+    if (k < 0 || L->failed) return NULL;
+    const char *v = clover_gguf_kv_type(L->g, k) == CLOVER_GGUF_STRING ? clover_gguf_get_str(L->g, k, 0, NULL) : NULL;
+    if (!v) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT, "key %s: expected a string (type %d)", name,
+                       clover_gguf_kv_type(L->g, k));
+    }
+    return v;
+}
+
+/* The decoding record (docs/gguf-layout.md: diffusion.* and tokenizer.ggml.mask_token_id) of L's
+ * file into hp; absent keys take spec 4.2's defaults. A qwen35moe file has no record: no
+ * penalties, the prompt counted by the repetition penalty (llama.cpp's defaults). The mask
+ * token is required with the block tensors. 0 with the error set on a bad value. */
+static int read_record(loader *L, clover_hparams *hp) {
+    const char *arch = L->arch;
+    const int clover = hp->arch == CLOVER_ARCH_CLOVER_MOE;
+    L->arch = "tokenizer.ggml";
+    hp->mask_token_id = get_int(L, "mask_token_id", clover && hp->has_block, -1, 0, hp->n_vocab - 1);
+    L->arch = "diffusion";
+    hp->shift_logits = get_int(L, "shift_logits", 0, 0, 0, 1);
+    hp->block_size = get_int(L, "block_size", 0, 32, 1, 1 << 16);
+    hp->block_aligned = get_int(L, "block_aligned", 0, 1, 0, 1);
+    hp->threshold = get_float(L, "threshold", 0, 0.95, 1e-9, 1.0);
+    hp->coreset_top_p = get_float(L, "moe_block_coreset_top_p", 0, 0.9, 1e-9, 1.0);
+    hp->presence_penalty = get_float(L, "presence_penalty", 0, clover ? 0.9 : 0.0, -1e9, 1e9);
+    hp->frequency_penalty = get_float(L, "frequency_penalty", 0, 0.0, -1e9, 1e9);
+    hp->repetition_penalty = get_float(L, "repetition_penalty", 0, clover ? 1.05 : 1.0, 1e-9, 1e9);
+    hp->think_close_bias_start = get_int(L, "think_close_bias_start", 0, 4096, 0, INT32_MAX);
+    hp->eos_bias_start = get_int(L, "eos_bias_start", 0, 8192, 0, INT32_MAX);
+    hp->bias_slope = get_float(L, "bias_slope", 0, 0.01, 0.0, 1e9);
+    hp->bias_max = get_float(L, "bias_max", 0, 10.0, 0.0, 1e9);
+    const char *scope = get_str_key(L, "diffusion.penalty_scope");
+    hp->penalty_scope = clover ? CLOVER_PENALTY_RESPONSE : CLOVER_PENALTY_ALL;
+    if (scope && strcmp(scope, "response") == 0) hp->penalty_scope = CLOVER_PENALTY_RESPONSE;
+    else if (scope && strcmp(scope, "all") == 0) hp->penalty_scope = CLOVER_PENALTY_ALL;
+    else if (scope && !L->failed) {
+        L->failed = 1;
+        clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT,
+                       "key diffusion.penalty_scope: '%s' (expected \"response\" or \"all\")", scope);
+    }
+    if (!clover) { /* a parent's file: llama.cpp's defaults whatever it holds */
+        hp->presence_penalty = hp->frequency_penalty = 0.0f;
+        hp->repetition_penalty = 1.0f;
+        hp->penalty_scope = CLOVER_PENALTY_ALL;
+    }
+    L->arch = arch;
+    return !L->failed;
 }
 
 /* Special token ids (tokenizer.ggml.*_token_id) must be integers in [0, n_vocab), and the
@@ -338,17 +415,16 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
         clover_set_err(err, err_size, CLOVER_E_FORMAT, "missing key general.architecture");
         goto fail;
     }
-    if (strcmp(arch, "clover") == 0) m->hp.is_clover = 1;
-    else if (strcmp(arch, "qwen35moe") != 0) {
+    clover_hparams *hp = &m->hp;
+    if (strcmp(arch, "clover_moe") == 0) hp->arch = CLOVER_ARCH_CLOVER_MOE;
+    else if (strcmp(arch, "qwen35moe") == 0) hp->arch = CLOVER_ARCH_QWEN35MOE;
+    else {
         clover_set_err(err, err_size, CLOVER_E_FORMAT,
-                       "general.architecture: '%s' is not supported (expected clover or qwen35moe)", arch);
+                       "general.architecture: '%s' is not supported (expected clover_moe or qwen35moe)", arch);
         goto fail;
     }
     L.arch = arch;
-    clover_hparams *hp = &m->hp;
-    int is_clover = hp->is_clover;
     read_hparams(&L, hp);
-    hp->is_clover = is_clover;
     if (L.failed) goto fail;
 
     int64_t t_emb = clover_gguf_find_tensor(g, "token_embd.weight");
@@ -362,11 +438,6 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
         goto fail;
     }
     hp->n_vocab = (int32_t)V;
-    if (hp->mask_token_id >= hp->n_vocab) {
-        clover_set_err(err, err_size, CLOVER_E_FORMAT, "clover.diffusion.mask_token_id: %d >= n_vocab %d",
-                       hp->mask_token_id, hp->n_vocab);
-        goto fail;
-    }
     if (!check_vocab_keys(g, hp->n_vocab, err, err_size)) goto fail;
     get_tensor(&L, "token_embd.weight", 1, 0, hp->n_embd, V, 1, &m->tok_embd);
     get_tensor(&L, "output.weight", 1, 0, hp->n_embd, V, 1, &m->output);
@@ -382,6 +453,13 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
         ly->slot = ly->is_attn ? m->n_attn++ : m->n_gdn++;
         load_layer(&L, hp, il, ly);
     }
+    if (L.failed) goto fail;
+    /* Clover's block tensors in the file itself (a complete file), and the decoding record */
+    if (hp->arch == CLOVER_ARCH_CLOVER_MOE && has_any_block_tensor(g, m)) {
+        if (!load_block_tensors(&L, m)) goto fail;
+        hp->has_block = 1;
+    }
+    if (!read_record(&L, hp)) goto fail;
     for (int il = hp->n_layer; il < hp->n_layer + hp->n_layer_nextn && !L.failed; il++) check_mtp_layer(&L, hp, il);
     if (L.failed) goto fail;
     return m;
@@ -390,12 +468,127 @@ fail:
     return NULL;
 }
 
-clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
+/* Whether name is the block tensor of one of m's GDN layers. */
+static int is_block_tensor(const clover_model *m, const char *name) {
+    char n[128];
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (int j = 0; j < 4 && !m->layers[il].is_attn; j++) {
+            snprintf(n, sizeof n, "blk.%d.%s", il, BLOCK_TENSORS[j]);
+            if (strcmp(n, name) == 0) return 1;
+        }
+    return 0;
+}
+
+/* Check the opened sidecar g against m and take its block tensors and record (docs/gguf-layout.md:
+ * general.architecture clover_moe, general.type "diffusion", clover_moe.block_count the trunk's
+ * decoder layers, the four block tensors of each GDN layer and nothing else). 0 with the error
+ * (without the file name) in err. */
+static int take_sidecar(clover_model *m, clover_gguf *g, char *err, size_t err_size) {
+    loader L = {g, "clover_moe", err, err_size, 0};
+    const char *arch = get_str_key(&L, "general.architecture"), *type = get_str_key(&L, "general.type");
+    if (L.failed) return 0;
+    if (!arch || strcmp(arch, "clover_moe") != 0)
+        return !clover_set_err(err, err_size, CLOVER_E_FORMAT, "general.architecture '%s' (expected clover_moe)",
+                               arch ? arch : "(missing)");
+    if (!type || strcmp(type, "diffusion") != 0)
+        return !clover_set_err(err, err_size, CLOVER_E_FORMAT, "general.type '%s' (expected diffusion)",
+                               type ? type : "(missing)");
+    const int32_t n = get_int(&L, "block_count", 1, 0, 0, INT32_MAX);
+    if (L.failed) return 0;
+    if (n != m->hp.n_layer)
+        return !clover_set_err(err, err_size, CLOVER_E_FORMAT,
+                               "clover_moe.block_count %d, but the model has %d decoder layers", n, m->hp.n_layer);
+    for (int64_t t = 0; t < clover_gguf_n_tensors(g); t++)
+        if (!is_block_tensor(m, clover_gguf_tensor_name(g, t)))
+            return !clover_set_err(err, err_size, CLOVER_E_FORMAT,
+                                   "tensor %s is not a block tensor of one of the model's Gated DeltaNet layers",
+                                   clover_gguf_tensor_name(g, t));
+    m->hp.has_block = 1;
+    if (!load_block_tensors(&L, m) || !read_record(&L, &m->hp)) return 0;
+    return 1;
+}
+
+/* Attach the sidecar at path to m (a clover_moe model without block tensors). */
+static int attach_sidecar(clover_model *m, const char *path, char *err, size_t err_size) {
+    if (m->hp.arch != CLOVER_ARCH_CLOVER_MOE)
+        return clover_set_err(err, err_size, CLOVER_E_ARG,
+                              "diffusion sidecar %s: the model is qwen35moe; a sidecar goes with a clover_moe model", path);
+    if (m->hp.has_block)
+        return clover_set_err(err, err_size, CLOVER_E_ARG,
+                              "diffusion sidecar %s: the model holds the block tensors itself (a complete file)", path);
+    char why[512];
+    clover_gguf *g = clover_gguf_open(path, why, sizeof why);
+    if (!g) return clover_set_err(err, err_size, CLOVER_E_FORMAT, "diffusion sidecar: %s", why);
+    const clover_hparams trunk = m->hp;
+    if (!take_sidecar(m, g, why, sizeof why)) {
+        m->hp = trunk;
+        for (int il = 0; il < m->hp.n_layer; il++) {
+            clover_layer *ly = &m->layers[il];
+            ly->conv_right = ly->bd_lambda = ly->bd_beta0 = ly->bd_c = NULL;
+        }
+        clover_gguf_close(g);
+        return clover_set_err(err, err_size, CLOVER_E_FORMAT, "diffusion sidecar %s: %s", path, why);
+    }
+    m->side = g;
+    m->side_path = strdup(path);
+    if (!m->side_path) return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    return CLOVER_OK;
+}
+
+/* The sidecar's name beside a model (path less a trailing ".gguf", then ".diffusion.gguf") in
+ * out; 0 when it does not fit. */
+static int sidecar_name(const char *path, char *out, size_t out_size) {
+    size_t n = strlen(path);
+    if (n >= 5 && strcmp(path + n - 5, ".gguf") == 0) n -= 5;
+    const int k = snprintf(out, out_size, "%.*s.diffusion.gguf", (int)n, path);
+    return k > 0 && (size_t)k < out_size;
+}
+
+/* sidecar_name when that file exists. */
+static int sidecar_beside(const char *path, char *out, size_t out_size) {
+    return sidecar_name(path, out, out_size) && access(out, F_OK) == 0;
+}
+
+clover_model *clover_model_load_sidecar(const char *path, const char *diffusion_path, char *err, size_t err_size) {
     if (!path) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "path is NULL");
         return NULL;
     }
-    return load_from(clover_gguf_open(path, err, err_size), err, err_size);
+    clover_model *m = load_from(clover_gguf_open(path, err, err_size), err, err_size);
+    if (!m) return NULL;
+    if (!(m->path = strdup(path))) {
+        clover_model_free(m);
+        clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        return NULL;
+    }
+    char beside[4096];
+    const char *side = diffusion_path;
+    if (!side && m->hp.arch == CLOVER_ARCH_CLOVER_MOE && !m->hp.has_block && sidecar_beside(path, beside, sizeof beside))
+        side = beside;
+    if (side && *side && attach_sidecar(m, side, err, err_size) != CLOVER_OK) {
+        clover_model_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+clover_model *clover_model_load(const char *path, char *err, size_t err_size) {
+    return clover_model_load_sidecar(path, NULL, err, err_size);
+}
+
+const char *clover_model_sidecar_path(const clover_model *m) { return m ? m->side_path : NULL; }
+
+int clover_no_block(const clover_model *m, const char *what, char *err, size_t err_size) {
+    if (m->hp.arch != CLOVER_ARCH_CLOVER_MOE)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "%s needs a Clover model (this file is qwen35moe: use mode ar)",
+                              what);
+    char side[4096] = "MODEL.diffusion.gguf";
+    if (m->path) sidecar_name(m->path, side, sizeof side);
+    return clover_set_err(err, err_size, CLOVER_E_STATE,
+                          "%s needs Clover's block tensors (blk.N.ssm_conv1d_right.weight, blk.N.bd_*), which this "
+                          "clover_moe file lacks (llama.cpp's converter drops them): make the diffusion sidecar with "
+                          "`clover-gguf convert HF_DIR --diffusion-only -o %s` (HF_DIR: the Hugging Face checkpoint) "
+                          "or pass --diffusion FILE; mode ar runs without it", what, side);
 }
 
 clover_model *clover_model_load_memory(const void *data, size_t size, char *err, size_t err_size) {
@@ -407,8 +600,7 @@ clover_model *clover_model_load_memory(const void *data, size_t size, char *err,
  * projections, router, shared expert). */
 static void layer_weights(clover_layer *ly, int experts, clover_tensor **out) {
     clover_tensor *dense[] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha,
-                              &ly->wout, &ly->wbeta_bwd, &ly->walpha_bwd, &ly->router, &ly->shexp_gate, &ly->gate_sh,
-                              &ly->up_sh, &ly->down_sh};
+                              &ly->wout, &ly->router, &ly->shexp_gate, &ly->gate_sh, &ly->up_sh, &ly->down_sh};
     clover_tensor *routed[] = {&ly->gate_exps, &ly->up_exps, &ly->down_exps};
     clover_tensor **all = experts ? routed : dense;
     const size_t n_all = experts ? sizeof routed / sizeof routed[0] : sizeof dense / sizeof dense[0];
@@ -431,13 +623,13 @@ typedef struct {
 
 static void layer_vectors(const clover_hparams *hp, clover_layer *ly, vec_pair *out) {
     const int64_t H = hp->n_embd, hd = hp->head_dim, Hv = hp->ssm_dt_rank, dv = Hv ? hp->ssm_d_inner / Hv : 0;
-    const int64_t CK = (2 * (int64_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner) * hp->ssm_d_conv;
+    const int64_t C = conv_channels(hp), CK = C * hp->ssm_d_conv;
     const vec_pair all[] = {{ly->attn_norm, &ly->dev.attn_norm, H},   {ly->post_norm, &ly->dev.post_norm, H},
                             {ly->q_norm, &ly->dev.q_norm, hd},        {ly->k_norm, &ly->dev.k_norm, hd},
                             {ly->conv, &ly->dev.conv, CK},            {ly->ssm_a, &ly->dev.ssm_a, Hv},
                             {ly->dt_bias, &ly->dev.dt_bias, Hv},      {ly->ssm_norm, &ly->dev.ssm_norm, dv},
-                            {ly->conv_bwd, &ly->dev.conv_bwd, CK},    {ly->ssm_a_bwd, &ly->dev.ssm_a_bwd, Hv},
-                            {ly->dt_bias_bwd, &ly->dev.dt_bias_bwd, Hv}, {ly->bwd_mix, &ly->dev.bwd_mix, Hv}};
+                            {ly->conv_right, &ly->dev.conv_right, CK - C}, {ly->bd_lambda, &ly->dev.bd_lambda, Hv},
+                            {ly->bd_beta0, &ly->dev.bd_beta0, Hv},    {ly->bd_c, &ly->dev.bd_c, Hv}};
     int n = 0;
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (all[i].host) out[n++] = all[i];
@@ -607,6 +799,9 @@ void clover_model_free(clover_model *m) {
     if (!m) return;
     if (m->layers) free_gpu(m);
     free(m->layers);
+    clover_gguf_close(m->side);
+    free(m->side_path);
+    free(m->path);
     clover_gguf_close(m->g);
     free(m);
 }
@@ -626,10 +821,6 @@ void clover_model_hparams(const clover_model *m, clover_hparams *out) {
 }
 
 /* ------------------------------------------------------------------ context */
-
-static int64_t conv_channels(const clover_hparams *hp) {
-    return 2 * (int64_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner;
-}
 
 static int64_t gdn_state_floats(const clover_hparams *hp) {
     return (int64_t)hp->ssm_dt_rank * hp->ssm_d_state * (hp->ssm_d_inner / hp->ssm_dt_rank);
@@ -1280,10 +1471,12 @@ static gdn_dims gdn_dims_of(const clover_hparams *hp) {
     return d;
 }
 
-/* Causal depthwise conv + SiLU (spec 2.1 step 2). hist: the K-1 previous inputs [K-1][C],
- * oldest first. w[ch*K + j], j = K-1 multiplies the current token. */
-static void conv_causal(const gdn_dims *d, const float *w, const float *hist, const float *in, int64_t T,
-                        float *out) {
+/* Depthwise conv + SiLU over T rows (spec 2.1 step 2, 3.3 step 1). hist: the K-1 previous
+ * inputs [K-1][C], oldest first; w[ch*K + j], j = K-1 multiplies the current row. With right taps
+ * wr (block mode, else NULL): plus wr[ch*(K-1) + d-1] times row t + d for d = 1..K-1, zero past
+ * the last row [assumed]. */
+static void conv_silu(const gdn_dims *d, const float *w, const float *wr, const float *hist, const float *in,
+                      int64_t T, float *out) {
     const int64_t K = d->K, C = d->C;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t ch = 0; ch < C; ch++) {
@@ -1293,22 +1486,7 @@ static void conv_causal(const gdn_dims *d, const float *w, const float *hist, co
                 float x = src >= 0 ? in[src * C + ch] : hist[(K - 1 + src) * C + ch];
                 s += w[ch * K + j] * x;
             }
-            out[t * C + ch] = silu(s);
-        }
-    }
-}
-
-/* Anti-causal conv of the backward branch (spec 3.3): c_t = sum_j w[ch,j] * in_{t+K-1-j},
- * zeros past the block end. */
-static void conv_anticausal(const gdn_dims *d, const float *w, const float *in, int64_t T, float *out) {
-    const int64_t K = d->K, C = d->C;
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t ch = 0; ch < C; ch++) {
-            float s = 0;
-            for (int64_t j = 0; j < K; j++) {
-                int64_t src = t + (K - 1) - j;
-                if (src < T) s += w[ch * K + j] * in[src * C + ch];
-            }
+            for (int64_t j = 1; wr && j < K && t + j < T; j++) s += wr[ch * (K - 1) + j - 1] * in[(t + j) * C + ch];
             out[t * C + ch] = silu(s);
         }
     }
@@ -1376,18 +1554,6 @@ CLOVER_CLONES static void gdn_recurrent_head(const gdn_dims *d, const float *con
         delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h], d->dk,
                    d->dv, tmp);
         readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
-    }
-}
-
-/* Backward branch (spec 3.3) of value head h: reverse recurrence from S = 0 with exclusive
- * readout. S: dk*dv scratch, tmp: dv floats. */
-CLOVER_CLONES static void gdn_backward_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
-                              int64_t h, float *S, float *o, float *tmp) {
-    memset(S, 0, sizeof(float) * (size_t)(d->dk * d->dv));
-    for (int64_t t = T - 1; t >= 0; t--) {
-        readout(S, GDN_Q(d, conv, t, h), d->dk, d->dv, o + (t * d->Hv + h) * d->dv);
-        delta_step(S, GDN_K(d, conv, t, h), GDN_V(d, conv, t, h), g[t * d->Hv + h], beta[t * d->Hv + h], d->dk,
-                   d->dv, tmp);
     }
 }
 
@@ -1486,10 +1652,10 @@ static int64_t gdn_scratch_floats(const gdn_dims *d) {
     return 2 * GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (2 * d->dv + 3 * d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv;
 }
 
-enum { GDN_FORWARD, GDN_FORWARD_CHUNKED, GDN_BACKWARD };
+enum { GDN_FORWARD, GDN_FORWARD_CHUNKED };
 
-/* Run one GDN recurrence kind over all value heads (independent, so split over threads).
- * state: [Hv][dk][dv] (unused for GDN_BACKWARD). */
+/* Run one GDN recurrence kind over all value heads (independent, so split over threads),
+ * advancing state [Hv][dk][dv]. */
 static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                      float *state, float *o, int nth) {
     int err = 0;
@@ -1511,13 +1677,83 @@ static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float
 #endif
         for (int64_t h = 0; h < d->Hv; h++) {
             if (!scratch) continue;
-            float *S = state ? state + h * d->dk * d->dv : scratch + n_scratch - d->dk * d->dv - d->dv;
+            float *S = state + h * d->dk * d->dv;
             float *tmp = scratch + n_scratch - d->dv;
             if (kind == GDN_FORWARD_CHUNKED) gdn_chunked_head(d, conv, beta, g, T, h, S, o, scratch);
-            else if (kind == GDN_FORWARD) gdn_recurrent_head(d, conv, beta, g, T, h, S, o, tmp);
-            else gdn_backward_head(d, conv, beta, g, T, h, S, o, tmp);
+            else gdn_recurrent_head(d, conv, beta, g, T, h, S, o, tmp);
         }
         free(scratch);
+        flush_subnormals_end(csr);
+    }
+    return err ? CLOVER_E_NOMEM : CLOVER_OK;
+}
+
+/* The block softmax's per-head constants (spec 3.3 step 4): *scale = exp(lambda_h) sqrt(dk), the
+ * factor of q . k (q carries 1/sqrt(dk), so q~ . k~ = sqrt(dk) q . k), and *hist = beta0_h +
+ * c_h ln(1 + P), the history slot's logit after P clean tokens. */
+static void bd_constants(const clover_layer *ly, const gdn_dims *d, int64_t h, int64_t P, float *scale, float *hist) {
+    *scale = expf(ly->bd_lambda[h]) * sqrtf((float)d->dk);
+    *hist = ly->bd_beta0[h] + ly->bd_c[h] * log1pf((float)P);
+}
+
+/* The block operator's mixing (spec 3.3 steps 3-4 [assumed form]) for value head h over the T
+ * block rows of conv (qk_norm's output): o_i = a_iH S^T q_i + sum_j a_ij v_j with a_i = softmax
+ * over (scale q_i . k_j for every block row j, hist), S [dk][dv] the clean state (read only).
+ * o: [T, Hv*dv]; a: T + 1 floats of scratch. */
+CLOVER_CLONES static void bd_head(const gdn_dims *d, const float *conv, const float *S, int64_t T, int64_t h,
+                                  float scale, float hist, float *o, float *a) {
+    const int64_t dk = d->dk, dv = d->dv;
+    for (int64_t i = 0; i < T; i++) {
+        const float *q = GDN_Q(d, conv, i, h);
+        float mx = hist;
+        for (int64_t j = 0; j < T; j++) {
+            const float *k = GDN_K(d, conv, j, h);
+            float s = 0;
+            for (int64_t m = 0; m < dk; m++) s += q[m] * k[m];
+            a[j] = scale * s;
+            mx = a[j] > mx ? a[j] : mx;
+        }
+        a[T] = hist;
+        double sum = 0;
+        for (int64_t j = 0; j <= T; j++) sum += a[j] = expf(a[j] - mx);
+        const float inv = (float)(1.0 / sum);
+        float *oi = o + (i * d->Hv + h) * dv;
+        readout(S, q, dk, dv, oi);
+        for (int64_t n = 0; n < dv; n++) oi[n] *= a[T] * inv;
+        for (int64_t j = 0; j < T; j++) {
+            const float w = a[j] * inv, *v = GDN_V(d, conv, j, h);
+            for (int64_t n = 0; n < dv; n++) oi[n] += w * v[n];
+        }
+    }
+}
+
+/* bd_head over every value head of layer ly (split over threads) after P clean tokens; state:
+ * the layer's clean state [Hv][dk][dv]. */
+static int bd_heads(const gdn_dims *d, const clover_layer *ly, const float *conv, const float *state, int64_t T,
+                    int64_t P, float *o, int nth) {
+    int err = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth) if (nth > 1 && d->Hv > 1)
+#endif
+    {
+        const unsigned csr = flush_subnormals_begin();
+        float *a = malloc(sizeof(float) * (size_t)(T + 1));
+        if (!a) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            err = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t h = 0; h < d->Hv; h++) {
+            if (!a) continue;
+            float scale, hist;
+            bd_constants(ly, d, h, P, &scale, &hist);
+            bd_head(d, conv, state + h * d->dk * d->dv, T, h, scale, hist, o, a);
+        }
+        free(a);
         flush_subnormals_end(csr);
     }
     return err ? CLOVER_E_NOMEM : CLOVER_OK;
@@ -1647,25 +1883,31 @@ static int gpu_gdn_forward(const clover_context *c, int64_t T) {
     return c->gdn_chunked && T > 64 ? CLOVER_GDN_FORWARD_CHUNKED : CLOVER_GDN_FORWARD;
 }
 
-/* One GDN recurrence of an offloaded layer on the GPU (clover_cuda_gdn, kind CLOVER_GDN_*): the
+/* One GDN recurrence of an offloaded layer on the GPU (clover_cuda_gdn, kind CLOVER_GDN_FORWARD*),
+ * or with b NULL the block operator's mixing (clover_cuda_gdn_block, reading the state): the
  * layer's state is moved to the device at its first use there and stays (gdn_on_dev). */
 static int gpu_gdn(fwd *f, const clover_layer *ly, int kind, const gdn_dims *d, const float *cv, const float *b,
                    const float *a, float *o) {
     clover_context *c = f->c;
     const size_t slot_bytes = sizeof(float) * (size_t)gdn_state_floats(&c->m->hp), at = slot_bytes * (size_t)ly->slot;
-    if (kind != CLOVER_GDN_BACKWARD) {
-        const int rc = gdn_slot_to_device(c, ly->slot, f->err, f->err_size);
-        if (rc != CLOVER_OK) return rc;
-    }
-    return clover_cuda_gdn(kind, cv, b, a, f->T, d->Hk, d->Hv, d->dk, d->dv, d->C,
-                           (float *)((char *)c->gdn_dev + at), o, f->err, f->err_size);
+    const int rc = gdn_slot_to_device(c, ly->slot, f->err, f->err_size);
+    if (rc != CLOVER_OK) return rc;
+    float *state = (float *)((char *)c->gdn_dev + at);
+    if (!b)
+        return clover_cuda_gdn_block(cv, f->T, d->Hk, d->Hv, d->dk, d->dv, d->C, state, ly->bd_lambda, ly->bd_beta0,
+                                     ly->bd_c, f->pos0, o, f->err, f->err_size);
+    return clover_cuda_gdn(kind, cv, b, a, f->T, d->Hk, d->Hv, d->dk, d->dv, d->C, state, o, f->err, f->err_size);
 }
 
+/* A Gated DeltaNet layer (spec 2.1) over the T rows xn: in prefix mode the recurrence advances
+ * the layer's state and conv history; in block mode (spec 3.3) the conv takes the right taps and
+ * the block softmax reads the clean state, both left unchanged. */
 static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
     const gdn_dims d = gdn_dims_of(hp);
     const int64_t T = f->T, C = d.C, vdim = d.Hv * d.dv;
+    const int block = f->mode == MODE_BLOCK;
     float *state = c->gdn_state + (size_t)ly->slot * gdn_state_floats(hp);
     float *hist = c->conv_state + (size_t)ly->slot * (d.K - 1) * C;
     float *qkv = malloc(sizeof(float) * (size_t)(T * C));
@@ -1674,7 +1916,6 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
     float *b = malloc(sizeof(float) * (size_t)(T * d.Hv));
     float *a = malloc(sizeof(float) * (size_t)(T * d.Hv));
     float *o = malloc(sizeof(float) * (size_t)(T * vdim));
-    float *S = NULL, *ob = NULL, *cvb = NULL, *bb = NULL, *ab = NULL;
     int rc = CLOVER_E_NOMEM;
     /* the recurrence on the GPU when the layer is offloaded (the conv and norms stay here) */
     const int on_gpu = gdn_on_gpu(ly, &d);
@@ -1682,20 +1923,24 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
         goto done;
     rc = CLOVER_E_NOMEM;
     if (!qkv || !cv || !z || !b || !a || !o) goto done;
-    if (matmul(f, &ly->wqkv, xn, T, qkv) || matmul(f, &ly->wz, xn, T, z) || matmul(f, &ly->wbeta, xn, T, b) ||
-        matmul(f, &ly->walpha, xn, T, a))
+    /* beta and g shape the state only: block mode does not compute them (spec 3.3 step 4) */
+    if (matmul(f, &ly->wqkv, xn, T, qkv) || matmul(f, &ly->wz, xn, T, z) ||
+        (!block && (matmul(f, &ly->wbeta, xn, T, b) || matmul(f, &ly->walpha, xn, T, a))))
         goto done;
-    conv_causal(&d, ly->conv, hist, qkv, T, cv);
+    conv_silu(&d, ly->conv, block ? ly->conv_right : NULL, hist, qkv, T, cv);
     qk_norm(&d, cv, T, 1e-6f);
-    gates(&d, b, a, ly->ssm_a, ly->dt_bias, T);
-    if (f->mode == MODE_PREFIX && c->rec_on) { /* speculative verify: keep the replay inputs */
-        const size_t slot = (size_t)ly->slot * (size_t)c->rec_cap;
-        memcpy(c->rec_qkv + slot * C, qkv, sizeof(float) * (size_t)(T * C));
-        memcpy(c->rec_cv + slot * C, cv, sizeof(float) * (size_t)(T * C));
-        memcpy(c->rec_b + slot * d.Hv, b, sizeof(float) * (size_t)(T * d.Hv));
-        memcpy(c->rec_a + slot * d.Hv, a, sizeof(float) * (size_t)(T * d.Hv));
-    }
-    if (f->mode == MODE_PREFIX) {
+    if (block) {
+        rc = on_gpu ? gpu_gdn(f, ly, 0, &d, cv, NULL, NULL, o) : bd_heads(&d, ly, cv, state, T, f->pos0, o, c->n_threads);
+        if (rc != CLOVER_OK) goto done;
+    } else {
+        gates(&d, b, a, ly->ssm_a, ly->dt_bias, T);
+        if (c->rec_on) { /* speculative verify: keep the replay inputs */
+            const size_t slot = (size_t)ly->slot * (size_t)c->rec_cap;
+            memcpy(c->rec_qkv + slot * C, qkv, sizeof(float) * (size_t)(T * C));
+            memcpy(c->rec_cv + slot * C, cv, sizeof(float) * (size_t)(T * C));
+            memcpy(c->rec_b + slot * d.Hv, b, sizeof(float) * (size_t)(T * d.Hv));
+            memcpy(c->rec_a + slot * d.Hv, a, sizeof(float) * (size_t)(T * d.Hv));
+        }
         /* new conv history: the last K-1 inputs of (history ++ qkv rows) */
         for (int64_t j = 0; j < d.K - 1; j++) {
             int64_t src = T - (d.K - 1) + j;
@@ -1703,56 +1948,10 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             if (src >= 0) memcpy(dst, qkv + src * C, sizeof(float) * (size_t)C);
             else memmove(dst, hist + (d.K - 1 + src) * C, sizeof(float) * (size_t)C);
         }
-        if (on_gpu) {
-            const int r = gpu_gdn(f, ly, gpu_gdn_forward(f->c, T), &d, cv, b, a, o);
-            if (r != CLOVER_OK) {
-                rc = r;
-                goto done;
-            }
-        } else if (gdn_heads(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T, state, o,
-                             c->n_threads)) {
-            goto done;
-        }
-    } else {
-        /* block mode: forward branch on a copy of the prefix state, then the backward branch */
-        S = on_gpu ? NULL : malloc(sizeof(float) * (size_t)gdn_state_floats(hp)); /* the GPU reads the state in place */
-        ob = malloc(sizeof(float) * (size_t)(T * vdim));
-        cvb = malloc(sizeof(float) * (size_t)(T * C));
-        bb = malloc(sizeof(float) * (size_t)(T * d.Hv));
-        ab = malloc(sizeof(float) * (size_t)(T * d.Hv));
-        if ((!S && !on_gpu) || !ob || !cvb || !bb || !ab) goto done;
-        if (on_gpu) {
-            const int r = gpu_gdn(f, ly, CLOVER_GDN_FORWARD_COPY, &d, cv, b, a, o);
-            if (r != CLOVER_OK) {
-                rc = r;
-                goto done;
-            }
-        } else {
-            memcpy(S, state, sizeof(float) * (size_t)gdn_state_floats(hp));
-            if (gdn_heads(GDN_FORWARD, &d, cv, b, a, T, S, o, c->n_threads)) goto done;
-        }
-        if (hp->is_clover) {
-            if (matmul(f, &ly->wbeta_bwd, xn, T, bb) || matmul(f, &ly->walpha_bwd, xn, T, ab)) goto done;
-            conv_anticausal(&d, ly->conv_bwd, qkv, T, cvb);
-            qk_norm(&d, cvb, T, 1e-6f);
-            gates(&d, bb, ab, ly->ssm_a_bwd, ly->dt_bias_bwd, T);
-            if (on_gpu) {
-                const int r = gpu_gdn(f, ly, CLOVER_GDN_BACKWARD, &d, cvb, bb, ab, ob);
-                if (r != CLOVER_OK) {
-                    rc = r;
-                    goto done;
-                }
-            } else if (gdn_heads(GDN_BACKWARD, &d, cvb, bb, ab, T, NULL, ob, c->n_threads)) {
-                goto done;
-            }
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t h = 0; h < d.Hv; h++) {
-                    float mix = sigmoidf_(ly->bwd_mix[h]);
-                    float *of = o + (t * d.Hv + h) * d.dv;
-                    const float *obh = ob + (t * d.Hv + h) * d.dv;
-                    for (int64_t n = 0; n < d.dv; n++) of[n] += mix * obh[n];
-                }
-        }
+        rc = on_gpu ? gpu_gdn(f, ly, gpu_gdn_forward(f->c, T), &d, cv, b, a, o)
+                    : gdn_heads(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T, state, o,
+                                c->n_threads);
+        if (rc != CLOVER_OK) goto done;
     }
     /* gated RMSNorm per head with a plain weight (spec 2.1 step 7) */
     for (int64_t t = 0; t < T; t++)
@@ -1765,7 +1964,6 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
     rc = matmul(f, &ly->wout, o, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
     free(qkv), free(cv), free(z), free(b), free(a), free(o);
-    free(S), free(ob), free(cvb), free(bb), free(ab);
     return rc;
 }
 
@@ -2075,7 +2273,7 @@ enum { RES_ROWS = CLOVER_SELECT_MAX_ROWS, RES_LM = 32 };
 _Static_assert((int)CLOVER_SELECT_TOTAL_MAX_ROWS <= (int)RES_LM, "top-p selections must fit one LM-head group");
 
 typedef struct {
-    float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *ob, *cvb, *bb, *ab, *probs, *wsel, *pw, *xg, *yg;
+    float *x, *xn, *o, *qg, *att, *qkv, *cv, *z, *b, *a, *og, *probs, *wsel, *pw, *xg, *yg;
     float *gt, *up, *ys, *sg, *logits;
     int32_t *sel, *prow, *pair, *idx, *gstart, *gid; /* gstart, gid, gconf, gcand: selection */
     float *gconf;
@@ -2110,10 +2308,9 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     b->gcand = take(base, &off, T * CLOVER_CUDA_TOP_K_MAX, sizeof(clover_cand));
     b->xn = take(base, &off, T * H, F), b->o = take(base, &off, T * H, F);
     b->qg = take(base, &off, T * nh * 2 * hd, F), b->att = take(base, &off, T * nh * hd, F);
-    b->qkv = take(base, &off, T * d.C, F), b->cv = take(base, &off, T * d.C, F), b->cvb = take(base, &off, T * d.C, F);
-    b->z = take(base, &off, T * vdim, F), b->og = take(base, &off, T * vdim, F), b->ob = take(base, &off, T * vdim, F);
+    b->qkv = take(base, &off, T * d.C, F), b->cv = take(base, &off, T * d.C, F);
+    b->z = take(base, &off, T * vdim, F), b->og = take(base, &off, T * vdim, F);
     b->b = take(base, &off, T * d.Hv, F), b->a = take(base, &off, T * d.Hv, F);
-    b->bb = take(base, &off, T * d.Hv, F), b->ab = take(base, &off, T * d.Hv, F);
     b->probs = take(base, &off, T * E, F), b->wsel = take(base, &off, P, F), b->pw = take(base, &off, P, F);
     b->xg = take(base, &off, P * H, F), b->yg = take(base, &off, P * H, F);
     b->gt = take(base, &off, T * Is, F), b->up = take(base, &off, T * Is, F), b->ys = take(base, &off, T * H, F);
@@ -2192,41 +2389,39 @@ static int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t re
     const clover_hparams *hp = &c->m->hp;
     const gdn_dims d = gdn_dims_of(hp);
     const int64_t T = f->T, C = d.C;
+    const int block = f->mode == MODE_BLOCK;
     char *err = f->err;
     const size_t es = f->err_size;
     int rc;
     float *state = (float *)c->gdn_dev + (size_t)ly->slot * (size_t)gdn_state_floats(hp); /* res_prepare put it there */
     float *hist = (float *)c->conv_dev + (size_t)ly->slot * (size_t)((d.K - 1) * C);
-    const clover_tensor *w[4] = {&ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha}, *wb[2] = {&ly->wbeta_bwd, &ly->walpha_bwd};
-    float *y[4] = {b->qkv, b->z, b->b, b->a}, *yb[2] = {b->bb, b->ab};
-    if ((rc = mm_n_d(f, 4, w, b->xn, T, y)) ||
-        (rc = clover_cuda_conv_d(0, ly->dev.conv, hist, b->qkv, T, C, (int32_t)d.K, b->cv, err, es)) ||
-        (rc = clover_cuda_gdn_prep_d(b->cv, T, C, d.Hk, d.dk, 1e-6f, b->b, b->a, ly->dev.ssm_a, ly->dev.dt_bias, d.Hv, err,
-                                     es)))
+    const clover_tensor *w[4] = {&ly->wqkv, &ly->wz, &ly->wbeta, &ly->walpha};
+    float *y[4] = {b->qkv, b->z, b->b, b->a};
+    /* block mode: no beta and g (spec 3.3 step 4), the right taps */
+    if ((rc = mm_n_d(f, block ? 2 : 4, w, b->xn, T, y)) ||
+        (rc = clover_cuda_conv_d(ly->dev.conv, block ? ly->dev.conv_right : NULL, hist, b->qkv, T, C, (int32_t)d.K,
+                                 b->cv, err, es)) ||
+        (rc = clover_cuda_gdn_prep_d(b->cv, T, C, d.Hk, d.dk, 1e-6f, block ? NULL : b->b, block ? NULL : b->a,
+                                     ly->dev.ssm_a, ly->dev.dt_bias, d.Hv, err, es)))
         return rc;
-    const int block = f->mode == MODE_BLOCK, bwd = block && hp->is_clover;
-    if (!block && c->rec_on) {
-        float *rq, *rc_, *rb, *ra;
-        rec_dev_slot(c, ly->slot, &rq, &rc_, &rb, &ra);
-        if ((rc = clover_cuda_copy_d(rq + rec_row * C, b->qkv, C * T, err, es)) ||
-            (rc = clover_cuda_copy_d(rc_ + rec_row * C, b->cv, C * T, err, es)) ||
-            (rc = clover_cuda_copy_d(rb + rec_row * d.Hv, b->b, d.Hv * T, err, es)) ||
-            (rc = clover_cuda_copy_d(ra + rec_row * d.Hv, b->a, d.Hv * T, err, es)))
-            return rc;
+    if (block) {
+        rc = clover_cuda_gdn_block_d(b->cv, T, d.Hk, d.Hv, d.dk, d.dv, C, state, ly->dev.bd_lambda, ly->dev.bd_beta0,
+                                     ly->dev.bd_c, b->pos, b->og, err, es);
+    } else {
+        if (c->rec_on) {
+            float *rq, *rc_, *rb, *ra;
+            rec_dev_slot(c, ly->slot, &rq, &rc_, &rb, &ra);
+            if ((rc = clover_cuda_copy_d(rq + rec_row * C, b->qkv, C * T, err, es)) ||
+                (rc = clover_cuda_copy_d(rc_ + rec_row * C, b->cv, C * T, err, es)) ||
+                (rc = clover_cuda_copy_d(rb + rec_row * d.Hv, b->b, d.Hv * T, err, es)) ||
+                (rc = clover_cuda_copy_d(ra + rec_row * d.Hv, b->a, d.Hv * T, err, es)))
+                return rc;
+        }
+        if ((rc = clover_cuda_conv_hist_d(hist, b->qkv, T, C, (int32_t)d.K, err, es))) return rc;
+        rc = clover_cuda_gdn_d(gpu_gdn_forward(c, T), b->cv, b->b, b->a, T, d.Hk, d.Hv, d.dk, d.dv, C, state, b->og,
+                               err, es);
     }
-    if (!block && (rc = clover_cuda_conv_hist_d(hist, b->qkv, T, C, (int32_t)d.K, err, es))) return rc;
-    rc = clover_cuda_gdn_d(block ? CLOVER_GDN_FORWARD_COPY : gpu_gdn_forward(c, T), b->cv, b->b, b->a, T, d.Hk, d.Hv,
-                           d.dk, d.dv, C, state, b->og, err, es);
-    if (rc) return rc;
-    if (bwd && ((rc = mm_n_d(f, 2, wb, b->xn, T, yb)) ||
-                (rc = clover_cuda_conv_d(1, ly->dev.conv_bwd, NULL, b->qkv, T, C, (int32_t)d.K, b->cvb, err, es)) ||
-                (rc = clover_cuda_gdn_prep_d(b->cvb, T, C, d.Hk, d.dk, 1e-6f, b->bb, b->ab, ly->dev.ssm_a_bwd,
-                                             ly->dev.dt_bias_bwd, d.Hv, err, es)) ||
-                (rc = clover_cuda_gdn_d(CLOVER_GDN_BACKWARD, b->cvb, b->bb, b->ab, T, d.Hk, d.Hv, d.dk, d.dv, C, NULL,
-                                        b->ob, err, es))))
-        return rc;
-    if ((rc = clover_cuda_gdn_out_d(b->og, bwd ? b->ob : NULL, ly->dev.bwd_mix, b->z, ly->dev.ssm_norm, T, d.Hv, d.dv,
-                                    hp->rms_eps, err, es)))
+    if (rc || (rc = clover_cuda_gdn_out_d(b->og, b->z, ly->dev.ssm_norm, T, d.Hv, d.dv, hp->rms_eps, err, es)))
         return rc;
     return mm_d(f, &ly->wout, b->og, T, b->o);
 }
@@ -2979,9 +3174,7 @@ static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, fl
                          const uint8_t *rows, const select_req *sreq, int32_t *n_experts_out, char *err,
                          size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
-    if (!c->m->hp.is_clover)
-        return clover_set_err(err, err_size, CLOVER_E_STATE,
-                              "block mode needs a clover model (this file is qwen35moe: use mode ar)");
+    if (!c->m->hp.has_block) return clover_no_block(c->m, "block mode", err, err_size);
     if (B <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "block_size: %d must be > 0", B);
     if (!(coreset_top_p > 0.0f && coreset_top_p <= 1.0f))
         return clover_set_err(err, err_size, CLOVER_E_ARG, "coreset_top_p: %g outside (0, 1]", coreset_top_p);

@@ -90,6 +90,8 @@ int clover_check_sampling(const clover_gen_params *p, int32_t n_vocab, char *err
     if (p->eos_bias_start < 0) BAD("eos_bias_start: %d must be >= 0", p->eos_bias_start);
     if (!(p->bias_slope >= 0.0f) || isinf(p->bias_slope)) BAD("bias_slope: %g must be finite and >= 0", p->bias_slope);
     if (!(p->bias_max >= 0.0f) || isinf(p->bias_max)) BAD("bias_max: %g must be finite and >= 0", p->bias_max);
+    if (p->penalty_scope != CLOVER_PENALTY_RESPONSE && p->penalty_scope != CLOVER_PENALTY_ALL)
+        BAD("penalty_scope: %d is not response (0) or all (1)", p->penalty_scope);
     return CLOVER_OK;
 }
 
@@ -121,12 +123,14 @@ int clover_think_state(const clover_history *h, int open, int32_t t) {
     return open;
 }
 
-void clover_history_prompt(clover_history *h, const int32_t *tokens, int32_t n) {
+void clover_history_prompt(clover_history *h, const int32_t *tokens, int32_t n, int32_t scope) {
     for (int32_t i = 0; i < n; i++) {
         const int32_t t = tokens[i];
         if (t < 0 || t >= h->n_vocab) continue;
-        if (!h->in_prompt[t] && !h->count[t]) h->seen[h->n_seen++] = t;
-        h->in_prompt[t] = 1;
+        if (scope == CLOVER_PENALTY_ALL) {
+            if (!h->in_prompt[t] && !h->count[t]) h->seen[h->n_seen++] = t;
+            h->in_prompt[t] = 1;
+        }
         h->think_open = clover_think_state(h, h->think_open, t);
     }
 }
@@ -418,7 +422,7 @@ int32_t clover_sample_logits(const float *logits, int32_t n_vocab, int32_t mask_
         free(out), free(scratch);
         return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory for %d logits", n_vocab);
     }
-    clover_history_prompt(&h, prompt, n_prompt);
+    clover_history_prompt(&h, prompt, n_prompt, p->penalty_scope);
     for (int32_t i = 0; i < n_generated; i++) clover_history_add(&h, generated[i]);
     clover_sampler_params sp;
     clover_sampler_params_init(&sp, p, mask_token_id);

@@ -75,18 +75,25 @@ int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_
 /* Copy nbytes at dev + offset bytes to host memory. */
 int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
 
-/* Gated DeltaNet recurrence of all Hv value heads over T rows on the device (spec 2.1 step 6; the
- * backward branch spec 3.3), as native/model.c's gdn_recurrent_head / gdn_backward_head:
- * conv [T][C] (q and k of Hk key heads of dk, l2-normed, then v of Hv heads of dv), beta and the
- * log-decay g [T][Hv], all host float32; o: host [T][Hv*dv]. state: device [Hv][dk][dv].
- * kind CLOVER_GDN_FORWARD updates state in place; CLOVER_GDN_FORWARD_CHUNKED too, in the chunked
- * form (chunks of 64 rows, native/model.c gdn_chunked_head; for prefills); CLOVER_GDN_FORWARD_COPY
- * starts from it and leaves it unchanged (block mode); CLOVER_GDN_BACKWARD runs the rows in reverse
- * from a zero state with the readout first (state unused, may be NULL). dk <= 256, dv <= 1024.
+/* Gated DeltaNet recurrence of all Hv value heads over T rows on the device (spec 2.1 step 6), as
+ * native/model.c's gdn_recurrent_head: conv [T][C] (q and k of Hk key heads of dk, l2-normed, then
+ * v of Hv heads of dv), beta and the log-decay g [T][Hv], all host float32; o: host [T][Hv*dv].
+ * state: device [Hv][dk][dv], updated in place; kind CLOVER_GDN_FORWARD token by token,
+ * CLOVER_GDN_FORWARD_CHUNKED in the chunked form (chunks of 64 rows, native/model.c
+ * gdn_chunked_head; for prefills). dk <= 256, dv <= 1024.
  * Errors: CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
-enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_COPY = 1, CLOVER_GDN_BACKWARD = 2, CLOVER_GDN_FORWARD_CHUNKED = 3 };
+enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_CHUNKED = 1 };
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
+/* The block operator's mixing of a Gated DeltaNet layer (spec 3.3 steps 3-4), as native/model.c's
+ * bd_heads: for each value head h and block row i < T of conv (host [T][C], as clover_cuda_gdn's,
+ * q carrying 1/sqrt(dk)), o[i][h] (host [T][Hv*dv]) = a_iH S_h^T q_i + sum_j a_ij v_j with
+ * a_i = softmax(exp(lambda[h]) sqrt(dk) q_i . k_j for j < T, beta0[h] + c[h] log1p(P)); state:
+ * device [Hv][dk][dv], read only; lambda, beta0, c: host [Hv]; P: the clean tokens before the
+ * block. dk <= 256, dv <= 1024. Errors: CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
+int clover_cuda_gdn_block(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t C,
+                          const float *state, const float *lambda, const float *beta0, const float *c, int64_t P,
+                          float *o, char *err, size_t err_size);
 
 /* ---- the device-resident forward (native/model.c, every layer and the output on the GPU).
  * Every pointer is device memory; float32 unless said; calls queue their kernels in stream
@@ -114,23 +121,30 @@ int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t ro
 int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16, const int64_t *pos,
                             int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out,
                             char *err, size_t err_size);
-/* conv_causal (anti = 0; hist: the K-1 previous rows [K-1][C]) or conv_anticausal (anti = 1) of
- * in [T][C] with weights w [C][K], SiLU, into out [T][C] (spec 2.1 step 2, 3.3). K <= 16. */
-int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C, int32_t K,
-                       float *out, char *err, size_t err_size);
+/* conv_silu (model.c; spec 2.1 step 2, 3.3 step 1) of in [T][C] after hist (the K-1 previous rows
+ * [K-1][C]) with weights w [C][K] and, when wr is not NULL, the right taps wr [C][K-1], SiLU, into
+ * out [T][C]. K <= 16. */
+int clover_cuda_conv_d(const float *w, const float *wr, const float *hist, const float *in, int64_t T, int64_t C,
+                       int32_t K, float *out, char *err, size_t err_size);
 /* hist [K-1][C] <- the last K-1 rows of hist ++ in [T][C] (the conv history after T inputs). */
 int clover_cuda_conv_hist_d(float *hist, const float *in, int64_t T, int64_t C, int32_t K, char *err, size_t err_size);
 /* qk_norm then gates (spec 2.1 steps 3-4): conv [T][C] q and k heads l2-normed (q times
- * 1/sqrt(dk)); b, a [T][Hv] in place to beta = sigmoid(b), g = ssm_a softplus(a + dt_bias). */
+ * 1/sqrt(dk)); b, a [T][Hv] in place to beta = sigmoid(b), g = ssm_a softplus(a + dt_bias), unless
+ * both are NULL (block mode: no gates). */
 int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t Hk, int64_t dk, float eps, float *b, float *a,
                            const float *ssm_a, const float *dt_bias, int64_t Hv, char *err, size_t err_size);
 /* clover_cuda_gdn with every array on the device. */
 int clover_cuda_gdn_d(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                       int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
-/* The end of gdn_layer (spec 3.3, 2.1 step 7) on o [T][Hv][dv] in place: o += sigmoid(mix[h]) ob
- * when ob is not NULL, then per head rmsnorm with w [dv] times silu(z) (z [T][Hv][dv]). */
-int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w, int64_t T,
-                          int64_t Hv, int64_t dv, float eps, char *err, size_t err_size);
+/* clover_cuda_gdn_block with every array on the device and P = *pos (device int64, read when the
+ * kernel runs, so a graph can replay). */
+int clover_cuda_gdn_block_d(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t C,
+                            const float *state, const float *lambda, const float *beta0, const float *c,
+                            const int64_t *pos, float *o, char *err, size_t err_size);
+/* The end of gdn_layer (spec 2.1 step 7) on o [T][Hv][dv] in place: per head rmsnorm with w [dv]
+ * times silu(z) (z [T][Hv][dv]). */
+int clover_cuda_gdn_out_d(float *o, const float *z, const float *w, int64_t T, int64_t Hv, int64_t dv, float eps,
+                          char *err, size_t err_size);
 /* Tiles of ROWS (8) pairs that a grouped product of P (row, expert) pairs over E experts may
  * need: clover_cuda_route_d writes this many (unused ones empty). */
 static inline int64_t clover_cuda_route_tiles(int64_t P, int64_t E) { return P / 8 + 1 + (E < P ? E : P); }

@@ -118,9 +118,21 @@ CLOVER_API int64_t clover_type_nbytes(int type, int64_t n);
 /* ---------------------------------------------------------------- model (model.c) */
 typedef struct clover_model clover_model;
 
-/* Load a `clover` or `qwen35moe` GGUF: reads hyperparameters, checks every tensor's name,
- * type and shape against them (the error names the tensor), and maps the weights. */
+/* Load a `clover_moe` or `qwen35moe` GGUF (docs/gguf-layout.md): reads hyperparameters, checks
+ * every tensor's name, type and shape against them (the error names the tensor), and maps the
+ * weights. A `clover_moe` file without Clover's block tensors takes them, with the decoding
+ * record, from the diffusion sidecar `<stem>.diffusion.gguf` beside it when that file exists
+ * (stem: path less a trailing ".gguf"). */
 CLOVER_API clover_model *clover_model_load(const char *path, char *err, size_t err_size);
+/* clover_model_load with the sidecar named: diffusion_path NULL looks beside the model as
+ * clover_model_load does, "" loads none, anything else must be a sidecar matching the model
+ * (architecture, general.type "diffusion", layer count, each block tensor's name and shape, the
+ * mask id within the vocabulary; the error names the file and the field). A model that holds
+ * the block tensors itself refuses a named sidecar. */
+CLOVER_API clover_model *clover_model_load_sidecar(const char *path, const char *diffusion_path, char *err,
+                                                   size_t err_size);
+/* The path of the sidecar a model loaded its block tensors from, or NULL. */
+CLOVER_API const char *clover_model_sidecar_path(const clover_model *m);
 /* clover_model_load on GGUF bytes in memory (see clover_gguf_open_memory: 32-byte aligned, kept
  * valid and unchanged until clover_model_free, not freed by it). */
 CLOVER_API clover_model *clover_model_load_memory(const void *data, size_t size, char *err, size_t err_size);
@@ -159,9 +171,16 @@ CLOVER_API int64_t clover_model_gpu_bytes(const clover_model *m);
  * offloaded product or kernel then moves its activations to the GPU and back). */
 CLOVER_API int32_t clover_model_gpu_resident(const clover_model *m);
 
-/* Hyperparameters and diffusion defaults read from the GGUF (spec 1, 4.2). */
+/* GGUF architectures (general.architecture). */
+enum { CLOVER_ARCH_QWEN35MOE = 0, CLOVER_ARCH_CLOVER_MOE = 1 };
+/* Whose tokens the repetition penalty counts (diffusion.penalty_scope, spec 5.4). */
+enum { CLOVER_PENALTY_RESPONSE = 0, CLOVER_PENALTY_ALL = 1 };
+
+/* Hyperparameters and the decoding record read from the GGUF (spec 1, 4.2). */
 typedef struct {
-    int32_t is_clover;          /* 1 for arch `clover` (has block mode), 0 for `qwen35moe` */
+    int32_t arch;               /* CLOVER_ARCH_* */
+    int32_t has_block;          /* 1 when the block tensors are loaded (from the file or its sidecar):
+                                   block mode, `diffusion` and `spec` run */
     int32_t n_vocab;
     int32_t n_embd;
     int32_t n_layer;            /* decoder layers run by the engine: block_count - n_layer_nextn */
@@ -173,14 +192,18 @@ typedef struct {
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
     int32_t full_attention_interval;
     float rms_eps, rope_theta;
-    /* diffusion (clover only; defaults from spec 4.2 otherwise) */
-    int32_t mask_token_id;      /* -1 when absent */
+    /* the decoding record (diffusion.*, docs/gguf-layout.md); absent keys take spec 4.2's
+     * defaults; a qwen35moe file decodes without penalties over the whole history (llama.cpp) */
+    int32_t mask_token_id;      /* tokenizer.ggml.mask_token_id, -1 when absent */
     int32_t block_size;
     float threshold;
     float coreset_top_p;
-    int32_t logits_shift;
-    float presence_penalty, repetition_penalty;
+    int32_t shift_logits;       /* block mode: slot j predicted by row j - 1 (1) or row j (0) */
+    int32_t block_aligned;      /* blocks cover [kB, (k+1)B) (1) or start after the prompt (0) */
+    int32_t penalty_scope;      /* CLOVER_PENALTY_* */
+    float presence_penalty, frequency_penalty, repetition_penalty;
     int32_t think_close_bias_start, eos_bias_start;
+    float bias_slope, bias_max;
 } clover_hparams;
 
 CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out);
@@ -251,9 +274,10 @@ CLOVER_API int clover_prefill(clover_context *c, const int32_t *tokens, int32_t 
 
 /* Block (denoising) mode, spec 3.2-3.3 and 5.6: run the B rows of tokens (mask ids allowed)
  * at positions n_past..n_past+B-1 against read-only caches. logits: float32 [B, n_vocab] (row j is
- * the LM head on row j; the caller applies logits_shift). coreset_top_p in (0, 1]; 1 means
- * normal routing. n_experts_out (may be NULL) receives, per layer, the number of distinct
- * experts used by the pass [n_layer]. Requires a clover model. */
+ * the LM head on row j; the caller applies the logit convention, hparams.shift_logits); P = n_past
+ * clean tokens precede the block (spec 3.3 step 4). coreset_top_p in (0, 1]; 1 means normal
+ * routing. n_experts_out (may be NULL) receives, per layer, the number of distinct experts used
+ * by the pass [n_layer]. Requires the block tensors (hparams.has_block). */
 CLOVER_API int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B,
                                     float coreset_top_p, float *logits, int32_t *n_experts_out,
                                     char *err, size_t err_size);
@@ -268,7 +292,7 @@ CLOVER_API int clover_block_forward_rows(clover_context *c, const int32_t *token
 /* ---------------------------------------------------------------- decoding (decode.c, sampler.c) */
 /* ar: one token per prefix-mode forward; diffusion: threshold block decoding (spec 5.2);
  * spec: self-speculative, a block-mode draft verified by one prefix-mode forward, output
- * identical to greedy ar (spec 5.5; needs a clover model with logits_shift). */
+ * identical to greedy ar (spec 5.5). diffusion and spec need the block tensors (hparams.has_block). */
 enum { CLOVER_MODE_AR = 0, CLOVER_MODE_DIFFUSION = 1, CLOVER_MODE_SPEC = 2 };
 /* Buckets of clover_stats.accept_hist: accepted draft tokens 0 .. CLOVER_ACCEPT_HIST - 2, the
  * last bucket counts CLOVER_ACCEPT_HIST - 1 or more. */
@@ -294,9 +318,9 @@ typedef struct {
     float presence_penalty;  /* logits, finite (may be < 0): subtracted once from every token
                                 already generated (committed or filled in the current block);
                                 0 = off; default: the GGUF's (0.9) */
-    float repetition_penalty;/* > 0: over prompt + generated tokens, a logit > 0 is divided by it,
-                                one <= 0 multiplied (CTRL, as llama.cpp); 1 = off; default: the
-                                GGUF's (1.05). Applied before presence and frequency. */
+    float repetition_penalty;/* > 0: over the tokens penalty_scope names, a logit > 0 is divided
+                                by it, one <= 0 multiplied (CTRL, as llama.cpp); 1 = off; default:
+                                the GGUF's (1.05). Applied before presence and frequency. */
     float frequency_penalty; /* logits per occurrence among generated tokens, finite; 0 = off */
     const int32_t *logit_bias_ids;   /* [n_logit_bias] token ids in [0, n_vocab); a repeated id
                                         gets the sum of its values */
@@ -317,6 +341,9 @@ typedef struct {
      * equal the context's n_past and be < n_prompt, and only prompt[n_reuse..] is prefilled
      * (GDN and conv state cannot be rewound, so only the whole cache can be reused). */
     int32_t n_reuse;
+    int32_t penalty_scope;   /* CLOVER_PENALTY_RESPONSE: the repetition penalty counts generated
+                                tokens only; CLOVER_PENALTY_ALL: the prompt's too (spec 5.4);
+                                default: the GGUF's */
 } clover_gen_params;
 
 /* Fill p with the model's defaults (spec 4.2 values from the GGUF; ramp slope and cap: the

@@ -296,7 +296,7 @@ static void exercise_model(clover_model *m, stats *st) {
         st->forwards++;
         err[0] = '\0';
         int rc = clover_prefill(c, tok, 2, logits, 1, err, sizeof err);
-        if (rc == CLOVER_OK && hp.is_clover) {
+        if (rc == CLOVER_OK && hp.has_block) {
             for (int j = 0; j < 4; j++) tok[j] = hp.mask_token_id >= 0 ? hp.mask_token_id : 0;
             rc = clover_block_forward(c, tok, 4, 0.9f, logits, NULL, err, sizeof err);
         }
