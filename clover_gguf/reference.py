@@ -494,6 +494,19 @@ BLOCK_TENSORS = ("conv_right_weight", "bd_softmax_logit_scale", "bd_softmax_hist
                  "bd_softmax_history_c")
 
 
+# The decoding record's keys that the reference reads (spec 3.4)
+_RECORD_KEYS = ("mask_token_id", "block_size", "threshold", "moe_block_coreset_top_p")
+
+
+def _with_generation_config(hf_dir: pathlib.Path, cfg: dict) -> dict:
+    """config.json's dict with the record keys it lacks taken from generation_config.json (spec 3.4)."""
+    path = hf_dir / "generation_config.json"
+    if not path.is_file():
+        return cfg
+    gen = json.loads(path.read_text())
+    return dict(cfg, **{k: gen[k] for k in _RECORD_KEYS if k not in cfg and gen.get(k) is not None})
+
+
 def _mask_from_tokenizer(hf_dir: pathlib.Path):
     """The id of the one added token of tokenizer.json whose content contains "mask", else None."""
     path = hf_dir / "tokenizer.json"
@@ -502,6 +515,8 @@ def _mask_from_tokenizer(hf_dir: pathlib.Path):
     hits = [int(t["id"]) for t in json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
             if "mask" in str(t.get("content", ""))]
     return hits[0] if len(hits) == 1 else None
+
+
 _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 
 
@@ -585,12 +600,14 @@ class CloverReference:
         keys (after norm and RoPE) and values are rounded to it before attention reads them, as
         the engine's KV cache of that type (clover-spec 6); None keeps them in ``dtype``.
         A checkpoint is Clover when every GDN layer has the four block tensors (spec 3.4); some
-        but not all of them raise ValueError naming the first missing one. The mask token is
-        config.json's ``mask_token_id``, else the one added token of tokenizer.json whose content
-        contains ``mask`` (spec 3.1). Missing tensors raise KeyError.
+        but not all of them raise ValueError naming the first missing one. The decoding record
+        (spec 3.4) is read from config.json, then generation_config.json. The mask token is the
+        record's ``mask_token_id``, else the one added token of tokenizer.json whose content
+        contains ``mask`` (spec 3.1); a Clover checkpoint with neither raises ValueError. Missing
+        tensors raise KeyError.
         """
         hf_dir = pathlib.Path(hf_dir)
-        cfg_json = json.loads((hf_dir / "config.json").read_text())
+        cfg_json = _with_generation_config(hf_dir, json.loads((hf_dir / "config.json").read_text()))
         config = ReferenceConfig.from_hf(cfg_json)
         weights = _load_hf_tensors(hf_dir, dtype, tensor_hook)
         gdn = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
@@ -603,6 +620,10 @@ class CloverReference:
         config.clover = bool(have)
         if config.clover and config.mask_token_id is None:
             config.mask_token_id = _mask_from_tokenizer(hf_dir)
+            if config.mask_token_id is None:
+                raise ValueError(f"{hf_dir}: no mask token (spec 3.1): no mask_token_id in config.json or "
+                                 "generation_config.json, and not exactly one added token of tokenizer.json "
+                                 "whose content contains 'mask'")
         return cls(config, weights, dtype, kv_cache_dtype)
 
     # -- incremental interface (also used by the decoders) ------------------------------------
