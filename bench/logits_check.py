@@ -46,7 +46,7 @@ def collect(path: str, out: str, n_gpu_layers: int, threads: int, n_prompts: int
 
     res = {}
     with Model(path, n_ctx=1024, n_threads=threads, n_gpu_layers=n_gpu_layers) as m:
-        if not m.is_clover:
+        if not m.has_block:
             raise SystemExit(f"{path}: not a clover model (no block mode)")
         block = [m.hparams["mask_token_id"]] * m.hparams["block_size"]
         for i, p in enumerate(PROMPTS[:n_prompts]):

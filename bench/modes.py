@@ -31,7 +31,7 @@ KINDS = ("prefill", "denoise", "commit", "decode", "draft", "verify")
 def run(path: str, n: int, threads: int, n_gpu_layers: int = 0, n_prompts: int = len(PROMPTS), **kw) -> dict:
     out = {}
     with Model(path, n_ctx=max(1024, n + 64), n_threads=threads, n_gpu_layers=n_gpu_layers) as m:
-        modes = ["ar", "diffusion", "spec"] if m.is_clover else ["ar"]
+        modes = ["ar", "diffusion", "spec"] if m.has_block else ["ar"]
         ar_tokens = []
         for mode in modes:
             agg = {"tokens": 0, "seconds": 0.0, "forwards": 0, **{k: 0 for k in KINDS}, "accept_hist": [],

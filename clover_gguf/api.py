@@ -29,6 +29,9 @@ _FINISH = {
     lib.CLOVER_FINISH_STOP: "stop",
     lib.CLOVER_FINISH_LENGTH: "length",
 }
+# clover_hparams.arch and .penalty_scope by their C values (clover.h CLOVER_ARCH_*, CLOVER_PENALTY_*)
+_ARCHES = ("qwen35moe", "clover_moe")
+_SCOPES = ("response", "all")
 # Tokens that end generation besides the GGUF eos (Qwen chat / document ends).
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
@@ -94,10 +97,13 @@ def _check_f32(name, v, lo=None, hi=None, lo_open=False):
 
 
 class Model:
-    """A loaded GGUF model (arch ``clover`` or ``qwen35moe``) with one decoding context.
+    """A loaded GGUF model (arch ``clover_moe`` or ``qwen35moe``) with one decoding context.
 
     Args:
         path: GGUF file.
+        diffusion_path: the diffusion sidecar holding Clover's block tensors for a ``clover_moe``
+            trunk without them (docs/gguf-layout.md); None: ``<stem>.diffusion.gguf`` beside
+            ``path`` when it exists; ``""``: none. Without block tensors a model runs ``ar``.
         n_ctx: context length in tokens (prompt + generated + one block), > 0.
         n_threads: CPU threads; None or 0 = all available cores.
         n_gpu_layers: layers whose weight products run on the GPU in a CUDA build (-1: all, and
@@ -133,7 +139,8 @@ class Model:
 
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
-                 type_k: str | int = "f32", type_v: str | int = "f32", plan_callback=None) -> None:
+                 type_k: str | int = "f32", type_v: str | int = "f32", plan_callback=None,
+                 diffusion_path=None) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
@@ -145,6 +152,8 @@ class Model:
         self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
         self._cancel_lock = threading.Lock()
         path = os.fspath(path)
+        if diffusion_path is not None:
+            diffusion_path = os.fspath(diffusion_path)
         n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
         n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, lo=-1, hi=2**31 - 1)
@@ -167,7 +176,9 @@ class Model:
         self.placement: dict | None = None  # bytes per part of the GPU placement (placement.py)
         self.path = path
         err = err_buf()
-        m = lib.clover_model_load(os.fsencode(path), err, len(err))
+        m = lib.clover_model_load_sidecar(os.fsencode(path),
+                                          ffi.NULL if diffusion_path is None else os.fsencode(diffusion_path),
+                                          err, len(err))
         if m == ffi.NULL:
             msg = ffi.string(err).decode("utf-8", "replace")
             raise CloverError(msg if msg.startswith(path) else f"{path}: {msg}")
@@ -177,8 +188,12 @@ class Model:
             lib.clover_model_hparams(m, hp)
             self._hp = hp[0]
             self.hparams = {name: getattr(hp, name) for name, _ in ffi.typeof("clover_hparams").fields}
-            self.hparams["is_clover"] = bool(self.hparams["is_clover"])
-            self.hparams["logits_shift"] = bool(self.hparams["logits_shift"])
+            for name in ("has_block", "shift_logits", "block_aligned"):
+                self.hparams[name] = bool(self.hparams[name])
+            self.hparams["arch"] = _ARCHES[self.hparams["arch"]]
+            self.hparams["penalty_scope"] = _SCOPES[self.hparams["penalty_scope"]]
+            side = lib.clover_model_sidecar_path(m)
+            self.sidecar_path = None if side == ffi.NULL else os.fsdecode(ffi.string(side))
             if n_gpu_layers or gpu_budget is not None:
                 self.n_gpu_layers = self._offload(n_gpu_layers, n_cpu_moe, gpu_budget)
             c = lib.clover_context_new(m, n_ctx, n_threads, self.type_k, self.type_v, err, len(err))
@@ -197,12 +212,14 @@ class Model:
     # ------------------------------------------------------------------ basics
     @property
     def arch(self) -> str:
-        """``"clover"`` or ``"qwen35moe"``."""
-        return "clover" if self.hparams["is_clover"] else "qwen35moe"
+        """``"clover_moe"`` or ``"qwen35moe"``."""
+        return self.hparams["arch"]
 
     @property
-    def is_clover(self) -> bool:
-        return self.hparams["is_clover"]
+    def has_block(self) -> bool:
+        """Whether Clover's block tensors are loaded (from the file or its sidecar): block mode,
+        ``diffusion`` and ``spec`` run."""
+        return self.hparams["has_block"]
 
     def _end_ids(self) -> list[int]:
         ids = []
@@ -360,11 +377,12 @@ class Model:
         p = ffi.new("clover_gen_params *")
         lib.clover_gen_params_default(self._model, p)
         if mode is None:
-            mode = "diffusion" if self.is_clover else "ar"
+            mode = "diffusion" if self.has_block else "ar"
         if not isinstance(mode, str) or mode not in _MODES:
             raise ValueError(f"mode: {mode!r} not one of {sorted(_MODES)}")
-        if mode in ("diffusion", "spec") and not self.is_clover:
-            raise ValueError(f"mode: {mode!r} needs a clover model (this GGUF is qwen35moe); use 'ar'")
+        err = err_buf()
+        if lib.clover_model_check_mode(self._model, _MODES[mode], err, len(err)) != 0:
+            raise ValueError(ffi.string(err).decode("utf-8", "replace"))
         p.mode = _MODES[mode]
         p.max_tokens = _check_int("max_tokens", max_tokens, lo=1, hi=2**31 - 1)
         p.temperature = _check_float("temperature", temperature, lo=0.0)
@@ -388,9 +406,14 @@ class Model:
 
     def _set_sampling(self, p, min_p=None, presence_penalty=None, repeat_penalty=None,
                       frequency_penalty=None, logit_bias=None, think_close_bias_start=None,
-                      eos_bias_start=None, bias_slope=None, bias_max=None):
-        """Set the spec 5.3-5.4 fields of ``p``; None keeps clover_gen_params_default's value.
-        Returns the arrays ``p`` points to (they must live as long as ``p``)."""
+                      eos_bias_start=None, bias_slope=None, bias_max=None, penalty_scope=None):
+        """Set the spec 5.3-5.4 fields of ``p``; None keeps clover_gen_params_default's value
+        (the GGUF's decoding record). Returns the arrays ``p`` points to (they must live as long
+        as ``p``)."""
+        if penalty_scope is not None:
+            if penalty_scope not in _SCOPES:
+                raise ValueError(f"penalty_scope: {penalty_scope!r} is not one of {', '.join(_SCOPES)}")
+            p.penalty_scope = _SCOPES.index(penalty_scope)
         if min_p is not None:
             p.min_p = _check_float("min_p", min_p, lo=0.0, hi=1.0)
         if presence_penalty is not None:
@@ -817,10 +840,11 @@ class Model:
 
         Returns ``(logits, n_experts)``: float32 [B, n_vocab] (row j = LM head on row j, no
         shift applied) and a list of n_layer ints, the distinct experts used per layer.
-        Requires a clover model. Raises ValueError / CloverError."""
+        Requires the block tensors (:attr:`has_block`). Raises ValueError / CloverError."""
         self._live()
-        if not self.is_clover:
-            raise ValueError("block_logits: needs a clover model (this GGUF is qwen35moe)")
+        err = err_buf()
+        if lib.clover_model_check_mode(self._model, lib.CLOVER_MODE_DIFFUSION, err, len(err)) != 0:
+            raise ValueError("block_logits: " + ffi.string(err).decode("utf-8", "replace"))
         prefix = self._check_ids("prefix_ids", prefix_ids, allow_empty=True)
         block = self._check_ids("block_ids", block_ids)
         cp = _check_float("coreset_top_p", coreset_top_p, lo=0.0, hi=1.0, lo_open=True)

@@ -158,9 +158,10 @@ class _Engine:
     """A loaded model and one context, freed by close()."""
 
     def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
-                 type_k: int = 0, type_v: int = 0) -> None:
+                 type_k: int = 0, type_v: int = 0, diffusion_path=None) -> None:
         err = err_buf()
-        self.m = lib.clover_model_load(os.fsencode(path), err, len(err))
+        side = ffi.NULL if diffusion_path is None else os.fsencode(diffusion_path)
+        self.m = lib.clover_model_load_sidecar(os.fsencode(path), side, err, len(err))
         if self.m == ffi.NULL:
             raise_error(err, f"loading {path}")
         self.c = ffi.NULL
@@ -215,7 +216,8 @@ def _check_pos(name: str, v: int) -> int:
 def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
               block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0,
-              n_cpu_moe: int = 0, type_k: str | int = "f32", type_v: str | int = "f32", n_depth: int = 0) -> dict:
+              n_cpu_moe: int = 0, type_k: str | int = "f32", type_v: str | int = "f32", n_depth: int = 0,
+              diffusion_path=None) -> dict:
     """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
 
     Args:
@@ -246,12 +248,13 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         raise ValueError(f"n_threads: {threads} must be >= 0")
     summary = model_summary(path)
     type_k, type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
-    eng = _Engine(path, D + max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe, type_k, type_v)
+    eng = _Engine(path, D + max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe, type_k, type_v,
+                  diffusion_path)
     gpu_layers = eng.n_gpu_layers
     try:
         hp = eng.hp
         V = int(hp.n_vocab)
-        do_block = bool(hp.is_clover) if block is None else (bool(block) and bool(hp.is_clover))
+        do_block = bool(hp.has_block) if block is None else (bool(block) and bool(hp.has_block))
         rng = np.random.default_rng(seed)
         last = ffi.new("float[]", V)
         at = f" @ d{D}" if D else ""

@@ -289,7 +289,7 @@ def cmd_bench(a) -> int:
                         n_threads=a.threads, block_size=a.block_size, coreset_top_p=a.coreset_top_p,
                         seed=a.seed, warmup=not a.no_warmup, n_gpu_layers=gpu_layers(a),
                         n_cpu_moe=placement_kwargs(a).get("n_cpu_moe", 0), type_k=a.cache_type_k,
-                        type_v=a.cache_type_v, n_depth=a.n_depth)
+                        type_v=a.cache_type_v, n_depth=a.n_depth, diffusion_path=a.diffusion)
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None
     print(to_json(rep) if a.json else format_table(rep))
@@ -314,7 +314,8 @@ def cmd_fit(a) -> int:
     from .placement import describe, fit, gpu_free_bytes, placement
 
     _check_model_path(a.model)
-    with Model(a.model, n_ctx=16, n_threads=1, type_k=a.cache_type_k, type_v=a.cache_type_v) as m:
+    with Model(a.model, n_ctx=16, n_threads=1, type_k=a.cache_type_k, type_v=a.cache_type_v,
+               diffusion_path=a.diffusion) as m:
         n_layer = int(m.hparams["n_layer"])
         budget = a.gpu_budget if a.gpu_budget is not None else gpu_free_bytes()
         if a.n_gpu_layers is not None or budget is None:

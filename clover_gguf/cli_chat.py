@@ -182,9 +182,13 @@ def _size_arg(s: str) -> int:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's placement flags: ``-ngl N|all``, ``--device cpu|cuda``, ``--cpu-moe``,
-    ``--n-cpu-moe N``, ``--fit`` and ``--gpu-budget SIZE``, and its KV cache types ``-ctk``,
-    ``-ctv`` (:func:`placement_kwargs`)."""
+    """How a model is loaded: llama.cpp's placement flags ``-ngl N|all``, ``--device cpu|cuda``,
+    ``--cpu-moe``, ``--n-cpu-moe N``, ``--fit`` and ``--gpu-budget SIZE``, its KV cache types
+    ``-ctk``, ``-ctv``, and ``--diffusion FILE``, the sidecar of a clover_moe trunk
+    (:func:`placement_kwargs`)."""
+    p.add_argument("--diffusion", default=None, metavar="FILE",
+                   help="diffusion sidecar of a clover_moe model without the block tensors (default: "
+                        "<model stem>.diffusion.gguf beside it, when present; made by convert --diffusion-only)")
     p.add_argument("-ngl", "--n-gpu-layers", type=_gpu_layers_arg, default=None, metavar="N|all",
                    help="layers whose weight products run on the GPU; all = every layer and the output "
                         "(default: all with --device cuda, else 0)")
@@ -213,10 +217,11 @@ def gpu_layers(a) -> int:
 
 
 def placement_kwargs(a) -> dict:
-    """``n_gpu_layers``, ``n_cpu_moe``, ``gpu_budget``, ``type_k`` and ``type_v`` of
-    :class:`Clover` / ``Model`` from :func:`add_device_args`'s flags, and ``plan_callback``
+    """``n_gpu_layers``, ``n_cpu_moe``, ``gpu_budget``, ``type_k``, ``type_v`` and ``diffusion_path``
+    of :class:`Clover` / ``Model`` from :func:`add_device_args`'s flags, and ``plan_callback``
     (:func:`print_plan_line`: the plan shows before the weights go to the GPU)."""
-    cache = dict(type_k=getattr(a, "cache_type_k", "f32"), type_v=getattr(a, "cache_type_v", "f32"))
+    cache = dict(type_k=getattr(a, "cache_type_k", "f32"), type_v=getattr(a, "cache_type_v", "f32"),
+                 diffusion_path=getattr(a, "diffusion", None))
     if getattr(a, "device", None) == "cpu":
         return dict(n_gpu_layers=0, **cache)
     fit = getattr(a, "fit", False)
@@ -468,6 +473,10 @@ def _answer(llm, prompt: str, kw: dict, chat: bool) -> dict:
 def cmd_compare(a) -> int:
     if not a.model or len(a.model) != 2:
         print("error: -m/--model: give exactly two GGUF files (-m A.gguf -m B.gguf)", file=sys.stderr)
+        return 2
+    if a.diffusion is not None:
+        print("error: --diffusion: compare loads two models; put each sidecar beside its model as "
+              "<stem>.diffusion.gguf", file=sys.stderr)
         return 2
     if a.file is not None:
         try:

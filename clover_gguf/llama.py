@@ -148,8 +148,9 @@ class Clover:
             ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
             "random seed").
         verbose: print a load line and, after every call, a timings line to stderr.
-        mode: ``"diffusion"`` (the default for clover files), ``"ar"`` (the default and the
-            only mode for qwen35moe files) or ``"spec"``.
+        mode: ``"diffusion"`` (the default for Clover files with the block tensors), ``"ar"``
+            (the default, and the only mode, for qwen35moe files and clover_moe trunks without
+            their sidecar) or ``"spec"``.
         block_size, threshold, coreset_top_p: diffusion settings; None = the GGUF's
             (clover-spec 4.2). Calls may override all four.
         prefix_reuse: when a prompt extends exactly what the caches hold after the last call
@@ -158,6 +159,8 @@ class Clover:
             a full prefill's up to float rounding (summation order).
         plan_callback: called with the GPU placement's plan line before the weights go to the
             GPU (see :class:`~clover_gguf.api.Model`).
+        diffusion_path: the diffusion sidecar of a clover_moe trunk (None: ``<stem>.diffusion.gguf``
+            beside the model when it exists; see :class:`~clover_gguf.api.Model`).
 
     Raises:
         CloverError: the native loader's message (bad file, missing tensor, ...).
@@ -175,7 +178,7 @@ class Clover:
                  type_k: str | int = "f32", type_v: str | int = "f32", seed: int = 0, verbose: bool = False,
                  mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
-                 prefix_reuse: bool = True, plan_callback=None) -> None:
+                 prefix_reuse: bool = True, plan_callback=None, diffusion_path=None) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
         self._state = threading.Lock()  # guards _closed
         self._lock = threading.Lock()   # the call lock
@@ -191,9 +194,10 @@ class Clover:
         t0 = time.perf_counter()
         self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse,
                             n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpu_budget=gpu_budget,
-                            type_k=type_k, type_v=type_v, plan_callback=plan_callback)
+                            type_k=type_k, type_v=type_v, plan_callback=plan_callback,
+                            diffusion_path=diffusion_path)
         try:
-            self.mode = mode if mode is not None else ("diffusion" if self._model.is_clover else "ar")
+            self.mode = mode if mode is not None else ("diffusion" if self._model.has_block else "ar")
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p
             # validate the diffusion settings now (the same checks as every call's)
             self._model._params(1, self.mode, 0.0, 0, 1.0, 0, block_size, threshold, coreset_top_p, None)

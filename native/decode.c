@@ -103,18 +103,25 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     p->bias_max = m ? m->hp.bias_max : 10.0f;
 }
 
-static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
-    const clover_hparams *hp = &m->hp;
-    if (p->mode != CLOVER_MODE_AR && p->mode != CLOVER_MODE_DIFFUSION && p->mode != CLOVER_MODE_SPEC)
-        return clover_set_err(err, n, CLOVER_E_ARG, "mode: %d is not ar (0), diffusion (1) or spec (2)", p->mode);
-    if (p->mode != CLOVER_MODE_AR && !hp->has_block) {
-        clover_no_block(m, p->mode == CLOVER_MODE_SPEC ? "mode: spec" : "mode: diffusion", err, n);
+int clover_model_check_mode(const clover_model *m, int32_t mode, char *err, size_t err_size) {
+    if (!m) return clover_set_err(err, err_size, CLOVER_E_ARG, "model is NULL");
+    if (mode != CLOVER_MODE_AR && mode != CLOVER_MODE_DIFFUSION && mode != CLOVER_MODE_SPEC)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "mode: %d is not ar (0), diffusion (1) or spec (2)", mode);
+    if (mode != CLOVER_MODE_AR && !m->hp.has_block) {
+        clover_no_block(m, mode == CLOVER_MODE_SPEC ? "mode spec" : "mode diffusion", err, err_size);
         return CLOVER_E_ARG;
     }
+    return CLOVER_OK;
+}
+
+static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
+    const clover_hparams *hp = &m->hp;
+    int rc = clover_model_check_mode(m, p->mode, err, n);
+    if (rc) return rc;
     if (p->max_tokens <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "max_tokens: %d must be > 0", p->max_tokens);
     /* temperature, top_k, top_p, min_p, penalties, logit_bias, think ids, ramps (sampler.c,
      * shared with clover_sample_logits) */
-    int rc = clover_check_sampling(p, hp->n_vocab, err, n);
+    rc = clover_check_sampling(p, hp->n_vocab, err, n);
     if (rc) return rc;
     if (p->block_size <= 0) return clover_set_err(err, n, CLOVER_E_ARG, "block_size: %d must be > 0", p->block_size);
     if (!(p->threshold > 0.0f && p->threshold <= 1.0f))

@@ -346,6 +346,10 @@ typedef struct {
                                 default: the GGUF's */
 } clover_gen_params;
 
+/* CLOVER_OK when m can decode in mode (CLOVER_MODE_*), else CLOVER_E_ARG with the reason in err:
+ * diffusion and spec need the block tensors, and the message says how to get them. */
+CLOVER_API int clover_model_check_mode(const clover_model *m, int32_t mode, char *err, size_t err_size);
+
 /* Fill p with the model's defaults (spec 4.2 values from the GGUF; ramp slope and cap: the
  * engine's defaults above). */
 CLOVER_API void clover_gen_params_default(const clover_model *m, clover_gen_params *p);
