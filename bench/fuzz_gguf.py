@@ -3,7 +3,8 @@
 
 Builds libclover and tests/fuzz/fuzz_gguf.c with ``-DCLOVER_SANITIZE=ON -DCLOVER_FUZZ=ON`` into
 --build, writes the seed files into --seeds (once: a small file with every KV type, the embedded
-model, and the tiny test model converted to each engine weight type, both architectures), runs
+model, the tiny test model converted to each engine weight type, both architectures, and its
+diffusion sidecar), runs
 the mutator for --iters inputs from --seed, then every prefix of the small files (--truncate) and
 the regression corpus, and prints the harness's JSON lines. Inputs that crash are written to
 --crashes; copy them into tests/fuzz/corpus/ once fixed. The test suite runs the same harness
@@ -43,7 +44,7 @@ def small_kv_file(path: pathlib.Path) -> pathlib.Path:
     from gguf.quants import quantize
 
     rng = np.random.default_rng(7)
-    w = GGUFWriter(str(path), "clover")
+    w = GGUFWriter(str(path), "clover_moe")
     w.add_uint32("general.alignment", 64)
     w.add_uint8("k.u8", 200), w.add_int8("k.i8", -5), w.add_uint16("k.u16", 60000), w.add_int16("k.i16", -300)
     w.add_uint32("k.u32", 7), w.add_int32("k.i32", -7), w.add_float32("k.f32", 0.5), w.add_bool("k.bool", True)
@@ -84,7 +85,12 @@ def make_seeds(out: pathlib.Path) -> list[pathlib.Path]:
                 ckpts[clover] = make_checkpoint(pathlib.Path(tempfile.mkdtemp()), clover=clover)
             convert(ckpts[clover], p, outtype=outtype, arch=arch, progress=False)
         files.append(p)
-    return files
+    sidecar = out / "clover-sidecar.diffusion.gguf"
+    if not sidecar.exists():
+        if True not in ckpts:
+            ckpts[True] = make_checkpoint(pathlib.Path(tempfile.mkdtemp()), clover=True)
+        convert(ckpts[True], sidecar, diffusion_only=True, progress=False)
+    return files + [sidecar]
 
 
 def build(build_dir: pathlib.Path) -> pathlib.Path:

@@ -1,11 +1,14 @@
-"""Benchmark GGUF models generated directly in quantised form from random weights (issue 3, item 4a).
+"""Benchmark GGUF models generated directly in quantised form from random weights.
 
 No HF checkpoint, no BF16 detour, no torch: every tensor piece is drawn from its own numpy
 generator (seeded by seed, tensor name and piece index, so the file does not depend on the
 thread count), scaled, quantised by the native quantisers (``clover_from_f32``) and streamed to
 disk. Per-tensor types follow ``convert.quant_plan.plan_types`` (llama.cpp's llama-quantize rules
-for qwen35moe), the layout and metadata are the converter's (``convert.convert._add_metadata``),
-so llama.cpp loads the ``qwen35moe`` files.
+for qwen35moe), the layout and metadata are the converter's (``convert.convert.add_trunk_metadata``,
+``convert.record``), so llama.cpp loads the ``qwen35moe`` files. ``--arch clover_moe`` writes the
+complete Clover file of docs/gguf-layout.md: the same trunk under the ``clover_moe.`` prefix, the
+block tensors after each GDN layer's ssm_out (F32, random and non-zero) and the decoding record at
+its defaults (mask token ``<|mask|>``).
 
 Dimensions: ``--dims real`` is Qwen3.6-35B-A3B (shared/data/qwen3.6-35b-a3b.json) with
 ``--layers N`` (4 or 40 for the benchmarks); ``--dims tiny`` is the test model of clover-spec
@@ -19,11 +22,12 @@ the 40-layer Q4_K_M model (~21 GB) is written with a few hundred MB of RAM (meas
 
 Values (sensible scales; the model is random, only its speed matters): linear weights
 N(0, 1/ne0) (ne0 = input width); token_embd N(0, 0.05^2); norm weights stored as 1 + N(0, 0.1^2);
-ssm_a = -U(1, 16); ssm_dt.bias = softplus^-1(U(0.001, 0.1)); conv1d N(0, 1/K); router N(0, 1/H);
-bwd_mix N(0, 1).
+ssm_a = -U(1, 16); ssm_dt.bias = softplus^-1(U(0.001, 0.1)); conv1d and the right taps N(0, 0.5^2);
+router N(0, 1/H); block softmax (spec 3.3) bd_logit_scale N(1.2, 0.3^2), bd_history_bias
+N(0, 0.5^2), bd_history_c N(0.5, 0.3^2) (convert/make_checkpoint.py's scales).
 
 CLI: ``python bench/make_bench_model.py OUT.gguf [--dims real|tiny] [--layers N]
-[--outtype q4_k_m|q8_0|q4_0|q5_k_m|q6_k|iq4_xs|f32|f16|bf16] [--arch qwen35moe|clover] [--seed S]
+[--outtype q4_k_m|q8_0|q4_0|q5_k_m|q6_k|iq4_xs|f32|f16|bf16] [--arch qwen35moe|clover_moe] [--seed S]
 [--threads T] [--unique-experts K] [--no-progress]``.
 """
 
@@ -47,6 +51,7 @@ if str(_ROOT) not in sys.path:
 
 from convert import convert as C  # noqa: E402
 from convert import quant_plan as QP  # noqa: E402
+from convert import record as R  # noqa: E402
 
 _SHARED = next((p for p in (_ROOT.parent / "shared", _ROOT / "shared", pathlib.Path("/work/shared"))
                 if (p / "data").is_dir()), pathlib.Path("/work/shared"))
@@ -127,20 +132,24 @@ def build_tokenizer_dir(out_dir: pathlib.Path, n_tokens: int = 1024) -> None:
         "chat_template": template, "add_bos_token": False}))
 
 
+# block softmax parameters (spec 3.3): (mean, std) as convert/make_checkpoint.py draws them
+_BLOCK_SOFTMAX = {"bd_logit_scale": (1.2, 0.3), "bd_history_bias": (0.0, 0.5), "bd_history_c": (0.5, 0.3)}
+
+
 def _init_kind(name: str) -> str:
     suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
     if suffix == "token_embd.weight":
         return "embd"
     if suffix.endswith("norm.weight"):
         return "ssm_norm" if suffix == "ssm_norm.weight" else "norm"
-    if suffix in ("ssm_a", "ssm_a_bwd"):
+    if suffix == "ssm_a":
         return "ssm_a"
-    if suffix in ("ssm_dt.bias", "ssm_dt_bwd.bias"):
+    if suffix == "ssm_dt.bias":
         return "dt"
     if suffix.startswith("ssm_conv1d"):
         return "conv"
-    if suffix == "ssm_bwd_mix":
-        return "unit"
+    if suffix.startswith("bd_"):
+        return suffix
     return "linear"  # std 1/sqrt(row length), incl. the router and ffn_gate_inp_shexp
 
 
@@ -161,8 +170,11 @@ def _values(kind: str, rng: np.random.Generator, n_rows: int, ne0: int) -> np.nd
         a = np.log(np.expm1(dt)).astype(np.float32)
     elif kind == "conv":
         a = rng.standard_normal(n, dtype=np.float32) * np.float32(0.5)
+    elif kind in _BLOCK_SOFTMAX:
+        mean, std = _BLOCK_SOFTMAX[kind]
+        a = rng.standard_normal(n, dtype=np.float32) * np.float32(std) + np.float32(mean)
     else:
-        a = rng.standard_normal(n, dtype=np.float32)
+        raise ValueError(f"init kind {kind!r}")
     return a.reshape(n_rows, ne0)
 
 
@@ -187,7 +199,8 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
 
     out_path: written as ``out_path.part`` and renamed when complete. dims: "real" (Qwen3.6-35B-A3B)
     or "tiny". outtype: one of ``convert.quant_plan.OUTTYPES``. arch: "qwen35moe" (llama.cpp
-    loads it) or "clover" (adds the backward-branch tensors and diffusion keys). threads:
+    loads it) or "clover_moe" (the complete Clover file: block tensors and the decoding record at
+    its defaults; module docstring). threads:
     generator/quantiser threads (default os.cpu_count()). unique_experts: None (every expert
     matrix drawn fresh) or K: expert e of each 3-D expert tensor repeats the bytes of expert
     e % K (speed does not depend on the values; experts are ~90% of the 35B values, and ggml's
@@ -207,13 +220,9 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
     with tempfile.TemporaryDirectory() as td:
         build_tokenizer_dir(pathlib.Path(td), n_tokens=min(1024, hp.V))
         vocab = C.read_vocab(pathlib.Path(td), hp)
-    clover_kv = {}
-    if arch == C.ARCH_CLOVER:
-        for key, typ, default in C.CLOVER_KEYS:
-            clover_kv[key] = (typ, vocab.tokens.index("<|mask|>") if key == "mask_token_id" else default)
+    record = R.defaults(vocab.tokens.index("<|mask|>")) if arch == C.ARCH_CLOVER else None
     shapes = QP.tensor_shapes(hp, arch)
     types = QP.plan_types(arch, hp, dict(shapes), outtype)
-    plan = C.Plan(arch, hp, [], [], clover_kv)
 
     def nbytes(shape, qt):
         block, tsize = gguf.GGML_QUANT_SIZES[qt]
@@ -226,7 +235,9 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
     total = sum(nbytes(s, types[n]) for n, s in shapes)
     bar = None
     try:
-        C._add_metadata(w, plan, vocab, outtype, f"random-{dims}-{hp.n_layer}L")
+        C.add_trunk_metadata(w, hp, vocab, outtype, f"random-{dims}-{hp.n_layer}L")
+        if record is not None:
+            R.add_to_writer(w, record)
         for name, shape in shapes:
             w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, types[name]), raw_dtype=types[name])
         w.write_header_to_file(path=part)
@@ -292,7 +303,8 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
 
 def main(argv=None) -> int:
     """CLI (module docstring). Prints the written path and size; returns 0."""
-    ap = argparse.ArgumentParser(description="Random-weight benchmark GGUF (qwen35moe), written directly quantised.")
+    ap = argparse.ArgumentParser(description="Random-weight benchmark GGUF (qwen35moe or clover_moe), written "
+                                             "directly quantised.")
     ap.add_argument("out", metavar="OUT.gguf")
     ap.add_argument("--dims", choices=("real", "tiny"), default="real")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: 40 real, 4 tiny)")

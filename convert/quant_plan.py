@@ -1,4 +1,4 @@
-"""Per-tensor GGML type plan for the converter's outtypes (clover-spec section 4; issue 3 item 2).
+"""Per-tensor GGML type plan for the converter's outtypes (clover-spec section 4).
 
 ``plan_types(arch, hparams, tensors, ftype)`` chooses the type of every GGUF tensor the way
 llama.cpp's ``llama-quantize`` does for ``qwen35moe`` (src/llama-quant.cpp of the llama.cpp
@@ -8,7 +8,7 @@ the file types this project writes. Summary of those rules as they apply here:
 
 - Not quantised (kept as the converter stores them, F32): tensors with fewer than 2 dims
   (after dropping trailing ggml dims of 1), names not ending in ``weight`` (``ssm_a``,
-  ``ssm_dt.bias``, ``ssm_bwd_mix``), ``*_norm.weight``, ``ffn_gate_inp.weight`` (router), and
+  ``ssm_dt.bias``), ``*_norm.weight``, ``ffn_gate_inp.weight`` (router), and
   anything containing ``ssm_conv1d``. ``ffn_gate_inp_shexp.weight`` is 1-D, hence F32.
 - ``output.weight``: Q6_K unless the ftype's type is Q8_0 (then Q8_0); Q8_0 when its row length is
   not a multiple of the default type's block.
@@ -33,9 +33,9 @@ counts in ``use_more_bits`` and its ``attn_v`` in the attn_v-like counter). ``ne
 no category and takes the default type (llama.cpp's Q8_0 floor for it applies to glm5-next only);
 ``nextn.enorm`` / ``hnorm`` / ``shared_head_norm`` are 1-D, hence F32.
 
-Clover's extra tensors follow the same name rules, which puts them with their forward twins
-(``ssm_conv1d_bwd.weight`` contains ``ssm_conv1d``; ``ssm_a_bwd``, ``ssm_dt_bwd.bias`` and
-``ssm_bwd_mix`` are 1-D; ``ssm_beta_bwd``/``ssm_alpha_bwd`` take the default type).
+Clover's block tensors (spec 3.3, 4.3) are F32 under the same rules (``ssm_conv1d_right.weight``
+contains ``ssm_conv1d``; ``bd_logit_scale``, ``bd_history_bias``, ``bd_history_c`` are 1-D) and fall
+in no counted category, so a ``clover_moe`` file's trunk gets exactly the ``qwen35moe`` types.
 
 Float ftypes (f32, f16, bf16): every quantisable tensor takes that type, no fallback (llama.cpp
 does not run the mix logic for non-quantised default types).
@@ -49,6 +49,8 @@ import re
 from typing import Iterable, Mapping
 
 import gguf
+
+from . import tensor_map as TM
 
 Q = gguf.GGMLQuantizationType
 F = gguf.LlamaFileType
@@ -117,7 +119,7 @@ def _n_dims(ne: tuple) -> int:
 
 
 def allows_quantization(name: str, ne: tuple) -> bool:
-    """llama.cpp tensor_allows_quantization, restricted to the names a qwen35moe/clover file has.
+    """llama.cpp tensor_allows_quantization, restricted to the names a qwen35moe/clover_moe file has.
 
     ``ne`` is the ggml shape (ne0 first)."""
     if _n_dims(ne) < 2:
@@ -144,7 +146,7 @@ def _hp(hparams, *keys):
 def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
     """Per-tensor GGML type for outtype ``ftype`` (llama.cpp's qwen35moe rules; module docstring).
 
-    arch: "qwen35moe" or "clover" (same rules). hparams: ``convert.convert.HParams`` or a dict
+    arch: "qwen35moe" or "clover_moe" (same rules). hparams: ``convert.convert.HParams`` or a dict
     / object with block_count (trunk + MTP blocks; else n_layer plus an optional n_mtp),
     E (experts), nh (attention heads), nkv (KV heads); the HF config names num_hidden_layers,
     num_experts, num_attention_heads, num_key_value_heads are accepted too. tensors: mapping (or
@@ -238,13 +240,14 @@ def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
 
 
 def tensor_shapes(hparams, arch: str = "qwen35moe") -> list:
-    """The GGUF tensors of a qwen35moe / clover model in the converter's file order (contract
+    """The GGUF tensors of a qwen35moe / clover_moe model in the converter's file order (contract
     layout), as [(name, numpy-order shape)], from hyperparameters alone (no weights).
 
     hparams: ``convert.convert.HParams`` (attributes H, n_layer, nh, nkv, hd, Hk, Hv, dk, dv, K,
-    E, I, Is, V, layer_types, optional n_mtp). arch "clover" adds the backward-branch tensors of
-    spec 3.3; n_mtp > 0 adds the MTP blocks (full attention, then the ``nextn.*`` tensors in the
-    first one) after the trunk, as the converter writes them.
+    E, I, Is, V, layer_types, optional n_mtp). arch "clover_moe" adds the block tensors of spec
+    3.3 after each GDN layer's ssm_out (the complete file); n_mtp > 0 adds the MTP blocks (full
+    attention, then the ``nextn.*`` tensors in the first one) after the trunk, as the converter
+    writes them.
     """
     h = hparams
     C = 2 * h.Hk * h.dk + h.Hv * h.dv
@@ -259,10 +262,8 @@ def tensor_shapes(hparams, arch: str = "qwen35moe") -> list:
                     (b + "ssm_conv1d.weight", (C, h.K)), (b + "ssm_a", (h.Hv,)),
                     (b + "ssm_dt.bias", (h.Hv,)), (b + "ssm_norm.weight", (h.dv,)),
                     (b + "ssm_out.weight", (h.H, h.Hv * h.dv))]
-            if arch == "clover":
-                out += [(b + "ssm_conv1d_bwd.weight", (C, h.K)), (b + "ssm_a_bwd", (h.Hv,)),
-                        (b + "ssm_dt_bwd.bias", (h.Hv,)), (b + "ssm_beta_bwd.weight", (h.Hv, h.H)),
-                        (b + "ssm_alpha_bwd.weight", (h.Hv, h.H)), (b + "ssm_bwd_mix", (h.Hv,))]
+            if arch == "clover_moe":
+                out += block_shapes(h, i)
         else:
             out += [(b + "attn_q.weight", (h.nh * 2 * h.hd, h.H)), (b + "attn_k.weight", (h.nkv * h.hd, h.H)),
                     (b + "attn_v.weight", (h.nkv * h.hd, h.H)), (b + "attn_output.weight", (h.H, h.nh * h.hd)),
@@ -277,3 +278,12 @@ def tensor_shapes(hparams, arch: str = "qwen35moe") -> list:
                     (b + "nextn.hnorm.weight", (h.H,)), (b + "nextn.shared_head_norm.weight", (h.H,))]
     out += [("output_norm.weight", (h.H,)), ("output.weight", (h.V, h.H))]
     return out
+
+
+def block_shapes(hparams, i: int) -> list:
+    """Clover's block tensors of GDN layer ``i`` (spec 4.3), [(name, numpy-order shape)], in file
+    order: ``ssm_conv1d_right.weight`` {K-1, C}, then ``bd_logit_scale``, ``bd_history_bias``,
+    ``bd_history_c`` {Hv}; all F32."""
+    h = hparams
+    shapes = {"ssm_conv1d_right.weight": (2 * h.Hk * h.dk + h.Hv * h.dv, h.K - 1)}
+    return [(f"blk.{i}.{g}", shapes.get(g, (h.Hv,))) for g in TM.BLOCK_GGUF]

@@ -12,7 +12,9 @@ Transforms (implemented in ``convert.convert``):
 - ``qkv``: rows of the v part (from channel ``2*Hk*dk``) V-head reordered (head size dv).
 - ``vrows``: rows V-head reordered (head size dv).
 - ``vheads``: leading axis V-head reordered (head size 1; 2-D rows or 1-D elements).
-- ``conv``: ``[C, 1, K] -> [C, K]`` (ggml ``{K, C}``), v channels V-head reordered.
+- ``conv``: ``[C, 1, T] -> [C, T]`` (ggml ``{T, C}``), v channels V-head reordered; T = K taps
+  (``conv1d``) or K-1 right taps (``conv_right_weight``, whose ``[c, 0, d-1]`` multiplies block
+  row ``t + d``).
 - ``negexp``: ``-exp(A_log)`` in F32, V-head reordered.
 - ``vcols``: columns (input dimension) V-head reordered (head size dv).
 - ``flat``: ``[1, H] -> [H]``.
@@ -40,7 +42,7 @@ GLOBAL_MAP = {
 LM_HEAD = ("lm_head.weight", "output.weight", "none")
 
 # Per-layer tensors, in the order they are written inside a block.
-# (HF suffix after "layers.{i}.", GGUF suffix after "blk.{i}.", transform, layer kind, clover_only)
+# (HF suffix after "layers.{i}.", GGUF suffix after "blk.{i}.", transform, layer kind, block tensor)
 LAYER_MAP = [
     ("input_layernorm.weight", "attn_norm.weight", "norm1p", ANY, False),
     # Gated DeltaNet (spec 2.1)
@@ -53,13 +55,11 @@ LAYER_MAP = [
     ("linear_attn.dt_bias", "ssm_dt.bias", "vheads", GDN, False),
     ("linear_attn.norm.weight", "ssm_norm.weight", "none", GDN, False),
     ("linear_attn.out_proj.weight", "ssm_out.weight", "vcols", GDN, False),
-    # Clover backward branch (spec 3.3): same transforms as the forward twins
-    ("linear_attn.conv1d_bwd.weight", "ssm_conv1d_bwd.weight", "conv", GDN, True),
-    ("linear_attn.A_log_bwd", "ssm_a_bwd", "negexp", GDN, True),
-    ("linear_attn.dt_bias_bwd", "ssm_dt_bwd.bias", "vheads", GDN, True),
-    ("linear_attn.in_proj_b_bwd.weight", "ssm_beta_bwd.weight", "vheads", GDN, True),
-    ("linear_attn.in_proj_a_bwd.weight", "ssm_alpha_bwd.weight", "vheads", GDN, True),
-    ("linear_attn.bwd_mix", "ssm_bwd_mix", "vheads", GDN, True),
+    # Clover's block tensors (spec 3.3, 4.3) [assumed shapes]; written after ssm_out
+    ("linear_attn.conv_right_weight", "ssm_conv1d_right.weight", "conv", GDN, True),
+    ("linear_attn.bd_softmax_logit_scale", "bd_logit_scale", "vheads", GDN, True),
+    ("linear_attn.bd_softmax_history_bias", "bd_history_bias", "vheads", GDN, True),
+    ("linear_attn.bd_softmax_history_c", "bd_history_c", "vheads", GDN, True),
     # Gated full attention (spec 2.2); q_proj keeps [query | gate] per head
     ("self_attn.q_proj.weight", "attn_q.weight", "none", ATTN, False),
     ("self_attn.k_proj.weight", "attn_k.weight", "none", ATTN, False),
@@ -108,6 +108,9 @@ MTP_GLOBAL_MAP = {
 # Per-tensor GGML types (which tensors stay F32, the quantised mixes) are decided by
 # convert/quant_plan.py, which follows llama.cpp's llama-quantize rules by tensor name.
 
-# Clover-only GGUF tensor suffixes (dropped by --arch qwen35moe).
-CLOVER_ONLY_GGUF = tuple(g for _, g, _, _, c in LAYER_MAP if c)
+# Clover's block tensors of every GDN layer (spec 3.3): all four in every GDN layer make a Clover
+# checkpoint, none a parent. They are F32 in every output, dropped by --arch qwen35moe, and alone
+# in the diffusion sidecar.
+BLOCK_HF = tuple(r[0] for r in LAYER_MAP if r[4])
+BLOCK_GGUF = tuple(r[1] for r in LAYER_MAP if r[4])
 LAYER_BY_HF = {row[0]: row for row in LAYER_MAP}

@@ -2,9 +2,12 @@
 
 - ``make_ckpt(**opts) -> pathlib.Path``: session-scoped factory; ``opts`` are keyword
   arguments of ``convert.make_checkpoint.make_checkpoint`` (dims, n_layers, clover, prefix,
-  fused_experts, seed, block_size, logits_shift, lm_head_gain, router_gain, extra_config, ...).
+  fused_experts, seed, block_size, lm_head_gain, router_gain, extra_config, ...).
   Each distinct option set is written once per session under pytest's tmp dir and reused.
 - ``tiny_ckpt``: the default tiny Clover checkpoint (prefix ``model.``, fused experts, seed 0).
+- ``make_gguf(outtype, arch, split, record, **ckpt_opts)``: that checkpoint converted (complete
+  ``clover_moe`` file, ``qwen35moe``, or with ``split`` the trunk with its sidecar
+  ``<stem>.diffusion.gguf`` beside it), cached per argument set.
 - ``rewrite_gguf(src, dst, kv, tensor_fn)``: a copy of a GGUF with KV values or tensors changed
   (malformed-input and non-finite tests); ``nan_model``: the tiny f32 model with a NaN in blk.2.
 - ``make_hf_ckpt(**opts) -> pathlib.Path``: session-scoped factory of tiny
@@ -72,18 +75,22 @@ def tiny_ckpt(make_ckpt) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def make_gguf(make_ckpt, tmp_path_factory):
-    """Factory fixture: ``make_gguf(outtype="f32", arch=None, **ckpt_opts)`` converts the
-    ``make_ckpt(**ckpt_opts)`` checkpoint with ``convert.convert.convert`` and returns the GGUF
-    path, cached per argument set for the session (do not modify the file)."""
+    """Factory fixture: ``make_gguf(outtype="f32", arch=None, split=False, record=None,
+    **ckpt_opts)`` converts the ``make_ckpt(**ckpt_opts)`` checkpoint with
+    ``convert.convert.convert(..., split=split, record=record)`` and returns the GGUF path (with
+    ``split``: the trunk; its sidecar is ``<stem>.diffusion.gguf`` in the same directory), cached
+    per argument set for the session (do not modify the files)."""
     from convert.convert import convert
 
     cache: dict[str, pathlib.Path] = {}
 
-    def _make(outtype: str = "f32", arch: str | None = None, **ckpt_opts) -> pathlib.Path:
-        key = json.dumps([outtype, arch, ckpt_opts], sort_keys=True, default=str)
+    def _make(outtype: str = "f32", arch: str | None = None, split: bool = False, record: dict | None = None,
+              **ckpt_opts) -> pathlib.Path:
+        key = json.dumps([outtype, arch, split, record, ckpt_opts], sort_keys=True, default=str)
         if key not in cache:
-            out = tmp_path_factory.mktemp("gguf") / f"{outtype}-{arch or 'auto'}.gguf"
-            convert(make_ckpt(**ckpt_opts), out, outtype=outtype, arch=arch, progress=False)
+            out = tmp_path_factory.mktemp("gguf") / f"{outtype}-{arch or 'auto'}{'-trunk' if split else ''}.gguf"
+            convert(make_ckpt(**ckpt_opts), out, outtype=outtype, arch=arch, split=split, record=record,
+                    progress=False)
             cache[key] = out
         return cache[key]
 

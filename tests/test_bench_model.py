@@ -1,4 +1,4 @@
-"""bench/make_bench_model.py: random-weight GGUFs written directly in quantised form (issue 3 item 4a).
+"""bench/make_bench_model.py: random-weight GGUFs written directly in quantised form.
 
 Tiny dims only (fast); the real-dims path differs only in shapes, checked through the piece plan.
 """
@@ -97,16 +97,55 @@ def test_loads_and_generates_in_engine(bench_files, outtype):
         assert stats["n_forward"] >= 1
 
 
-def test_clover_arch_diffusion(bench_files):
-    import clover_gguf
-    res = bench_files("q8_0", arch="clover")
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_clover_moe_layout_record_and_block_tensors(bench_files, outtype):
+    """--arch clover_moe: the complete Clover file of docs/gguf-layout.md: the qwen35moe trunk's
+    tensors, types and bytes under the clover_moe. prefix plus expert_shared_count, the block
+    tensors after each GDN layer's ssm_out (F32, random, non-zero, at the stated scales) and the
+    decoding record at its defaults with the <|mask|> token."""
+    from convert import record as R
+    res = bench_files(outtype, arch="clover_moe")
     r = gguf.GGUFReader(res["path"])
-    names = {x.name for x in r.tensors}
-    assert "blk.0.ssm_bwd_mix" in names and "blk.0.ssm_beta_bwd.weight" in names
+    parent = {x.name: x for x in gguf.GGUFReader(bench_files(outtype)["path"]).tensors}
+    hp = C.read_hparams(MB.bench_config("tiny"))
+    assert [(t.name, tuple(int(x) for x in reversed(list(t.shape)))) for t in r.tensors] == \
+        QP.tensor_shapes(hp, "clover_moe")
+    block = [t for t in r.tensors if t.name not in parent]
+    assert [t.name for t in block] == [f"blk.{i}.{g}" for i in (0, 1, 2) for g in
+                                       ("ssm_conv1d_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")]
+    for t in r.tensors:
+        if t.name in parent:
+            assert t.tensor_type == parent[t.name].tensor_type, t.name
+            assert np.array_equal(np.asarray(t.data), np.asarray(parent[t.name].data)), t.name
+    for t in block:
+        a = np.asarray(t.data)
+        assert t.tensor_type == Q.F32 and np.all(a != 0) and np.all(np.isfinite(a)), t.name
+    t = {x.name: np.asarray(x.data) for x in block}
+    assert abs(t["blk.0.ssm_conv1d_right.weight"].std() - 0.5) < 0.05
+    assert 0.6 < t["blk.1.bd_logit_scale"].mean() < 1.8
+    m = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    assert m["general.architecture"] == "clover_moe" and m["clover_moe.expert_shared_count"] == 1
+    assert m["clover_moe.block_count"] == 4 and m["clover_moe.expert_count"] == 8
+    mask = m["tokenizer.ggml.mask_token_id"]
+    assert m["tokenizer.ggml.tokens"][mask] == "<|mask|>"
+    for f in R.FIELDS[1:]:
+        want = np.float32(f.default) if f.gtype == "f32" else f.default
+        assert m[f.key] == want, f.key
+
+
+def test_clover_moe_runs_every_mode_in_engine(bench_files):
+    """Depends on the engine's clover_moe loader: the complete file runs diffusion by default,
+    spec and ar, with the record's defaults."""
+    import clover_gguf
+    res = bench_files("q8_0", arch="clover_moe")
     with clover_gguf.Model(res["path"]) as m:
-        assert m.is_clover
-        out, stats = m.generate_tokens(m.tokenize("Hi"), max_tokens=4, block_size=4)
+        assert m.arch == "clover_moe" and m.has_block
+        ids = m.tokenize("Hi")
+        out, stats = m.generate_tokens(ids, max_tokens=4, block_size=4)
         assert 1 <= len(out) <= 4 and stats["mode"] == "diffusion"
+        ar, _ = m.generate_tokens(ids, max_tokens=4, mode="ar")
+        spec, _ = m.generate_tokens(ids, max_tokens=4, mode="spec", block_size=4)
+        assert spec == ar
 
 
 def test_real_dims_pieces_bounded():

@@ -15,7 +15,9 @@ rounding of the scale).
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,12 @@ from convert.make_checkpoint import QWEN35_PRETOKENIZER_REGEX
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType
+# Clover's block tensors (docs/gguf-layout.md): HF suffix after layers.N.linear_attn. -> GGUF suffix
+BLOCK_SOFTMAX = {"bd_softmax_logit_scale": "bd_logit_scale", "bd_softmax_history_bias": "bd_history_bias",
+                 "bd_softmax_history_c": "bd_history_c"}
+BLOCK_HF = ("conv_right_weight", *BLOCK_SOFTMAX)
+BLOCK_GGUF = ("ssm_conv1d_right.weight", *BLOCK_SOFTMAX.values())
+GDN_LAYERS = (0, 1, 2)  # of the tiny checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,22 +172,18 @@ def expected_tensors(ckpt: pathlib.Path, clover: bool = True, mtp: bool = True) 
             ex[b + "attn_gate.weight"] = reorder_v(hf[a + "in_proj_z.weight"], 0, hk, r, dv)
             ex[b + "ssm_out.weight"] = reorder_v(hf[a + "out_proj.weight"], 1, hk, r, dv)
             ex[b + "ssm_norm.weight"] = f32(hf[a + "norm.weight"])  # no +1
-            for sfx, (beta, alpha, conv, alog, dt) in {
-                "": ("ssm_beta.weight", "ssm_alpha.weight", "ssm_conv1d.weight", "ssm_a", "ssm_dt.bias"),
-                "_bwd": ("ssm_beta_bwd.weight", "ssm_alpha_bwd.weight", "ssm_conv1d_bwd.weight", "ssm_a_bwd",
-                         "ssm_dt_bwd.bias"),
-            }.items():
-                if sfx and not clover:
-                    continue
-                ex[b + beta] = reorder_v(hf[a + f"in_proj_b{sfx}.weight"], 0, hk, r, 1)
-                ex[b + alpha] = reorder_v(hf[a + f"in_proj_a{sfx}.weight"], 0, hk, r, 1)
-                c = hf[a + f"conv1d{sfx}.weight"].float().squeeze(1)
-                ex[b + conv] = torch.cat([c[:qk], reorder_v(c[qk:], 0, hk, r, dv)])
-                alog_t = reorder_v(hf[a + f"A_log{sfx}"].float()[:, None], 0, hk, r, 1)[:, 0]
-                ex[b + alog] = (-torch.exp(alog_t.double())).float()
-                ex[b + dt] = reorder_v(hf[a + f"dt_bias{sfx}"].float()[:, None], 0, hk, r, 1)[:, 0]
-            if clover:
-                ex[b + "ssm_bwd_mix"] = reorder_v(hf[a + "bwd_mix"].float()[:, None], 0, hk, r, 1)[:, 0]
+            ex[b + "ssm_beta.weight"] = reorder_v(hf[a + "in_proj_b.weight"], 0, hk, r, 1)
+            ex[b + "ssm_alpha.weight"] = reorder_v(hf[a + "in_proj_a.weight"], 0, hk, r, 1)
+            c = hf[a + "conv1d.weight"].float().squeeze(1)
+            ex[b + "ssm_conv1d.weight"] = torch.cat([c[:qk], reorder_v(c[qk:], 0, hk, r, dv)])
+            heads = lambda t: reorder_v(t.float()[:, None], 0, hk, r, 1)[:, 0]  # noqa: E731
+            ex[b + "ssm_a"] = (-torch.exp(heads(hf[a + "A_log"]).double())).float()
+            ex[b + "ssm_dt.bias"] = heads(hf[a + "dt_bias"])
+            if clover:  # spec 4.3: the right taps as ssm_conv1d, the block softmax per V head
+                c = hf[a + "conv_right_weight"].float().squeeze(1)
+                ex[b + "ssm_conv1d_right.weight"] = torch.cat([c[:qk], reorder_v(c[qk:], 0, hk, r, dv)])
+                for hf_name, g in BLOCK_SOFTMAX.items():
+                    ex[b + g] = heads(hf[a + hf_name])
         else:
             a = L + "self_attn."
             for h, g in [("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")]:
@@ -205,7 +209,7 @@ def expected_tensors(ckpt: pathlib.Path, clover: bool = True, mtp: bool = True) 
 
 def _f32_name(name: str) -> bool:
     return name.endswith(("norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "conv1d.weight",
-                          "conv1d_bwd.weight", "ssm_a", "ssm_a_bwd", ".bias", "ssm_bwd_mix"))
+                          "ssm_a", ".bias") + BLOCK_GGUF)
 
 
 def gguf_tensors(reader: gguf.GGUFReader) -> dict:
@@ -220,6 +224,51 @@ def _numpy_shape(t) -> tuple:
     return tuple(int(x) for x in reversed(list(t.shape)))
 
 
+# The decoding record (docs/gguf-layout.md): field, GGUF key, type, default; a hand-written copy of
+# the table, independent of convert/record.py
+RECORD = [
+    ("mask_token_id", "tokenizer.ggml.mask_token_id", gguf.GGUFValueType.UINT32, None),
+    ("shift_logits", "diffusion.shift_logits", gguf.GGUFValueType.BOOL, False),
+    ("block_size", "diffusion.block_size", gguf.GGUFValueType.UINT32, 32),
+    ("block_aligned", "diffusion.block_aligned", gguf.GGUFValueType.BOOL, True),
+    ("threshold", "diffusion.threshold", gguf.GGUFValueType.FLOAT32, 0.95),
+    ("moe_block_coreset_top_p", "diffusion.moe_block_coreset_top_p", gguf.GGUFValueType.FLOAT32, 0.9),
+    ("presence_penalty", "diffusion.presence_penalty", gguf.GGUFValueType.FLOAT32, 0.9),
+    ("frequency_penalty", "diffusion.frequency_penalty", gguf.GGUFValueType.FLOAT32, 0.0),
+    ("repetition_penalty", "diffusion.repetition_penalty", gguf.GGUFValueType.FLOAT32, 1.05),
+    ("penalty_scope", "diffusion.penalty_scope", gguf.GGUFValueType.STRING, "response"),
+    ("think_close_bias_start", "diffusion.think_close_bias_start", gguf.GGUFValueType.UINT32, 4096),
+    ("eos_bias_start", "diffusion.eos_bias_start", gguf.GGUFValueType.UINT32, 8192),
+    ("bias_slope", "diffusion.bias_slope", gguf.GGUFValueType.FLOAT32, 0.01),
+    ("bias_max", "diffusion.bias_max", gguf.GGUFValueType.FLOAT32, 10.0),
+]
+RECORD_KEYS = {key for _, key, _, _ in RECORD}
+CONFIG_FIELDS = ("mask_token_id", "block_size", "threshold", "moe_block_coreset_top_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "think_close_bias_start", "eos_bias_start")
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def expected_record(given: dict) -> dict:
+    """GGUF key -> value: ``given`` (field -> value) over the defaults, f32 fields rounded."""
+    out = {}
+    for name, key, t, default in RECORD:
+        v = given.get(name, default)
+        out[key] = _f32(v) if t == gguf.GGUFValueType.FLOAT32 else v
+    return out
+
+
+def record_kv(m: dict) -> dict:
+    """The record keys of a KV dict (kv()), f32 values as read."""
+    return {k: v for k, v in m.items() if k in RECORD_KEYS}
+
+
+def record_types(reader: gguf.GGUFReader) -> dict:
+    return {k: f.types[0] for k, f in reader.fields.items() if k in RECORD_KEYS}
+
+
 # ---------------------------------------------------------------------------------------------
 # Round trip per outtype
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +280,7 @@ def test_roundtrip_every_tensor(outtype, ckpts, converted):
     got = gguf_tensors(reader)
     assert set(got) == set(ex)
     assert res["tensors"] == [t.name for t in reader.tensors]
-    assert res["arch"] == "clover" and res["n_tensors"] == len(ex)
+    assert res["arch"] == "clover_moe" and res["n_tensors"] == len(ex)
     # file order: token_embd, blocks in order, output_norm, output
     names = res["tensors"]
     assert names[0] == "token_embd.weight" and names[-2:] == ["output_norm.weight", "output.weight"]
@@ -276,10 +325,10 @@ def test_metadata(outtype, ftype, ckpts, converted):
     res, reader = converted("clover", outtype)
     m = kv(reader)
     cfg = json.loads((ckpts["clover"] / "config.json").read_text())
-    assert m["general.architecture"] == "clover"
+    assert m["general.architecture"] == "clover_moe" and m["general.type"] == "model"
     assert m["general.file_type"] == ftype == res["file_type"]
     assert m["general.quantization_version"] == 2
-    p = "clover."
+    p = "clover_moe."
     hd = cfg["head_dim"]
     want = {
         "block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
@@ -294,16 +343,14 @@ def test_metadata(outtype, ftype, ckpts, converted):
         "ssm.conv_kernel": cfg["linear_conv_kernel_dim"], "ssm.state_size": cfg["linear_key_head_dim"],
         "ssm.group_count": cfg["linear_num_key_heads"], "ssm.time_step_rank": cfg["linear_num_value_heads"],
         "ssm.inner_size": cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"],
-        "full_attention_interval": cfg["full_attention_interval"],
+        "full_attention_interval": cfg["full_attention_interval"], "expert_shared_count": 1,
     }
     for k, v in want.items():
         assert m[p + k] == v, k
     assert m[p + "attention.layer_norm_rms_epsilon"] == pytest.approx(cfg["rms_norm_eps"], rel=1e-6)
     assert m[p + "rope.freq_base"] == pytest.approx(cfg["rope_parameters"]["rope_theta"])
-    for k in ("mask_token_id", "block_size", "think_close_bias_start", "eos_bias_start", "logits_shift"):
-        assert m["clover.diffusion." + k] == cfg[k], k
-    for k in ("threshold", "moe_block_coreset_top_p", "presence_penalty", "repetition_penalty"):
-        assert m["clover.diffusion." + k] == pytest.approx(cfg[k], rel=1e-6), k
+    assert record_kv(m) == expected_record(cfg)
+    assert record_types(reader) == {key: t for _, key, t, _ in RECORD}
     tcfg = json.loads((ckpts["clover"] / "tokenizer_config.json").read_text())
     assert m["tokenizer.chat_template"] == tcfg["chat_template"]
     assert m["tokenizer.ggml.add_bos_token"] is False
@@ -330,60 +377,333 @@ def test_layouts_give_identical_gguf(which, converted):
     _assert_same_gguf(ra, rb)
 
 
-def test_arch_qwen35moe_drops_exactly_clover_parts(ckpts, converted):
+def _trunk_kv_as_qwen35moe(m: dict) -> dict:
+    """A clover_moe trunk's KV pairs as the qwen35moe file of the same trunk has them: prefix
+    renamed back, expert_shared_count and the record removed (docs/gguf-layout.md)."""
+    out = {}
+    for k, v in m.items():
+        if k in RECORD_KEYS or k == "clover_moe.expert_shared_count":
+            continue
+        out["qwen35moe." + k[len("clover_moe."):] if k.startswith("clover_moe.") else k] = v
+    out["general.architecture"] = "qwen35moe"
+    return out
+
+
+def test_arch_qwen35moe_drops_exactly_the_block_tensors_and_record(ckpts, converted):
+    """--arch qwen35moe on a Clover checkpoint: the complete file less the block tensors (listed
+    in dropped) and the record, under the qwen35moe prefix without expert_shared_count; the same
+    file as the parent checkpoint gives (same seed: same values)."""
     res_c, rc = converted("clover", "bf16")
     res_p, rp = converted("clover", "bf16", "qwen35moe")
-    assert res_p["arch"] == "qwen35moe"
-    clover_only = ("ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias", "ssm_beta_bwd.weight",
-                   "ssm_alpha_bwd.weight", "ssm_bwd_mix")
-    kept = [n for n in res_c["tensors"] if not n.endswith(clover_only)]
-    assert len(kept) == len(res_c["tensors"]) - 6 * 3  # 3 GDN layers in the tiny model
+    assert res_p["arch"] == "qwen35moe" and res_p["record"] is None
+    kept = [n for n in res_c["tensors"] if not n.endswith(BLOCK_GGUF)]
+    assert len(kept) == len(res_c["tensors"]) - 4 * len(GDN_LAYERS)
     assert res_p["tensors"] == kept
     tp = gguf_tensors(rp)
     for t in rc.tensors:
         if t.name in tp:
             assert np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(tp[t.name].data).view(np.uint8))
-    kc, kp = kv(rc), kv(rp)
-    assert kp.pop("general.architecture") == "qwen35moe" and kc.pop("general.architecture") == "clover"
-    renamed = {("qwen35moe." + k[len("clover."):] if k.startswith("clover.") else k): v
-               for k, v in kc.items() if not k.startswith("clover.diffusion.")}
-    assert renamed == kp
-    assert len(res_p["dropped"]) == 6 * 3 and all("_bwd" in n or "bwd_mix" in n for n in res_p["dropped"])
-    # the parent checkpoint converts to the same file (same seed: same values)
+    assert _trunk_kv_as_qwen35moe(kv(rc)) == kv(rp)
+    assert sorted(res_p["dropped"]) == sorted(f"model.layers.{i}.linear_attn.{s}" for i in GDN_LAYERS
+                                              for s in BLOCK_HF)
     res_par, rpar = converted("parent", "bf16")
     assert res_par["arch"] == "qwen35moe"
     _assert_same_gguf(rp, rpar)
 
 
-def test_arch_errors(ckpts, tmp_path):
-    with pytest.raises(C.ConvertError, match="not a Clover checkpoint"):
-        C.convert(ckpts["parent"], tmp_path / "x.gguf", arch="clover", progress=False)
-    # mask_token_id without backward tensors
-    ck = _copy_ckpt(ckpts["parent"], tmp_path / "half1")
-    cfg = json.loads((ck / "config.json").read_text())
-    cfg["mask_token_id"] = 5
-    (ck / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(C.ConvertError, match="no Clover backward-branch tensors"):
-        C.convert(ck, tmp_path / "x.gguf", progress=False)
-    # backward tensors without mask_token_id
-    ck = _copy_ckpt(ckpts["clover"], tmp_path / "half2")
-    cfg = json.loads((ck / "config.json").read_text())
-    del cfg["mask_token_id"]
-    (ck / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(C.ConvertError, match="no mask_token_id"):
-        C.convert(ck, tmp_path / "x.gguf", progress=False)
-    # one GDN layer lacking one backward tensor: named
-    ck = _copy_ckpt(ckpts["clover"], tmp_path / "half3")
+# ---------------------------------------------------------------------------------------------
+# Split trunk, sidecar and the sidecar alone (docs/gguf-layout.md)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def split(ckpts, tmp_path_factory):
+    """convert(split=True) once per (checkpoint, outtype); returns (result, trunk reader, sidecar
+    reader)."""
+    out = tmp_path_factory.mktemp("split")
+    cache = {}
+
+    def get(which="clover", outtype="bf16"):
+        if (which, outtype) not in cache:
+            res = C.convert(ckpts[which], out / f"{which}-{outtype}.gguf", outtype=outtype, split=True,
+                            progress=False)
+            assert res["diffusion_path"] == str(out / f"{which}-{outtype}.diffusion.gguf")
+            cache[which, outtype] = (res, gguf.GGUFReader(res["path"]), gguf.GGUFReader(res["diffusion_path"]))
+        return cache[which, outtype]
+    return get
+
+
+@pytest.mark.parametrize("which,outtype", [("clover", "bf16"), ("clover", "q8_0"), ("nested", "bf16"),
+                                           ("nested", "q8_0"), ("clover", "q4_k_m"), ("clover_mtp", "bf16")])
+def test_split_trunk_equals_qwen35moe_output(which, outtype, split, converted):
+    """The split trunk is our qwen35moe output of the same trunk: every tensor's name, type, shape
+    and bytes in the same order, every key's value under the clover_moe. prefix, plus
+    clover_moe.expert_shared_count = 1; general.architecture clover_moe, no record, no block
+    tensor (the layout of llama.cpp's clover_moe converter)."""
+    res, trunk, _ = split(which, outtype)
+    _, parent = converted(which, outtype, "qwen35moe")
+    m = kv(trunk)
+    assert m["general.architecture"] == "clover_moe" and m["clover_moe.expert_shared_count"] == 1
+    assert not record_kv(m) and not [t for t in trunk.tensors if t.name.endswith(BLOCK_GGUF)]
+    assert _trunk_kv_as_qwen35moe(m) == kv(parent)
+    assert [(k[len("clover_moe."):] if k.startswith("clover_moe.") else k) for k in m
+            if k != "clover_moe.expert_shared_count"] == \
+        [(k[len("qwen35moe."):] if k.startswith("qwen35moe.") else k) for k in kv(parent)]  # same key order
+    assert [t.name for t in trunk.tensors] == [t.name for t in parent.tensors] == res["tensors"]
+    for x, y in zip(trunk.tensors, parent.tensors):
+        assert x.tensor_type == y.tensor_type and list(x.shape) == list(y.shape), x.name
+        assert np.array_equal(np.asarray(x.data).view(np.uint8), np.asarray(y.data).view(np.uint8)), x.name
+
+
+@pytest.mark.parametrize("which", ["clover", "nested"])
+def test_complete_file_is_trunk_plus_block_tensors_plus_record(which, split, converted):
+    """The complete file = the split trunk with the block tensors after each GDN layer's ssm_out
+    and the record's keys added; the sidecar = those block tensors and that record, with
+    general.type "diffusion" and clover_moe.block_count, nothing else."""
+    _, trunk, side = split(which, "bf16")
+    res, complete = converted(which, "bf16")
+    names = [t.name for t in complete.tensors]
+    want = []
+    for t in trunk.tensors:
+        want.append(t.name)
+        i = t.name.split(".")[1]
+        if t.name.endswith("ssm_out.weight"):
+            want += [f"blk.{i}.{g}" for g in BLOCK_GGUF]
+    assert names == want == res["tensors"]
+    mc, mt, ms = kv(complete), kv(trunk), kv(side)
+    assert {k: v for k, v in mc.items() if k not in RECORD_KEYS and not k.startswith("GGUF.")} == \
+        {k: v for k, v in mt.items() if not k.startswith("GGUF.")}
+    assert record_kv(mc) == record_kv(ms) and len(record_kv(mc)) == len(RECORD)
+    assert set(ms) == {"general.architecture", "general.type", "clover_moe.block_count"} | RECORD_KEYS
+    assert ms["general.architecture"] == "clover_moe" and ms["general.type"] == "diffusion"
+    assert ms["clover_moe.block_count"] == 4
+    assert record_types(side) == record_types(complete)
+    tc = gguf_tensors(complete)
+    assert [t.name for t in side.tensors] == [n for n in names if n.endswith(BLOCK_GGUF)]
+    for t in side.tensors:
+        assert t.tensor_type == tc[t.name].tensor_type == Q.F32 and list(t.shape) == list(tc[t.name].shape)
+        assert np.array_equal(np.asarray(t.data), np.asarray(tc[t.name].data)), t.name
+
+
+def test_sidecar_block_count_excludes_mtp(split):
+    """With an MTP block the trunk's block_count is 5, the sidecar's the 4 decoder layers."""
+    _, trunk, side = split("clover_mtp", "bf16")
+    assert kv(trunk)["clover_moe.block_count"] == 5 and kv(side)["clover_moe.block_count"] == 4
+
+
+@pytest.mark.parametrize("which", ["clover", "nested", "perexpert"])
+def test_diffusion_only_equals_the_split_sidecar(which, ckpts, split, tmp_path):
+    """--diffusion-only writes the split's sidecar byte for byte, whatever the outtype."""
+    res = C.convert(ckpts[which], tmp_path / "d.gguf", outtype="q4_k_m", diffusion_only=True, progress=False)
+    assert res["arch"] == "clover_moe" and res["tensors"] == [f"blk.{i}.{g}" for i in GDN_LAYERS for g in BLOCK_GGUF]
+    side = split("clover", "bf16")[0]["diffusion_path"]
+    assert (tmp_path / "d.gguf").read_bytes() == pathlib.Path(side).read_bytes()
+
+
+def _shard_of(ck: pathlib.Path) -> dict:
+    return json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def _is_block(name: str) -> bool:
+    return name.endswith(tuple("linear_attn." + s for s in BLOCK_HF))
+
+
+def test_diffusion_only_reads_only_the_block_tensors(ckpts, split, tmp_path, monkeypatch):
+    """--diffusion-only reads the data of the block tensors only: (1) instrumented reader; (2)
+    every other tensor's bytes overwritten with garbage (bf16 NaN) gives the same sidecar; (3)
+    the block tensors moved to a shard of their own, every other shard deleted: still the same
+    sidecar (a partial download serves), while a full conversion names the missing shard."""
+    want = pathlib.Path(split("clover", "bf16")[0]["diffusion_path"]).read_bytes()
+    read = []
+    orig = C.SourceTensor.read_rows
+    monkeypatch.setattr(C.SourceTensor, "read_rows", lambda self, r0, r1: read.append(self.name) or orig(self, r0, r1))
+    C.convert(ckpts["clover"], tmp_path / "a.gguf", diffusion_only=True, progress=False)
+    assert sorted(read) == sorted(n for n in _shard_of(ckpts["clover"]) if _is_block(n))
+    assert (tmp_path / "a.gguf").read_bytes() == want
+    monkeypatch.undo()
+
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "garbage")
+    for shard in sorted(set(_shard_of(ck).values())):
+        for name, t in C.read_safetensors_header(ck / shard).items():
+            if not _is_block(name):
+                with open(ck / shard, "r+b") as f:
+                    f.seek(t.offset)
+                    f.write(b"\xff" * (math.prod(t.shape) * t.np_dtype.itemsize))
+    C.convert(ck, tmp_path / "b.gguf", diffusion_only=True, progress=False)
+    assert (tmp_path / "b.gguf").read_bytes() == want
+
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "partial")
+    hf = load_hf(ck)
+    save_file({n: t for n, t in hf.items() if _is_block(n)}, str(ck / "blocks.safetensors"), metadata={"format": "pt"})
     idx = json.loads((ck / "model.safetensors.index.json").read_text())
-    victim = "model.layers.1.linear_attn.bwd_mix"
-    shard = idx["weight_map"].pop(victim)
-    d = load_file(str(ck / shard))
-    del d[victim]
-    save_file(d, str(ck / shard), metadata={"format": "pt"})
+    idx["weight_map"] = {n: ("blocks.safetensors" if _is_block(n) else s) for n, s in idx["weight_map"].items()}
     (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
-    with pytest.raises(C.ConvertError, match=r"missing tensor model\.layers\.1\.linear_attn\.bwd_mix"):
+    for shard in ck.glob("model-*.safetensors"):
+        shard.unlink()
+    C.convert(ck, tmp_path / "c.gguf", diffusion_only=True, progress=False)
+    assert (tmp_path / "c.gguf").read_bytes() == want
+    with pytest.raises(C.MissingShardError, match=r"model-00001-of-0000\d\.safetensors"):
         C.convert(ck, tmp_path / "x.gguf", progress=False)
-    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_cli_split_and_diffusion_only_without_torch(ckpts, split, tmp_path):
+    """`clover-gguf convert --split` and `--diffusion-only` through the CLI, without torch: the same
+    files as the Python API."""
+    code = (
+        "import sys; from clover_gguf.cli import main; "
+        f"rc = main(['convert', {str(ckpts['clover'])!r}, '-o', {str(tmp_path / 's.gguf')!r}, '--split', "
+        "'--no-progress']); "
+        f"rc = rc or main(['convert', {str(ckpts['clover'])!r}, '-o', {str(tmp_path / 'd.gguf')!r}, "
+        "'--diffusion-only', '--no-progress']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "s.diffusion.gguf: diffusion sidecar" in p.stdout
+    res, _, _ = split("clover", "bf16")
+    assert (tmp_path / "s.gguf").stat().st_size == pathlib.Path(res["path"]).stat().st_size
+    assert (tmp_path / "s.diffusion.gguf").read_bytes() == pathlib.Path(res["diffusion_path"]).read_bytes()
+    assert (tmp_path / "d.gguf").read_bytes() == pathlib.Path(res["diffusion_path"]).read_bytes()
+
+
+def test_split_failure_leaves_no_output(ckpts, tmp_path, monkeypatch):
+    """A failure while writing the sidecar (the last file) leaves neither file nor any .part."""
+    orig = C._write_tensor
+
+    def fail_on_block(fout, t, pool, bar):
+        if t.block:
+            raise OSError("disk full (test)")
+        return orig(fout, t, pool, bar)
+    monkeypatch.setattr(C, "_write_tensor", fail_on_block)
+    with pytest.raises(OSError, match="disk full"):
+        C.convert(ckpts["clover"], tmp_path / "s.gguf", split=True, progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_engine_runs_the_complete_file_and_the_split_alike(make_gguf, tmp_path):
+    """The engine (clover_gguf.Model) on the complete file, the trunk with its sidecar found
+    beside it, and the trunk given the sidecar explicitly: the same greedy tokens in ar,
+    diffusion and spec, spec == ar; the trunk alone runs ar and refuses diffusion, naming the
+    command that makes the sidecar."""
+    import clover_gguf
+    complete, trunk = make_gguf("f32"), make_gguf("f32", split=True)
+    assert C.sidecar_path(trunk).is_file()
+    lone = tmp_path / "lone.gguf"
+    shutil.copy(trunk, lone)
+    outs = {}
+    for name, path, kw in (("complete", complete, {}), ("beside", trunk, {}),
+                           ("explicit", lone, {"diffusion_path": str(C.sidecar_path(trunk))})):
+        with clover_gguf.Model(str(path), n_ctx=128, n_threads=2, **kw) as m:
+            ids = m.tokenize("def parse_args(argv=None):")
+            outs[name] = {mode: m.generate_tokens(ids, max_tokens=8, mode=mode)[0]
+                          for mode in ("ar", "diffusion", "spec")}
+    assert outs["complete"] == outs["beside"] == outs["explicit"]
+    assert outs["complete"]["spec"] == outs["complete"]["ar"]
+    with clover_gguf.Model(str(lone), n_ctx=128, n_threads=2) as m:
+        assert m.generate_tokens(ids, max_tokens=8, mode="ar")[0] == outs["complete"]["ar"]
+        with pytest.raises(Exception, match="--diffusion-only"):
+            m.generate_tokens(ids, max_tokens=8, mode="diffusion")
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: each names what it refuses, before anything is written
+# ---------------------------------------------------------------------------------------------
+
+def _refused(ck, tmp_path, pattern, **kw):
+    out = tmp_path / "out"
+    with pytest.raises(C.ConvertError, match=pattern):
+        C.convert(ck, out / "x.gguf", progress=False, **kw)
+    assert not out.exists()
+
+
+def _edit_config(ck: pathlib.Path, **changes) -> None:
+    cfg = json.loads((ck / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (ck / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("drop,missing", [
+    (["model.layers.1.linear_attn.bd_softmax_history_c"], ["model.layers.1.linear_attn.bd_softmax_history_c"]),
+    ([f"model.layers.2.linear_attn.{s}" for s in BLOCK_HF], [f"model.layers.2.linear_attn.{s}" for s in BLOCK_HF]),
+    ([f"model.layers.{i}.linear_attn.conv_right_weight" for i in (0, 1)],
+     [f"model.layers.{i}.linear_attn.conv_right_weight" for i in (0, 1)]),
+])
+@pytest.mark.parametrize("mode", ["complete", "split", "diffusion_only", "qwen35moe"])
+def test_partial_block_tensors_refused(drop, missing, mode, ckpts, tmp_path):
+    """Some but not all of the four block tensors (within a layer, a whole layer, one kind across
+    layers): refused in every mode, naming each missing tensor and its GGUF name."""
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    for n in drop:
+        _drop_tensor(ck, n)
+    kw = {"complete": {}, "split": {"split": True}, "diffusion_only": {"diffusion_only": True},
+          "qwen35moe": {"arch": "qwen35moe"}}[mode]
+    with pytest.raises(C.ConvertError, match="Clover block tensors incomplete") as ei:
+        C.convert(ck, tmp_path / "out" / "x.gguf", progress=False, **kw)
+    for n in missing:
+        i, s = n.split(".")[2], n.split(".")[-1]
+        assert f"{n} (blk.{i}.{dict(zip(BLOCK_HF, BLOCK_GGUF))[s]})" in str(ei.value)
+    assert str(ei.value).count("model.layers.") == len(missing)
+    assert not (tmp_path / "out").exists()
+
+
+def test_block_tensor_misplaced_or_misshapen_refused(ckpts, tmp_path):
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "a")
+    _add_tensor(ck, "model.layers.3.linear_attn.bd_softmax_logit_scale", torch.randn(4))
+    for kw in ({}, {"diffusion_only": True}):
+        _refused(ck, tmp_path, r"model\.layers\.3\.linear_attn\.bd_softmax_logit_scale: layer 3 is a "
+                               r"full_attention layer", **kw)
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "b")
+    _drop_tensor(ck, "model.layers.0.linear_attn.conv_right_weight")
+    _add_tensor(ck, "model.layers.0.linear_attn.conv_right_weight", torch.randn(512, 1, 4))
+    for kw in ({}, {"diffusion_only": True}):
+        _refused(ck, tmp_path, r"model\.layers\.0\.linear_attn\.conv_right_weight: shape \[512, 1, 4\] "
+                               r"expected \[512, 1, 3\]", **kw)
+
+
+def test_arch_clover_moe_on_parent_refused(ckpts, tmp_path):
+    _refused(ckpts["parent"], tmp_path, r"--arch clover_moe: the checkpoint is a parent, with none of Clover's "
+                                        r"block tensors \(model\.layers\.N\.linear_attn\.conv_right_weight",
+             arch="clover_moe")
+    _refused(ckpts["parent"], tmp_path, r"--split: a qwen35moe output", split=True)
+    _refused(ckpts["parent"], tmp_path, r"no Clover block tensors .*not a Clover checkpoint", diffusion_only=True)
+    _refused(ckpts["parent"], tmp_path, r"--block-size: a qwen35moe output .* no decoding record",
+             record={"block_size": 16})
+    _refused(ckpts["clover"], tmp_path, r"--diffusion-only: a qwen35moe output", arch="qwen35moe",
+             diffusion_only=True)
+    _refused(ckpts["clover"], tmp_path, r"--threshold: a qwen35moe output", arch="qwen35moe",
+             record={"threshold": 0.5})
+    _refused(ckpts["clover"], tmp_path, r"arch 'clover': expected one of clover_moe, qwen35moe", arch="clover")
+
+
+def test_clover_architecture_without_block_tensors_refused(ckpts, tmp_path):
+    """config.json says CloverMoeModelLM but no GDN layer has a block tensor: refused, naming the
+    tensors; --arch qwen35moe converts the trunk alone."""
+    ck = _copy_ckpt(ckpts["parent"], tmp_path / "ck")
+    _edit_config(ck, architectures=["CloverMoeModelLM"])
+    _refused(ck, tmp_path, r"CloverMoeModelLM.*no GDN layer has Clover's block tensors "
+                           r"\(model\.layers\.N\.linear_attn\.conv_right_weight.*--arch qwen35moe")
+    assert C.convert(ck, tmp_path / "p.gguf", arch="qwen35moe", progress=False)["arch"] == "qwen35moe"
+
+
+@pytest.mark.parametrize("value", [2, 0, True, "1"])
+@pytest.mark.parametrize("mode", ["complete", "diffusion_only"])
+def test_num_shared_experts_refused(value, mode, ckpts, tmp_path):
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    _edit_config(ck, num_shared_experts=value)
+    _refused(ck, tmp_path, rf"config\.json: num_shared_experts {re.escape(repr(value))}: expected 1",
+             **({"diffusion_only": True} if mode == "diffusion_only" else {}))
+
+
+def test_num_shared_experts_read_from_text_config(ckpts, tmp_path):
+    ck = _copy_ckpt(ckpts["nested"], tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.pop("num_shared_experts")
+    cfg["text_config"]["num_shared_experts"] = 3
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _refused(ck, tmp_path, r"num_shared_experts 3: expected 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,12 +727,200 @@ def test_missing_shard(ckpts, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_unknown_tensor(ckpts, tmp_path):
+@pytest.mark.parametrize("mode", [{}, {"split": True}, {"arch": "qwen35moe"}])
+def test_unknown_tensor(mode, ckpts, tmp_path):
+    """Unknown tensors are refused, each named (a misspelt block tensor among them)."""
     ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
     _add_tensor(ck, "model.layers.2.linear_attn.mystery.weight", torch.randn(4, 4))
-    with pytest.raises(C.ConvertError, match=r"model\.layers\.2\.linear_attn\.mystery\.weight"):
-        C.convert(ck, tmp_path / "m.gguf", progress=False)
-    assert not (tmp_path / "m.gguf").exists()
+    _add_tensor(ck, "model.layers.1.linear_attn.conv_right_weights", torch.randn(4, 4))
+    _add_tensor(ck, "model.extra_norm.weight", torch.randn(4))
+    with pytest.raises(C.ConvertError, match=r"unrecognised tensors ") as ei:
+        C.convert(ck, tmp_path / "out" / "m.gguf", progress=False, **mode)
+    for n in ("model.layers.2.linear_attn.mystery.weight", "model.layers.1.linear_attn.conv_right_weights",
+              "model.extra_norm.weight"):
+        assert n in str(ei.value)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding record (spec 3.4, docs/gguf-layout.md)
+# ---------------------------------------------------------------------------------------------
+
+def _record_of(path) -> dict:
+    return record_kv(kv(gguf.GGUFReader(path)))
+
+
+def _defaulted_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("decoding record: default for ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_record_from_config_then_generation_config(ckpts, tmp_path, capsys):
+    """config.json gives a field first, generation_config.json where config.json does not; the
+    fields nothing gives take the default, and one stderr line names exactly those."""
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    _edit_config(ck, presence_penalty=None, eos_bias_start=None, threshold=0.8)
+    (ck / "generation_config.json").write_text(json.dumps(
+        {"presence_penalty": 0.5, "threshold": 0.6, "frequency_penalty": None, "do_sample": False}))
+    capsys.readouterr()
+    res = C.convert(ck, tmp_path / "m.gguf", progress=False)
+    given = {k: cfg[k] for k in CONFIG_FIELDS}
+    given.update(presence_penalty=0.5, threshold=0.8)
+    del given["eos_bias_start"]
+    assert _record_of(res["path"]) == expected_record(given)
+    src = res["record_sources"]
+    assert src["presence_penalty"] == "generation_config.json" and src["threshold"] == "config.json"
+    assert src["eos_bias_start"] == "default" and src["shift_logits"] == "default"
+    line = _defaulted_line(capsys.readouterr().err)
+    assert line == ("decoding record: default for shift_logits false, block_aligned true, penalty_scope response, "
+                    "eos_bias_start 8192, bias_slope 0.01, bias_max 10 (docs/gguf-layout.md)")
+
+
+def test_record_under_text_config(ckpts, tmp_path):
+    """Record fields nested under text_config are read when the top level lacks them."""
+    ck = _copy_ckpt(ckpts["nested"], tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.pop("block_size")
+    cfg["text_config"]["block_size"] = 8
+    (ck / "config.json").write_text(json.dumps(cfg))
+    res = C.convert(ck, tmp_path / "m.gguf", diffusion_only=True, progress=False)
+    assert res["record"]["block_size"] == 8 and res["record_sources"]["block_size"] == "config.json text_config"
+
+
+OPTIONS = {"mask_token_id": 7, "shift_logits": True, "block_size": 16, "block_aligned": False, "threshold": 0.5,
+           "moe_block_coreset_top_p": 0.75, "presence_penalty": 0.25, "frequency_penalty": 0.125,
+           "repetition_penalty": 1.5, "penalty_scope": "all", "think_close_bias_start": 100, "eos_bias_start": 200,
+           "bias_slope": 0.5, "bias_max": 3.0}
+
+
+@pytest.mark.parametrize("mode", ["complete", "split", "diffusion_only"])
+def test_record_options_win(mode, ckpts, tmp_path, capsys):
+    """Every one of the 14 fields as a Python option wins over config.json and
+    generation_config.json, in every output; no field is then defaulted (no line)."""
+    assert set(OPTIONS) == {f for f, _, _, _ in RECORD}
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    (ck / "generation_config.json").write_text(json.dumps({"threshold": 0.9, "repetition_penalty": 1.2}))
+    capsys.readouterr()
+    kw = {"split": {"split": True}, "diffusion_only": {"diffusion_only": True}}.get(mode, {})
+    res = C.convert(ck, tmp_path / "m.gguf", record=dict(OPTIONS), progress=False, **kw)
+    assert set(res["record_sources"].values()) == {"option"} and res["record"] == OPTIONS
+    path = res["diffusion_path"] or res["path"]
+    assert _record_of(path) == expected_record(OPTIONS)
+    assert "decoding record: default" not in capsys.readouterr().err
+
+
+def test_record_cli_options(ckpts, tmp_path):
+    """The 14 command-line options (--name-with-dashes; bools as true/false) give the same record
+    as the Python options, without torch; a bad value is an argparse error (status 2)."""
+    args = []
+    for name, v in OPTIONS.items():
+        args += [f"--{name.replace('_', '-')}", str(v).lower() if isinstance(v, bool) else str(v)]
+    code = (
+        "import sys; from clover_gguf.cli import main; "
+        f"rc = main(['convert', {str(ckpts['clover'])!r}, '-o', {str(tmp_path / 'd.gguf')!r}, '--diffusion-only', "
+        f"'--no-progress', *{args!r}]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert _record_of(tmp_path / "d.gguf") == expected_record(OPTIONS)
+    for bad in (["--shift-logits", "yes"], ["--penalty-scope", "prompt"], ["--block-size", "1.5"]):
+        p = subprocess.run([sys.executable, "-m", "convert.convert", str(ckpts["clover"]), "-o",
+                            str(tmp_path / "x.gguf"), "--diffusion-only", *bad], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and bad[0] in p.stderr, p.stderr
+        assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("field,value,where", [
+    ("block_size", 0, "option"), ("block_size", 65537, "option"), ("block_size", 2.5, "option"),
+    ("threshold", 0.0, "option"), ("threshold", 1.5, "config.json"), ("threshold", "high", "config.json"),
+    ("moe_block_coreset_top_p", 0.0, "generation_config.json"), ("moe_block_coreset_top_p", 1.01, "option"),
+    ("repetition_penalty", 0.0, "config.json"), ("repetition_penalty", -1.0, "option"),
+    ("presence_penalty", float("inf"), "option"), ("frequency_penalty", float("nan"), "option"),
+    ("think_close_bias_start", -1, "config.json"), ("eos_bias_start", 2**31, "option"),
+    ("bias_slope", -0.1, "option"), ("bias_max", -1.0, "option"), ("shift_logits", 1, "option"),
+    ("block_aligned", "true", "option"), ("penalty_scope", "prompt", "option"),
+    ("mask_token_id", 2048, "option"), ("mask_token_id", 5000, "config.json"), ("mask_token_id", -1, "option"),
+    ("mask_token_id", True, "config.json"),
+])
+def test_bad_record_value_refused(field, value, where, ckpts, tmp_path):
+    """Every record value is checked (types, ranges, the mask id below vocab_size 2048); the error
+    names the field, the value and where it came from, before anything is written."""
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    kw = {}
+    if where == "option":
+        kw["record"] = {field: value}
+    elif where == "config.json":
+        _edit_config(ck, **{field: value})
+    else:
+        _edit_config(ck, **{field: None})
+        (ck / "generation_config.json").write_text(json.dumps({field: value}))
+    src = f"option --{field.replace('_', '-')}" if where == "option" else where
+    for mode in ({}, {"diffusion_only": True}):
+        _refused(ck, tmp_path, rf"^{field} {re.escape(repr(value))} \({re.escape(src)}\): ", **kw, **mode)
+
+
+def test_unknown_record_option_refused(ckpts, tmp_path):
+    _refused(ckpts["clover"], tmp_path, r"record option 'logit_shift': expected one of mask_token_id, ",
+             record={"logit_shift": True})
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask token (spec 3.1): option, else the config, else tokenizer.json's one added "mask" token
+# ---------------------------------------------------------------------------------------------
+
+def _rename_added_token(ck: pathlib.Path, old: str, new: str) -> None:
+    tj = json.loads((ck / "tokenizer.json").read_text(encoding="utf-8"))
+    for t in tj["added_tokens"]:
+        if t["content"] == old:
+            t["content"] = new
+    (ck / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+
+
+def test_mask_token_from_each_source(ckpts, tmp_path):
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    mask = json.loads((ck / "config.json").read_text())["mask_token_id"]
+    tok = json.loads((ck / "tokenizer.json").read_text(encoding="utf-8"))
+    assert [t["id"] for t in tok["added_tokens"] if t["content"] == "<|mask|>"] == [mask]
+
+    def conv(**kw):
+        return C.convert(ck, tmp_path / "m.gguf", diffusion_only=True, progress=False, **kw)
+
+    r = conv()  # config.json
+    assert (r["record"]["mask_token_id"], r["record_sources"]["mask_token_id"]) == (mask, "config.json")
+    r = conv(record={"mask_token_id": 3})  # the option wins over the config
+    assert (r["record"]["mask_token_id"], r["record_sources"]["mask_token_id"]) == (3, "option")
+    _edit_config(ck, mask_token_id=None)
+    r = conv()  # tokenizer.json's one added token containing "mask"
+    assert (r["record"]["mask_token_id"], r["record_sources"]["mask_token_id"]) == (mask, "tokenizer.json")
+    assert _record_of(r["path"])["tokenizer.ggml.mask_token_id"] == mask
+    (ck / "generation_config.json").write_text(json.dumps({"mask_token_id": 5}))
+    r = conv()  # generation_config.json is a config too, before the tokenizer
+    assert (r["record"]["mask_token_id"], r["record_sources"]["mask_token_id"]) == (5, "generation_config.json")
+    (ck / "generation_config.json").unlink()
+    r = C.convert(ck, tmp_path / "c.gguf", progress=False)  # the complete file, with its vocabulary
+    assert kv(gguf.GGUFReader(r["path"]))["tokenizer.ggml.tokens"][r["record"]["mask_token_id"]] == "<|mask|>"
+
+
+def test_mask_token_missing_refused(ckpts, tmp_path):
+    """No option, no config key and no (or two) added tokens containing "mask": the error names all
+    three sources and what tokenizer.json holds."""
+    ck = _copy_ckpt(ckpts["clover"], tmp_path / "ck")
+    _edit_config(ck, mask_token_id=None)
+    _rename_added_token(ck, "<|mask|>", "<|blank|>")
+    three = (r"mask_token_id: none of the --mask-token-id option; mask_token_id in config\.json / "
+             r"generation_config\.json; one added token of tokenizer\.json whose content contains 'mask' gives it")
+    for mode in ({}, {"split": True}, {"diffusion_only": True}):
+        _refused(ck, tmp_path, three + r" \(tokenizer\.json has no added token containing 'mask'\)", **mode)
+    _rename_added_token(ck, "<think>", "<mask_a>")
+    _rename_added_token(ck, "<|blank|>", "<|MASK|>")
+    _refused(ck, tmp_path, three + r" \(tokenizer\.json has 2 added tokens containing 'mask' "
+                                   r"\(\['<mask_a>', '<\|MASK\|>'\]\)\)")
+    r = C.convert(ck, tmp_path / "ok.gguf", record={"mask_token_id": 9}, diffusion_only=True, progress=False)
+    assert r["record"]["mask_token_id"] == 9
 
 
 def test_misplaced_and_misshapen_tensor(ckpts, tmp_path):
@@ -532,10 +1040,10 @@ def test_mtp_kept(which, outtype, ckpts, converted):
     trunk's names and transforms; mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm become
     blk.4.nextn.eh_proj / enorm / hnorm / shared_head_norm (norms +1, F32). block_count 5,
     nextn_predict_layers 1, attention.recurrent_layers false for the MTP block; the same for
-    --arch clover under the clover. prefix. Every value equals the spec 4.3 reference."""
+    Clover under the clover_moe. prefix. Every value equals the spec 4.3 reference."""
     res, reader = converted(which, outtype)
     clover = which.startswith("clover")
-    arch = "clover" if clover else "qwen35moe"
+    arch = "clover_moe" if clover else "qwen35moe"
     ex = expected_tensors(ckpts[which], clover=clover)
     got = gguf_tensors(reader)
     assert res["arch"] == arch and res["n_mtp"] == 1
@@ -755,7 +1263,7 @@ def test_cli_without_torch(ckpts, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantised outtypes (issue 3 item 2): llama.cpp's type plan, native quantisers, threads
+# Quantised outtypes: llama.cpp's type plan, native quantisers, threads
 # ---------------------------------------------------------------------------------------------
 
 # Relative RMSE bound of quantise -> dequantise on the tiny checkpoint's (roughly Gaussian)
@@ -787,7 +1295,7 @@ def test_quantized_outtypes(outtype, ftype, ckpts, converted):
     ex = expected_tensors(ckpts["clover"])
     assert set(got) == set(ex)
     hp = C.read_hparams(json.loads((ckpts["clover"] / "config.json").read_text()))
-    plan = QP.plan_types("clover", hp, {n: tuple(e.shape) for n, e in ex.items()}, outtype)
+    plan = QP.plan_types("clover_moe", hp, {n: tuple(e.shape) for n, e in ex.items()}, outtype)
     default = QP.FTYPES[outtype][1]
     seen = set()
     for name, e in ex.items():
@@ -874,7 +1382,7 @@ def test_tokenizer_roundtrip(ckpts, converted):
     assert types[ov["<think>"]] == 4 and types[ov["<|im_end|>"]] == 3
     assert m["tokenizer.ggml.eos_token_id"] == ov["<|im_end|>"]
     assert m["tokenizer.ggml.padding_token_id"] == ov["<|endoftext|>"]
-    assert m["clover.diffusion.mask_token_id"] == ov["<|mask|>"]
+    assert m["tokenizer.ggml.mask_token_id"] == ov["<|mask|>"]
 
     vocab = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty != 5}  # added tokens keep their ids
     bpe = models.BPE(vocab=vocab, merges=[tuple(s.split(" ")) for s in merges], unk_token=None)

@@ -36,8 +36,9 @@ LAYERS = (0, 3, 5, 6, 7, 11, 34, 35, 39)
 # "_norm.weight", "ffn_gate_inp.weight" (router), "ssm_conv1d". The converter stores them as F32.
 ALWAYS_F32 = ("attn_norm.weight", "post_attention_norm.weight", "ssm_conv1d.weight", "ssm_a", "ssm_dt.bias",
               "ssm_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
-              "ffn_gate_inp_shexp.weight", "ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias",
-              "ssm_bwd_mix")
+              "ffn_gate_inp_shexp.weight")
+# Clover's block tensors (docs/gguf-layout.md): F32 in every output ("ssm_conv1d" in the name, or 1-D)
+BLOCK = ("ssm_conv1d_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")
 
 GDN_W = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_out.weight")
 ATTN_W = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
@@ -77,7 +78,7 @@ def real_hp():
     return read_hparams(json.loads(REAL.read_text()))
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "clover"])
+@pytest.mark.parametrize("arch", ["qwen35moe", "clover_moe"])
 @pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs"])
 def test_real_40_layer_table(real_hp, ftype, arch):
     hp = real_hp
@@ -92,18 +93,21 @@ def test_real_40_layer_table(real_hp, ftype, arch):
             "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
         if kind == "linear_attention":
             suffixes += GDN_W + ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias", "ssm_norm.weight")
-            if arch == "clover":
-                suffixes += ("ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias", "ssm_beta_bwd.weight",
-                             "ssm_alpha_bwd.weight", "ssm_bwd_mix")
+            if arch == "clover_moe":
+                suffixes += BLOCK
         else:
             suffixes += ATTN_W + ("attn_q_norm.weight", "attn_k_norm.weight")
         for s in suffixes:
             name = f"blk.{layer}.{s}"
             assert name in plan, name
-            want = expected(ftype, layer, s.replace("_bwd", "")) if s not in ALWAYS_F32 else Q.F32
+            want = Q.F32 if s in ALWAYS_F32 + BLOCK else expected(ftype, layer, s)
             assert plan[name] == want, (name, ftype, plan[name].name, want.name)
             checked += 1
     assert checked > 150
+    # the block tensors change no trunk tensor's type: the clover_moe plan is the qwen35moe plan plus F32
+    trunk = QP.plan_types("qwen35moe", hp, dict(QP.tensor_shapes(hp)), ftype)
+    assert {n: t for n, t in plan.items() if not n.endswith(BLOCK)} == trunk
+    assert len(plan) - len(trunk) == (4 * 30 if arch == "clover_moe" else 0)
     # output.weight -> Q6_K unless the default type is Q8_0 (OUTPUT branch: "new_type != Q8_0 -> Q6_K")
     assert plan["output.weight"] == (Q.Q8_0 if ftype == "q8_0" else Q.Q6_K)
     # token_embd: untied model (output.weight exists) -> TOKEN_EMBD branch, unchanged for these ftypes
@@ -221,7 +225,7 @@ def _sparse_bf16_skeleton(path, cfg):
     shapes = QP.tensor_shapes(hp)
     types = QP.plan_types("qwen35moe", hp, dict(shapes), "bf16")
     w = gguf.GGUFWriter(path=None, arch="qwen35moe")
-    C._add_metadata(w, C.Plan("qwen35moe", hp, [], [], {}), vocab, "bf16", "skeleton")
+    C.add_trunk_metadata(w, hp, vocab, "bf16", "skeleton")
     sizes = [int(np.prod(s)) * (4 if types[n] == Q.F32 else 2) for n, s in shapes]
     for (n, s), nb in zip(shapes, sizes):
         w.add_tensor_info(n, s, np.dtype(np.float32), nb, raw_dtype=types[n])
