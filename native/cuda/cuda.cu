@@ -1,7 +1,8 @@
 /* cuda.cu: the CUDA part of the engine (issue 7): device discovery, weight upload, the weight
  * products (matrix-vector and matrix-matrix) for every weight type the CPU engine accepts, the
  * routed experts of a layer as grouped products, gated attention against a KV cache on the
- * device, and the Gated DeltaNet recurrence with its state on the device, each call moving its
+ * device, the Gated DeltaNet recurrence and the block operator's mixing (spec 3.3) with the
+ * state on the device, each call moving its
  * activations to the device and back; and, at the end, the operations of the resident forward
  * (native/model.c res_forward: norms, RoPE, the GDN convolution and gates, routing, ...) on
  * activations that stay on the device.
@@ -14,7 +15,7 @@
  * (16) values in float32; float formats multiply in float32 (F16 and BF16 on f16/bf16 tensor
  * cores for many rows, the activations split into 16-bit terms, mma.cuh). Results differ from the
  * CPU path only in float rounding (tests/test_cuda.py states the tolerances). The GDN of long
- * prefills runs chunked (gdn_chunk.cuh).
+ * prefills runs chunked (gdn_chunk.cuh); the block operator's mixing is gdn_block.cuh.
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error
  * code from clover_cuda_devices, not a library that fails to load). */
@@ -91,6 +92,11 @@ static int alloc_failed(char *err, size_t n, const char *what, size_t nbytes, cu
 #include "dequant.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -724,33 +730,30 @@ __global__ void __launch_bounds__(32 * ATT_MMA_WARPS)
     }
 }
 
-/* Gated DeltaNet recurrence (spec 2.1 step 6, 3.3) of value head h = blockIdx.x: the state S
+/* Gated DeltaNet recurrence (spec 2.1 step 6) of value head h = blockIdx.x: the state S
  * [dk][dv] column by column (the columns are independent), GDN_COLS columns a block
  * (blockIdx.y), GDN_SPLIT threads a column, thread p of a column holding its rows p R .. p R + R - 1
- * in registers (R: the template's, at least dk / GDN_SPLIT). Per row t: S <- exp(g) S;
+ * in registers (R: the template's, at least dk / GDN_SPLIT). Per row t in order: S <- exp(g) S;
  * S <- S + k (beta (v - S^T k))^T; o = S^T q, the dot products summed per thread, then over
  * the column's threads (the CPU's delta_step and readout in native/model.c sum in row order, so
- * results differ by that order, FMA contraction and expf). Forward: rows in order from S
- * (written back when write_back); backward (the block's anti-causal branch): rows in reverse
- * from S = 0 with the readout before the update. conv: [T][C] rows of q (Hk dk), k (Hk dk), v
- * (Hv dv); value head h reads key head h % Hk. */
+ * results differ by that order, FMA contraction and expf); S written back at the end. conv: [T][C]
+ * rows of q (Hk dk), k (Hk dk), v (Hv dv); value head h reads key head h % Hk. */
 #define DK_MAX 256
 enum { GDN_COLS = 32, GDN_SPLIT = 4 };
 static_assert(GDN_SPLIT == 4, "k_gdn sums a column over lanes xor 1, 2");
 template <int R>
 __global__ void __launch_bounds__(GDN_COLS *GDN_SPLIT)
     k_gdn(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
-          int64_t dv, int64_t C, float *S, int backward, int write_back, float *O) {
+          int64_t dv, int64_t C, float *S, float *O) {
     __shared__ float kq[2 * DK_MAX];
     const int64_t h = blockIdx.x, j = (int64_t)blockIdx.y * GDN_COLS + threadIdx.x / GDN_SPLIT;
     const int p = threadIdx.x % GDN_SPLIT;
     const bool col = j < dv; /* threads past dv take part in the barriers and shuffles only */
     float s[R];
-    float *Sh = S && col ? S + h * dk * dv : NULL;
+    float *Sh = col ? S + h * dk * dv : NULL;
     UNROLL
     for (int r = 0; r < R; r++) s[r] = Sh && p * R + r < dk ? Sh[(p * R + r) * dv + j] : 0.0f;
-    for (int64_t step = 0; step < T; step++) {
-        const int64_t t = backward ? T - 1 - step : step;
+    for (int64_t t = 0; t < T; t++) {
         const float *row = conv + t * C, *q = row + (h % Hk) * dk, *k = row + Hk * dk + (h % Hk) * dk;
         const float v = col ? row[2 * Hk * dk + h * dv + j] : 0.0f;
         __syncthreads(); /* the previous row's reads of kq are done */
@@ -759,10 +762,6 @@ __global__ void __launch_bounds__(GDN_COLS *GDN_SPLIT)
         __syncthreads();
         const float *kk = kq + p * R, *qq = kq + DK_MAX + p * R;
         float o = 0.0f, tmp = 0.0f;
-        if (backward) {
-            UNROLL
-            for (int r = 0; r < R; r++) o += s[r] * qq[r];
-        }
         const float eg = expf(g[t * Hv + h]);
         UNROLL
         for (int r = 0; r < R; r++) {
@@ -774,15 +773,13 @@ __global__ void __launch_bounds__(GDN_COLS *GDN_SPLIT)
         const float delta = (v - tmp) * beta[t * Hv + h];
         UNROLL
         for (int r = 0; r < R; r++) s[r] += kk[r] * delta;
-        if (!backward) {
-            UNROLL
-            for (int r = 0; r < R; r++) o += s[r] * qq[r];
-        }
+        UNROLL
+        for (int r = 0; r < R; r++) o += s[r] * qq[r];
         o += __shfl_xor_sync(0xffffffffu, o, 1);
         o += __shfl_xor_sync(0xffffffffu, o, 2);
         if (col && p == 0) O[(t * Hv + h) * dv + j] = o;
     }
-    if (Sh && write_back) {
+    if (Sh) {
         UNROLL
         for (int r = 0; r < R; r++)
             if (p * R + r < dk) Sh[(p * R + r) * dv + j] = s[r];
@@ -791,15 +788,16 @@ __global__ void __launch_bounds__(GDN_COLS *GDN_SPLIT)
 
 /* k_gdn's launch for dk <= DK_MAX (rows a thread: the least of 8, 16, 32, 64 that covers dk). */
 static void gdn_launch(const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
-                       int64_t dk, int64_t dv, int64_t C, float *S, int backward, int write_back, float *O) {
+                       int64_t dk, int64_t dv, int64_t C, float *S, float *O) {
     const dim3 grid((unsigned)Hv, (unsigned)((dv + GDN_COLS - 1) / GDN_COLS)), block(GDN_COLS * GDN_SPLIT);
-    if (dk <= GDN_SPLIT * 8) LAUNCH(k_gdn<8>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
-    else if (dk <= GDN_SPLIT * 16) LAUNCH(k_gdn<16>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
-    else if (dk <= GDN_SPLIT * 32) LAUNCH(k_gdn<32>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
-    else LAUNCH(k_gdn<64>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, backward, write_back, O);
+    if (dk <= GDN_SPLIT * 8) LAUNCH(k_gdn<8>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, O);
+    else if (dk <= GDN_SPLIT * 16) LAUNCH(k_gdn<16>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, O);
+    else if (dk <= GDN_SPLIT * 32) LAUNCH(k_gdn<32>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, O);
+    else LAUNCH(k_gdn<64>, grid, block)(conv, beta, g, T, Hk, Hv, dk, dv, C, S, O);
 }
 
 #include "gdn_chunk.cuh"
+#include "gdn_block.cuh"
 
 /* ------------------------------------------------------------------ host side */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time (shared scratch) */
@@ -1323,18 +1321,17 @@ static int gdn_chunked(const float *conv, const float *beta, const float *g, int
 /* clover_cuda_gdn's and clover_cuda_gdn_d's arguments: whether they are out of range. */
 static bool gdn_bad_args(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk,
                          int64_t Hv, int64_t dk, int64_t dv, int64_t C, const float *state, const float *o) {
-    return !conv || !beta || !g || !o || (kind != CLOVER_GDN_BACKWARD && !state) || kind < 0 ||
+    return !conv || !beta || !g || !o || !state || kind < CLOVER_GDN_FORWARD ||
            kind > CLOVER_GDN_FORWARD_CHUNKED || T <= 0 || Hk <= 0 || Hv <= 0 || Hv > INT32_MAX || dk <= 0 ||
            dk > DK_MAX || dv <= 0 || dv > 1024 || C < 2 * Hk * dk + Hv * dv ||
            T > INT64_MAX / 4 / (C > Hv * dv ? C : Hv * dv);
 }
 
-/* The GDN of `kind` on device arrays (the state only for the forwards). Caller holds g_lock. */
+/* The GDN of `kind` on device arrays. Caller holds g_lock. */
 static int gdn_run(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                    int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size) {
     if (kind == CLOVER_GDN_FORWARD_CHUNKED) return gdn_chunked(conv, beta, g, T, Hk, Hv, dk, dv, C, state, o, err, err_size);
-    gdn_launch(conv, beta, g, T, Hk, Hv, dk, dv, C, kind == CLOVER_GDN_BACKWARD ? NULL : state,
-               kind == CLOVER_GDN_BACKWARD, kind == CLOVER_GDN_FORWARD, o);
+    gdn_launch(conv, beta, g, T, Hk, Hv, dk, dv, C, state, o);
     return CLOVER_OK;
 }
 
@@ -1359,6 +1356,29 @@ extern "C" int clover_cuda_gdn(int kind, const float *conv, const float *beta, c
     return rc;
 }
 
+extern "C" int clover_cuda_gdn_block(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                                     int64_t C, const float *state, const float *lambda, const float *beta0,
+                                     const float *c, int64_t P, float *o, char *err, size_t err_size) {
+    if (gdn_block_bad_args(conv, T, Hk, Hv, dk, dv, C, state, lambda, beta0, c, o) || P < 0)
+        return bad_arg(err, err_size,
+                       "gdn_block: bad arguments (T, heads, dk <= 256, dv <= 1024, C or P out of range)");
+    pthread_mutex_lock(&g_lock);
+    int rc = grow(&g_x, sizeof(float) * (size_t)(T * C), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_gate, sizeof(float) * (size_t)(3 * Hv), err, err_size);
+    if (rc == CLOVER_OK) rc = grow(&g_y, sizeof(float) * (size_t)(T * Hv * dv), err, err_size);
+    float *X = (float *)g_x.p, *L = (float *)g_gate.p, *O = (float *)g_y.p; /* L: lambda, beta0, c */
+    const size_t hb = sizeof(float) * (size_t)Hv;
+    if (rc == CLOVER_OK) rc = copy(X, conv, sizeof(float) * (size_t)(T * C), cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = copy(L, lambda, hb, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = copy(L + Hv, beta0, hb, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) rc = copy(L + 2 * Hv, c, hb, cudaMemcpyHostToDevice, err, err_size);
+    if (rc == CLOVER_OK) gdn_block_launch(X, T, Hk, Hv, dk, dv, C, state, L, L + Hv, L + 2 * Hv, NULL, P, O);
+    rc = launched(rc, "gdn_block", err, err_size);
+    if (rc == CLOVER_OK) rc = copy(o, O, sizeof(float) * (size_t)(T * Hv * dv), cudaMemcpyDeviceToHost, err, err_size);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
 extern "C" int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_t err_size) {
     if (!dst || (!src && nbytes)) return bad_arg(err, err_size, "copy: no buffer");
     return nbytes ? copy(dst, src, nbytes, cudaMemcpyDeviceToDevice, err, err_size) : CLOVER_OK;
@@ -1371,11 +1391,6 @@ extern "C" int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char 
  * that brings the logits back). Each kernel follows the CPU function named in its comment, in
  * the same operation order, so results differ from the CPU's only in float rounding (expf, FMA
  * contraction, the order of parallel sums). */
-
-__device__ __forceinline__ double warp_sum_d(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 /* rmsnorm (model.c) of row idx[r] (r without idx) of X into row r of Y, one warp per row:
  * y = x * rsqrt(mean(x^2) + eps) * w, the sum of squares in double. In place when X == Y. */
@@ -1419,23 +1434,20 @@ __global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *
     }
 }
 
-/* conv_causal / conv_anticausal (model.c; spec 2.1 step 2, 3.3) with SiLU, one thread per
- * (row, channel): hist holds the K-1 previous inputs (causal only). */
-__global__ void k_conv(const float *w, const float *hist, const float *in, int64_t T, int64_t C, int K, int anti,
+/* conv_silu (model.c; spec 2.1 step 2, 3.3 step 1), one thread per (row, channel): the K taps w
+ * over hist (the K-1 previous inputs) ++ in, w[ch K + K-1] on the row itself, then, with wr (block
+ * mode), the right taps wr[ch (K-1) + d-1] on rows t + d < T (d = 1..K-1); SiLU. */
+__global__ void k_conv(const float *w, const float *wr, const float *hist, const float *in, int64_t T, int64_t C, int K,
                        float *out) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * C) return;
     const int64_t t = i / C, ch = i % C;
     float s = 0;
     for (int j = 0; j < K; j++) {
-        if (!anti) {
-            const int64_t src = t - (K - 1) + j;
-            s += w[ch * K + j] * (src >= 0 ? in[src * C + ch] : hist[(K - 1 + src) * C + ch]);
-        } else {
-            const int64_t src = t + (K - 1) - j;
-            if (src < T) s += w[ch * K + j] * in[src * C + ch];
-        }
+        const int64_t src = t - (K - 1) + j;
+        s += w[ch * K + j] * (src >= 0 ? in[src * C + ch] : hist[(K - 1 + src) * C + ch]);
     }
+    for (int j = 1; wr && j < K && t + j < T; j++) s += wr[ch * (K - 1) + j - 1] * in[(t + j) * C + ch];
     out[i] = s / (1.0f + expf(-s));
 }
 
@@ -1478,17 +1490,12 @@ __global__ void k_gdn_gates(float *b, float *a, const float *ssm_a, const float 
     a[i] = ssm_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
 }
 
-/* The end of gdn_layer (spec 3.3's mix, 2.1 step 7) for head blockIdx.x of row blockIdx.y, one
- * warp: o += sigmoid(mix_h) ob (when OB), then rmsnorm with w, times silu(z). */
-__global__ void k_gdn_out(float *O, const float *OB, const float *mix, const float *Z, const float *w, int64_t Hv,
-                          int64_t dv, float eps) {
+/* The end of gdn_layer (spec 2.1 step 7) for head blockIdx.x of row blockIdx.y, one warp: rmsnorm
+ * with w, times silu(z). */
+__global__ void k_gdn_out(float *O, const float *Z, const float *w, int64_t Hv, int64_t dv, float eps) {
     const int64_t at = ((int64_t)blockIdx.y * Hv + blockIdx.x) * dv;
     float *o = O + at;
     const float *z = Z + at;
-    if (OB) {
-        const float m = 1.0f / (1.0f + expf(-mix[blockIdx.x]));
-        for (int64_t i = threadIdx.x; i < dv; i += 32) o[i] += m * OB[at + i];
-    }
     double ss = 0;
     for (int64_t i = threadIdx.x; i < dv; i += 32) ss += (double)o[i] * o[i];
     ss = warp_sum_d(ss);
@@ -1765,12 +1772,12 @@ extern "C" int clover_cuda_kv_store_d(void *k_cache, void *v_cache, int kv_f16, 
     return launched(CLOVER_OK, "kv_store_d", err, err_size);
 }
 
-extern "C" int clover_cuda_conv_d(int anti, const float *w, const float *hist, const float *in, int64_t T, int64_t C,
-                                  int32_t K, float *out, char *err, size_t err_size) {
-    if (!w || (!anti && !hist) || !in || !out || T <= 0 || C <= 0 || K < 1 || K > CONV_K_MAX || T > INT64_MAX / C ||
+extern "C" int clover_cuda_conv_d(const float *w, const float *wr, const float *hist, const float *in, int64_t T,
+                                  int64_t C, int32_t K, float *out, char *err, size_t err_size) {
+    if (!w || !hist || !in || !out || T <= 0 || C <= 0 || K < 1 || K > CONV_K_MAX || T > INT64_MAX / C ||
         too_big(T * C))
         return bad_arg(err, err_size, "conv_d: bad arguments (d_conv <= 16)");
-    LAUNCH(k_conv, cover(T * C), dim3(256))(w, hist, in, T, C, K, anti, out);
+    LAUNCH(k_conv, cover(T * C), dim3(256))(w, wr, hist, in, T, C, K, out);
     return launched(CLOVER_OK, "conv_d", err, err_size);
 }
 
@@ -1785,11 +1792,12 @@ extern "C" int clover_cuda_conv_hist_d(float *hist, const float *in, int64_t T, 
 extern "C" int clover_cuda_gdn_prep_d(float *conv, int64_t T, int64_t C, int64_t Hk, int64_t dk, float eps, float *b,
                                       float *a, const float *ssm_a, const float *dt_bias, int64_t Hv, char *err,
                                       size_t err_size) {
-    if (!conv || !b || !a || !ssm_a || !dt_bias || T <= 0 || T > 65535 || Hk <= 0 || 2 * Hk > INT32_MAX || dk <= 0 ||
-        C < 2 * Hk * dk || Hv <= 0 || T > INT64_MAX / Hv)
-        return bad_arg(err, err_size, "gdn_prep_d: bad arguments");
+    const bool gated = b || a;
+    if (!conv || T <= 0 || T > 65535 || Hk <= 0 || 2 * Hk > INT32_MAX || dk <= 0 || C < 2 * Hk * dk ||
+        (gated && (!b || !a || !ssm_a || !dt_bias || Hv <= 0 || T > INT64_MAX / Hv || too_big(T * Hv))))
+        return bad_arg(err, err_size, "gdn_prep_d: bad arguments (b and a: both or neither)");
     LAUNCH(k_gdn_qk_norm, dim3((unsigned)(2 * Hk), (unsigned)T), dim3(32))(conv, C, Hk, dk, eps);
-    LAUNCH(k_gdn_gates, cover(T * Hv), dim3(256))(b, a, ssm_a, dt_bias, T * Hv, Hv);
+    if (gated) LAUNCH(k_gdn_gates, cover(T * Hv), dim3(256))(b, a, ssm_a, dt_bias, T * Hv, Hv);
     return launched(CLOVER_OK, "gdn_prep_d", err, err_size);
 }
 
@@ -1804,11 +1812,20 @@ extern "C" int clover_cuda_gdn_d(int kind, const float *conv, const float *beta,
     return launched(rc, "gdn_d", err, err_size);
 }
 
-extern "C" int clover_cuda_gdn_out_d(float *o, const float *ob, const float *mix, const float *z, const float *w,
-                                     int64_t T, int64_t Hv, int64_t dv, float eps, char *err, size_t err_size) {
-    if (!o || (ob && !mix) || !z || !w || T <= 0 || T > 65535 || Hv <= 0 || Hv > INT32_MAX || dv <= 0)
+extern "C" int clover_cuda_gdn_block_d(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                                       int64_t C, const float *state, const float *lambda, const float *beta0,
+                                       const float *c, const int64_t *pos, float *o, char *err, size_t err_size) {
+    if (gdn_block_bad_args(conv, T, Hk, Hv, dk, dv, C, state, lambda, beta0, c, o) || !pos)
+        return bad_arg(err, err_size, "gdn_block_d: bad arguments (T, heads, dk <= 256, dv <= 1024 or C out of range)");
+    gdn_block_launch(conv, T, Hk, Hv, dk, dv, C, state, lambda, beta0, c, pos, 0, o);
+    return launched(CLOVER_OK, "gdn_block_d", err, err_size);
+}
+
+extern "C" int clover_cuda_gdn_out_d(float *o, const float *z, const float *w, int64_t T, int64_t Hv, int64_t dv,
+                                     float eps, char *err, size_t err_size) {
+    if (!o || !z || !w || T <= 0 || T > 65535 || Hv <= 0 || Hv > INT32_MAX || dv <= 0)
         return bad_arg(err, err_size, "gdn_out_d: bad arguments");
-    LAUNCH(k_gdn_out, dim3((unsigned)Hv, (unsigned)T), dim3(32))(o, ob, mix, z, w, Hv, dv, eps);
+    LAUNCH(k_gdn_out, dim3((unsigned)Hv, (unsigned)T), dim3(32))(o, z, w, Hv, dv, eps);
     return launched(CLOVER_OK, "gdn_out_d", err, err_size);
 }
 
