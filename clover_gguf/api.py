@@ -491,7 +491,8 @@ class Model:
             self._running = run
         try:
             t0 = time.perf_counter()
-            p.n_reuse, reused = self._reuse_prefix(prompt_ids, cached, err) if self.prefix_reuse else (0, 0)
+            limit = n // p.block_size * p.block_size if mode == "diffusion" and self.hparams["block_aligned"] else n
+            p.n_reuse, reused = self._reuse_prefix(prompt_ids, cached, limit, err) if self.prefix_reuse else (0, 0)
             d = ffi.NULL if p.n_reuse < 0 else lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
             if d == ffi.NULL:
                 if run.cancelled or p.n_reuse < 0:  # the prefill was aborted: no forward completed
@@ -550,10 +551,11 @@ class Model:
                 if self._running is run:
                     self._running = None
 
-    def _reuse_prefix(self, ids, cached, err) -> tuple[int, int]:
+    def _reuse_prefix(self, ids, cached, limit, err) -> tuple[int, int]:
         """Prefix reuse (``prefix_reuse=True``): put the caches in the state of a prefix of ``ids``
-        and return ``(n_reuse for the decoder, prompt tokens not prefilled)``; ``(-1, 0)`` when a
-        cancel() stopped the prefill here.
+        of at most ``limit`` tokens (what the decoder prefills: with aligned diffusion blocks the
+        prompt up to its last block boundary, spec 3.1) and return ``(n_reuse for the decoder,
+        prompt tokens not prefilled)``; ``(-1, 0)`` when a cancel() stopped the prefill here.
 
         Reused: the tokens the caches hold after the last generation when ``ids`` extends them
         exactly; else the prompt prefix saved at the last generation's split point when ``ids``
@@ -564,15 +566,16 @@ class Model:
         token. The tokens up to the split point are prefilled here and the state saved."""
         n, k = len(ids), len(cached)
         start = 0
-        if 0 < k < n and lib.clover_context_n_past(self._ctx) == k and list(ids[:k]) == cached:
+        if 0 < k <= limit and k < n and lib.clover_context_n_past(self._ctx) == k and list(ids[:k]) == cached:
             start = k
-        elif self._saved and len(self._saved) < n and list(ids[:len(self._saved)]) == self._saved:
+        elif self._saved and len(self._saved) <= limit and len(self._saved) < n \
+                and list(ids[:len(self._saved)]) == self._saved:
             start = max(0, int(lib.clover_context_restore_state(self._ctx, err, len(err))))
         if start == 0:
             lib.clover_context_reset(self._ctx)
             self._saved = []
         im_start = self.tokenizer.token_to_id("<|im_start|>")
-        split = max((i for i, t in enumerate(ids) if t == im_start), default=0) or n - 1
+        split = min(max((i for i, t in enumerate(ids) if t == im_start), default=0) or n - 1, limit)
         if split <= start:
             return start, start
         toks = ffi.new("int32_t[]", list(ids[start:split]))

@@ -740,8 +740,8 @@ def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, bloc
     fixed slot takes slot 0 from the causal logits of the last committed row (no forward; an
     end id there is emitted and stops). While a slot is masked: one block forward (coreset
     top-p); every masked slot whose confidence > threshold is filled, else the single most
-    confident (ties: lowest slot); an end id at slot e with no mask before it emits the
-    generated slots up to e and stops. A finished block's generated slots are emitted
+    confident (ties: lowest slot); an end id at slot e with no mask before it, or a budget that
+    the filled slots before the first mask cover, emits the generated slots up to e and stops. A finished block's generated slots are emitted
     (truncated to the budget); unless the budget is spent, the whole block is committed by a
     prefix-mode forward. shift_logits / block_aligned None: the config's (spec 4.2 defaults).
     Returns (tokens, n_forward): prefill (when anything is prefilled) + denoise + commit
@@ -790,9 +790,9 @@ def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, bloc
             for j in fill:
                 blk[j], masked[j] = cand[j][0], False
             for e in range(nf, B):
-                if masked[e]:
+                if masked[e] or e - nf + 1 > budget:
                     break
-                if blk[e] in end_ids:
+                if blk[e] in end_ids or e - nf + 1 == budget:
                     stop_at = e
                     break
             if stop_at is not None:

@@ -131,7 +131,7 @@ def _q8_0_roundtrip(name, t):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    keep_f32 = ("mlp.gate.weight", "conv1d", "shared_expert_gate")
+    keep_f32 = ("mlp.gate.weight", "conv1d", "conv_right_weight", "shared_expert_gate")
     if t.ndim < 2 or any(k in name for k in keep_f32) or t.shape[-1] % 32:
         return t
     a = t.float().numpy()
@@ -405,6 +405,62 @@ def test_diffusion_with_coreset_matches_reference(ref, model_of):
     assert stats["n_forward"] == n_fwd
 
 
+def _zero_right_taps(name, a):
+    return np.zeros_like(a) if name.endswith("ssm_conv1d_right.weight") else a
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_block_operator_at_p0_and_p_with_and_without_right_taps(ckpt, ref, gguf_of, tmp_path, right):
+    """Spec 3.3 on the F32 file against the reference, max abs logit difference <= 1e-3: P = 0 (no
+    clean token: the history slot reads a zero state and its logit is beta0) and P = 40, coreset
+    top-p 1.0 and 0.5; right taps off is the file with zeroed ssm_conv1d_right (the reference's
+    right=False), which must change the logits."""
+    from conftest import rewrite_gguf
+
+    path = gguf_of("f32")
+    if not right:
+        path = rewrite_gguf(path, tmp_path / "no-right.gguf", tensor_fn=_zero_right_taps)
+    blk = _block(ref, 0, seed=3)
+    with Model(str(path), n_ctx=512, n_threads=2) as m:
+        for prefix in ([], _prompt(ref, PROMPT_LEN, seed=4)):
+            st = ref.new_state()
+            ref.forward_prefix(st, prefix)
+            for top_p in (1.0, 0.5):
+                got, n_exp = m.block_logits(prefix, blk, coreset_top_p=top_p)
+                want, n_ref = ref.forward_block(st, blk, top_p, right=right)
+                d = _max_diff(got, want.numpy())
+                print(f"right={right} P={len(prefix)} top_p={top_p}: max abs diff {d:.2e}")
+                assert d <= 1e-3 and list(n_exp) == list(n_ref)
+            other, _ = ref.forward_block(st, blk, 1.0, right=not right)
+            assert _max_diff(m.block_logits(prefix, blk, coreset_top_p=1.0)[0], other.numpy()) > 0.1
+
+
+@pytest.mark.parametrize("shift,aligned", [(False, True), (False, False), (True, True), (True, False)])
+def test_decoders_in_both_conventions_and_placements(ref, gguf_of, shift, aligned):
+    """diffusion.shift_logits (spec 3.5) and diffusion.block_aligned (spec 3.1) from the file: the
+    engine's greedy diffusion tokens and forward counts equal the reference decoder's, spec's
+    tokens equal ar's and the reference's, and its drafts (read in place or shifted) are accepted
+    exactly as the reference's, on prompts whose length is and is not a multiple of the block."""
+    path = gguf_of("f32", record={"shift_logits": shift, "block_aligned": aligned})
+    B = 8
+    with Model(str(path), n_ctx=512, n_threads=2) as m:
+        assert (m.hparams["shift_logits"], m.hparams["block_aligned"]) == (shift, aligned)
+        for n in (3, 16, 21):
+            prompt = _prompt(ref, n, seed=n)
+            want, n_fwd = reference.generate_diffusion(ref, prompt, 40, B, 0.5, 0.9, [], shift_logits=shift,
+                                                       block_aligned=aligned)
+            got, st = m.generate_tokens(prompt, max_tokens=40, mode="diffusion", block_size=B, threshold=0.5,
+                                        coreset_top_p=0.9, end_ids=[], **NO_PEN)
+            assert list(got) == list(want) and st["n_forward"] == n_fwd, (n, st)
+            assert st["n_forward_prefill"] == (0 if aligned and n < B else 1)
+            ar, _ = m.generate_tokens(prompt, max_tokens=40, mode="ar", end_ids=[], **NO_PEN)
+            sp, ss = m.generate_tokens(prompt, max_tokens=40, mode="spec", block_size=B, coreset_top_p=0.9,
+                                       end_ids=[], **NO_PEN)
+            want_sp, n_sp, acc = reference.generate_spec(ref, prompt, 40, B, 0.9, [], shift_logits=shift)
+            assert sp == ar == list(want_sp) and ss["n_forward"] == n_sp
+            assert ss["accept_hist"] == [acc.count(k) for k in range(max(acc) + 1)]
+
+
 def test_bad_token_ids_are_errors(model_of):
     m = model_of("f32")
     V = m.hparams["n_vocab"]
@@ -421,18 +477,18 @@ def test_bad_token_ids_are_errors(model_of):
 
 def _rewrite(src, dst, drop=None, reshape=None, set_kv=None, dequantize=False):
     """Copy a GGUF, dropping tensor `drop`, giving tensor reshape[0] the numpy shape reshape[1],
-    overriding one uint32 KV (set_kv = (key, value)), or (dequantize) storing every tensor as the
-    F32 values of its quantised data."""
+    setting one KV (set_kv = (key, value): a str, float or uint32 value, replacing the key or
+    added), or (dequantize) storing every tensor as the F32 values of its quantised data."""
     import gguf
 
     r = gguf.GGUFReader(str(src))
     arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
     w = gguf.GGUFWriter(str(dst), arch)
+    if set_kv:
+        k, v = set_kv
+        (w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if set_kv and name == set_kv[0]:
-            w.add_uint32(name, set_kv[1])
+        if name.startswith("GGUF.") or name == "general.architecture" or (set_kv and name == set_kv[0]):
             continue
         vt = f.types[0]
         if vt == gguf.GGUFValueType.ARRAY:
@@ -464,11 +520,16 @@ def test_model_load_errors_name_the_tensor_or_key(gguf_of, tmp_path):
 
     src = gguf_of("f32")
     cases = [
-        (dict(drop="blk.2.ssm_bwd_mix"), r"missing tensor blk\.2\.ssm_bwd_mix"),
+        (dict(drop="blk.2.bd_history_c"), r"missing tensor blk\.2\.bd_history_c"),
+        (dict(reshape=("blk.1.ssm_conv1d_right.weight", (3, 512))),
+         r"tensor blk\.1\.ssm_conv1d_right\.weight: shape \{512, 3, 1, 1\} expected \{3, 512, 1, 1\}"),
         (dict(reshape=("blk.3.attn_k.weight", (256, 128))),
          r"tensor blk\.3\.attn_k\.weight: shape \{128, 256, 1, 1\} expected \{256, 128, 1, 1\}"),
-        (dict(set_kv=("clover.expert_used_count", 9)), r"expert_used_count > expert_count"),
-        (dict(set_kv=("clover.diffusion.mask_token_id", 10**6)), r"clover\.diffusion\.mask_token_id: 1000000 >= n_vocab"),
+        (dict(set_kv=("clover_moe.expert_used_count", 9)), r"expert_used_count > expert_count"),
+        (dict(set_kv=("clover_moe.expert_shared_count", 2)), r"clover_moe\.expert_shared_count: value 2 outside \[1, 1\]"),
+        (dict(set_kv=("tokenizer.ggml.mask_token_id", 10**6)), r"tokenizer\.ggml\.mask_token_id: token id 1000000 outside"),
+        (dict(set_kv=("diffusion.penalty_scope", "prompt")), r"diffusion\.penalty_scope: 'prompt'"),
+        (dict(set_kv=("diffusion.threshold", 1.5)), r"diffusion\.threshold: value 1\.5 outside"),
     ]
     for i, (kw, pattern) in enumerate(cases):
         dst = tmp_path / f"bad{i}.gguf"
@@ -538,7 +599,7 @@ def _native_roundtrip(type_, t):
 def _q6_k_mix_hook(name, t):
     """The tensor types of our q6_k file of the tiny model (llama.cpp's rules: Q6_K everywhere,
     but attn_qkv / attn_k / attn_v at Q8_0 for an 8-expert model; router, conv, norms F32)."""
-    if t.ndim < 2 or any(k in name for k in ("mlp.gate.weight", "conv1d", "shared_expert_gate")):
+    if t.ndim < 2 or any(k in name for k in ("mlp.gate.weight", "conv1d", "conv_right_weight", "shared_expert_gate")):
         return t
     if any(k in name for k in ("in_proj_qkv", "self_attn.k_proj", "self_attn.v_proj")):
         return _native_roundtrip(lib.CLOVER_TYPE_Q8_0, t).as_subclass(Q8Weight)
