@@ -1,8 +1,8 @@
 """The training script of the embedded model (bench/train/train_tiny.py).
 
 - its batched training forward equals clover_gguf.reference (logits and gradients, prefix
-  mode and block mode with the backward GDN branch), so training and inference share one
-  definition;
+  mode and block mode with the block operator of spec 3.3), so training and inference share
+  one definition; its diffusion loss reads each masked slot's own row (spec 3.5, in place);
 - a short run (a few steps, small vocabulary) goes through data, tokenizer, training,
   evaluation, HF export and ``convert`` to Q8_0, and the engine runs the result.
 """
@@ -30,13 +30,15 @@ def tt():
 
 
 def _random_model(tt, seed=0):
-    """Small vocab, non-trivial norms and mix (the initial values are 0 or 1)."""
+    """Small vocab; norms and the block softmax's parameters (constant at initialisation)
+    randomised, so every parameter differs per channel or head."""
     cfg = tt.model_config(300, 299, 294, block_size=8)
     P = tt.init_params(cfg, seed)
     g = torch.Generator().manual_seed(seed + 1)
     for n in P:
-        if n.endswith(("norm.weight", "layernorm.weight", "bwd_mix")):
-            P[n] = P[n] + 0.2 * torch.randn(P[n].shape, generator=g)
+        if n.endswith(("norm.weight", "layernorm.weight", "bd_softmax_logit_scale", "bd_softmax_history_bias",
+                       "bd_softmax_history_c")):
+            P[n] = P[n] + 0.3 * torch.randn(P[n].shape, generator=g)
     P["lm_head.weight"] = P["lm_head.weight"] * 5
     return cfg, P
 
@@ -94,7 +96,7 @@ def test_train_forward_coreset_equals_reference(tt, top_p):
 
 def test_train_gradients_equal_reference(tt):
     """The reference's own forward is differentiable and gives the same gradients."""
-    from clover_gguf.reference import CloverReference, ReferenceConfig
+    from clover_gguf.reference import CloverReference
 
     cfg, P0 = _random_model(tt, seed=5)
     tok, noisy, _ = _batch(tt, N=1, T=16, seed=7)
@@ -107,7 +109,7 @@ def test_train_gradients_equal_reference(tt):
     ((fw.logits(hc[0]) * wc).sum() + (fw.logits(hn[0]) * wc.flip(0)).sum()).backward()
 
     R = {n: t.clone().requires_grad_() for n, t in P0.items()}
-    ref = CloverReference(ReferenceConfig.from_hf(cfg), R)
+    ref = CloverReference(tt.reference_config(cfg), R)
     loss = (ref.forward_prefix(ref.new_state(), tok[0].tolist()) * wc).sum()
     blocks = []
     for b in range(2):
@@ -122,17 +124,49 @@ def test_train_gradients_equal_reference(tt):
 
 def test_mask_blocks(tt):
     g = torch.Generator().manual_seed(0)
-    tok = torch.arange(2 * 64).reshape(2, 64) % 290
+    tok = torch.arange(8 * 64).reshape(8, 64) % 290
     noisy, m, sel = tt.mask_blocks(tok, 16, 299, g)
-    mb = m.reshape(2, 4, 16)
-    assert not mb[..., 0].any() and mb[..., 1:].any(-1).all() and (sel == m).all()
+    mb = m.reshape(8, 4, 16)
+    assert mb.any(-1).all() and (sel == m).all()
+    assert mb[..., 0].any() and not mb[..., 0].all()          # slot 0 is masked like any other
     assert ((noisy == 299) == m).all() and (noisy[~m] == tok[~m]).all()
-    # Cut blocks: a clean prefix, masks after it, loss on the first `near` masked slots.
+    full = tt.mask_blocks(tok, 16, 299, g, t=1.0)[1]
+    assert full.all()
+    # Cut blocks: a clean prefix of c in 0..B-1 slots, masks after it, loss on the first
+    # `near` masked slots (c = 0: a block's first pass; c > 0: filled slots or a prompt tail).
     noisy, m, sel = tt.mask_blocks(tok, 16, 299, g, p_cut=1.0, near=4)
+    cuts = []
     for row_m, row_s in zip(m.reshape(-1, 16), sel.reshape(-1, 16)):
         c = int(row_m.int().argmax())
-        assert c >= 1 and row_m[c:].all() and not row_m[:c].any()
+        assert row_m[c:].all() and not row_m[:c].any()
         assert row_s.nonzero().flatten().tolist() == list(range(c, min(c + 4, 16)))
+        cuts.append(c)
+    assert min(cuts) == 0 and max(cuts) >= 12
+    _, m2, sel2 = tt.mask_blocks(tok, 16, 299, g, p_cut=1.0, skip=1, near=2)
+    for row_m, row_s in zip(m2.reshape(-1, 16), sel2.reshape(-1, 16)):
+        c = int(row_m.int().argmax())
+        assert row_s.nonzero().flatten().tolist() == ([c + 1] if c + 1 < 16 else [])
+
+
+def test_diffusion_loss_reads_each_slot_in_place(tt):
+    """Spec 3.5 (shift_logits = false): the diffusion loss is the cross-entropy of every
+    selected masked slot j on the reference's block row j, blocks aligned at multiples of B."""
+    cfg, P = _random_model(tt, seed=11)
+    fw = tt.TrainForward(P, cfg)
+    tok = torch.randint(0, 290, (2, 24), generator=torch.Generator().manual_seed(12))
+    B = 8
+    for cut in ({}, {"p_cut": 1.0, "near": 3}):
+        with torch.no_grad():
+            _, dl, _ = tt.losses(fw, tok, B, 299, torch.Generator().manual_seed(13), **cut)
+        noisy, m, sel = tt.mask_blocks(tok, B, 299, torch.Generator().manual_seed(13), **cut)
+        ref = tt.to_reference(P, cfg)
+        nll = []
+        for n in range(2):
+            for b in range(3):
+                rows, _ = ref.block_logits(tok[n, :b * B].tolist(), noisy[n, b * B:(b + 1) * B].tolist(), None)
+                for j in sel[n, b * B:(b + 1) * B].nonzero().flatten().tolist():
+                    nll.append(-torch.log_softmax(rows[j], -1)[tok[n, b * B + j]])
+        assert abs(dl.item() - torch.stack(nll).mean().item()) < 1e-4, cut
 
 
 def test_heldout_split_is_deterministic(tt):
@@ -144,6 +178,23 @@ def test_heldout_split_is_deterministic(tt):
     assert not any("site-packages" in str(f) or "/test/" in str(f) for f in files)
 
 
+RECORD_KEYS = ("mask_token_id", "block_size", "threshold", "moe_block_coreset_top_p", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "think_close_bias_start", "eos_bias_start")
+
+
+def _engine_agrees(tt, m, P, cfg, ids):
+    """The Q8_0 engine against the float reference on the trained weights: prefix logits, and
+    block logits of an aligned first block (prompt tail fixed, the rest masked)."""
+    ref = tt.to_reference(P, cfg)
+    want = ref.prefix_logits(ids).numpy()
+    assert abs(m.prefix_logits(ids) - want).max() < 0.05 * abs(want).max() + 0.02
+    B, mask = cfg["block_size"], cfg["mask_token_id"]
+    block = ids[:B] + [mask] * max(0, B - len(ids))
+    want, _ = ref.block_logits([], block, 0.9)
+    got, _ = m.block_logits([], block, 0.9)
+    assert abs(got - want.numpy()).max() < 0.1 * abs(want).max().item() + 0.02
+
+
 def test_short_training_run(tt, tmp_path):
     rep = tt.train(tmp_path, tt.SMOKE, smoke=True, log=lambda m: None)
     assert rep["trained"]["ar_loss"] < rep["random_init"]["ar_loss"]
@@ -153,20 +204,18 @@ def test_short_training_run(tt, tmp_path):
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, n_steps + 1))
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert cfg["architectures"] == ["CloverForDiffusionLM"] and cfg["logits_shift"] is True
+    assert cfg["architectures"] == ["CloverMoeModelLM"] and cfg["model_type"] == "clover_moe"
+    assert cfg["num_shared_experts"] == 1 and all(k in cfg for k in RECORD_KEYS)
     gguf_path = tmp_path / "clover-tiny-q8_0.gguf"
     assert gguf_path.stat().st_size == rep["gguf"]["bytes"]
 
     from clover_gguf import Model
     with Model(gguf_path, n_ctx=256, n_threads=1) as m:
-        assert m.is_clover and m.n_vocab == tt.SMOKE["vocab"]
+        assert m.arch == "clover_moe" and m.has_block and m.n_vocab == tt.SMOKE["vocab"]
         assert m.hparams["block_size"] == tt.SMOKE["block"]
+        assert not m.hparams["shift_logits"] and m.hparams["block_aligned"]     # spec 4.2 defaults
         ids = m.tokenize("def f(x):")
-        # The Q8_0 engine agrees with the float reference on the trained weights.
-        ref = tt.to_reference(torch.load(tmp_path / "ckpt.pt")["params"], cfg)
-        want = ref.prefix_logits(ids).numpy()
-        got = m.prefix_logits(ids)
-        assert abs(got - want).max() < 0.05 * abs(want).max() + 0.02
+        _engine_agrees(tt, m, torch.load(tmp_path / "ckpt.pt")["params"], cfg, ids)
         toks, st = m.generate_tokens(ids, max_tokens=8, mode="diffusion", end_ids=[])
         assert len(toks) == 8 and st["n_forward"] >= 1
         # Stage 4's data: a real prompt of a multiple of B tokens, then the engine's greedy ar
@@ -180,3 +229,66 @@ def test_short_training_run(tt, tmp_path):
                                         repeat_penalty=1.0, end_ids=[])
             assert w[P:] == cont
     assert (tmp_path / "distill-source-q8_0.gguf").is_file()
+
+
+_SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "clover_gguf" / "models" / "clover-tiny-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def shipped_trunk(tt):
+    if not _SHIPPED.is_file():
+        pytest.skip(f"{_SHIPPED} not present")
+    pytest.importorskip("gguf")
+    s = dict(tt.FINETUNE, init_gguf=str(_SHIPPED))
+    tok, cfg, P = tt.initial_model(s, [], smoke=False)
+    return tok, cfg, P
+
+
+def test_trunk_from_gguf(tt, shipped_trunk):
+    """--init-gguf: the embedded model's trunk, its transforms undone (spec 4.3), predicts
+    held-out text as well as the model did (ar loss 2.64 nats on 48 windows when it was
+    trained; random init 7.07), and the rebuilt tokenizer has the GGUF's ids."""
+    from gguf import GGUFReader
+
+    tok, cfg, P = shipped_trunk
+    tokens = GGUFReader(str(_SHIPPED)).fields["tokenizer.ggml.tokens"].contents()
+    assert tok.get_vocab(with_added_tokens=True) == {t: i for i, t in enumerate(tokens)}
+    assert tok.token_to_id("<|mask|>") == cfg["mask_token_id"]
+    assert tok.decode(tok.encode("def f(x):\n    return x  # ü").ids) == "def f(x):\n    return x  # ü"
+    want = {n: tuple(shape) for n, shape, _ in tt.param_specs(cfg, clover=True, fused_experts=True)}
+    assert {n: tuple(t.shape) for n, t in P.items()} == want
+    for n, t in P.items():                                # block tensors: init_block_params
+        if n.endswith("conv_right_weight"):
+            assert not t.any()
+    _, ho, _, _ = tt.load_texts()
+    held = tt.encode_stream(tok, ho[:12])
+    fw = tt.TrainForward(P, cfg)
+    with torch.no_grad():
+        ar, _, _ = tt.losses(fw, tt.eval_windows(held, 128, 8), 32, cfg["mask_token_id"],
+                             torch.Generator().manual_seed(0), diffusion=False)
+    assert ar.item() < 3.2, ar.item()
+
+
+def test_finetune_from_gguf(tt, tmp_path):
+    """The fine-tuning path end to end: the shipped trunk, a few steps of the real-text stage,
+    export to a complete clover_moe GGUF that the engine runs in every mode."""
+    if not _SHIPPED.is_file():
+        pytest.skip(f"{_SHIPPED} not present")
+    s = dict(tt.SMOKE, init_gguf=str(_SHIPPED), steps=0, stage2_steps=0, stage3_steps=2, stage3_warmup=1,
+             stage4_steps=0, start_stage=1)
+    rep = tt.train(tmp_path, s, smoke=True, log=lambda m: None)
+    assert rep["settings"]["vocab"] == 1024 and rep["config"]["num_experts"] == 8
+    assert rep["evals"][0]["ar_loss"] < rep["random_init"]["ar_loss"] - 2     # a trained trunk from step 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    from clover_gguf import Model
+    with Model(tmp_path / "clover-tiny-q8_0.gguf", n_ctx=256, n_threads=1) as m:
+        assert m.has_block and m.n_vocab == 1024
+        ids = m.tokenize("class Config:\n    def __init__(self")
+        _engine_agrees(tt, m, torch.load(tmp_path / "ckpt.pt")["params"], cfg, ids)
+        ar, _ = m.generate_tokens(ids, max_tokens=12, mode="ar", end_ids=[], presence_penalty=0.0,
+                                  repeat_penalty=1.0)
+        sp, _ = m.generate_tokens(ids, max_tokens=12, mode="spec", end_ids=[], presence_penalty=0.0,
+                                  repeat_penalty=1.0)
+        assert sp == ar
+        dt, _ = m.generate_tokens(ids, max_tokens=12, mode="diffusion", end_ids=[])
+        assert len(dt) == 12

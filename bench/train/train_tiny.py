@@ -1,22 +1,12 @@
 #!/usr/bin/env python3
-"""Train the embedded default model: a small Clover (clover-spec 1-3) on Python's own sources.
+"""Train the embedded default model: a small Clover (clover-spec v1, sections 1-3) on Python's own sources.
 
-One command, from a clean checkout (torch, tokenizers and safetensors: ``pip install ".[test]"``)::
+One command, from a clean checkout (torch, tokenizers, safetensors and gguf: ``pip install ".[test]"``)::
 
-    python bench/train/train_tiny.py --out /tmp/clover-tiny-train      # full run (stages 1 to 4)
-    python bench/train/train_tiny.py --out DIR --smoke                  # seconds: small vocab, 8 steps
-    cp /tmp/clover-tiny-train/clover-tiny-q8_0.gguf clover_gguf/models/ # ship it (see README)
-
-The full run took 53 + 29 + 66 minutes (stages 1, 2, 3) and 3 x 28 minutes (the three rounds
-of stage 4) on one torch thread of a 2-core machine shared with other work. The shipped model
-was made in six invocations: stage 1, then ``--stage1-ckpt DIR1/ckpt.pt`` (stage 2), then
-stage 3 as a stage-2 invocation from the stage-2 checkpoint (``--stage1-ckpt DIR2/ckpt.pt
---steps 2400 --stage2-steps 1700 --stage2-lr 6e-4 --stage2-cut 0.75``), then each round of
-stage 4 from the previous checkpoint (``--stage1-ckpt DIR3/ckpt.pt --start-stage 4
---stage4-rounds 1``, then ``--start-stage 5 --stage4-rounds 2`` and ``--start-stage 6
---stage4-rounds 3`` from the round before). Each stage and round has its own data generator
-and a fresh optimizer, and the one-command run gives each the generator seed and step numbers
-its invocation had, so it is the same recipe (not re-run end to end to check it bit for bit).
+    python bench/train/train_tiny.py --out /tmp/clover-tiny-train      # from scratch (stages 1 to 4)
+    python bench/train/train_tiny.py --out /tmp/clover-tiny-ft \
+        --init-gguf clover_gguf/models/clover-tiny-q8_0.gguf --finetune  # from a shipped trunk
+    python bench/train/train_tiny.py --out DIR --smoke                  # seconds: small vocab, a few steps
 
 Data. The ``.py`` files of the running Python's standard library (``sysconfig.get_paths()
 ["stdlib"]``): present on every machine that runs this package, freely licensed (PSF License
@@ -31,61 +21,75 @@ Python version (the committed model: CPython 3.11.7).
 Tokenizer. A byte-level BPE like ``convert/make_checkpoint.py``'s (qwen35 pre-tokenizer regex,
 Qwen's added tokens and ``<|mask|>`` after the BPE vocabulary, Qwen3.5 chat template), trained
 on the training files only; 1024 tokens (2.6 characters per token on the held-out files).
-Why so few: at this model size the LM head dominates the cost of a token (a 4096 vocabulary
-made it 60% of the training FLOPs), and short tokens make more of the text predictable with
-high confidence (the rest of a word, of an indentation run), which is what lets threshold
-decoding fill several slots per pass. A first run with 4096 tokens (3.6 characters per token)
-reached a held-out ar loss of 4.2 after 600 steps, and filled 1.03 slots per denoising pass.
+At this model size the LM head dominates the cost of a token, and short tokens make more of
+the text predictable with high confidence (the rest of a word, of an indentation run), which
+is what lets threshold decoding fill several slots per pass. With ``--init-gguf`` the
+tokenizer is rebuilt from the GGUF's tokens and merges (the same vocabulary, id for id).
 
-Model. The Clover architecture with every part present: ``make_checkpoint``'s tiny text config
-(hidden 256, 4 layers = 3 Gated DeltaNet with the backward branch + 1 gated attention, 4/2
-heads of 64, GDN 2 key / 4 value heads of 64, 8 experts of 256 with top-2 routing and a
-shared expert of 256), vocab 1024: 8.7 M parameters, about 9 MB as Q8_0.
+Model. Clover's architecture (spec 1-3) with every part present: ``make_checkpoint``'s tiny
+text config (hidden 256, 4 layers = 3 Gated DeltaNet + 1 gated attention, 4/2 heads of 64,
+GDN 2 key / 4 value heads of 64, 8 experts of 256 with top-2 routing and a shared expert of
+256), vocab 1024, and Clover's four block tensors per GDN layer (spec 3.3: the conv's right
+taps ``conv_right_weight`` and the block softmax's ``bd_softmax_logit_scale`` (lambda),
+``bd_softmax_history_bias`` (beta0), ``bd_softmax_history_c`` (c)): 8.7 M parameters, about
+9 MB as Q8_0. The HF checkpoint is ``CloverMoeModelLM`` / ``clover_moe`` with the decoding
+record of spec 3.4; ``clover-gguf convert`` makes the complete ``clover_moe`` GGUF of it.
 
 Training. Each step takes ``batch`` windows of ``seq`` tokens from the training stream.
 One network, two losses (spec 3.2-3.5):
 
 - ``ar``: next-token cross-entropy of the prefix (causal) mode on every position;
-- ``diffusion``: every window is cut into blocks of ``block`` tokens at their absolute
-  positions. In each block slot 0 stays clean (with ``logits_shift`` the decoder fills it from
-  the causal logits), slots 1..B-1 are replaced by ``<|mask|>`` with probability t ~ U(0, 1)
-  drawn per block (at least one masked), and the block runs in block mode against the clean
-  prefix of its window: attention rows see the clean prefix plus every row of the block, GDN
-  layers start the forward branch from the prefix state and conv history and add the backward
-  branch (anti-causal conv, reverse recurrence with exclusive readout, ``sigmoid(bwd_mix)``).
-  The loss is the cross-entropy of each masked slot j predicted by row j-1 (logits_shift).
-  All blocks of a batch run at once: one causal pass over the clean windows gives every
-  block's prefix state (the GDN chunk states at block boundaries, the attention keys and
-  values), then one block-mode pass over all noisy blocks.
+- ``diffusion``: every window is cut into aligned blocks of ``block`` tokens (spec 3.1:
+  blocks at multiples of B from the window's start). Slots are replaced by ``<|mask|>`` with
+  probability t ~ U(0, 1) drawn per block (at least one masked), and the block runs in block
+  mode against the clean prefix of its window: attention rows see the clean prefix plus every
+  row of the block; GDN layers run spec 3.3 (the conv over [last K-1 clean inputs | block
+  rows] plus right taps over the block rows ahead, zero past the block's end; the block
+  softmax over the block rows and the history slot, whose value is the clean state's read
+  ``S^T q_i`` and whose logit is ``beta0 + c ln(1 + P)``, P = the clean tokens before the
+  block). Each masked slot is predicted by its own row (spec 3.5, ``shift_logits = false``):
+  the loss is the cross-entropy of every masked slot j on row j. All blocks of a batch run
+  at once: one causal pass over the clean windows gives every block's prefix state (the GDN
+  chunk states with chunk = B, i.e. at block boundaries, the attention keys and values), then
+  one block-mode pass over all noisy blocks.
+- cut blocks (stages 2 on): with probability ``--stageN-cut`` a block is instead cut like a
+  block in the middle of threshold decoding: a random c in 0..B-1, slots before c clean (the
+  filled slots, or an aligned first block's prompt tail), slots c.. masked, loss on slots
+  c..c+near-1 only. c = 0 is a block's first pass. Filling two or more slots per pass needs
+  confident predictions two and more tokens ahead of the filled prefix.
 
-Stage 1 (``--steps``): the first ``--ar-frac`` of its steps train ``ar`` only, the rest
-``ar + diffusion``. Stage 2 (``--stage2-steps``, fresh optimizer and schedule): ``ar +
-diffusion`` where half the blocks (``--stage2-cut``) are cut like a block in the middle of
-threshold decoding: slots before a random c clean, slots c.. masked, loss on slots c..c+3
-only. That is the situation of every denoising pass (a filled prefix, masks after it), and
-filling two or more slots per pass needs confident predictions two and more tokens ahead of
-the filled prefix. Stage 3 (``--stage3-steps``): stage 2's recipe with three quarters of the
-blocks cut and a lower learning rate. Stage 4 (``--stage4-steps`` per round, ``--stage4-rounds``
-rounds): self-distillation, the recipe of consistency distillation for parallel decoders
-(CLLMs, Kou et al. 2024; dParallel's certainty forcing, Chen et al. 2025): the model as it
-stands is exported to Q8_0 and the engine decodes ``--stage4-windows`` greedy ``ar``
-continuations (no penalties) of real prompts (``distill_windows``); each step then trains on
-``--stage4-frac`` of such windows (losses on the continuation only) and the rest real text.
-The target is then a deterministic function of the prefix (the model's own greedy choice), so
-the diffusion rows can learn to be confident several slots ahead, which is what threshold
-decoding needs; the noisy blocks are routed with the coreset (spec 5.6, the GGUF's
-``moe_block_coreset_top_p``) as the decoder routes them. Each round decodes its data with the
-model the previous round left. Every stage adds a small Switch-style load-balancing loss on
-the routers; AdamW, linear warm-up then cosine decay to 10% in each stage (and round).
+Stages. From scratch: stage 1 (``--steps``): the first ``--ar-frac`` of its steps ``ar``
+only, the rest ``ar + diffusion``; stage 2 (``--stage2-steps``, fresh optimizer and
+schedule): ``ar + diffusion`` with ``--stage2-cut`` of the blocks cut; stage 3
+(``--stage3-steps``): the same with more blocks cut and a lower rate; stage 4
+(``--stage4-steps`` per round, ``--stage4-rounds`` rounds): self-distillation, the recipe of
+consistency distillation for parallel decoders (CLLMs, Kou et al. 2024; dParallel's certainty
+forcing, Chen et al. 2025): the model as it stands is exported to Q8_0 and the engine decodes
+``--stage4-windows`` greedy ``ar`` continuations (no penalties) of real prompts
+(``distill_windows``); each step then trains on ``--stage4-frac`` of such windows (losses on
+the continuation only) and the rest real text. The target is then a deterministic function of
+the prefix (the model's own greedy choice), so the diffusion rows can learn to be confident
+several slots ahead, which threshold decoding needs; the noisy blocks are routed with the
+coreset (spec 5.6, the record's ``moe_block_coreset_top_p``) as the decoder routes them.
+Each round decodes its data with the model the previous round left.
 
-Decoding defaults written into the GGUF: block 32, threshold 0.95, coreset top-p 0.9 (as the
-card), but no presence or repetition penalty (the card's 0.9 / 1.05 are ``--presence-penalty
-0.9 --repetition-penalty 1.05``): stage 4 trains the model toward its own unpenalised greedy
-choices, and code repeats its tokens, so penalties lower exactly the confidences that let a
-pass fill several slots.
+Fine-tuning (``--init-gguf FILE``, Clover's own path: a trained trunk plus the new block
+parameters, then block-diffusion training): the trunk is read from a GGUF (``read_trunk_gguf``:
+dequantised, the converter's transforms undone, tensors the trunk does not need dropped), the
+four block tensors start from ``init_block_params`` (right taps 0, so the block conv starts as
+the causal one; lambda ln 10, beta0 0, c 1), and ``--finetune`` runs the real-text stage
+(stage 3's recipe, ``--stage3-*``) then the distillation rounds. Every stage adds a small
+Switch-style load-balancing loss on the routers; AdamW, linear warm-up then cosine decay to
+10% in each stage (and round).
 
-The training forward is a batched restatement of ``clover_gguf.reference`` (the chunked
-GDN form of spec 2.1 step 6, blocks batched): it uses the reference's config class, parameter
+Decoding defaults written into the checkpoint: block 32, threshold 0.95, coreset top-p 0.9
+(as the card), but no presence or repetition penalty (the card's 0.9 / 1.05 are
+``--presence-penalty 0.9 --repetition-penalty 1.05``): stage 4 trains the model toward its
+own unpenalised greedy choices, and code repeats its tokens, so penalties lower exactly the
+confidences that let a pass fill several slots.
+
+The training forward is a batched restatement of ``clover_gguf.reference`` (the chunked GDN
+form of spec 2.1 step 6, blocks batched): it uses the reference's config class, parameter
 names and kernels (``rmsnorm``, ``l2norm``, the N1p norm, the GDN gates), and
 tests/test_train.py checks its logits and gradients against ``CloverReference`` itself.
 
@@ -93,7 +97,8 @@ Outputs under ``--out``: ``hf/`` (the HF checkpoint: config.json with the Clover
 tokenizer files, model.safetensors), ``clover-tiny-q8_0.gguf`` (``clover-gguf convert hf
 --outtype q8_0``), ``log.jsonl`` (one line per logged step and per evaluation), ``loss.png``
 (loss curves), ``report.json`` (settings, timings, held-out losses and perplexities of the
-trained model and of the same shape at initialisation).
+trained model and of the same shape at initialisation), ``ckpt.pt`` (the last evaluated
+parameters).
 """
 from __future__ import annotations
 
@@ -181,30 +186,38 @@ def encode_stream(tok, texts: list[str]) -> torch.Tensor:
 
 def model_config(vocab_size: int, mask_id: int, eos_id: int, block_size: int, smoke: bool = False,
                  presence_penalty: float = 0.9, repetition_penalty: float = 1.05) -> dict:
-    """config.json of the Clover checkpoint (spec 3.4): make_checkpoint's tiny text config
-    (hidden 256, 4 layers, 8 experts top-2) with our vocab and the diffusion keys (the
-    penalties are the decoding defaults the GGUF carries)."""
+    """config.json of the Clover checkpoint (spec 3.4, docs/gguf-layout.md): make_checkpoint's
+    tiny text config (hidden 256, 4 layers, 8 experts top-2) with our vocab, the
+    ``CloverMoeModelLM`` / ``clover_moe`` names, ``num_shared_experts`` and the decoding record
+    (the penalties are the decoding defaults the GGUF carries)."""
     cfg = text_config("tiny")
     cfg["vocab_size"] = int(vocab_size)
     if smoke:  # the test-suite run: the same architecture, fewer experts
         cfg["num_experts"] = 4
     cfg["eos_token_id"] = int(eos_id)
     cfg["dtype"] = "float32"
-    cfg.update(model_type="clover", architectures=["CloverForDiffusionLM"])
+    cfg.update(model_type="clover_moe", architectures=["CloverMoeModelLM"], num_shared_experts=1)
     cfg.update({
         "mask_token_id": int(mask_id), "block_size": int(block_size), "threshold": 0.95,
         "moe_block_coreset_top_p": 0.9, "presence_penalty": float(presence_penalty),
-        "repetition_penalty": float(repetition_penalty),
-        "think_close_bias_start": 4096, "eos_bias_start": 8192, "logits_shift": True,
+        "frequency_penalty": 0.0, "repetition_penalty": float(repetition_penalty),
+        "think_close_bias_start": 4096, "eos_bias_start": 8192,
     })
     return cfg
+
+
+# Block tensors at the start of training (spec 3.3): lambda = ln 10 puts the cosine scores in
+# [-10, 10] (a CLIP-style temperature); beta0 = 0, c = 1 give the history slot the logit
+# ln(1 + P), the total of P prefix keys at score 0, so it weighs as much as the P tokens it stands for.
+BD_INIT = {"bd_logit_scale": math.log(10.0), "bd_history_bias": 0.0, "bd_history_c": 1.0}
 
 
 def init_params(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Initial float32 parameters by prefix-free HF name (the names of make_checkpoint's
     param_specs, fused experts): N(0, 1/fan_in) matrices with the residual-output projections
     scaled by 1/sqrt(2 * layers), zero-centred norms at 0, the GDN gated norm at 1, A_log and
-    dt_bias as FLA / Mamba-2 (A ~ U(1, 16), dt ~ logU(1e-3, 1e-1)), bwd_mix 0 (mix 0.5)."""
+    dt_bias as FLA / Mamba-2 (A ~ U(1, 16), dt ~ logU(1e-3, 1e-1)), both convs N(0, 0.3^2),
+    the block softmax's parameters at BD_INIT."""
     g = torch.Generator().manual_seed(seed)
     L = config["num_hidden_layers"]
     out_scale = 1.0 / math.sqrt(2 * L)
@@ -233,26 +246,38 @@ def init_params(config: dict, seed: int) -> dict[str, torch.Tensor]:
         elif kind == "dt_bias":
             dt = torch.exp(torch.rand(shape, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             t = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-        elif kind == "mix":
-            t = torch.zeros(shape)
+        elif kind in BD_INIT:
+            t = torch.full(shape, BD_INIT[kind])
         else:
             raise ValueError(f"tensor {name}: unknown init kind {kind!r}")
         P[name] = t.float().contiguous()
     return P
 
 
+def init_block_params(config: dict) -> dict[str, torch.Tensor]:
+    """The four block tensors of every GDN layer (spec 3.3) for a trained trunk: right taps 0
+    (the block conv starts as the trunk's causal conv), the block softmax at BD_INIT."""
+    out = {}
+    for name, shape, kind in param_specs(config, clover=True, fused_experts=True):
+        if name.rsplit(".", 1)[-1] == "conv_right_weight":
+            out[name] = torch.zeros(shape)
+        elif kind in BD_INIT:
+            out[name] = torch.full(shape, BD_INIT[kind])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Batched training forward (a restatement of clover_gguf.reference; tests/test_train.py)
 # ---------------------------------------------------------------------------------------------
 
-def gdn_chunked(q, k, v, g, beta, S0, C: int, exclusive: bool = False):
+def gdn_chunked(q, k, v, g, beta, S0, C: int):
     """Chunked gated delta rule (spec 2.1 step 6; the WY form of FLA / transformers'
     torch_chunk_gated_delta_rule) with chunk C.
 
     q, k [N, Hv, T, dk] (q already scaled, heads already expanded to value heads), v
-    [N, Hv, T, dv], g, beta [N, Hv, T], S0 [N, Hv, dk, dv]; T a multiple of C. ``exclusive``:
-    o_t reads the state before token t (the backward branch of spec 3.3), else after it.
-    Returns (o [N, Hv, T, dv], state before each chunk [N, T // C, Hv, dk, dv])."""
+    [N, Hv, T, dv], g, beta [N, Hv, T], S0 [N, Hv, dk, dv]; T a multiple of C; o_t reads the
+    state after token t. Returns (o [N, Hv, T, dv], state before each chunk [N, T // C, Hv,
+    dk, dv]: with C = B, the clean state at every block's start)."""
     N, Hh, T, dk = k.shape
     nc = T // C
     q, k, v = (t.reshape(N, Hh, nc, C, t.shape[-1]) for t in (q, k, v))
@@ -268,14 +293,8 @@ def gdn_chunked(q, k, v, g, beta, S0, C: int, exclusive: bool = False):
     Tm = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
     u = Tm @ (v * beta[..., None])                    # delta = u - w S0
     w = Tm @ (kb * G.exp()[..., None])
-    if exclusive:
-        Gq = G - g                                    # G_{t-1}
-        Dq = (Gq[..., :, None] - G[..., None, :]).masked_fill(~strict, 0.0).exp() * strict
-        qk = (q @ k.transpose(-1, -2)) * Dq
-        q_in = q * Gq.exp()[..., None]
-    else:
-        qk = (q @ k.transpose(-1, -2)) * D
-        q_in = q * G.exp()[..., None]
+    qk = (q @ k.transpose(-1, -2)) * D
+    q_in = q * G.exp()[..., None]
     k_end = k * (G[..., -1:] - G).exp()[..., None]    # e^(G_last - G_s) k_s
     S, outs, starts = S0, [], []
     for c in range(nc):
@@ -302,17 +321,18 @@ class TrainForward:
 
     # -- 2.1 / 3.3 Gated DeltaNet -------------------------------------------------------------
     def _qkv_heads(self, c, lead):
-        """Conv output c [..., T, C] -> q, k (expanded to value heads), v as [*lead, Hv, T, d]."""
+        """Conv output c [..., T, C] -> q, k (expanded to value heads), v, q~ as [*lead, Hv, T, d]
+        (q~ the L2-normalised query before the 1/sqrt(dk) scale, spec 3.3 step 4)."""
         cf = self.cfg
         Hk, Hv, dk, dv = cf.linear_num_key_heads, cf.linear_num_value_heads, cf.linear_key_head_dim, cf.linear_value_head_dim
         T = c.shape[-2]
         kd = Hk * dk
-        q = l2norm(c[..., :kd].reshape(*lead, T, Hk, dk)) / math.sqrt(dk)
+        qn = l2norm(c[..., :kd].reshape(*lead, T, Hk, dk))
         k = l2norm(c[..., kd:2 * kd].reshape(*lead, T, Hk, dk))
         v = c[..., 2 * kd:].reshape(*lead, T, Hv, dv)
         key_head = torch.arange(Hv) // (Hv // Hk)    # value head h reads key head h // r (HF order)
-        return (q[..., key_head, :].transpose(-2, -3), k[..., key_head, :].transpose(-2, -3),
-                v.transpose(-2, -3))
+        qn, k = qn[..., key_head, :].transpose(-2, -3), k[..., key_head, :].transpose(-2, -3)
+        return qn / math.sqrt(dk), k, v.transpose(-2, -3), qn
 
     def _gdn_out(self, p, o, x):
         """Gated RMSNorm per head (plain weight) and W_out; o [N, Hv, T, dv], x [N, T, H]."""
@@ -322,9 +342,34 @@ class TrainForward:
         y = self.P[p + "norm.weight"] * rmsnorm(o.transpose(1, 2), self.eps) * F.silu(z)
         return y.reshape(N, T, -1) @ self.P[p + "out_proj.weight"].T
 
+    def _conv_block(self, p, qkv, hist):
+        """Spec 3.3 step 1 for every block at once: qkv [N, nb, B, C] the block rows' conv
+        inputs, hist [N, nb, K-1, C] the clean inputs before each block. Causal taps over
+        [hist | block], right taps over the block rows ahead (zero past the block's end), SiLU."""
+        K, B = self.cfg.linear_conv_kernel_dim, qkv.shape[2]
+        w, r = self.P[p + "conv1d.weight"][:, 0, :], self.P[p + "conv_right_weight"][:, 0, :]
+        xb = torch.cat([hist, qkv], 2)
+        u = sum(w[:, j] * xb[:, :, j:j + B] for j in range(K))
+        xr = F.pad(qkv, (0, 0, 0, K - 1))
+        return F.silu(u + sum(r[:, d - 1] * xr[:, :, d:d + B] for d in range(1, K)))
+
+    def _block_softmax(self, p, q, qn, k, v, S, n_clean):
+        """Spec 3.3 steps 3-4 for M blocks: q, qn (q~), k [M, Hv, B, dk], v [M, Hv, B, dv], S [M,
+        Hv, dk, dv] the clean state at each block's start, n_clean [M] the clean tokens before
+        each block (P). Returns o [M, Hv, B, dv]."""
+        P = self.P
+        B = q.shape[2]
+        o_hist = q @ S                                                   # S^T q_i
+        s_blk = torch.exp(P[p + "bd_softmax_logit_scale"])[:, None, None] * (qn @ k.transpose(-1, -2))
+        s_hist = P[p + "bd_softmax_history_bias"] + P[p + "bd_softmax_history_c"] * \
+            torch.log1p(n_clean.to(q.dtype))[:, None]                   # [M, Hv]
+        a = torch.softmax(torch.cat([s_blk, s_hist[..., None, None].expand(-1, -1, B, 1)], -1), -1)
+        return a[..., :B] @ v + a[..., B:] * o_hist
+
     def gdn(self, p, x, xn, B):
         """x [N, T, H] clean rows (prefix mode from an empty state); xn [N, T, H] noisy rows run
-        as T // B blocks in block mode after the clean prefix of their window, or None."""
+        as T // B aligned blocks in block mode (spec 3.3) after the clean prefix of their
+        window, or None. Returns (clean output, noisy output or None)."""
         P, cf = self.P, self.cfg
         K = cf.linear_conv_kernel_dim
         N, T, _ = x.shape
@@ -332,7 +377,7 @@ class TrainForward:
         qkv = x @ P[p + "in_proj_qkv.weight"].T
         xp = F.pad(qkv, (0, 0, K - 1, 0))
         c = F.silu(sum(w[:, j] * xp[:, j:j + T] for j in range(K)))
-        q, k, v = self._qkv_heads(c, (N,))
+        q, k, v, _ = self._qkv_heads(c, (N,))
         beta, g = GatedDeltaNet._gates(x, P[p + "in_proj_b.weight"], P[p + "in_proj_a.weight"],
                                        P[p + "A_log"], P[p + "dt_bias"])
         S0 = q.new_zeros(N, cf.linear_num_value_heads, cf.linear_key_head_dim, cf.linear_value_head_dim)
@@ -342,28 +387,12 @@ class TrainForward:
         if xn is None:
             return y, None
         nb = T // B
-        # Forward branch from each block's prefix state and its last K-1 clean conv inputs.
-        qn = (xn @ P[p + "in_proj_qkv.weight"].T).reshape(N, nb, B, -1)
+        qkv_n = (xn @ P[p + "in_proj_qkv.weight"].T).reshape(N, nb, B, -1)
         hist = xp[:, (torch.arange(nb)[:, None] * B + torch.arange(K - 1)[None, :])]  # [N, nb, K-1, C]
-        xb = torch.cat([hist, qn], 2)
-        cfw = F.silu(sum(w[:, j] * xb[:, :, j:j + B] for j in range(K)))
-        qf, kf, vf = (t.reshape(N * nb, *t.shape[2:]) for t in self._qkv_heads(cfw, (N, nb)))
-        bf, gf = GatedDeltaNet._gates(xn, P[p + "in_proj_b.weight"], P[p + "in_proj_a.weight"],
-                                      P[p + "A_log"], P[p + "dt_bias"])
-        bf, gf = (t.reshape(N * nb, B, -1).transpose(1, 2) for t in (bf, gf))
-        o_f, _ = gdn_chunked(qf, kf, vf, gf, bf, starts.reshape(N * nb, *starts.shape[2:]), B)
-        # Backward branch: anti-causal conv (zeros past the block end), reverse recurrence from
-        # a zero state with exclusive readout (run on the time-reversed block).
-        wb = P[p + "conv1d_bwd.weight"][:, 0, :]
-        xa = F.pad(qn, (0, 0, 0, K - 1))
-        cbw = F.silu(sum(wb[:, j] * xa[:, :, K - 1 - j:K - 1 - j + B] for j in range(K)))
-        qb, kb, vb = (t.reshape(N * nb, *t.shape[2:]).flip(2) for t in self._qkv_heads(cbw, (N, nb)))
-        bb, gb = GatedDeltaNet._gates(xn, P[p + "in_proj_b_bwd.weight"], P[p + "in_proj_a_bwd.weight"],
-                                      P[p + "A_log_bwd"], P[p + "dt_bias_bwd"])
-        bb, gb = (t.reshape(N * nb, B, -1).transpose(1, 2).flip(2) for t in (bb, gb))
-        o_b, _ = gdn_chunked(qb, kb, vb, gb, bb, torch.zeros_like(S0[:1]).expand(N * nb, -1, -1, -1), B,
-                             exclusive=True)
-        o_n = o_f + torch.sigmoid(P[p + "bwd_mix"])[None, :, None, None] * o_b.flip(2)
+        qb, kb, vb, qnb = (t.reshape(N * nb, *t.shape[2:])
+                           for t in self._qkv_heads(self._conv_block(p, qkv_n, hist), (N, nb)))
+        n_clean = (torch.arange(nb) * B).repeat(N)                       # P of block b: b * B
+        o_n = self._block_softmax(p, qb, qnb, kb, vb, starts.reshape(N * nb, *starts.shape[2:]), n_clean)
         o_n = o_n.reshape(N, nb, *o_n.shape[1:]).permute(0, 2, 1, 3, 4).reshape(N, o_n.shape[1], T, -1)
         return y, self._gdn_out(p, o_n, xn)
 
@@ -472,9 +501,16 @@ class TrainForward:
         return h @ self.P["lm_head.weight"].T
 
 
+def reference_config(config: dict) -> ReferenceConfig:
+    """The reference's config of our checkpoint: a Clover one (the block tensors are present)."""
+    rc = ReferenceConfig.from_hf(config)
+    rc.clover = True
+    return rc
+
+
 def to_reference(P: dict, config: dict) -> CloverReference:
     """The reference model (clover_gguf.reference) on a detached copy of the parameters."""
-    return CloverReference(ReferenceConfig.from_hf(config), {n: t.detach().clone() for n, t in P.items()})
+    return CloverReference(reference_config(config), {n: t.detach().clone() for n, t in P.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,25 +519,25 @@ def to_reference(P: dict, config: dict) -> CloverReference:
 
 def mask_blocks(tok: torch.Tensor, B: int, mask_id: int, g: torch.Generator, t=None, p_cut=0.0,
                 skip=0, near=4):
-    """Noisy copy of tok [N, T] in blocks of B; slot 0 of a block always stays clean.
+    """Noisy copy of tok [N, T] in aligned blocks of B (spec 3.1).
 
-    Random masking: per block t ~ U(0, 1) (or the given t), slots 1..B-1 masked with
-    probability t, at least one per block. With probability ``p_cut`` a block is instead cut
-    like a block in the middle of threshold decoding: a random c in 1..B-1, slots c..B-1
-    masked, slots before c clean; its loss covers slots c+skip..c+near-1 only (predicting 1
-    to ``near`` tokens ahead of the filled prefix, which is what lets decoding fill several
-    slots per pass). Returns (noisy [N, T], masked [N, T], slots in the loss [N, T])."""
+    Random masking: per block t ~ U(0, 1) (or the given t), every slot masked with probability
+    t, at least one per block. With probability ``p_cut`` a block is instead cut like a block
+    in the middle of threshold decoding: a random c in 0..B-1, slots c..B-1 masked, slots
+    before c clean (filled slots, or an aligned first block's prompt tail; c = 0: a block's
+    first pass); its loss covers slots c+skip..c+near-1 only (predicting 1 to ``near`` tokens
+    ahead of the filled prefix, which is what lets decoding fill several slots per pass).
+    Returns (noisy [N, T], masked [N, T], slots in the loss [N, T])."""
     N, T = tok.shape
     nb = T // B
     tt_ = torch.rand(N, nb, 1, generator=g) if t is None else torch.full((N, nb, 1), float(t))
     m = torch.rand(N, nb, B, generator=g) < tt_
-    m[..., 0] = False
-    none = ~m[..., 1:].any(-1)
-    pick = torch.randint(1, B, (N, nb), generator=g)
+    none = ~m.any(-1)
+    pick = torch.randint(0, B, (N, nb), generator=g)
     m[none, pick[none]] = True
     sel = m
-    if p_cut > 0:  # (no extra draws otherwise: the stage-1 batches stay those of the first run)
-        cut = torch.randint(1, B, (N, nb, 1), generator=g)
+    if p_cut > 0:  # (no extra draws otherwise)
+        cut = torch.randint(0, B, (N, nb, 1), generator=g)
         use = torch.rand(N, nb, 1, generator=g) < p_cut
         pos = torch.arange(B)[None, None, :]
         mc = pos >= cut
@@ -527,8 +563,8 @@ def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None, keep=No
     ar = F.cross_entropy(fw.logits(hc[:, :-1]).reshape(-1, V), tok[:, 1:].reshape(-1))
     if not diffusion:
         return ar, None, aux
-    n, j = sel.nonzero(as_tuple=True)            # masked slot j is predicted by row j - 1
-    dl = F.cross_entropy(fw.logits(hn[n, j - 1]), tok[n, j])
+    n, j = sel.nonzero(as_tuple=True)            # masked slot j is predicted by row j (spec 3.5, in place)
+    dl = F.cross_entropy(fw.logits(hn[n, j]), tok[n, j])
     return ar, dl, aux
 
 
@@ -541,7 +577,7 @@ def eval_windows(stream: torch.Tensor, T: int, n: int) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(fw: TrainForward, windows, B, mask_id, batch=8) -> dict:
     """Held-out losses with perplexities (fixed seeds): ``ar``; ``diffusion`` (random masking,
-    t ~ U(0,1) per block); ``diffusion_all_masked`` (every slot 1..B-1 masked: a block's first
+    t ~ U(0,1) per block); ``diffusion_all_masked`` (every slot masked: a block's first
     denoising pass); ``diffusion_next2`` (blocks cut at a random c, slots c.. masked: loss of
     slot c+1, the token two ahead of the filled prefix, on which filling two slots per pass
     depends)."""
@@ -587,6 +623,161 @@ def distill_windows(gguf_path, train_ids: torch.Tensor, n: int, T: int, B: int, 
             if (i + 1) % 500 == 0:
                 log(f"distill data: {i + 1}/{n} windows, {time.time() - t0:.0f} s")
     return out, plen
+
+
+# ---------------------------------------------------------------------------------------------
+# A trained trunk from a GGUF (--init-gguf): the converter's transforms undone (spec 4.3)
+# ---------------------------------------------------------------------------------------------
+
+# GGUF suffix (after "blk.N.", or global) -> (HF suffix (after "layers.N."), inverse transform).
+_GGUF_GLOBAL = {"token_embd.weight": ("embed_tokens.weight", "none"),
+                "output_norm.weight": ("norm.weight", "norm1p"),
+                "output.weight": ("lm_head.weight", "none")}
+_GGUF_LAYER = {
+    "attn_norm.weight": ("input_layernorm.weight", "norm1p"),
+    "post_attention_norm.weight": ("post_attention_layernorm.weight", "norm1p"),
+    "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", "qkv"),
+    "attn_gate.weight": ("linear_attn.in_proj_z.weight", "vrows"),
+    "ssm_beta.weight": ("linear_attn.in_proj_b.weight", "vheads"),
+    "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", "vheads"),
+    "ssm_conv1d.weight": ("linear_attn.conv1d.weight", "conv"),
+    "ssm_a": ("linear_attn.A_log", "negexp"),
+    "ssm_dt.bias": ("linear_attn.dt_bias", "vheads"),
+    "ssm_norm.weight": ("linear_attn.norm.weight", "none"),
+    "ssm_out.weight": ("linear_attn.out_proj.weight", "vcols"),
+    "ssm_conv1d_right.weight": ("linear_attn.conv_right_weight", "conv"),
+    "bd_logit_scale": ("linear_attn.bd_softmax_logit_scale", "vheads"),
+    "bd_history_bias": ("linear_attn.bd_softmax_history_bias", "vheads"),
+    "bd_history_c": ("linear_attn.bd_softmax_history_c", "vheads"),
+    "attn_q.weight": ("self_attn.q_proj.weight", "none"),
+    "attn_k.weight": ("self_attn.k_proj.weight", "none"),
+    "attn_v.weight": ("self_attn.v_proj.weight", "none"),
+    "attn_output.weight": ("self_attn.o_proj.weight", "none"),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", "norm1p"),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", "norm1p"),
+    "ffn_gate_inp.weight": ("mlp.gate.weight", "none"),
+    "ffn_down_exps.weight": ("mlp.experts.down_proj", "none"),
+    "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", "row"),
+    "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", "none"),
+    "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", "none"),
+    "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", "none"),
+}
+_GGUF_EXPERT_HALVES = ("ffn_gate_exps.weight", "ffn_up_exps.weight")  # -> mlp.experts.gate_up_proj
+# Tensors of the earlier embedded model's block operator (GGUF arch "clover"), not part of a trunk.
+_GGUF_DROPPED = ("ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias", "ssm_beta_bwd.weight",
+                 "ssm_alpha_bwd.weight", "ssm_bwd_mix")
+# GGUF key (after the arch prefix) -> the text config field it must equal
+_GGUF_HPARAMS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+                 "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                 "attention.key_length": "head_dim", "expert_count": "num_experts",
+                 "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size",
+                 "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+                 "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads"}
+
+
+def _v_head_inverse(Hk: int, r: int, d: int) -> torch.Tensor:
+    """Index ``inv`` with ``hf = gguf[inv]`` undoing the tiled V-head order of spec 4.3
+    (original value head ``i*r + j`` is stored at ``j*Hk + i``), ``d`` entries per head."""
+    stored = torch.arange(Hk * r * d).reshape(Hk, r, d).transpose(0, 1).reshape(-1)  # gguf[p] = hf[stored[p]]
+    return torch.argsort(stored)
+
+
+def _untransform(kind: str, a: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Undo one converter transform (spec 4.3) of tensor ``a`` (numpy order = HF order)."""
+    Hk, Hv, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                      cfg["linear_value_head_dim"])
+    r, qk = Hv // Hk, 2 * Hk * dk
+    if kind == "none":
+        return a
+    if kind == "norm1p":                       # stored as 1 + w
+        return a - 1.0
+    if kind == "row":                          # [H] -> [1, H]
+        return a.reshape(1, -1)
+    if kind == "negexp":                       # ssm_a = -exp(A_log), V-head order
+        return torch.log(-a.double()).float()[_v_head_inverse(Hk, r, 1)]
+    if kind == "vheads":
+        return a[_v_head_inverse(Hk, r, 1)]
+    if kind == "vrows":
+        return a[_v_head_inverse(Hk, r, dv)]
+    if kind == "vcols":
+        return a[:, _v_head_inverse(Hk, r, dv)]
+    if kind in ("qkv", "conv"):                # v channels (from 2*Hk*dk) in V-head order
+        a = torch.cat([a[:qk], a[qk:][_v_head_inverse(Hk, r, dv)]])
+        return a[:, None, :] if kind == "conv" else a   # conv: {K, C} -> HF [C, 1, K]
+    raise ValueError(f"internal: unknown transform {kind!r}")
+
+
+def tokenizer_from_gguf(path):
+    """The byte-level BPE of a GGUF (``tokenizer.ggml.tokens`` / ``merges`` / ``token_type``)
+    as a ``tokenizers.Tokenizer`` with the same ids: BPE vocabulary and merges in their order,
+    the pre-tokenizer and decoder of make_checkpoint's tokenizer, then the added tokens (types
+    other than normal) with make_checkpoint's special flags."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from gguf import GGUFReader
+
+    from convert.make_checkpoint import ADDED_TOKENS, QWEN35_PRETOKENIZER_REGEX
+
+    reader = GGUFReader(str(path))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ")) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+    n_bpe = next((i for i, t in enumerate(types) if t != 1), len(tokens))   # 1 = normal token
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens[:n_bpe])}, merges=merges,
+                               unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZER_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    special = dict(ADDED_TOKENS)
+    for content in tokens[n_bpe:]:
+        at = AddedToken(content, special=special.get(content, True), normalized=False, lstrip=False,
+                        rstrip=False, single_word=False)
+        (tok.add_special_tokens if at.special else tok.add_tokens)([at])
+    if tok.get_vocab(with_added_tokens=True) != {t: i for i, t in enumerate(tokens)}:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens: the rebuilt tokenizer's ids differ from the GGUF's")
+    return tok
+
+
+def read_trunk_gguf(path, config: dict):
+    """A trained trunk from a GGUF of arch ``clover_moe``, ``qwen35moe`` or ``clover`` (the
+    earlier embedded model) whose hyperparameters are ``config``'s: its parameters by
+    prefix-free HF name, float32, dequantised with gguf's reader and the converter's transforms
+    undone. Block tensors of spec 3.3 are returned when the file has them; the other block
+    operator's tensors of arch ``clover`` are dropped. Raises ValueError naming a mismatched
+    key or an unknown tensor."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    r = GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    for key, field in _GGUF_HPARAMS.items():
+        got = r.fields[f"{arch}.{key}"].contents()
+        if got != config[field]:
+            raise ValueError(f"{path}: {arch}.{key} = {got}, the training config's {field} is {config[field]}")
+    out, halves = {}, {}
+    for t in r.tensors:
+        a = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        parts = t.name.split(".", 2)
+        layer, rest = (int(parts[1]), parts[2]) if parts[0] == "blk" and len(parts) == 3 else (None, None)
+        if t.name in _GGUF_GLOBAL:
+            name, kind = _GGUF_GLOBAL[t.name]
+        elif rest in _GGUF_DROPPED:
+            continue
+        elif rest in _GGUF_EXPERT_HALVES:
+            halves[(layer, rest)] = a
+            continue
+        elif rest in _GGUF_LAYER:
+            suffix, kind = _GGUF_LAYER[rest]
+            name = f"layers.{layer}.{suffix}"
+        else:
+            raise ValueError(f"{path}: tensor {t.name}: not a trunk or block tensor of spec 4.3")
+        out[name] = _untransform(kind, a, config).contiguous()
+    for i in sorted({i for i, _ in halves}):
+        out[f"layers.{i}.mlp.experts.gate_up_proj"] = torch.cat(
+            [halves[(i, h)] for h in _GGUF_EXPERT_HALVES], 1).contiguous()      # [E, 2I, H]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -741,9 +932,54 @@ FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=
             stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4,
             stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
             stage4_windows=3000, stage4_frac=0.75, stage4_rounds=3, start_stage=2)
+# From a trained trunk (--init-gguf): the real-text stage (stage 3's recipe), then distillation.
+FINETUNE = dict(FULL, steps=0, stage2_steps=0, stage3_steps=1800, stage3_lr=1e-3, stage3_warmup=50,
+                stage4_steps=600, stage4_rounds=2, start_stage=1)
 SMOKE = dict(FULL, vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, warmup=2, eval_every=3,
              n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0,
              stage4_steps=2, stage4_warmup=1, stage4_windows=4)
+
+
+def plan_stages(s: dict, config: dict) -> list[dict]:
+    """The stages with steps, in order: number (1, 2, 3, then 4, 5, ... for the distillation
+    rounds), first step (numbered from 1 over all stages), steps, ar-only steps, rate, warm-up,
+    cut blocks (mask_blocks' p_cut, near), data seed, distillation and its coreset."""
+    stages = [dict(steps=s["steps"], n_ar=int(s["ar_frac"] * s["steps"]), lr=s["lr"], warmup=s["warmup"],
+                   cut={}, seed=s["seed"] + 1)]
+    for k in (2, 3):  # stage 3 continues stage 2's recipe (and its batch stream) with more cut blocks
+        stages.append(dict(steps=s[f"stage{k}_steps"], lr=s[f"stage{k}_lr"], warmup=s[f"stage{k}_warmup"],
+                           cut=dict(p_cut=s[f"stage{k}_cut"], near=s[f"stage{k}_near"]), seed=s["seed"] + 2))
+    for r in range(s["stage4_rounds"]):
+        # self-distillation on the model's own greedy continuations; each round decodes its
+        # data with the model as the previous round left it
+        stages.append(dict(steps=s["stage4_steps"], lr=s["stage4_lr"], warmup=s["stage4_warmup"],
+                           cut=dict(p_cut=s["stage4_cut"], near=s["stage4_near"]), seed=s["seed"] + 4 + 10 * r,
+                           distill=True, coreset_top_p=config["moe_block_coreset_top_p"]))
+    first = 1
+    for number, st in enumerate(stages, 1):
+        st.update(number=number, first=first)
+        st.setdefault("n_ar", 0)
+        first += st["steps"]
+    return [st for st in stages if st["steps"] > 0]
+
+
+def initial_model(s: dict, tr: list, smoke: bool):
+    """(tokenizer, config, initial parameters): a tokenizer trained on ``tr`` and init_params;
+    or, with ``init_gguf``, the GGUF's tokenizer and trunk with the block tensors of
+    init_block_params where the file has none (``s["vocab"]`` is set to its vocabulary)."""
+    gguf_path = s.get("init_gguf")
+    tok = tokenizer_from_gguf(gguf_path) if gguf_path else build_tokenizer(s["vocab"], tr)
+    s["vocab"] = tok.get_vocab_size()
+    config = model_config(s["vocab"], tok.token_to_id("<|mask|>"), tok.token_to_id("<|endoftext|>"), s["block"],
+                          smoke=smoke and not gguf_path, presence_penalty=s["presence_penalty"],
+                          repetition_penalty=s["repetition_penalty"])
+    if not gguf_path:
+        return tok, config, init_params(config, s["seed"])
+    P0 = dict(init_block_params(config), **read_trunk_gguf(gguf_path, config))
+    want = {n for n, _, _ in param_specs(config, clover=True, fused_experts=True)}
+    if set(P0) != want:
+        raise ValueError(f"{gguf_path}: missing {sorted(want - set(P0))[:4]}, unexpected {sorted(set(P0) - want)[:4]}")
+    return tok, config, P0
 
 
 def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
@@ -754,40 +990,18 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
     torch.manual_seed(s["seed"])
     t_start = time.time()
     tr, ho, trn, hon = load_texts(limit_bytes=s["limit_bytes"])
-    tok = build_tokenizer(s["vocab"], tr)
+    tok, config, P0 = initial_model(s, tr, smoke)
     train_ids, held_ids = encode_stream(tok, tr), encode_stream(tok, ho)
-    mask_id, eos_id = tok.token_to_id("<|mask|>"), tok.token_to_id("<|endoftext|>")
+    mask_id = config["mask_token_id"]
     log(f"data: {len(tr)} train files ({len(train_ids)} tokens), {len(ho)} held-out ({len(held_ids)} tokens), "
         f"{time.time() - t_start:.1f} s")
-    config = model_config(s["vocab"], mask_id, eos_id, s["block"], smoke=smoke,
-                          presence_penalty=s["presence_penalty"], repetition_penalty=s["repetition_penalty"])
-    P0 = init_params(config, s["seed"])
     if s.get("init_from"):  # continue from a checkpoint's parameters (fresh optimizer and schedule)
         P0 = {n: t.clone() for n, t in torch.load(s["init_from"])["params"].items()}
     P = {n: t.requires_grad_() for n, t in P0.items()}
     fw = TrainForward(P, config)
     B, T, N = s["block"], s["seq"], s["batch"]
     windows = eval_windows(held_ids, T, s["n_eval"])
-    stages = [dict(first=1, steps=s["steps"], n_ar=int(s["ar_frac"] * s["steps"]), lr=s["lr"],
-                   warmup=s["warmup"], cut={}, seed=s["seed"] + 1)]
-    if s["stage2_steps"]:
-        stages.append(dict(first=s["steps"] + 1, steps=s["stage2_steps"], n_ar=0, lr=s["stage2_lr"],
-                           warmup=s["stage2_warmup"], cut=dict(p_cut=s["stage2_cut"], near=s["stage2_near"]),
-                           seed=s["seed"] + 2))
-    if s.get("stage3_steps"):  # stage 2's recipe again, longer cut blocks, lower rate
-        stages.append(dict(first=s["steps"] + s["stage2_steps"] + 1, steps=s["stage3_steps"], n_ar=0,
-                           lr=s["stage3_lr"], warmup=s["stage3_warmup"],
-                           cut=dict(p_cut=s["stage3_cut"], near=s["stage3_near"]),
-                           # seed + 2 as stage 2: the shipped model's stage 3 ran as a stage-2
-                           # invocation from the stage-2 checkpoint (see the module docstring)
-                           seed=s["seed"] + 2))
-    for r in range(s["stage4_rounds"] if s.get("stage4_steps") else 0):
-        # self-distillation on the model's own greedy continuations; each round decodes its
-        # data with the model as the previous round left it
-        stages.append(dict(first=sum(st["steps"] for st in stages) + 1, steps=s["stage4_steps"], n_ar=0,
-                           lr=s["stage4_lr"], warmup=s["stage4_warmup"],
-                           cut=dict(p_cut=s["stage4_cut"], near=s["stage4_near"]), seed=s["seed"] + 4 + 10 * r,
-                           distill=True, coreset_top_p=config["moe_block_coreset_top_p"]))
+    stages = plan_stages(s, config)
     log_path = out / "log.jsonl"
     logf = open(log_path, "w")
     if s.get("stage1_ckpt"):  # stages before start_stage were run before (same settings): resume
@@ -797,12 +1011,12 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
                 P[n].copy_(t)
         if (ck.parent / "log.jsonl").is_file():
             logf.write((ck.parent / "log.jsonl").read_text())
-        stages = stages[s.get("start_stage", 2) - 1:]
+        stages = [st for st in stages if st["number"] >= s.get("start_stage", 2)]
     ev0 = evaluate(fw, windows, B, mask_id)
     step0 = stages[0]["first"] - 1
     logf.write(json.dumps({"kind": "eval", "step": step0, **ev0}) + "\n")
     log(f"eval step {step0}: {ev0}")
-    ev_random = ev0 if step0 == 0 and not s.get("init_from") else \
+    ev_random = ev0 if step0 == 0 and not (s.get("init_from") or s.get("init_gguf")) else \
         evaluate(TrainForward(init_params(config, s["seed"]), config), windows, B, mask_id)
     t_train = time.time()
     evals = [{"step": step0, **ev0}]
@@ -895,8 +1109,10 @@ def export_only(out_dir, settings: dict, log=print) -> dict:
     s = settings
     out = pathlib.Path(out_dir)
     ck = torch.load(out / "ckpt.pt")
-    tr, _, _, _ = load_texts(limit_bytes=s["limit_bytes"])
-    tok = build_tokenizer(s["vocab"], tr)
+    if s.get("init_gguf"):
+        tok = tokenizer_from_gguf(s["init_gguf"])
+    else:
+        tok = build_tokenizer(s["vocab"], load_texts(limit_bytes=s["limit_bytes"])[0])
     config = dict(ck["config"], presence_penalty=float(s["presence_penalty"]),
                   repetition_penalty=float(s["repetition_penalty"]))
     gguf_path = export_gguf(export_hf(out / "hf", ck["params"], config, tok), out / "clover-tiny-q8_0.gguf")
@@ -919,6 +1135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--stage1-ckpt", default=None, metavar="CKPT",
                     help="resume: start stage --start-stage (default 2) from this ckpt.pt of a run of the stages before it "
                          "(its log.jsonl, when next to it, is copied to the start of the new log)")
+    ap.add_argument("--init-gguf", default=None, metavar="GGUF",
+                    help="start from the trunk (and tokenizer) of this GGUF, e.g. the embedded model; the block "
+                         "tensors it lacks start from init_block_params")
+    ap.add_argument("--finetune", action="store_true",
+                    help="the fine-tuning recipe (FINETUNE: the real-text stage, then distillation); with --init-gguf")
     ap.add_argument("--export-only", action="store_true",
                     help="no training: export OUT/ckpt.pt again (e.g. with other --presence-penalty)")
     ap.add_argument("--threads", type=int, default=1,
@@ -929,7 +1150,8 @@ def main(argv=None) -> int:
     # (penalties: the decoding defaults written into config.json / the GGUF)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    s = dict(SMOKE if a.smoke else FULL, init_from=a.init_from, stage1_ckpt=a.stage1_ckpt)
+    base = SMOKE if a.smoke else FINETUNE if a.finetune else FULL
+    s = dict(base, init_from=a.init_from, stage1_ckpt=a.stage1_ckpt, init_gguf=a.init_gguf)
     for k in FULL:
         v = getattr(a, k, None)
         if v is not None:
