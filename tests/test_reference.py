@@ -680,7 +680,8 @@ def test_generate_ar_equals_from_scratch_greedy(ref):
 
 def _diffusion_from_scratch(ref, prompt, n, B, thr, top_p, end_ids, shift, aligned):
     """Spec 5.2 restated over a growing token list; every pass recomputes its prefix from
-    scratch. Returns (tokens, forwards) with the decoder's forward count."""
+    scratch. A block stops early at an end id, or once its filled slots before the first mask
+    cover the token budget. Returns (tokens, forwards) with the decoder's forward count."""
     mask = ref.config.mask_token_id
     start = len(prompt) // B * B if aligned else len(prompt)
     seq, out = list(prompt), []
@@ -702,7 +703,7 @@ def _diffusion_from_scratch(ref, prompt, n, B, thr, top_p, end_ids, shift, align
                 blk[j] = cand[j][0]
             gen = blk[len(fixed):]
             first_mask = gen.index(mask) if mask in gen else len(gen)
-            ends = [e for e in range(first_mask) if gen[e] in end_ids]
+            ends = [e for e in range(first_mask) if gen[e] in end_ids or e + 1 == n - len(out)]
             if ends:
                 done = gen[:ends[0] + 1]
         if done is not None:
@@ -730,13 +731,16 @@ def test_diffusion_equals_from_scratch(ref, shift, aligned, plen):
 def test_diffusion_pass_counts(ref):
     """threshold 0: one denoising pass per block; threshold > 1: one slot per pass. Aligned
     blocks start at multiples of B: a prompt of 6 with B = 4 prefills 4 tokens and leaves 2
-    fixed slots in the first block, which are not emitted."""
+    fixed slots in the first block, which are not emitted. A block whose filled slots before
+    the first mask cover the budget stops there."""
     prompt, B = _toks(6, 12), 4
     # unaligned, in place: blocks of 4 masked slots -> 10 tokens = 3 blocks (4 + 4 + 2)
     toks, nf = generate_diffusion(ref, prompt, 10, B, 0.0, 1.0, [], shift_logits=False, block_aligned=False)
     assert len(toks) == 10 and nf == 1 + 3 + 2
-    toks, nf = generate_diffusion(ref, prompt, 10, B, 1.5, 1.0, [], shift_logits=False, block_aligned=False)
+    t12, nf = generate_diffusion(ref, prompt, 12, B, 1.5, 1.0, [], shift_logits=False, block_aligned=False)
     assert nf == 1 + (4 + 4 + 4) + 2
+    t10, nf = generate_diffusion(ref, prompt, 10, B, 1.5, 1.0, [], shift_logits=False, block_aligned=False)
+    assert t10 == t12[:10] and 1 + (4 + 4 + 2) + 2 <= nf <= 1 + (4 + 4 + 4) + 2  # stop once slots 0-1 are filled
     # aligned: first block = 2 fixed + 2 generated, then 4 + 4 -> 10 tokens in 3 blocks
     toks, nf = generate_diffusion(ref, prompt, 10, B, 1.5, 1.0, [], shift_logits=False, block_aligned=True)
     assert len(toks) == 10 and nf == 1 + (2 + 4 + 4) + 2
