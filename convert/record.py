@@ -143,6 +143,8 @@ def config_sources(hf_dir: pathlib.Path, config: dict) -> list[tuple[str, dict]]
 def mask_from_tokenizer(hf_dir: pathlib.Path) -> tuple[int | None, str]:
     """The id of the one added token of tokenizer.json whose content contains "mask" (spec 3.1),
     and a description of what was found (for errors)."""
+    if not (hf_dir / "tokenizer.json").is_file():
+        return None, "no tokenizer.json"
     tok = _read_json(hf_dir / "tokenizer.json")
     found = [(int(t["id"]), t.get("content")) for t in tok.get("added_tokens") or []
              if isinstance(t, dict) and "mask" in str(t.get("content", "")).lower()]

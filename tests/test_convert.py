@@ -921,6 +921,8 @@ def test_mask_token_missing_refused(ckpts, tmp_path):
                                    r"\(\['<mask_a>', '<\|MASK\|>'\]\)\)")
     r = C.convert(ck, tmp_path / "ok.gguf", record={"mask_token_id": 9}, diffusion_only=True, progress=False)
     assert r["record"]["mask_token_id"] == 9
+    (ck / "tokenizer.json").unlink()
+    _refused(ck, tmp_path, three + r" \(no tokenizer\.json\)", diffusion_only=True)
 
 
 def test_misplaced_and_misshapen_tensor(ckpts, tmp_path):
