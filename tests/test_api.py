@@ -50,7 +50,7 @@ PROMPT = "def fib(n):\n    if n < 2:\n        return n\n"
 def test_hparams_from_config(model, config):
     cfg, text = config
     hp = model.hparams
-    assert hp["is_clover"] is True and model.arch == "clover"
+    assert hp["has_block"] is True and model.has_block and model.arch == hp["arch"] == "clover_moe"
     assert hp["n_vocab"] == text["vocab_size"] == model.n_vocab
     assert hp["n_embd"] == text["hidden_size"]
     assert hp["n_layer"] == text["num_hidden_layers"]
@@ -62,7 +62,11 @@ def test_hparams_from_config(model, config):
     assert hp["block_size"] == cfg["block_size"]
     assert hp["threshold"] == pytest.approx(cfg["threshold"], rel=1e-6)
     assert hp["coreset_top_p"] == pytest.approx(cfg["moe_block_coreset_top_p"], rel=1e-6)
-    assert hp["logits_shift"] is bool(cfg.get("logits_shift", True))
+    # the record's fields the config does not give take spec 4.2's defaults
+    assert hp["shift_logits"] is False and hp["block_aligned"] is True and hp["penalty_scope"] == "response"
+    assert hp["presence_penalty"] == pytest.approx(cfg["presence_penalty"], rel=1e-6)
+    assert hp["repetition_penalty"] == pytest.approx(cfg["repetition_penalty"], rel=1e-6)
+    assert hp["bias_slope"] == pytest.approx(0.01, rel=1e-6) and hp["bias_max"] == pytest.approx(10.0, rel=1e-6)
 
 
 def test_end_ids(model, ckpt):
@@ -337,7 +341,7 @@ def test_close_and_context_manager(gguf_path):
 
 def test_parent_arch_defaults_to_ar(parent_gguf, model):
     with Model(parent_gguf, n_ctx=256, n_threads=N_THREADS) as p:
-        assert p.arch == "qwen35moe" and p.hparams["is_clover"] is False
+        assert p.arch == "qwen35moe" and p.hparams["has_block"] is False and p.hparams["penalty_scope"] == "all"
         ids, st = p.generate_tokens(p.tokenize(PROMPT), max_tokens=6)
         assert st["mode"] == "ar"
         # the parent GGUF is the Clover file minus the Clover-only tensors: same AR output
@@ -345,7 +349,7 @@ def test_parent_arch_defaults_to_ar(parent_gguf, model):
         assert ids == ids_clover
         with pytest.raises(ValueError, match="mode"):
             p.generate(PROMPT, mode="diffusion")
-        with pytest.raises(ValueError, match="clover"):
+        with pytest.raises(ValueError, match="needs a Clover model .this file is qwen35moe"):
             p.block_logits([1], [2])
 
 

@@ -135,6 +135,21 @@ def test_repetition_penalty_divides_positive_multiplies_negative_over_prompt_and
     np.testing.assert_array_equal(out, ref_process(ROW, prompt, gen, repetition_penalty=1.25))
 
 
+def test_penalty_scope_response_leaves_the_prompt_out_of_the_repetition_penalty():
+    """Spec 5.4: with penalty_scope "response" (Clover's record) the repetition penalty's history
+    is the generated tokens only; "all" (llama.cpp's) counts the prompt too."""
+    prompt, gen = [0, 1, 5], [7, 8]
+    _, _, out = sample(ROW, prompt=prompt, generated=gen, repetition_penalty=1.25,
+                       penalty_scope=lib.CLOVER_PENALTY_RESPONSE)
+    np.testing.assert_array_equal(out, ref_process(ROW, (), gen, repetition_penalty=1.25))
+    assert out[0] == ROW[0] and out[8] == ROW[8] / np.float32(1.25)
+    _, _, every = sample(ROW, prompt=prompt, generated=gen, repetition_penalty=1.25,
+                         penalty_scope=lib.CLOVER_PENALTY_ALL)
+    assert every[0] == ROW[0] / np.float32(1.25)
+    with pytest.raises(ValueError, match="penalty_scope: 2"):
+        sample(ROW, penalty_scope=2)
+
+
 def test_presence_counts_generated_tokens_once_and_not_the_prompt():
     _, _, out = sample(ROW, prompt=[0, 4], generated=[2, 2, 2, 4, 9], presence_penalty=0.9)
     want = ROW.copy()

@@ -64,7 +64,7 @@ def test_spec_with_end_tokens_and_short_context(files):
 
 def test_spec_refused_for_qwen35moe(make_gguf):
     with Model(make_gguf("f32", arch="qwen35moe", clover=False), n_ctx=128, n_threads=2) as m:
-        with pytest.raises(ValueError, match="spec.*clover"):
+        with pytest.raises(ValueError, match="mode spec needs a Clover model"):
             m.generate_tokens(m.tokenize("hi"), max_tokens=4, mode="spec")
 
 
@@ -113,15 +113,22 @@ def test_rollback_equals_fresh_prefill(files, kind, n_keep):
 
 
 def test_penalty_defaults_by_architecture(make_gguf):
-    """The model card's repetition controls (presence 0.9, repetition 1.05; spec 4.2) are the
-    defaults for clover files; parent qwen35moe files decode without penalties by default, as
-    llama.cpp does."""
+    """The model card's repetition controls (presence 0.9, repetition 1.05, over the response;
+    spec 4.2) are the defaults for clover_moe files, or the record's values; parent qwen35moe
+    files decode without penalties over the whole history, as llama.cpp does."""
     from clover_gguf._ffi import ffi as cffi_ffi
-    for path, want in ((make_gguf("f32"), (0.9, 1.05)), (make_gguf("f32", arch="qwen35moe", clover=False), (0.0, 1.0))):
+    record = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.2, "penalty_scope": "all",
+              "bias_slope": 0.5, "bias_max": 3.0}
+    cases = ((make_gguf("f32"), (0.9, 0.0, 1.05, lib.CLOVER_PENALTY_RESPONSE, 0.01, 10.0)),
+             (make_gguf("f32", record=record), (0.5, 0.25, 1.2, lib.CLOVER_PENALTY_ALL, 0.5, 3.0)),
+             (make_gguf("f32", arch="qwen35moe", clover=False), (0.0, 0.0, 1.0, lib.CLOVER_PENALTY_ALL, 0.01, 10.0)))
+    for path, want in cases:
         with Model(path, n_ctx=64, n_threads=2) as m:
             p = cffi_ffi.new("clover_gen_params *")
             lib.clover_gen_params_default(m._model, p)
-            assert (round(p.presence_penalty, 6), round(p.repetition_penalty, 6)) == want, path
+            got = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.penalty_scope, p.bias_slope,
+                   p.bias_max)
+            assert tuple(round(x, 6) for x in got) == want, path
 
 
 def test_block_forward_rows_equals_full_on_chosen_rows(files):
@@ -196,5 +203,7 @@ def test_prefix_reuse_of_a_rerendered_history(files, mode):
         split2 = max(i for i, t in enumerate(second) if t == ims)
         third = second[:split2] + m.tokenize("A different reply.") + [ims] + m.tokenize("assistant\n")
         c, st3 = m.generate_tokens(third, max_tokens=8, mode=mode, end_ids=[])
-        assert st3["n_prompt_reused"] == split2
+        # aligned diffusion blocks (spec 3.1) prefill up to the first block's start only
+        B = m.hparams["block_size"]
+        assert st3["n_prompt_reused"] == (min(split2, len(second) // B * B) if mode == "diffusion" else split2)
         assert c == fresh.generate_tokens(third, max_tokens=8, mode=mode, end_ids=[])[0]
