@@ -933,8 +933,8 @@ FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=
             stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
             stage4_windows=3000, stage4_frac=0.75, stage4_rounds=3, start_stage=2)
 # From a trained trunk (--init-gguf): the real-text stage (stage 3's recipe), then distillation.
-FINETUNE = dict(FULL, steps=0, stage2_steps=0, stage3_steps=1800, stage3_lr=1e-3, stage3_warmup=50,
-                stage4_steps=600, stage4_rounds=2, start_stage=1)
+FINETUNE = dict(FULL, steps=0, stage2_steps=0, stage3_steps=900, stage3_lr=1e-3, stage3_warmup=50,
+                stage4_steps=400, stage4_rounds=2, stage4_windows=2000, eval_every=300, start_stage=1)
 SMOKE = dict(FULL, vocab=512, steps=6, ar_frac=0.5, batch=2, seq=64, block=16, warmup=2, eval_every=3,
              n_eval=4, limit_bytes=300_000, stage2_steps=2, stage2_warmup=1, stage3_steps=0,
              stage4_steps=2, stage4_warmup=1, stage4_windows=4)
