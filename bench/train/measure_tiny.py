@@ -3,7 +3,9 @@
 
 For each prompt: greedy ``diffusion`` at the GGUF's defaults (threshold, block size, coreset,
 penalties): tokens, forwards (prefill excluded: denoise + commit), tokens per forward,
-denoising passes per block; ``spec``: drafts accepted per verify (mean and histogram) and
+denoising passes per block, and how many of its first tokens equal greedy ``ar``'s (a model
+can fill many slots per pass with text of its own: this says whether the text is the one
+the causal model would write); ``spec``: drafts accepted per verify (mean and histogram) and
 whether its tokens equal greedy ``ar``'s (they must, with penalties off: spec is lossless
 against plain greedy decoding only; with penalties on, the comparison is informative).
 Generation stops at the end tokens as ``clover-gguf run`` does, or after ``-n`` tokens.
@@ -49,13 +51,14 @@ def measure(path, n=128, threads=2, **kw) -> list[dict]:
             h = ss["accept_hist"]
             verifies = sum(h)
             fw = sd["n_forward"] - sd["n_forward_prefill"]
+            same = next((i for i, (a, b) in enumerate(zip(dt, ar)) if a != b), min(len(dt), len(ar)))
             rows.append({
                 "prompt": p, "diffusion_text": m.detokenize(dt), "ar_text": m.detokenize(ar),
                 "diffusion_tokens": len(dt), "diffusion_forwards": fw,
                 "denoise": sd["n_forward_denoise"], "commit": sd["n_forward_commit"],
                 "tokens_per_forward": len(dt) / fw if fw else 0.0,
                 "fills_per_denoise": len(dt) / sd["n_forward_denoise"] if sd["n_forward_denoise"] else 0.0,
-                "diffusion_seconds": sd["seconds"],
+                "diffusion_seconds": sd["seconds"], "diffusion_ar_prefix": same,
                 "spec_tokens": len(sp), "spec_accept_hist": h,
                 "spec_accepted_per_verify": sum(i * c for i, c in enumerate(h)) / verifies if verifies else 0.0,
                 "spec_tokens_per_forward": ss["tokens_per_forward"], "spec_equals_ar": sp == ar,
@@ -79,19 +82,21 @@ def main(argv=None) -> int:
     rows = measure(a.model, a.n_gen, a.threads, **kw)
     print(f"{a.model}: {len(rows)} prompts, up to {a.n_gen} greedy tokens, {kw or 'GGUF defaults'}")
     print("| prompt | diffusion tokens | forwards (denoise + commit) | tokens/forward | fills/denoise | "
-          "spec accepted/verify | spec == ar |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "first tokens == ar | spec accepted/verify | spec == ar |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         print(f"| {json.dumps(r['prompt'])[:40]} | {r['diffusion_tokens']} | {r['diffusion_forwards']} "
               f"({r['denoise']} + {r['commit']}) | {r['tokens_per_forward']:.2f} | {r['fills_per_denoise']:.2f} | "
-              f"{r['spec_accepted_per_verify']:.2f} | {r['spec_equals_ar']} |")
+              f"{r['diffusion_ar_prefix']} | {r['spec_accepted_per_verify']:.2f} | {r['spec_equals_ar']} |")
     tok = sum(r["diffusion_tokens"] for r in rows)
     fw = sum(r["diffusion_forwards"] for r in rows)
     hist = [sum(r["spec_accept_hist"][i] if i < len(r["spec_accept_hist"]) else 0 for r in rows)
             for i in range(max(len(r["spec_accept_hist"]) for r in rows))]
     print(f"all prompts: diffusion {tok} tokens in {fw} forwards = {tok / fw:.2f} tokens/forward; "
           f"spec accepted drafts per verify {sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist)):.2f} "
-          f"(histogram {hist})")
+          f"(histogram {hist}); diffusion's first tokens equal ar's: "
+          f"{sum(r['diffusion_ar_prefix'] for r in rows) / len(rows):.1f} on average; "
+          f"spec == ar on {sum(r['spec_equals_ar'] for r in rows)} of {len(rows)}")
     if a.json:
         print(json.dumps(rows, ensure_ascii=False))
     return 0
