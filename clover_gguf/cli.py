@@ -14,7 +14,8 @@ import shutil
 import sys
 
 from .cli_chat import DIM, MODEL_HELP, OFF, _logit_bias, add_chat_parser, add_compare_parser, add_device_args, \
-    gpu_layers, model_stats_timings, placement_kwargs, print_plan, stats_line, stream_interruptibly, warn_to_stderr
+    gpu_layers, model_stats_timings, note_no_block, placement_kwargs, print_plan, stats_line, stream_interruptibly, \
+    warn_to_stderr
 
 _EXIT_OK, _EXIT_RUNTIME, _EXIT_USAGE = 0, 1, 2
 
@@ -45,6 +46,7 @@ def _load(path: str, n_ctx: int, n_threads, placement: dict | None = None):
     try:
         m = warn_to_stderr(Model, path, n_ctx=n_ctx, n_threads=n_threads, **(placement or {}))
         print_plan(m)
+        note_no_block(m)
         return m
     except (CloverError, ValueError) as e:
         raise _UsageError(str(e)) from None

@@ -251,6 +251,16 @@ def print_plan(model) -> None:
         print_plan_line(f"everything on the CPU (the plan for a GPU was: {plan['plan']})")
 
 
+def note_no_block(model) -> None:
+    """A note on stderr when a clover_moe model loaded without Clover's block tensors (a llama.cpp
+    GGUF with no diffusion sidecar beside it): it runs ar only, and how to get the sidecar."""
+    if model.arch == "clover_moe" and not model.has_block:
+        stem = model.path[:-len(".gguf")] if model.path.endswith(".gguf") else model.path
+        print(f"note: {model.path} has no block tensors and no diffusion sidecar ({stem}.diffusion.gguf): "
+              f"ar only; `clover-gguf convert HF_DIR --diffusion-only -o {stem}.diffusion.gguf` makes the "
+              f"sidecar for diffusion and spec", file=sys.stderr, flush=True)
+
+
 def warn_to_stderr(fn, *args, **kwargs):
     """fn(*args, **kwargs) with its UserWarnings (e.g. no GPU) printed as ``warning: ...`` lines."""
     import warnings
@@ -286,6 +296,7 @@ def _open(path: str, a, mode=None):
         llm = warn_to_stderr(Clover, path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed,
                              **placement_kwargs(a))
         print_plan(llm._model)
+        note_no_block(llm._model)
         return llm
     except CloverError as e:
         raise ValueError(str(e)) from None
