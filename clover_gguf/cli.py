@@ -493,8 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Parsed by the converter itself (see main); listed here for --help.
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF "
-                   "(clover-gguf convert HF_DIR -o OUT.gguf [--outtype TYPE] [--arch clover|qwen35moe]; "
-                   "clover-gguf convert --help lists the types)",
+                   "(clover-gguf convert HF_DIR -o OUT.gguf [--outtype TYPE] [--split | --diffusion-only] "
+                   "[--arch clover_moe|qwen35moe]; clover-gguf convert --help lists the types and options)",
                    add_help=False)
     return p
 

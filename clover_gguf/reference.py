@@ -741,9 +741,9 @@ def generate_diffusion(ref: CloverReference, prompt: list, max_tokens: int, bloc
     end id there is emitted and stops). While a slot is masked: one block forward (coreset
     top-p); every masked slot whose confidence > threshold is filled, else the single most
     confident (ties: lowest slot); an end id at slot e with no mask before it, or a budget that
-    the filled slots before the first mask cover, emits the generated slots up to e and stops. A finished block's generated slots are emitted
-    (truncated to the budget); unless the budget is spent, the whole block is committed by a
-    prefix-mode forward. shift_logits / block_aligned None: the config's (spec 4.2 defaults).
+    the filled slots before the first mask cover, emits the generated slots up to e and stops.
+    A finished block's generated slots are emitted (truncated to the budget); unless the budget
+    is spent, the whole block is committed by a prefix-mode forward. shift_logits / block_aligned None: the config's (spec 4.2 defaults).
     Returns (tokens, n_forward): prefill (when anything is prefilled) + denoise + commit
     forwards. max_tokens <= 0 returns ([], 0).
     """

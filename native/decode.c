@@ -602,9 +602,10 @@ static int32_t draft_pick(clover_decoder *d, int32_t j) {
 }
 
 /* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...]
- * (d_j from slot j's row, read in place or shifted by the logit convention, spec 3.5), verify [s, d_1..] in one prefix-mode forward giving a_0..a_{B-1}; accept the longest run
- * d_i == a_{i-1}, emit s, d_1..d_c, roll the caches back to the kept tokens and seed the next
- * block with a_c. The verify runs the GDN token by token (as ar's decode steps do) so its logits,
+ * (d_j from slot j's row, read in place or shifted by the logit convention, spec 3.5), verify
+ * [s, d_1..] in one prefix-mode forward giving a_0..a_{B-1}; accept the longest run d_i ==
+ * a_{i-1}, emit s, d_1..d_c, roll the caches back to the kept tokens and seed the next block with
+ * a_c. The verify runs the GDN token by token (as ar's decode steps do) so its logits,
  * and hence the output, equal ar's; rollback replays the recurrence over the kept tokens. */
 static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
     clover_context *c = d->c;

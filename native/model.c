@@ -416,6 +416,14 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
         goto fail;
     }
     clover_hparams *hp = &m->hp;
+    const int64_t kt = clover_gguf_find_key(g, "general.type");
+    const char *type = kt >= 0 ? clover_gguf_get_str(g, kt, 0, NULL) : NULL;
+    if (type && strcmp(type, "diffusion") == 0) {
+        clover_set_err(err, err_size, CLOVER_E_ARG, "general.type: this is a diffusion sidecar (block tensors and "
+                       "decoding record only): load its clover_moe model, with the sidecar beside it or passed as "
+                       "--diffusion / diffusion_path");
+        goto fail;
+    }
     if (strcmp(arch, "clover_moe") == 0) hp->arch = CLOVER_ARCH_CLOVER_MOE;
     else if (strcmp(arch, "qwen35moe") == 0) hp->arch = CLOVER_ARCH_QWEN35MOE;
     else {
@@ -512,7 +520,8 @@ static int take_sidecar(clover_model *m, clover_gguf *g, char *err, size_t err_s
 static int attach_sidecar(clover_model *m, const char *path, char *err, size_t err_size) {
     if (m->hp.arch != CLOVER_ARCH_CLOVER_MOE)
         return clover_set_err(err, err_size, CLOVER_E_ARG,
-                              "diffusion sidecar %s: the model is qwen35moe; a sidecar goes with a clover_moe model", path);
+                              "diffusion sidecar %s: the model is qwen35moe; a sidecar goes with a clover_moe model",
+                              path);
     if (m->hp.has_block)
         return clover_set_err(err, err_size, CLOVER_E_ARG,
                               "diffusion sidecar %s: the model holds the block tensors itself (a complete file)", path);
@@ -563,8 +572,8 @@ clover_model *clover_model_load_sidecar(const char *path, const char *diffusion_
     }
     char beside[4096];
     const char *side = diffusion_path;
-    if (!side && m->hp.arch == CLOVER_ARCH_CLOVER_MOE && !m->hp.has_block && sidecar_beside(path, beside, sizeof beside))
-        side = beside;
+    const int bare_trunk = m->hp.arch == CLOVER_ARCH_CLOVER_MOE && !m->hp.has_block;
+    if (!side && bare_trunk && sidecar_beside(path, beside, sizeof beside)) side = beside;
     if (side && *side && attach_sidecar(m, side, err, err_size) != CLOVER_OK) {
         clover_model_free(m);
         return NULL;
@@ -580,8 +589,8 @@ const char *clover_model_sidecar_path(const clover_model *m) { return m ? m->sid
 
 int clover_no_block(const clover_model *m, const char *what, char *err, size_t err_size) {
     if (m->hp.arch != CLOVER_ARCH_CLOVER_MOE)
-        return clover_set_err(err, err_size, CLOVER_E_STATE, "%s needs a Clover model (this file is qwen35moe: use mode ar)",
-                              what);
+        return clover_set_err(err, err_size, CLOVER_E_STATE,
+                              "%s needs a Clover model (this file is qwen35moe: use mode ar)", what);
     char side[4096] = "MODEL.diffusion.gguf";
     if (m->path) sidecar_name(m->path, side, sizeof side);
     return clover_set_err(err, err_size, CLOVER_E_STATE,
@@ -1930,7 +1939,8 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
     conv_silu(&d, ly->conv, block ? ly->conv_right : NULL, hist, qkv, T, cv);
     qk_norm(&d, cv, T, 1e-6f);
     if (block) {
-        rc = on_gpu ? gpu_gdn(f, ly, 0, &d, cv, NULL, NULL, o) : bd_heads(&d, ly, cv, state, T, f->pos0, o, c->n_threads);
+        rc = on_gpu ? gpu_gdn(f, ly, 0, &d, cv, NULL, NULL, o)
+                    : bd_heads(&d, ly, cv, state, T, f->pos0, o, c->n_threads);
         if (rc != CLOVER_OK) goto done;
     } else {
         gates(&d, b, a, ly->ssm_a, ly->dt_bias, T);

@@ -243,7 +243,7 @@ def test_compare_side_by_side_and_json_report(clover_path, parent_path, tmp_path
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout
     report = json.loads(rep.read_text(encoding="utf-8"))
-    assert [m["arch"] for m in report["models"]] == ["clover", "qwen35moe"]
+    assert [m["arch"] for m in report["models"]] == ["clover_moe", "qwen35moe"]
     assert [m["mode"] for m in report["models"]] == ["diffusion", "ar"]  # each model's default
     assert report["settings"]["max_tokens"] == 10 and report["settings"]["temperature"] == 0.0
     assert [x["prompt"] for x in report["results"]] == ["hello", "write a loop"]
@@ -267,7 +267,7 @@ def test_compare_side_by_side_and_json_report(clover_path, parent_path, tmp_path
     assert all(len(ln) <= width for ln in lines)
     col = (width - 3) // 2
     left, right = _cells(r.stdout, col)
-    assert any(ln.startswith("A: ") and "clover" in ln for ln in left)
+    assert any(ln.startswith("A: ") and "clover_moe" in ln for ln in left)
     assert any(ln.startswith("B: ") and "qwen35moe" in ln for ln in right)
     for i in range(2):
         cells = "".join(left if i == 0 else right).replace(" ", "")

@@ -1,7 +1,7 @@
 """The embedded default model (clover_gguf/models/, made by bench/train/train_tiny.py).
 
-It loads, is a complete Clover (backward GDN branch, gated attention, MoE with a shared
-expert), greedy ``ar`` text for a fixed prompt is deterministic (and thread-count
+It loads, is a complete clover_moe file (Gated DeltaNet layers with Clover's block tensors,
+gated attention, MoE with a shared expert, the decoding record of spec 4.2), greedy ``ar`` text for a fixed prompt is deterministic (and thread-count
 independent), and its greedy ``ar`` and ``diffusion`` outputs on fixed prompts equal the
 recorded fixture tests/data/default_model.json. After retraining the model, regenerate the
 fixture with::
@@ -59,9 +59,10 @@ def model():
 
 
 def test_default_model_loads(model):
-    assert model.is_clover
+    assert model.arch == "clover_moe" and model.has_block and model.sidecar_path is None
     hp = model.hparams
-    assert hp["block_size"] == 32 and abs(hp["threshold"] - 0.95) < 1e-6 and hp["logits_shift"]
+    assert hp["block_size"] == 32 and abs(hp["threshold"] - 0.95) < 1e-6 and abs(hp["coreset_top_p"] - 0.9) < 1e-6
+    assert not hp["shift_logits"] and hp["block_aligned"] and hp["penalty_scope"] == "response"
     assert model.n_vocab % 256 == 0
     assert os.path.getsize(clover_gguf.DEFAULT_MODEL) < 30 * 2**20
     from clover_gguf.gguf import GGUFFile
@@ -69,11 +70,11 @@ def test_default_model_loads(model):
     with GGUFFile(clover_gguf.DEFAULT_MODEL) as f:
         md = f.metadata
         names = {t["name"] for t in f.tensors}
-    assert md["general.architecture"] == "clover"
-    assert md[f"clover.expert_count"] > md["clover.expert_used_count"] > 1
-    assert md["clover.embedding_length"] % 256 == 0
-    for part in ("ssm_conv1d_bwd", "ssm_bwd_mix", "attn_gate", "attn_q", "ffn_gate_exps", "ffn_up_shexp",
-                 "ffn_gate_inp_shexp"):
+    assert md["general.architecture"] == "clover_moe" and md["clover_moe.expert_shared_count"] == 1
+    assert md["clover_moe.expert_count"] > md["clover_moe.expert_used_count"] > 1
+    assert md["clover_moe.embedding_length"] % 256 == 0
+    for part in ("ssm_conv1d_right", "bd_logit_scale", "bd_history_bias", "bd_history_c", "attn_gate", "attn_q",
+                 "ffn_gate_exps", "ffn_up_shexp", "ffn_gate_inp_shexp"):
         assert any(f".{part}." in n + "." for n in names), part
     assert "<|mask|>" in md["tokenizer.ggml.tokens"] and "<|im_start|>" in md["tokenizer.ggml.tokens"]
     assert "im_start" in md["tokenizer.chat_template"]

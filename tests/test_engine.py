@@ -526,8 +526,10 @@ def test_model_load_errors_name_the_tensor_or_key(gguf_of, tmp_path):
         (dict(reshape=("blk.3.attn_k.weight", (256, 128))),
          r"tensor blk\.3\.attn_k\.weight: shape \{128, 256, 1, 1\} expected \{256, 128, 1, 1\}"),
         (dict(set_kv=("clover_moe.expert_used_count", 9)), r"expert_used_count > expert_count"),
-        (dict(set_kv=("clover_moe.expert_shared_count", 2)), r"clover_moe\.expert_shared_count: value 2 outside \[1, 1\]"),
-        (dict(set_kv=("tokenizer.ggml.mask_token_id", 10**6)), r"tokenizer\.ggml\.mask_token_id: token id 1000000 outside"),
+        (dict(set_kv=("clover_moe.expert_shared_count", 2)),
+         r"clover_moe\.expert_shared_count: value 2 outside \[1, 1\]"),
+        (dict(set_kv=("tokenizer.ggml.mask_token_id", 10**6)),
+         r"tokenizer\.ggml\.mask_token_id: token id 1000000 outside"),
         (dict(set_kv=("diffusion.penalty_scope", "prompt")), r"diffusion\.penalty_scope: 'prompt'"),
         (dict(set_kv=("diffusion.threshold", 1.5)), r"diffusion\.threshold: value 1\.5 outside"),
     ]

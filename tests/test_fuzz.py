@@ -178,18 +178,18 @@ def test_model_level_validation(make_gguf, tmp_path):
     src = make_gguf("f32")
     assert _load_error(src) == ""
     cases = {
-        "clover.block_count": (100000, VT.UINT32, "block_count"),
-        "clover.expert_used_count": (9, VT.UINT32, "expert_used_count > expert_count"),
-        "clover.expert_count": (0, VT.UINT32, "expert_count"),
-        "clover.attention.head_count": (3, VT.UINT32, "head_count"),
-        "clover.attention.head_count_kv": (0, VT.UINT32, "head_count_kv"),
-        "clover.embedding_length": (None, None, "missing key clover.embedding_length"),
-        "clover.diffusion.mask_token_id": (10**6, VT.UINT32, "mask_token_id"),
-        "clover.diffusion.threshold": (1.5, VT.FLOAT32, "threshold"),
-        "clover.diffusion.block_size": (0, VT.UINT32, "block_size"),
+        "clover_moe.block_count": (100000, VT.UINT32, "block_count"),
+        "clover_moe.expert_used_count": (9, VT.UINT32, "expert_used_count > expert_count"),
+        "clover_moe.expert_count": (0, VT.UINT32, "expert_count"),
+        "clover_moe.attention.head_count": (3, VT.UINT32, "head_count"),
+        "clover_moe.attention.head_count_kv": (0, VT.UINT32, "head_count_kv"),
+        "clover_moe.embedding_length": (None, None, "missing key clover_moe.embedding_length"),
+        "tokenizer.ggml.mask_token_id": (10**6, VT.UINT32, "mask_token_id"),
+        "diffusion.threshold": (1.5, VT.FLOAT32, "threshold"),
+        "diffusion.block_size": (0, VT.UINT32, "block_size"),
         "tokenizer.ggml.eos_token_id": (10**6, VT.UINT32, "tokenizer.ggml.eos_token_id"),
         "tokenizer.ggml.bos_token_id": ("x", VT.STRING, "tokenizer.ggml.bos_token_id"),
-        "clover.rope.dimension_count": (1000, VT.UINT32, "rope.dimension_count"),
+        "clover_moe.rope.dimension_count": (1000, VT.UINT32, "rope.dimension_count"),
     }
     for i, (key, (v, t, want)) in enumerate(cases.items()):
         msg = _load_error(rewrite_gguf(src, tmp_path / f"m{i}.gguf", {key: (v, t)}))

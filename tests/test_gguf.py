@@ -41,7 +41,7 @@ def _tensor_set(rng):
 def write_gguf(path, *, tensors=None, alignment=None, full_kv=True, seed=0):
     rng = np.random.default_rng(seed)
     tensors = _tensor_set(rng) if tensors is None else tensors
-    w = GGUFWriter(str(path), "clover")
+    w = GGUFWriter(str(path), "clover_moe")
     if alignment is not None:
         w.add_custom_alignment(alignment)
     w.add_string("general.name", "Clover tést ✓")
@@ -69,7 +69,7 @@ def write_gguf(path, *, tensors=None, alignment=None, full_kv=True, seed=0):
         w.add_key_value("t.arr_i64", [-2 ** 63, 2 ** 63 - 1], VT.ARRAY, sub_type=VT.INT64)
         w.add_key_value("t.arr_f64", [1e-300, -2.5], VT.ARRAY, sub_type=VT.FLOAT64)
         w.add_key_value("t.arr_i16", [-32768, 32767], VT.ARRAY, sub_type=VT.INT16)
-        w.add_array("clover.diffusion.rope_sections", [11, 11, 10, 0])
+        w.add_array("clover_moe.rope.dimension_sections", [11, 11, 10, 0])
     for name, (qt, values) in tensors.items():
         values = values.astype(np.float32)
         if qt == QT.F32:
@@ -189,7 +189,7 @@ def test_metadata_equals_gguf_reader(valid):
                 assert all(type(a) is type(b) for a, b in zip(got, want)), key
     # spot checks against the values written (the reader could share a bug with gguf-py)
     m = GGUFFile(path).metadata
-    assert m["general.architecture"] == "clover" and m["general.name"] == "Clover tést ✓"
+    assert m["general.architecture"] == "clover_moe" and m["general.name"] == "Clover tést ✓"
     assert m["t.u64"] == U64 - 1 and m["t.i64"] == -2 ** 63 and m["t.u8"] == 200 and m["t.i8"] == -100
     assert m["t.f32"] == float(np.float32(0.1)) and m["t.f64"] == -1.25e300
     assert m["t.true"] is True and m["t.false"] is False
@@ -333,7 +333,7 @@ def test_large_vocabulary_reads_fast(tmp_path):
     n = 250_000
     tokens = [f"tok{i}Ġ" for i in range(n)]
     path = tmp_path / "vocab.gguf"
-    w = GGUFWriter(str(path), "clover")
+    w = GGUFWriter(str(path), "clover_moe")
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.token_type", [1] * n)
     w.write_header_to_file()

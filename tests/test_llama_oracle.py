@@ -144,3 +144,62 @@ def test_our_converter_files(outtype, make_gguf):
 def test_llama_converter_files(outtype, llama_files):
     """llama.cpp's converter (and quantizer) output loads in our engine and agrees."""
     _compare(llama_files[outtype], outtype)
+
+
+def _as_qwen35moe(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """A copy of a clover_moe trunk with llama.cpp 0.3.36's parent architecture: every
+    ``clover_moe.`` key renamed ``qwen35moe.``, ``expert_shared_count`` dropped, tensors unchanged."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), "qwen35moe")
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "clover_moe.expert_shared_count"):
+            continue
+        key = "qwen35moe." + name[len("clover_moe."):] if name.startswith("clover_moe.") else name
+        v, t = f.contents(), f.types[0]
+        if t == GGUFValueType.ARRAY:
+            w.add_array(key, v)
+        elif t == GGUFValueType.STRING:
+            w.add_string(key, v)
+        else:
+            w.add_key_value(key, v, t)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return dst
+
+
+def test_clover_split_trunk_against_llama_cpp_and_transformers(make_ckpt, make_gguf, tmp_path):
+    """The trunk of a Clover checkpoint as ``convert --split`` writes it (llama.cpp's clover_moe
+    layout), renamed to qwen35moe for llama-cpp-python 0.3.36 (which predates clover_moe): F32
+    logits of every position of 3 prompts, ours on the trunk itself, llama.cpp's on the renamed
+    copy and transformers' Qwen3_5MoeForCausalLM on the same checkpoint's trunk, pairwise within
+    1e-3."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from clover_gguf.api import Model
+
+    ckpt = make_ckpt()
+    trunk = make_gguf("f32", split=True)
+    renamed = _as_qwen35moe(trunk, tmp_path / "trunk-qwen35moe.gguf")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(str(ckpt), config=Qwen3_5MoeTextConfig(**cfg.get("text_config", cfg)),
+                                               dtype=torch.float32).eval()
+    with Model(str(trunk), n_ctx=512, n_threads=2, diffusion_path="") as m:
+        assert m.arch == "clover_moe" and not m.has_block
+        prompts = [m.tokenize(p) for p in PROMPTS]
+        ours = [m.prefix_logits(ids) for ids in prompts]
+    theirs = _llama_outputs(renamed, prompts)
+    worst = {"llama.cpp": 0.0, "transformers": 0.0, "llama.cpp vs transformers": 0.0}
+    for k, ids in enumerate(prompts):
+        with torch.no_grad():
+            t = hf(torch.tensor([ids])).logits[0].float().numpy()
+        ll = theirs[f"logits{k}"]
+        for name, (a, b) in {"llama.cpp": (ours[k], ll), "transformers": (ours[k], t),
+                             "llama.cpp vs transformers": (ll, t)}.items():
+            worst[name] = max(worst[name], float(np.abs(a - b).max()))
+        assert (ours[k].argmax(1) == ll.argmax(1)).all()
+    print(f"\nclover_moe trunk F32, max |logit diff|: {worst}")
+    assert max(worst.values()) <= F32_TOL

@@ -18,13 +18,13 @@ from clover_gguf import Model
 from clover_gguf.placement import RESERVE, cache_bytes, describe, fit, parse_size, placement
 
 EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
-DENSE = re.compile(r"blk\.(\d+)\.(attn_(q|k|v|output|qkv|gate)|ssm_(out|alpha|beta|alpha_bwd|beta_bwd)|"
+DENSE = re.compile(r"blk\.(\d+)\.(attn_(q|k|v|output|qkv|gate)|ssm_(out|alpha|beta)|"
                    r"ffn_gate_inp|ffn_gate_inp_shexp|ffn_(gate|up|down)_shexp)\.weight")
 
 
 # the float32 tensors a whole offload copies for the resident forward (native/model.c layer_vectors)
 VECTORS = re.compile(r"blk\.\d+\.(attn_norm\.weight|post_attention_norm\.weight|attn_[qk]_norm\.weight|"
-                     r"ssm_conv1d(_bwd)?\.weight|ssm_a(_bwd)?|ssm_dt(_bwd)?\.bias|ssm_norm\.weight|ssm_bwd_mix)"
+                     r"ssm_conv1d(_right)?\.weight|ssm_a|ssm_dt\.bias|ssm_norm\.weight|bd_(logit_scale|history_bias|history_c))"
                      r"|output_norm\.weight")
 
 

@@ -124,8 +124,10 @@ BAD_SIDECARS = [
     (dict(retype="blk.0.bd_history_bias"), r"tensor blk\.0\.bd_history_bias: type F16, expected F32"),
     (dict(add=("blk.3.bd_logit_scale", np.ones(4, np.float32))),
      r"tensor blk\.3\.bd_logit_scale is not a block tensor of one of the model's Gated DeltaNet layers"),
-    (dict(add=("token_embd.weight", np.ones((8, 256), np.float32))), r"tensor token_embd\.weight is not a block tensor"),
-    (dict(kv={"tokenizer.ggml.mask_token_id": 5000}), r"tokenizer\.ggml\.mask_token_id: value 5000 outside \[0, 2047\]"),
+    (dict(add=("token_embd.weight", np.ones((8, 256), np.float32))),
+     r"tensor token_embd\.weight is not a block tensor"),
+    (dict(kv={"tokenizer.ggml.mask_token_id": 5000}),
+     r"tokenizer\.ggml\.mask_token_id: value 5000 outside \[0, 2047\]"),
     (dict(kv={"diffusion.penalty_scope": "prompt"}), r"diffusion\.penalty_scope: 'prompt'"),
 ]
 
@@ -175,3 +177,8 @@ def test_record_keys_come_from_the_sidecar(make_gguf):
         hp = m.hparams
         assert hp["shift_logits"] and not hp["block_aligned"] and hp["penalty_scope"] == "all"
         assert abs(hp["threshold"] - 0.5) < 1e-6
+
+
+def test_a_sidecar_loaded_as_the_model_says_what_it_is(split):
+    with pytest.raises(CloverError, match="this is a diffusion sidecar .* load its clover_moe model"):
+        Model(str(split[1]), n_ctx=64)
