@@ -4,7 +4,10 @@
   mode and block mode with the block operator of spec 3.3), so training and inference share
   one definition; its diffusion loss reads each masked slot's own row (spec 3.5, in place);
 - a short run (a few steps, small vocabulary) goes through data, tokenizer, training,
-  evaluation, HF export and ``convert`` to Q8_0, and the engine runs the result.
+  evaluation, HF export and ``convert`` to a complete ``clover_moe`` Q8_0 GGUF, and the engine
+  runs the result (its logits against the reference's);
+- ``--init-gguf``: the embedded model's trunk read back from its GGUF predicts held-out text
+  as it did, and a short fine-tuning run from it gives a GGUF that runs in every mode.
 """
 from __future__ import annotations
 
