@@ -68,7 +68,7 @@ def test_run_bench_clover(clover_gguf_path):
     n_expert = None
     from clover_gguf.gguf import GGUFFile
     with GGUFFile(clover_gguf_path) as f:
-        n_expert = f.metadata["clover.expert_count"]
+        n_expert = f.metadata["clover_moe.expert_count"]
     assert 1 <= blk.extra["mean_distinct_experts"] <= n_expert
     assert blk.extra["coreset_top_p"] == pytest.approx(0.9)
 
