@@ -5,11 +5,11 @@
  *   hist = beta0_h + c_h ln(1 + P),  o_i = a_iH S_h^T q_i + sum_j a_ij v_j,
  * q carrying 1/sqrt(dk) (so scale q . k = exp(lambda) q~ . k~), S_h the clean state [dk][dv],
  * read only. The CPU's bd_constants and bd_head (native/model.c) in the same operation order:
- * each score a sequential float dot product over dk times scale (never fused), the maximum from
- * hist, expf(a - max) summed in double with the history's term last, the weights a * (float)(1 /
- * sum), the readout S^T q summed over dk in order and scaled by a_H, then the values added in
- * row order; results differ from the CPU's by FMA contraction, expf and the order of the double
- * sum only.
+ * each score a sequential float dot product over dk, then times scale (a product never fused
+ * with what follows, nor is c_h's in hist), the maximum from hist, expf(a - max) summed in
+ * double with the history's term last, the weights a * (float)(1 / sum), the readout S^T q
+ * summed over dk in order and scaled by a_H, then the values added in row order; results differ
+ * from the CPU's by FMA contraction elsewhere, expf and the order of the double sum only.
  *
  * One CUDA block per (head blockIdx.x, BD_ROWS block rows from blockIdx.y BD_ROWS, BD_THREADS
  * columns of dv from blockIdx.z BD_THREADS): the rows' q in shared memory; the keys in tiles of
@@ -137,8 +137,9 @@ __global__ void __launch_bounds__(BD_THREADS)
             }
         }
     }
-    if (col)
-        for (int r = 0; r < nr; r++) O[((i0 + r) * Hv + h) * dv + n] = acc[r];
+    UNROLL
+    for (int r = 0; r < BD_ROWS; r++) /* a constant index: acc stays in registers */
+        if (col && r < nr) O[((i0 + r) * Hv + h) * dv + n] = acc[r];
 }
 
 /* Whether k_gdn_block's arguments are out of range (T: the grid's rows of blocks). */
