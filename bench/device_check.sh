@@ -58,7 +58,7 @@ full=${CLOVER_DEVICE_FULL:-0}
 budget=${CLOVER_DEVICE_BUDGET:-480}
 nt=$(nproc)
 if [ "${CLOVER_DEVICE_DRY:-0}" = 1 ]; then  # sizes for the emulator, about 1000 times slower than a CPU
-    build=build-emu-dry cuda=EMU dims=tiny n_gpu=6 n_cpu=3 n_bf16=3 pp=16 tg=4 deep=32 kern="--ne0 256 --ne1 64 --types Q4_K --rows 1,32 --keys 64 --iters 1 --reps 1"
+    build=build-emu-dry cuda=EMU dims=tiny n_gpu=6 n_cpu=3 n_bf16=3 pp=16 tg=4 deep=32 kern="--ne0 256 --ne1 64 --types Q4_K --rows 1,32 --keys 64 --gdn-rows 32 --iters 1 --reps 1"
     pytest_sel=(-k "test_gpu_kernels_bench_runs or absent_gpu")
 else
     build=build-cuda cuda=ON dims=real n_gpu=64 n_cpu=16 n_bf16=8 pp=512 tg=128 deep=4096 kern=""
@@ -223,7 +223,7 @@ PY
     fi
 fi
 
-step "optional: the kernels alone (bench/gpu_kernels.py): products with and without tensor cores, attention"
+step "optional: the kernels alone (bench/gpu_kernels.py): products with and without tensor cores, attention, GDN block"
 room 60 && { run_to 60 $py bench/gpu_kernels.py $kern --json > "$out/kernels.txt" 2>&1; grep -v '^{' "$out/kernels.txt"; } || true
 if [ -f "$model.rc" ] && [ "$(cat "$model.rc")" = 0 ]; then
     step "optional: modes on the GPU without CUDA graphs (CLOVER_CUDA_GRAPHS=0)"

@@ -7,16 +7,19 @@
 - attention against a KV cache of ``--keys`` rows at 35B-A3B's heads (16 query heads, 2 KV
   heads, head_dim 256; clover_cuda_attention_d): a decode step (1 row, causal), a 32-row block
   pass and the last 512 rows of a prefill (causal), the last two with and without tensor cores,
-  with an F32 and an F16 cache (``-ctk/-ctv f16``).
+  with an F32 and an F16 cache (``-ctk/-ctv f16``);
+- the Gated DeltaNet block operator's mixing (spec 3.3 steps 3-4, clover_cuda_gdn_block_d) at
+  35B-A3B's GDN heads (16 key and 32 value heads of 128) for ``--gdn-rows`` block rows; its bytes
+  are the clean state's (read once per tile of 8 rows, from L2 after the first).
 
-Printed per case: microseconds per call, the bytes read per second (weights; or K and V), that as
+Printed per case: microseconds per call, the bytes read per second (weights; K and V; the state), that as
 a percentage of the device's copy bandwidth measured here (2 x bytes / time of a
 device-to-device copy of 1 GiB: read plus write), and for products the multiply-adds per second
 (2 ne0 ne1 T / time, TFLOP/s). Each figure is the best of ``--reps`` timings of ``--iters`` calls
 in a row (launches are asynchronous; a 4-byte read waits for the device).
 
 Usage: python bench/gpu_kernels.py [--ne0 2048] [--ne1 32768] [--types Q4_K,Q6_K,Q8_0,BF16,F16]
-       [--rows 1,32,512] [--keys 4096] [--iters 20] [--reps 3] [--json]
+       [--rows 1,32,512] [--keys 4096] [--gdn-rows 32,512] [--iters 20] [--reps 3] [--json]
 Needs a library with the CUDA backend (CLOVER_LIB) and a GPU, or the emulator for a smoke run
 with small sizes. Nothing here imports torch.
 """
@@ -49,6 +52,9 @@ int clover_cuda_write(void *dev, size_t offset, const void *host, size_t nbytes,
 int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16, const int64_t *pos,
                             int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out,
                             char *err, size_t err_size);
+int clover_cuda_gdn_block_d(const float *conv, int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t C,
+                            const float *state, const float *lambda, const float *beta0, const float *c,
+                            const int64_t *pos, float *o, char *err, size_t err_size);
 """)
 _clib = _cffi.dlopen(_ffi._find_library())
 _err = _cffi.new("char[]", 256)
@@ -184,6 +190,40 @@ def attention(n_keys: int, bw: float, iters: int, reps: int, n_head: int = 16, n
             _clib.clover_cuda_free(p)
 
 
+def gdn_block(rows: list[int], bw: float, iters: int, reps: int, Hk: int = 16, Hv: int = 32, dk: int = 128,
+              dv: int = 128) -> list:
+    """Cases of clover_cuda_gdn_block_d for each T in rows (random conv rows, state and per-head
+    constants; P = 1000 in device memory): microseconds, and the state's bytes per second."""
+    rng = np.random.default_rng(2)
+    C, T_max = 2 * Hk * dk + Hv * dv, max(rows)
+    arrays = {"conv": (rng.standard_normal((T_max, C)) * 0.1).astype(np.float32),
+              "S": (rng.standard_normal((Hv, dk, dv)) * 0.1).astype(np.float32),
+              "lam": rng.uniform(0.0, 2.0, Hv).astype(np.float32), "beta0": rng.standard_normal(Hv).astype(np.float32),
+              "c": rng.uniform(0.0, 1.0, Hv).astype(np.float32), "pos": np.array([1000], np.int64)}
+    bufs = {}
+    try:
+        for name, a in arrays.items():
+            p = _cffi.new("void **")
+            _check(_clib.clover_cuda_upload(_cffi.cast("void *", a.ctypes.data), a.nbytes, p, _err, 256), "upload")
+            bufs[name] = p[0]
+        bufs["o"] = _alloc(4 * T_max * Hv * dv)
+        f = {k: _cffi.cast("float *", v) for k, v in bufs.items()}
+        cases = []
+        for T in rows:
+            def call():
+                _check(_clib.clover_cuda_gdn_block_d(f["conv"], T, Hk, Hv, dk, dv, C, f["S"], f["lam"], f["beta0"],
+                                                     f["c"], _cffi.cast("int64_t *", bufs["pos"]), f["o"], _err, 256),
+                       "gdn_block_d")
+            s = _best(call, iters, reps, bufs["o"])
+            state_bytes = 4 * Hv * dk * dv
+            cases.append({"rows": T, "us": s * 1e6, "state_bytes_per_s": state_bytes / s,
+                          "pct_bandwidth": 100 * state_bytes / s / bw})
+        return cases
+    finally:
+        for p in bufs.values():
+            _clib.clover_cuda_free(p)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ne0", type=int, default=2048)
@@ -191,12 +231,16 @@ def main(argv=None) -> int:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,BF16,F16")
     ap.add_argument("--rows", default="1,32,512")
     ap.add_argument("--keys", type=int, default=4096, help="KV cache rows of the attention cases (0: none)")
+    ap.add_argument("--gdn-rows", default="32,512", help="block rows of the GDN block operator's cases ('': none)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     a = ap.parse_args(argv)
-    if a.ne0 <= 0 or a.ne0 % 256 or a.ne1 <= 0 or a.iters <= 0 or a.reps <= 0 or a.keys < 0 or 0 < a.keys < 32:
-        ap.error("--ne0 must be a positive multiple of 256; --ne1, --iters, --reps positive; --keys 0 or >= 32")
+    gdn_rows = [int(t) for t in a.gdn_rows.split(",") if t]
+    if a.ne0 <= 0 or a.ne0 % 256 or a.ne1 <= 0 or a.iters <= 0 or a.reps <= 0 or a.keys < 0 or 0 < a.keys < 32 or \
+            any(t <= 0 for t in gdn_rows):
+        ap.error("--ne0 must be a positive multiple of 256; --ne1, --iters, --reps, --gdn-rows positive; --keys 0 or "
+                 ">= 32")
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) <= 0:
         print(f"no GPU: {ffi.string(info).decode()}", file=sys.stderr)
@@ -216,6 +260,12 @@ def main(argv=None) -> int:
             tc = "-" if c["mma"] is None else "yes" if c["mma"] else "no"
             print(f"{c['case']:10s} {c['cache']} {c['keys']:6d} keys {c['rows']:3d} rows tensor cores {tc:3s} "
                   f"{c['us']:10.1f} us {c['kv_bytes_per_s'] / 1e9:8.1f} GB/s of K and V {c['pct_bandwidth']:6.1f} % bw")
+    if gdn_rows:
+        r["gdn_block"] = gdn_block(gdn_rows, r["copy_bandwidth"], a.iters, a.reps)
+        print("GDN block operator (16 key and 32 value heads of 128)")
+        for c in r["gdn_block"]:
+            print(f"{c['rows']:4d} rows {c['us']:10.1f} us {c['state_bytes_per_s'] / 1e9:8.1f} GB/s of the state "
+                  f"{c['pct_bandwidth']:6.1f} % bw")
     if a.json:
         print(json.dumps(r))
     return 0
