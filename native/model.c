@@ -2796,9 +2796,9 @@ static int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logit
     else memcpy(up + ((char *)b.pos - (char *)b.x), &f->pos0, sizeof(int64_t));
     /* through a graph, a block pass selects on every row (the same launches each time), and only
      * the rows asked for are read; without a selection only one-row passes (a decode step that
-     * returns logits) take one: a prompt's length varies, and its graph would push out the
-     * decoders' */
-    const int graph = c->graphs && (f->sreq || T == 1) && T <= RES_LM && rec_row == 0 &&
+     * returns logits) and passes without logits (a diffusion commit) take one: a prompt's length
+     * varies, and its graph would push out the decoders' */
+    const int graph = c->graphs && (f->sreq || T == 1 || !logits) && T <= RES_LM && rec_row == 0 &&
                       !m->cpu_experts; /* no host work inside */
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     const int all_rows = graph && f->sreq && f->mode == MODE_BLOCK;

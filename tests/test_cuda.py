@@ -1764,10 +1764,10 @@ def test_one_token_forwards_with_logits_replay_a_cuda_graph(make_gguf, monkeypat
 def test_diffusion_and_spec_passes_replay_cuda_graphs(make_gguf):
     """Diffusion's denoising passes (a block pass that selects on every row, only the masked
     slots' rows read), and spec's drafts and verifies (whose GDN inputs are recorded for the
-    rollback by copy kernels), replay CUDA graphs too, a graph per pass shape kept across blocks
-    (all but the first pass of each shape replay); diffusion's commits, without shift_logits,
-    are prefills that select nothing and run plainly: tokens and spec's accept histogram equal
-    the CPU's (graphs off: the ar test)."""
+    rollback by copy kernels), and diffusion's commits (prefills without logits when
+    shift_logits is off), replay CUDA graphs too, a graph per pass shape kept across blocks (all
+    but the first pass of each shape replay): tokens and spec's accept histogram equal the CPU's
+    (graphs off: the ar test)."""
     from clover_gguf import Model
 
     path = make_gguf("f32", **GEN_MODEL)
@@ -1782,8 +1782,11 @@ def test_diffusion_and_spec_passes_replay_cuda_graphs(make_gguf):
             got, st_g = g.generate_tokens(ids, mode=mode, **kw)
             assert got == toks and st_g["accept_hist"] == st["accept_hist"], mode
             # every pass but the first of each shape (diffusion: denoise; spec: draft, verify)
-            passes, shapes = ((st_g["n_forward_denoise"], 1) if mode == "diffusion"
-                              else (st_g["n_forward_draft"] + st_g["n_forward_verify"], 2))
+            if mode == "diffusion":
+                commits = st_g["n_forward_commit"]
+                passes, shapes = st_g["n_forward_denoise"] + commits, 1 + (commits > 0)
+            else:
+                passes, shapes = st_g["n_forward_draft"] + st_g["n_forward_verify"], 2
             replays = _clib.clover_context_graph_launches(g._ctx) - before
             assert replays == passes - shapes, (mode, replays, passes)
 
