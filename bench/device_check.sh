@@ -84,7 +84,7 @@ gen() {  # gen OUT LAYERS OUTTYPE LOG LIMIT
     rm -f "$1.rc"
     local rc=0
     nice -n 10 timeout -k 10 "$5" $py bench/make_bench_model.py "$1" --dims $dims --layers "$2" --outtype "$3" \
-        --arch clover --unique-experts 16 --no-progress -t "$nt" > "$4" 2>&1 || rc=$?
+        --arch clover_moe --unique-experts 16 --no-progress -t "$nt" > "$4" 2>&1 || rc=$?
     echo $rc > "$1.rc"
 }
 wait_model() {  # wait_model OUT LOG: 0 once the generator wrote OUT; 1 if it failed or the budget ran out
