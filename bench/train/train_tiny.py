@@ -663,9 +663,9 @@ _GGUF_LAYER = {
     "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", "none"),
 }
 _GGUF_EXPERT_HALVES = ("ffn_gate_exps.weight", "ffn_up_exps.weight")  # -> mlp.experts.gate_up_proj
-# Tensors of the earlier embedded model's block operator (GGUF arch "clover"), not part of a trunk.
-_GGUF_DROPPED = ("ssm_conv1d_bwd.weight", "ssm_a_bwd", "ssm_dt_bwd.bias", "ssm_beta_bwd.weight",
-                 "ssm_alpha_bwd.weight", "ssm_bwd_mix")
+# Arch "clover" (the earlier embedded model) stores the same trunk plus tensors of another block
+# operator, which a trunk does not use: layer tensors outside _GGUF_LAYER are skipped there.
+_GGUF_SKIP_EXTRA_ARCH = "clover"
 # GGUF key (after the arch prefix) -> the text config field it must equal
 _GGUF_HPARAMS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
                  "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
@@ -744,9 +744,9 @@ def read_trunk_gguf(path, config: dict):
     """A trained trunk from a GGUF of arch ``clover_moe``, ``qwen35moe`` or ``clover`` (the
     earlier embedded model) whose hyperparameters are ``config``'s: its parameters by
     prefix-free HF name, float32, dequantised with gguf's reader and the converter's transforms
-    undone. Block tensors of spec 3.3 are returned when the file has them; the other block
-    operator's tensors of arch ``clover`` are dropped. Raises ValueError naming a mismatched
-    key or an unknown tensor."""
+    undone. Block tensors of spec 3.3 are returned when the file has them; arch ``clover``'s
+    layer tensors outside the trunk are skipped. Raises ValueError naming a mismatched key or
+    an unknown tensor."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -763,14 +763,14 @@ def read_trunk_gguf(path, config: dict):
         layer, rest = (int(parts[1]), parts[2]) if parts[0] == "blk" and len(parts) == 3 else (None, None)
         if t.name in _GGUF_GLOBAL:
             name, kind = _GGUF_GLOBAL[t.name]
-        elif rest in _GGUF_DROPPED:
-            continue
         elif rest in _GGUF_EXPERT_HALVES:
             halves[(layer, rest)] = a
             continue
         elif rest in _GGUF_LAYER:
             suffix, kind = _GGUF_LAYER[rest]
             name = f"layers.{layer}.{suffix}"
+        elif rest is not None and arch == _GGUF_SKIP_EXTRA_ARCH:
+            continue
         else:
             raise ValueError(f"{path}: tensor {t.name}: not a trunk or block tensor of spec 4.3")
         out[name] = _untransform(kind, a, config).contiguous()
