@@ -1661,42 +1661,6 @@ static int64_t gdn_scratch_floats(const gdn_dims *d) {
     return 2 * GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (2 * d->dv + 3 * d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv;
 }
 
-enum { GDN_FORWARD, GDN_FORWARD_CHUNKED };
-
-/* Run one GDN recurrence kind over all value heads (independent, so split over threads),
- * advancing state [Hv][dk][dv]. */
-static int gdn_heads(int kind, const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
-                     float *state, float *o, int nth) {
-    int err = 0;
-    const int64_t n_scratch = gdn_scratch_floats(d);
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nth) if (nth > 1 && d->Hv > 1)
-#endif
-    {
-        const unsigned csr = flush_subnormals_begin(); /* in every thread of the region */
-        float *scratch = malloc(sizeof(float) * (size_t)n_scratch);
-        if (!scratch) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            err = 1;
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t h = 0; h < d->Hv; h++) {
-            if (!scratch) continue;
-            float *S = state + h * d->dk * d->dv;
-            float *tmp = scratch + n_scratch - d->dv;
-            if (kind == GDN_FORWARD_CHUNKED) gdn_chunked_head(d, conv, beta, g, T, h, S, o, scratch);
-            else gdn_recurrent_head(d, conv, beta, g, T, h, S, o, tmp);
-        }
-        free(scratch);
-        flush_subnormals_end(csr);
-    }
-    return err ? CLOVER_E_NOMEM : CLOVER_OK;
-}
-
 /* The block softmax's per-head constants (spec 3.3 step 4): *scale = exp(lambda_h) sqrt(dk), the
  * factor of q . k (q carries 1/sqrt(dk), so q~ . k~ = sqrt(dk) q . k), and *hist = beta0_h +
  * c_h ln(1 + P), the history slot's logit after P clean tokens. */
@@ -1736,18 +1700,46 @@ CLOVER_CLONES static void bd_head(const gdn_dims *d, const float *conv, const fl
     }
 }
 
-/* bd_head over every value head of layer ly (split over threads) after P clean tokens; state:
- * the layer's clean state [Hv][dk][dv]. */
-static int bd_heads(const gdn_dims *d, const clover_layer *ly, const float *conv, const float *state, int64_t T,
-                    int64_t P, float *o, int nth) {
+enum { GDN_FORWARD, GDN_FORWARD_CHUNKED };
+
+/* What one value head of a GDN layer computes over the T rows of conv (qk_norm's output), given
+ * the thread's scratch: the recurrence (kind GDN_FORWARD*, advancing state with beta, g) or the
+ * block operator's mixing (block: reading state, after P clean tokens). */
+typedef struct {
+    const gdn_dims *d;
+    int kind, block;
+    const clover_layer *ly;
+    const float *conv, *beta, *g;
+    int64_t T, P;
+    float *state, *o;
+    int64_t n_scratch;
+} gdn_job;
+
+static void gdn_head(const gdn_job *j, int64_t h, float *scratch) {
+    const gdn_dims *d = j->d;
+    float *S = j->state + h * d->dk * d->dv;
+    if (j->block) {
+        float scale, hist;
+        bd_constants(j->ly, d, h, j->P, &scale, &hist);
+        bd_head(d, j->conv, S, j->T, h, scale, hist, j->o, scratch);
+    } else if (j->kind == GDN_FORWARD_CHUNKED) {
+        gdn_chunked_head(d, j->conv, j->beta, j->g, j->T, h, S, j->o, scratch);
+    } else {
+        gdn_recurrent_head(d, j->conv, j->beta, j->g, j->T, h, S, j->o, scratch + j->n_scratch - d->dv);
+    }
+}
+
+/* gdn_head over every value head (independent, so split over threads, each with n_scratch floats
+ * of scratch and subnormals flushed). CLOVER_E_NOMEM when a thread's scratch cannot be had. */
+static int gdn_heads(const gdn_job *j, int nth) {
     int err = 0;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nth) if (nth > 1 && d->Hv > 1)
+#pragma omp parallel num_threads(nth) if (nth > 1 && j->d->Hv > 1)
 #endif
     {
-        const unsigned csr = flush_subnormals_begin();
-        float *a = malloc(sizeof(float) * (size_t)(T + 1));
-        if (!a) {
+        const unsigned csr = flush_subnormals_begin(); /* in every thread of the region */
+        float *scratch = malloc(sizeof(float) * (size_t)j->n_scratch);
+        if (!scratch) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
@@ -1756,16 +1748,27 @@ static int bd_heads(const gdn_dims *d, const clover_layer *ly, const float *conv
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t h = 0; h < d->Hv; h++) {
-            if (!a) continue;
-            float scale, hist;
-            bd_constants(ly, d, h, P, &scale, &hist);
-            bd_head(d, conv, state + h * d->dk * d->dv, T, h, scale, hist, o, a);
-        }
-        free(a);
+        for (int64_t h = 0; h < j->d->Hv; h++)
+            if (scratch) gdn_head(j, h, scratch);
+        free(scratch);
         flush_subnormals_end(csr);
     }
     return err ? CLOVER_E_NOMEM : CLOVER_OK;
+}
+
+/* The recurrence of kind GDN_FORWARD* over all value heads, advancing state [Hv][dk][dv]. */
+static int gdn_recurrence(int kind, const gdn_dims *d, const float *conv, const float *beta, const float *g,
+                          int64_t T, float *state, float *o, int nth) {
+    const gdn_job j = {d, kind, 0, NULL, conv, beta, g, T, 0, state, o, gdn_scratch_floats(d)};
+    return gdn_heads(&j, nth);
+}
+
+/* The block operator's mixing (bd_head) over every value head of layer ly after P clean tokens;
+ * state: the layer's clean state [Hv][dk][dv], read only. */
+static int bd_heads(const gdn_dims *d, const clover_layer *ly, const float *conv, const float *state, int64_t T,
+                    int64_t P, float *o, int nth) {
+    const gdn_job j = {d, 0, 1, ly, conv, NULL, NULL, T, P, (float *)state, o, T + 1};
+    return gdn_heads(&j, nth);
 }
 
 /* A zeroed device buffer laid out as gdn_state (*dev) and a zeroed flag per GDN layer (*flags),
@@ -1959,8 +1962,8 @@ static int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out
             else memmove(dst, hist + (d.K - 1 + src) * C, sizeof(float) * (size_t)C);
         }
         rc = on_gpu ? gpu_gdn(f, ly, gpu_gdn_forward(f->c, T), &d, cv, b, a, o)
-                    : gdn_heads(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T, state, o,
-                                c->n_threads);
+                    : gdn_recurrence(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T,
+                                     state, o, c->n_threads);
         if (rc != CLOVER_OK) goto done;
     }
     /* gated RMSNorm per head with a plain weight (spec 2.1 step 7) */
@@ -3171,7 +3174,7 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
         }
         if (c->gdn_on_dev) c->gdn_on_dev[g] = 0; /* the host copy is rewritten */
         memcpy(state, c->snap_state + g * S_n, sizeof(float) * (size_t)S_n);
-        if (gdn_heads(GDN_FORWARD, &d, cv, b, a, n_keep, state, o, c->n_threads))
+        if (gdn_recurrence(GDN_FORWARD, &d, cv, b, a, n_keep, state, o, c->n_threads))
             rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
     }
     free(o), free(cat);
