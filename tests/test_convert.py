@@ -545,18 +545,20 @@ def test_diffusion_only_reads_only_the_block_tensors(ckpts, split, tmp_path, mon
         C.convert(ck, tmp_path / "x.gguf", progress=False)
 
 
+def _convert_cli_without_torch(*argvs):
+    """Run ``clover-gguf convert`` once per argument list (``clover_gguf.cli.main(['convert', *argv])``)
+    in a fresh Python that must not import torch; returns the CompletedProcess."""
+    calls = " or ".join(f"main(['convert', *{list(map(str, a))!r}])" for a in argvs)
+    code = (f"import sys; from clover_gguf.cli import main; rc = {calls}; "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 def test_cli_split_and_diffusion_only_without_torch(ckpts, split, tmp_path):
     """`clover-gguf convert --split` and `--diffusion-only` through the CLI, without torch: the same
     files as the Python API."""
-    code = (
-        "import sys; from clover_gguf.cli import main; "
-        f"rc = main(['convert', {str(ckpts['clover'])!r}, '-o', {str(tmp_path / 's.gguf')!r}, '--split', "
-        "'--no-progress']); "
-        f"rc = rc or main(['convert', {str(ckpts['clover'])!r}, '-o', {str(tmp_path / 'd.gguf')!r}, "
-        "'--diffusion-only', '--no-progress']); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = _convert_cli_without_torch([ckpts["clover"], "-o", tmp_path / "s.gguf", "--split", "--no-progress"],
+                                   [ckpts["clover"], "-o", tmp_path / "d.gguf", "--diffusion-only", "--no-progress"])
     assert p.returncode == 0, p.stderr
     assert "s.diffusion.gguf: diffusion sidecar" in p.stdout
     res, _, _ = split("clover", "bf16")
@@ -697,13 +699,18 @@ def test_num_shared_experts_refused(value, mode, ckpts, tmp_path):
              **({"diffusion_only": True} if mode == "diffusion_only" else {}))
 
 
-def test_num_shared_experts_read_from_text_config(ckpts, tmp_path):
+def _nested_with(ckpts, tmp_path, key, value):
+    """A copy of the nested-config checkpoint whose config.json has ``key`` under text_config only."""
     ck = _copy_ckpt(ckpts["nested"], tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())
-    cfg.pop("num_shared_experts")
-    cfg["text_config"]["num_shared_experts"] = 3
+    cfg.pop(key)
+    cfg["text_config"][key] = value
     (ck / "config.json").write_text(json.dumps(cfg))
-    _refused(ck, tmp_path, r"num_shared_experts 3: expected 1")
+    return ck
+
+
+def test_num_shared_experts_read_from_text_config(ckpts, tmp_path):
+    _refused(_nested_with(ckpts, tmp_path, "num_shared_experts", 3), tmp_path, r"num_shared_experts 3: expected 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -780,12 +787,8 @@ def test_record_from_config_then_generation_config(ckpts, tmp_path, capsys):
 
 def test_record_under_text_config(ckpts, tmp_path):
     """Record fields nested under text_config are read when the top level lacks them."""
-    ck = _copy_ckpt(ckpts["nested"], tmp_path / "ck")
-    cfg = json.loads((ck / "config.json").read_text())
-    cfg.pop("block_size")
-    cfg["text_config"]["block_size"] = 8
-    (ck / "config.json").write_text(json.dumps(cfg))
-    res = C.convert(ck, tmp_path / "m.gguf", diffusion_only=True, progress=False)
+    res = C.convert(_nested_with(ckpts, tmp_path, "block_size", 8), tmp_path / "m.gguf", diffusion_only=True,
+                    progress=False)
     assert res["record"]["block_size"] == 8 and res["record_sources"]["block_size"] == "config.json text_config"
 
 
@@ -817,13 +820,8 @@ def test_record_cli_options(ckpts, tmp_path):
     args = []
     for name, v in OPTIONS.items():
         args += [f"--{name.replace('_', '-')}", str(v).lower() if isinstance(v, bool) else str(v)]
-    code = (
-        "import sys; from clover_gguf.cli import main; "
-        f"rc = main(['convert', {str(ckpts['clover'])!r}, '-o', {str(tmp_path / 'd.gguf')!r}, '--diffusion-only', "
-        f"'--no-progress', *{args!r}]); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = _convert_cli_without_torch([ckpts["clover"], "-o", tmp_path / "d.gguf", "--diffusion-only", "--no-progress",
+                                    *args])
     assert p.returncode == 0, p.stderr
     assert _record_of(tmp_path / "d.gguf") == expected_record(OPTIONS)
     for bad in (["--shift-logits", "yes"], ["--penalty-scope", "prompt"], ["--block-size", "1.5"]):
@@ -1250,14 +1248,9 @@ def test_defaults_bf16_with_progress(ckpts, tmp_path, capsys):
 
 
 def test_cli_without_torch(ckpts, tmp_path):
-    """main() converts with exit status 0 and never imports torch (the CLI must not)."""
+    """The convert command converts with exit status 0 and never imports torch (the CLI must not)."""
     out = tmp_path / "cli.gguf"
-    code = (
-        "import sys; from convert.convert import main; "
-        f"rc = main([{str(ckpts['clover'])!r}, '-o', {str(out)!r}, '--outtype', 'q8_0', '--no-progress']); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = _convert_cli_without_torch([ckpts["clover"], "-o", out, "--outtype", "q8_0", "--no-progress"])
     assert p.returncode == 0, p.stderr
     assert "wrote" in p.stdout
     m = kv(gguf.GGUFReader(out))
@@ -1340,13 +1333,7 @@ def test_quantized_threads_and_pieces_same_bytes(ckpts, converted, tmp_path, mon
 def test_cli_quantized_outtype(ckpts, tmp_path):
     """`clover-gguf convert ... --outtype q4_k_m` (the CLI passes argv to convert.main) without torch."""
     out = tmp_path / "cli-q4km.gguf"
-    code = (
-        "import sys; from clover_gguf.cli import main; "
-        f"rc = main(['convert', {str(ckpts['parent'])!r}, '-o', {str(out)!r}, '--outtype', 'q4_k_m', "
-        "'--no-progress', '--threads', '2']); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = _convert_cli_without_torch([ckpts["parent"], "-o", out, "--outtype", "q4_k_m", "--no-progress", "--threads", 2])
     assert p.returncode == 0, p.stderr
     r = gguf.GGUFReader(out)
     assert kv(r)["general.file_type"] == 15 and kv(r)["general.architecture"] == "qwen35moe"
