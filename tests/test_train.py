@@ -170,6 +170,11 @@ def test_diffusion_loss_reads_each_slot_in_place(tt):
                 for j in sel[n, b * B:(b + 1) * B].nonzero().flatten().tolist():
                     nll.append(-torch.log_softmax(rows[j], -1)[tok[n, b * B + j]])
         assert abs(dl.item() - torch.stack(nll).mean().item()) < 1e-4, cut
+    # ar_rows: the ar loss over the chosen windows only
+    with torch.no_grad():
+        ar1, _, _ = tt.losses(fw, tok, B, 299, torch.Generator().manual_seed(13), ar_rows=torch.tensor([False, True]))
+        want = torch.nn.functional.cross_entropy(fw.logits(fw.hidden(tok[1:])[0])[0, :-1], tok[1, 1:])
+    assert abs(ar1.item() - want.item()) < 1e-5
 
 
 def test_heldout_split_is_deterministic(tt):
@@ -229,6 +234,12 @@ def test_short_training_run(tt, tmp_path):
         for w, P in zip(win.tolist(), plen.tolist()):
             assert w[0] >= 7 and w[:P] == [(w[0] - 7 + i) % 200 + 7 for i in range(P)]
             cont, _ = m.generate_tokens(w[:P], max_tokens=64 - P, mode="ar", presence_penalty=0.0,
+                                        repeat_penalty=1.0, end_ids=[])
+            assert w[P:] == cont
+        # --stage4-source diffusion: the block decoder's own continuations
+        win, plen = tt.distill_windows(gguf_path, stream, 2, 64, 16, seed=6, log=lambda msg: None, mode="diffusion")
+        for w, P in zip(win.tolist(), plen.tolist()):
+            cont, _ = m.generate_tokens(w[:P], max_tokens=64 - P, mode="diffusion", presence_penalty=0.0,
                                         repeat_penalty=1.0, end_ids=[])
             assert w[P:] == cont
     assert (tmp_path / "distill-source-q8_0.gguf").is_file()

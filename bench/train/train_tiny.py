@@ -71,7 +71,10 @@ the continuation only) and the rest real text. The target is then a deterministi
 the prefix (the model's own greedy choice), so the diffusion rows can learn to be confident
 several slots ahead, which threshold decoding needs; the noisy blocks are routed with the
 coreset (spec 5.6, the record's ``moe_block_coreset_top_p``) as the decoder routes them.
-Each round decodes its data with the model the previous round left.
+Each round decodes its data with the model the previous round left. ``--stage4-source
+diffusion`` decodes it with the block decoder instead (threshold decoding at the record's
+defaults: the text the block decoder itself converges to, as CLLMs train on the fixed points
+of their own parallel decoder); the ar loss then covers the real windows only.
 
 Fine-tuning (``--init-gguf FILE``, Clover's own path: a trained trunk plus the new block
 parameters, then block-diffusion training): the trunk is read from a GGUF (``read_trunk_gguf``:
@@ -547,11 +550,13 @@ def mask_blocks(tok: torch.Tensor, B: int, mask_id: int, g: torch.Generator, t=N
     return tok.masked_fill(m, mask_id), m, sel
 
 
-def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None, keep=None, coreset_top_p=None, **cut):
+def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None, keep=None, coreset_top_p=None,
+           ar_rows=None, **cut):
     """(ar loss, diffusion loss or None, router loss) on the windows tok [N, T]; ``cut``:
     mask_blocks' p_cut, skip, near; ``keep`` [N, T] bool: only these slots enter the
     diffusion loss (the masking itself is unchanged); ``coreset_top_p``: coreset routing of
-    the noisy blocks (None: plain top-k)."""
+    the noisy blocks (None: plain top-k); ``ar_rows`` [N] bool: the windows in the ar loss
+    (None: all)."""
     V = fw.cfg.vocab_size
     if diffusion:
         noisy, m, sel = mask_blocks(tok, B, mask_id, g, t, **cut)
@@ -560,7 +565,9 @@ def losses(fw: TrainForward, tok, B, mask_id, g, diffusion=True, t=None, keep=No
         hc, hn, aux = fw.hidden(tok, noisy, B, coreset_top_p)
     else:
         hc, hn, aux = fw.hidden(tok)
-    ar = F.cross_entropy(fw.logits(hc[:, :-1]).reshape(-1, V), tok[:, 1:].reshape(-1))
+    rows = slice(None) if ar_rows is None else ar_rows
+    ar = F.cross_entropy(fw.logits(hc[rows, :-1]).reshape(-1, V), tok[rows, 1:].reshape(-1)) \
+        if ar_rows is None or ar_rows.any() else hc.sum() * 0.0
     if not diffusion:
         return ar, None, aux
     n, j = sel.nonzero(as_tuple=True)            # masked slot j is predicted by row j (spec 3.5, in place)
@@ -602,21 +609,22 @@ def evaluate(fw: TrainForward, windows, B, mask_id, batch=8) -> dict:
 
 
 def distill_windows(gguf_path, train_ids: torch.Tensor, n: int, T: int, B: int, seed: int,
-                    threads: int = 1, log=print) -> tuple[torch.Tensor, torch.Tensor]:
+                    threads: int = 1, log=print, mode: str = "ar") -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 4's data: n windows of T tokens, each a prompt of P real training tokens (P a
-    random multiple of B in [B, T/2]) followed by the model's own greedy ``ar`` continuation
-    of T - P tokens (no penalties, no end tokens), decoded by the engine from ``gguf_path``.
-    Returns (windows [n, T] int64, P [n] int64)."""
+    random multiple of B in [B, T/2]) followed by the model's own greedy continuation of T - P
+    tokens (no penalties, no end tokens), decoded by the engine from ``gguf_path`` in ``mode``
+    (``ar``; or ``diffusion``: the block decoder's own text, at the GGUF's threshold, block
+    size and coreset). Returns (windows [n, T] int64, P [n] int64)."""
     from clover_gguf import Model
     g = torch.Generator().manual_seed(seed)
     out, plen = torch.empty(n, T, dtype=torch.long), torch.empty(n, dtype=torch.long)
     t0 = time.time()
-    with Model(gguf_path, n_ctx=T, n_threads=threads) as m:
+    with Model(gguf_path, n_ctx=T + B, n_threads=threads) as m:
         for i in range(n):
             P = B * int(torch.randint(1, max(2, T // (2 * B) + 1), (1,), generator=g))
             s0 = int(torch.randint(0, len(train_ids) - P, (1,), generator=g))
             prompt = train_ids[s0:s0 + P].tolist()
-            cont, _ = m.generate_tokens(prompt, max_tokens=T - P, mode="ar", presence_penalty=0.0,
+            cont, _ = m.generate_tokens(prompt, max_tokens=T - P, mode=mode, presence_penalty=0.0,
                                         repeat_penalty=1.0, end_ids=[])
             out[i] = torch.tensor(prompt + cont)
             plen[i] = P
@@ -931,7 +939,7 @@ FULL = dict(vocab=1024, steps=1500, ar_frac=0.2, batch=8, seq=256, block=32, lr=
             stage2_steps=900, stage2_lr=1e-3, stage2_warmup=30, stage2_cut=0.5, stage2_near=4,
             stage3_steps=1700, stage3_lr=6e-4, stage3_warmup=30, stage3_cut=0.75, stage3_near=4,
             stage4_steps=700, stage4_lr=5e-4, stage4_warmup=30, stage4_cut=0.75, stage4_near=8,
-            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=3, start_stage=2)
+            stage4_windows=3000, stage4_frac=0.75, stage4_rounds=3, stage4_source="ar", start_stage=2)
 # From a trained trunk (--init-gguf): the real-text stage (stage 3's recipe), then distillation.
 FINETUNE = dict(FULL, steps=0, stage2_steps=0, stage3_steps=900, stage3_lr=1e-3, stage3_warmup=50,
                 stage4_steps=400, stage4_rounds=2, stage4_windows=2000, eval_every=300, start_stage=1)
@@ -1037,7 +1045,7 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
             export_gguf(export_hf(out / "distill-source-hf", P, config, tok), dpath)
             n_d = max(1, round(N * s["stage4_frac"]))
             pool, plen = distill_windows(dpath, train_ids, s["stage4_windows"], T, B, st["seed"] + 100,
-                                         log=log)
+                                         log=log, mode=s["stage4_source"])
             log(f"distill data: {len(pool)} windows from {dpath.name}")
         g = torch.Generator().manual_seed(st["seed"])
         last = st["first"] + st["steps"] - 1
@@ -1045,19 +1053,21 @@ def train(out_dir, settings: dict, smoke=False, log=print) -> dict:
             step = st["first"] + k
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(k)
-            keep = None
+            keep = ar_rows = None
             if st.get("distill"):  # N - n_d real windows, then n_d distilled ones (loss on the continuation)
                 starts = torch.randint(0, len(train_ids) - T, (N - n_d,), generator=g)
                 pick = torch.randint(0, len(pool), (n_d,), generator=g)
                 batch = torch.stack([train_ids[i:i + T] for i in starts] + list(pool[pick]))
                 keep = torch.cat([torch.ones(N - n_d, T, dtype=torch.bool),
                                   torch.arange(T)[None, :] >= plen[pick][:, None]])
+                if s["stage4_source"] != "ar":  # the causal model learns from real text only
+                    ar_rows = torch.arange(N) < N - n_d
             else:
                 starts = torch.randint(0, len(train_ids) - T, (N,), generator=g)
                 batch = torch.stack([train_ids[i:i + T] for i in starts])
             diffusion = k >= st["n_ar"]
             ar, dl, aux = losses(fw, batch, B, mask_id, g, diffusion=diffusion, keep=keep,
-                                 coreset_top_p=st.get("coreset_top_p"), **st["cut"])
+                                 coreset_top_p=st.get("coreset_top_p"), ar_rows=ar_rows, **st["cut"])
             loss = ar + (dl if dl is not None else 0.0) + s["aux_coef"] * aux
             opt.zero_grad(set_to_none=True)
             loss.backward()
