@@ -97,8 +97,10 @@ def exit_now(code: int) -> None:
 
 def stats_line(timings: dict) -> str:
     """``[ prompt: X t/s | generation: Y t/s | tokens/forward: Z ]`` (llama-cli's form plus
-    the diffusion statistic) from a :class:`Clover` response's ``timings``."""
-    return (f"[ prompt: {timings.get('prompt_per_second', 0.0):.1f} t/s | generation: "
+    the diffusion statistic) from a :class:`Clover` response's ``timings``; ``prompt: -``
+    when no prefill pass ran (a prompt shorter than an aligned block rides in its first block)."""
+    pps = timings.get("prompt_per_second")
+    return (f"[ prompt: {'-' if pps is None else f'{pps:.1f}'} t/s | generation: "
             f"{timings.get('predicted_per_second', 0.0):.1f} t/s | tokens/forward: "
             f"{timings.get('tokens_per_forward', 0.0):.2f} ]")
 
@@ -108,8 +110,8 @@ def model_stats_timings(st: dict) -> dict:
     t_prompt = float(st.get("prefill_seconds", 0.0))
     t_pred = max(float(st.get("seconds", 0.0)) - t_prompt, 0.0)
     n_gen = int(st.get("n_generated", 0))
-    return {"prompt_per_second": st.get("n_prompt", 0) / t_prompt if t_prompt > 0 and st.get("n_forward_prefill")
-            else 0.0,
+    return {"prompt_per_second": None if not st.get("n_forward_prefill") else
+            st.get("n_prompt", 0) / t_prompt if t_prompt > 0 else 0.0,
             "predicted_per_second": n_gen / t_pred if t_pred > 0 else 0.0,
             "tokens_per_forward": st.get("tokens_per_forward", 0.0)}
 

@@ -7,6 +7,7 @@ shard. Also: importing clover_gguf and its CLI never imports torch.
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,15 @@ def test_run_streams_text_then_stats(gguf_path, model):
     want = model.generate(PROMPT, max_tokens=8, mode="ar")
     assert r.stdout == want + "\n"
     assert "tokens/s" in r.stderr and "forward passes" in r.stderr and "tokens/forward" in r.stderr
+    assert re.search(r"\[ prompt: [0-9.]+ t/s \| generation: [0-9.]+ t/s", r.stderr), r.stderr
+
+
+def test_run_stats_without_a_prefill_pass_show_no_prompt_speed(gguf_path, model):
+    # aligned blocks: a prompt shorter than a block has no prefill pass (spec 5.2)
+    assert len(model.tokenize(PROMPT)) < model.hparams["block_size"]
+    r = cli("run", "-m", gguf_path, "-p", PROMPT, "-n", 8, "--mode", "diffusion")
+    assert r.returncode == 0, r.stderr
+    assert "[ prompt: - t/s | generation: " in r.stderr, r.stderr
 
 
 def test_info_prints_metadata_and_tensor_table(gguf_path):
