@@ -739,6 +739,10 @@ int32_t clover_decoder_block(const clover_decoder *d, int32_t *tokens, uint8_t *
     return B;
 }
 
+/* The statistics so far; n_generated also counts the slots of an unfinished block already
+ * handed out (a caller that stops mid-block, e.g. on a stop string, has emitted them). */
 void clover_decoder_stats(const clover_decoder *d, clover_stats *out) {
-    if (d && out) *out = d->st;
+    if (!d || !out) return;
+    *out = d->st;
+    if (d->in_block) out->n_generated += d->n_streamed - d->n_fixed;
 }

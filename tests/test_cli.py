@@ -93,13 +93,14 @@ def test_run_json_matches_api(gguf_path, model, mode):
 
 
 def test_run_json_counts_the_answer_when_a_stop_string_ends_a_block_early():
-    """--json with a stop string that ends diffusion inside a block (the embedded model, greedy):
-    n_tokens is the answer's token count (len(tokens)), n_decoded the decoder's (the whole
-    block), and the speeds come from the latter."""
-    r = cli("run", "-p", "import os", "--stop", "sys", "-t", 2, "--json")
+    """--json with a stop string that ends diffusion inside the first block (the embedded model,
+    greedy): n_tokens is the answer's token count (len(tokens)), n_decoded the decoder's (the
+    slots it handed out, the stop string's and any after it included; an unfinished block's
+    count), and the speeds come from the latter."""
+    r = cli("run", "-p", "import os", "--stop", "if", "-t", 2, "--json")
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
-    assert obj["finish_reason"] == "stop" and obj["stop_string"] == "sys"
+    assert obj["finish_reason"] == "stop" and obj["stop_string"] == "if"
     assert obj["n_tokens"] == len(obj["tokens"]) < obj["n_decoded"]
     assert obj["tokens_per_forward"] == pytest.approx(obj["n_decoded"] / obj["n_forward"])
 

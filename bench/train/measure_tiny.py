@@ -5,7 +5,8 @@ For each prompt: greedy ``diffusion`` at the GGUF's defaults (threshold, block s
 penalties): tokens, forwards (prefill excluded: denoise + commit), tokens per forward,
 denoising passes per block, and how many of its first tokens equal greedy ``ar``'s (a model
 can fill many slots per pass with text of its own: this says whether the text is the one
-the causal model would write); ``spec``: drafts accepted per verify (mean and histogram) and
+the causal model would write), and the share of its tokens equal to the token before (runs of
+one token, which a collapsing model fills many per pass); ``spec``: drafts accepted per verify (mean and histogram) and
 whether its tokens equal greedy ``ar``'s (they must, with penalties off: spec is lossless
 against plain greedy decoding only; with penalties on, the comparison is informative).
 Generation stops at the end tokens as ``clover-gguf run`` does, or after ``-n`` tokens.
@@ -53,12 +54,14 @@ def measure(path, n=128, threads=2, **kw) -> list[dict]:
             fw = sd["n_forward"] - sd["n_forward_prefill"]
             same = next((i for i, (a, b) in enumerate(zip(dt, ar)) if a != b), min(len(dt), len(ar)))
             rows.append({
-                "prompt": p, "diffusion_text": m.detokenize(dt), "ar_text": m.detokenize(ar),
+                "prompt": p, "diffusion_text": m.detokenize(dt), "ar_text": m.detokenize(ar), "ar_tokens": len(ar),
                 "diffusion_tokens": len(dt), "diffusion_forwards": fw,
                 "denoise": sd["n_forward_denoise"], "commit": sd["n_forward_commit"],
                 "tokens_per_forward": len(dt) / fw if fw else 0.0,
                 "fills_per_denoise": len(dt) / sd["n_forward_denoise"] if sd["n_forward_denoise"] else 0.0,
                 "diffusion_seconds": sd["seconds"], "diffusion_ar_prefix": same,
+                "diffusion_repeats": sum(a == b for a, b in zip(dt, dt[1:])),
+                "ar_repeats": sum(a == b for a, b in zip(ar, ar[1:])),
                 "spec_tokens": len(sp), "spec_accept_hist": h,
                 "spec_accepted_per_verify": sum(i * c for i, c in enumerate(h)) / verifies if verifies else 0.0,
                 "spec_tokens_per_forward": ss["tokens_per_forward"], "spec_equals_ar": sp == ar,
@@ -96,7 +99,9 @@ def main(argv=None) -> int:
           f"spec accepted drafts per verify {sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist)):.2f} "
           f"(histogram {hist}); diffusion's first tokens equal ar's: "
           f"{sum(r['diffusion_ar_prefix'] for r in rows) / len(rows):.1f} on average; "
-          f"spec == ar on {sum(r['spec_equals_ar'] for r in rows)} of {len(rows)}")
+          f"spec == ar on {sum(r['spec_equals_ar'] for r in rows)} of {len(rows)}; tokens equal to the one before: "
+          f"diffusion {sum(r['diffusion_repeats'] for r in rows) / max(1, tok - len(rows)):.2f}, "
+          f"ar {sum(r['ar_repeats'] for r in rows) / max(1, sum(r['ar_tokens'] - 1 for r in rows)):.2f}")
     if a.json:
         print(json.dumps(rows, ensure_ascii=False))
     return 0
