@@ -329,13 +329,15 @@ static const char *get_str_key(loader *L, const char *name) {
 
 /* The decoding record (docs/gguf-layout.md: diffusion.* and tokenizer.ggml.mask_token_id) of L's
  * file into hp; absent keys take spec 4.2's defaults. A qwen35moe file has no record: no
- * penalties, the prompt counted by the repetition penalty (llama.cpp's defaults). The mask
- * token is required with the block tensors. 0 with the error set on a bad value. */
+ * penalties, the prompt counted by the repetition penalty, and no mask token even where its
+ * tokenizer names one (llama.cpp's converter writes it), so every token is a candidate as in
+ * llama.cpp. The mask token is required with the block tensors. 0 with the error set on a
+ * bad value. */
 static int read_record(loader *L, clover_hparams *hp) {
     const char *arch = L->arch;
     const int clover = hp->arch == CLOVER_ARCH_CLOVER_MOE;
     L->arch = "tokenizer.ggml";
-    hp->mask_token_id = get_int(L, "mask_token_id", clover && hp->has_block, -1, 0, hp->n_vocab - 1);
+    hp->mask_token_id = clover ? get_int(L, "mask_token_id", hp->has_block, -1, 0, hp->n_vocab - 1) : -1;
     L->arch = "diffusion";
     hp->shift_logits = get_int(L, "shift_logits", 0, 0, 0, 1);
     hp->block_size = get_int(L, "block_size", 0, 32, 1, 1 << 16);

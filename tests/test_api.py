@@ -353,6 +353,22 @@ def test_parent_arch_defaults_to_ar(parent_gguf, model):
             p.block_logits([1], [2])
 
 
+def test_parent_arch_samples_every_token_as_llama_cpp(parent_gguf, tmp_path):
+    """A qwen35moe file whose tokenizer names a mask token (llama.cpp's converter writes
+    tokenizer.ggml.mask_token_id) has no mask: ar may emit that token, as llama.cpp does."""
+    from gguf import GGUFValueType
+
+    from conftest import rewrite_gguf
+
+    mask = 7
+    path = rewrite_gguf(parent_gguf, tmp_path / "parent-mask.gguf",
+                        kv={"tokenizer.ggml.mask_token_id": (mask, GGUFValueType.UINT32)})
+    with Model(path, n_ctx=256, n_threads=N_THREADS) as p:
+        assert p.hparams["mask_token_id"] == -1
+        ids, _ = p.generate_tokens(p.tokenize(PROMPT), max_tokens=3, logit_bias={mask: 100.0}, end_ids=[])
+        assert ids == [mask] * 3
+
+
 def test_header_and_library_of_different_builds_are_refused(tmp_path):
     """A library whose struct sizes differ from the clover.h next to it (a stale install, a
     build of other sources) is refused at import with an ImportError naming the struct, instead

@@ -89,10 +89,11 @@ def llama_files(parent_ckpt, tmp_path_factory):
 def _greedy_check(ours: list, ref_tokens: list, ref_rows: np.ndarray, strict: bool) -> int:
     """Number of leading greedy tokens equal to llama.cpp's; asserts the rule of the type."""
     n = next((i for i, (a, b) in enumerate(zip(ours, ref_tokens)) if a != b), len(ref_tokens))
+    margin = float(ref_rows[n][ref_tokens[n]] - ref_rows[n][ours[n]]) if n < min(len(ours), len(ref_tokens)) else 0.0
     if strict:
-        assert n == len(ref_tokens) == len(ours), f"greedy tokens differ from step {n}"
+        assert n == len(ref_tokens) == len(ours), \
+            f"greedy tokens differ from step {n} (llama.cpp prefers its token {ref_tokens[n:n + 1]} by {margin:.3f})"
     elif n < len(ref_tokens):
-        margin = float(ref_rows[n][ref_tokens[n]] - ref_rows[n][ours[n]])
         assert margin < Q_TIE, f"greedy step {n}: llama.cpp prefers its token by {margin:.3f} (not a near tie)"
     return n
 
