@@ -6,8 +6,8 @@ penalties): tokens, forwards (prefill excluded: denoise + commit), tokens per fo
 denoising passes per block, and how many of its first tokens equal greedy ``ar``'s (a model
 can fill many slots per pass with text of its own: this says whether the text is the one
 the causal model would write), and the share of its tokens equal to the token before (runs of
-one token, which a collapsing model fills many per pass); ``spec``: drafts accepted per verify (mean and histogram) and
-whether its tokens equal greedy ``ar``'s (they must, with penalties off: spec is lossless
+one token, which a collapsing model fills many per pass); ``spec``: drafts accepted per
+verify (mean and histogram) and whether its tokens equal greedy ``ar``'s (they must, with penalties off: spec is lossless
 against plain greedy decoding only; with penalties on, the comparison is informative).
 Generation stops at the end tokens as ``clover-gguf run`` does, or after ``-n`` tokens.
 
