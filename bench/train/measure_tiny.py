@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decoding figures of a trained Clover on ten typical prompts (issue 6 acceptance).
+"""Decoding figures of a trained Clover on ten typical prompts.
 
 For each prompt: greedy ``diffusion`` at the GGUF's defaults (threshold, block size, coreset,
 penalties): tokens, forwards (prefill excluded: denoise + commit), tokens per forward,
@@ -7,8 +7,9 @@ denoising passes per block, and how many of its first tokens equal greedy ``ar``
 can fill many slots per pass with text of its own: this says whether the text is the one
 the causal model would write), and the share of its tokens equal to the token before (runs of
 one token, which a collapsing model fills many per pass); ``spec``: drafts accepted per
-verify (mean and histogram) and whether its tokens equal greedy ``ar``'s (they must, with penalties off: spec is lossless
-against plain greedy decoding only; with penalties on, the comparison is informative).
+verify (mean and histogram) and whether its tokens equal greedy ``ar``'s (they must, with
+penalties off: spec is lossless against plain greedy decoding only; with penalties on, the
+comparison is informative).
 Generation stops at the end tokens as ``clover-gguf run`` does, or after ``-n`` tokens.
 
 Usage: CLOVER_LIB=... python bench/train/measure_tiny.py [MODEL.gguf] [-n 128] [-t 2]
