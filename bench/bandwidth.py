@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Memory read bandwidth of this machine (issue 3 item 4c), in GB/s (1e9 bytes/s).
+"""Memory read bandwidth of this machine, in GB/s (1e9 bytes/s).
 
 A small C program, compiled on the fly (cc -O3 -march=native -fopenmp), sums a buffer of
 64-bit integers (default 1.5 GiB, far beyond the caches) with 1 and 2 threads (``--threads``);

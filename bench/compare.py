@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""Our engine against llama.cpp on the same GGUF files, and against the bandwidth limit
-(issue 3 item 4).
+"""Our engine against llama.cpp on the same GGUF files, and against the bandwidth limit.
 
 For each GGUF (arch ``qwen35moe`` so llama.cpp loads it):
 - ours: ``clover_gguf.bench.run_bench`` (pp{P} from an empty context, tg{N} single-token steps

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU and no network (issues 7 and 8), sized for the
+# One command for a machine with an NVIDIA GPU and no network, sized for the
 # device tool's 15 minutes a session (one call of at most 10 minutes, the machine's start
 # included in the 15): the steps run in order of what they prove, each within what is left of
 # a time budget, and the optional ones only when enough is left.
-#   1. build with the CUDA backend;                                     issue 7
-#   2. the GPU tests (tests/test_cuda.py);                               issue 7
+#   1. build with the CUDA backend;
+#   2. the GPU tests (tests/test_cuda.py);
 #   3. the embedded default model: every mode on the GPU and the CPU,
-#      greedy tokens compared, and diffusion and spec against ar;      issues 7, 8
+#      greedy tokens compared, and diffusion and spec against ar;
 #   4. real-dims 4-layer models (generated here, in the background from the start):
 #      Q4_K_M: tokens/s of every mode on the GPU; the logits of a prefix and a block forward on
 #      the GPU against the CPU's, with the CPU's scalar path against its SIMD one as the yardstick
@@ -15,10 +15,9 @@
 #      int8-rounded activations (Q4_K_M) float order alone parts the tokens (seen under the
 #      emulator, and between the CPU's own scalar and SIMD paths: up to 0.75 x the logits' std);
 #      float products (BF16) keep them within 2e-5 x std, so there the tokens must match;
-#                                                                        issue 7
 #   5. with CLOVER_DEVICE_FULL=1, the 40-layer real-dims Q4_K_M model (about 20 GiB, generated
 #      in the background after the 4-layer ones): placements all on the GPU, experts on the CPU
-#      and a 12 GB budget, tokens/s and % of the bandwidth limit;       issue 8
+#      and a 12 GB budget, tokens/s and % of the bandwidth limit;
 #   6. optional, while time is left: the kernels alone (bench/gpu_kernels.py), CUDA graphs off,
 #      the per-product path, no tensor cores, a 4096-token prefix, the Q4_K_M model's greedy
 #      tokens on the CPU (16 a prompt) against the GPU's, the CPU bench.
@@ -27,7 +26,7 @@
 #                                           # into OUT_DIR/logs.tgz (default $OUT or /tmp/clover-device):
 #                                           # the device tool brings back at most 8 files
 #   CLOVER_DEVICE_FULL=1 ...                # also step 5
-#   CLOVER_DEVICE_BUDGET=S ...              # seconds for the whole script (default 480, issue 7's 8 minutes; give the call
+#   CLOVER_DEVICE_BUDGET=S ...              # seconds for the whole script (default 480; give the call
 #                                           # timeout_s about 40 more)
 #   CLOVER_DEVICE_DRY=1 ...                 # a rehearsal on a machine without a GPU: the CUDA emulator's
 #                                           # build, tiny-dims models, a few tokens, one GPU test
@@ -178,7 +177,7 @@ if wait_model "$bf16" "$out/make_bf16.log"; then
     logits "$bf16" bf16 --prompts 2 | tee "$out/logits_bf16.txt" || true
 fi
 
-if [ "$full" = 1 ]; then  # issue 8: the full 40-layer model and placements
+if [ "$full" = 1 ]; then  # the full 40-layer model and placements
     step "40-layer real-dims Q4_K_M model"
     if wait_model "$fullm" "$out/make_full.log"; then
         bw=$($py -c "import torch; x = torch.empty(2**31, dtype=torch.uint8, device='cuda'); y = torch.empty_like(x); \
@@ -214,7 +213,7 @@ for mode, v in m.items():
     ms[mode] = 1000 * v["tokens_per_forward"] / tps if tps else float("nan")  # per decoding forward
     bwp = f", ar at {100 * tps * bpt / bw:.0f}% of the bandwidth limit" if mode == "ar" and bw else ""
     print(f"generate {mode}: {tps:.2f} t/s, {v['tokens_per_forward']:.2f} tokens/forward, {ms[mode]:.2f} ms/forward{bwp}")
-if "ar" in ms and "diffusion" in ms:  # issue 8's target: a coreset block forward at most 2x an ar step
+if "ar" in ms and "diffusion" in ms:  # the target: a coreset block forward at most 2x an ar step
     print(f"diffusion forward (32-row denoising passes and commits, as generate runs them) / ar step: "
           f"{ms['diffusion'] / ms['ar']:.2f}")
 PY

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run here, before a GPU machine's first call (issue 7 item 4): puts beside the checkout what
+# Run here, before a GPU machine's first call: puts beside the checkout what
 # bench/device_check.sh needs there and the device machine lacks (see the device tool's
 # README and KINDS.md: Python 3.12, no network, no cffi, pycparser or gguf; only the repo
 # travels, not ../shared):

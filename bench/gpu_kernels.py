@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed of the GPU's kernels alone (issues 7 and 8), everything on the device:
+"""Speed of the GPU's kernels alone, everything on the device:
 
 - weight products: one [ne1][ne0] weight matrix of each type times T activation rows
   (clover_cuda_matmul_d), for T = 1 (decode), 32 (a block forward) and 512 (a prefill pass),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp as an oracle (issue 4): build llama-cpp-python 0.3.36 from source (CPU, no AMX)
+# llama.cpp as an oracle: build llama-cpp-python 0.3.36 from source (CPU, no AMX)
 # into its own virtual environment when it is not there yet, unpack its source for
 # llama.cpp's converter, and run the tests that use them:
 #   tests/test_llama_oracle.py  our engine vs llama.cpp on our converter's and llama.cpp's

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU logits against the CPU's on a benchmark model (issue 7: whole-model logits at real
+"""GPU logits against the CPU's on a benchmark model (whole-model logits at real
 dimensions), with the CPU engine's own spread between its instruction sets as the yardstick.
 
 Greedy tokens of two backends can part on a random model for a reason other than a defect:

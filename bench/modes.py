@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decoding modes side by side (issue 5): ar, diffusion and spec on the same model and prompts.
+"""Decoding modes side by side: ar, diffusion and spec on the same model and prompts.
 
 For each mode: tokens/s, tokens per forward, forwards by kind (prefill, denoise, commit,
 decode, draft, verify), spec's acceptance histogram, and the distinct experts per MoE layer of

@@ -1,4 +1,4 @@
-"""llama-bench-style throughput measurement of the native engine (issue 3 item 4).
+"""llama-bench-style throughput measurement of the native engine.
 
 Tests (all from random valid token ids, seeded):
 
@@ -149,7 +149,7 @@ def bytes_per_token(path) -> int:
     tensor whole, ``expert_used_count / expert_count`` of each ``*_exps`` tensor (shape
     [n_expert, rows, cols]), one row of ``token_embd`` (a lookup) and the whole LM head
     (``output.weight``, or ``token_embd`` when tied). Divide a bandwidth by it for the decode
-    speed limit (issue 3 item 4c). Raises CloverError for a bad file."""
+    speed limit. Raises CloverError for a bad file."""
     return model_summary(path)["bytes_per_token"]
 
 

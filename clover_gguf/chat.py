@@ -1,4 +1,4 @@
-"""Chat templates: render ``tokenizer.chat_template`` from GGUF metadata (issue 4, item 4).
+"""Chat templates: render ``tokenizer.chat_template`` from GGUF metadata.
 
 A GGUF carries the model's chat template as the Jinja2 string ``tokenizer.chat_template``
 (copied by the converter from the checkpoint's ``chat_template.jinja`` or

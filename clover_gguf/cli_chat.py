@@ -1,4 +1,4 @@
-"""``clover-gguf chat`` and ``clover-gguf compare`` (issue 9, items 2 and 4), plus the
+"""``clover-gguf chat`` and ``clover-gguf compare``, plus the
 Ctrl+C handling and the stats line shared with ``run``.
 
 Both are thin shells over :class:`clover_gguf.Clover` (``create_chat_completion`` /

@@ -1,4 +1,4 @@
-"""llama-cpp-python-style API: :class:`Clover` (issue 9, item 1).
+"""llama-cpp-python-style API: :class:`Clover`.
 
 ``Clover`` is to :class:`~clover_gguf.api.Model` what llama-cpp-python's ``Llama`` is to
 llama.cpp: keyword arguments named as there (``model_path, n_ctx, n_threads, n_gpu_layers,

@@ -1,4 +1,4 @@
-"""Where the weights go on a machine with a GPU (issue 8): -ngl, --cpu-moe / --n-cpu-moe, --fit.
+"""Where the weights go on a machine with a GPU: -ngl, --cpu-moe / --n-cpu-moe, --fit.
 
 llama.cpp users run 35B-A3B MoE models on small GPUs by keeping the routed experts in system
 memory (``--cpu-moe``, ``--n-cpu-moe N``) and everything else on the GPU; the same flags exist

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over :class:`~clover_gguf.llama.Clover` (issue 9, item 3).
+"""OpenAI-compatible HTTP server over :class:`~clover_gguf.llama.Clover`.
 
 ``clover-gguf serve -m MODEL`` runs :func:`create_app` under uvicorn. Endpoints, as
 llama.cpp's ``llama-server`` and OpenAI name them:

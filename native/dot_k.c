@@ -1,5 +1,5 @@
-/* dot_k.c: dot-product kernels of the K-quant weight types against Q8_K activations (spec 6,
- * issue 3 "Kernels"): Q4_K, Q5_K, Q6_K and IQ4_XS, each as a portable scalar kernel (the
+/* dot_k.c: dot-product kernels of the K-quant weight types against Q8_K activations (spec 6):
+ * Q4_K, Q5_K, Q6_K and IQ4_XS, each as a portable scalar kernel (the
  * reference), an AVX2 kernel and an AVX-512 (BW, VL, VNNI) kernel. The AVX-512 kernels of
  * Q6_K and IQ4_XS work on 512-bit vectors; those of Q4_K and Q5_K on 256-bit vectors with
  * VNNI's vpdpwssd (faster here than the 512-bit variant, whose integer multiplies run on one

@@ -2190,7 +2190,7 @@ static int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, fl
     /* each used expert runs once over the rows routed to it (spec 5.6): on the GPU as one
      * grouped product per projection when the layer's experts were offloaded, else on the CPU,
      * while a helper thread runs the shared expert's products on the GPU if they are there
-     * (--cpu-moe: CPU and GPU work overlap, issue 8) */
+     * (--cpu-moe: CPU and GPU work overlap) */
     const int gpu_experts = ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev;
     shared_job sj = {c, ly, xn, T, Is, sg, gt, up, ys, 1, 1, ""};
     pthread_t helper;

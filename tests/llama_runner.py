@@ -1,4 +1,4 @@
-"""llama.cpp side of the oracle tests (issue 4): runs inside a Python that has llama-cpp-python.
+"""llama.cpp side of the oracle tests: runs inside a Python that has llama-cpp-python.
 
 Reads one JSON object from argv[1]: ``{"model": PATH, "prompts": [[ids]...], "n_greedy": N,
 "out": NPZ_PATH, "threads": T}`` and writes ``NPZ_PATH`` with, for prompt k, ``logits{k}``

@@ -1,4 +1,4 @@
-"""clover_gguf.bench and ``clover-gguf bench`` (issue 3 item 4) on the tiny random models."""
+"""clover_gguf.bench and ``clover-gguf bench`` on the tiny random models."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
-"""``clover-gguf chat``, ``run`` from stdin / Ctrl+C / stats line, and ``compare`` (issue 9,
-items 2 and 4), run in subprocesses, the interactive ones through a pseudo-terminal
+"""``clover-gguf chat``, ``run`` from stdin / Ctrl+C / stats line, and ``compare``, run
+in subprocesses, the interactive ones through a pseudo-terminal
 (``pexpect``).
 
 References: :class:`clover_gguf.Clover` on the same GGUF with the same messages (greedy, so

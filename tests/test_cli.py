@@ -241,7 +241,7 @@ def test_installed_entry_point_if_present(gguf_path):
 
 
 def test_parent_comparison_under_identical_prompts(make_gguf):
-    """Issue 4 item 5: a qwen35moe file runs in ar mode by default, and a Clover file runs in
+    """A qwen35moe file runs in ar mode by default, and a Clover file runs in
     ar mode on request, so the two can be compared under identical prompts. The test Clover
     checkpoint shares every parent tensor with the parent checkpoint of the same seed (values
     are seeded by name) and the block tensors are block-mode only (spec 3.3), so their greedy

@@ -1,4 +1,4 @@
-"""clover_gguf.Clover: the llama-cpp-python-style API (issue 9, item 1).
+"""clover_gguf.Clover: the llama-cpp-python-style API.
 
 References: :class:`clover_gguf.Model` on the same GGUF (Clover must give its text, tokens and
 statistics for the same arguments), the OpenAI response shapes, a fresh object (greedy output

@@ -1,4 +1,4 @@
-"""The CUDA backend (native/cuda, issue 7): products, experts and attention on the GPU against the CPU.
+"""The CUDA backend (native/cuda): products, experts and attention on the GPU against the CPU.
 
 Always run:
 - a library built where nvcc exists has the CUDA code compiled in (CI compiles it on every run),
@@ -19,7 +19,7 @@ Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
 - whole-model logits (prefix mode, and block mode with the v1 block operator) with every layer
   offloaded against the CPU, and greedy tokens identical to the CPU in ar, diffusion and spec
   (as far as the CPU's own scalar and SIMD kernels agree), for the whole offload and a partial
-  one, at F32, Q8_0 and Q4_K_M, and across the placements of issue 8;
+  one, at F32, Q8_0 and Q4_K_M, and across the GPU placements;
 - selection on the GPU of a resident model: greedy with the sampler's edits, and top-k
   (clover_cuda_top_k_d against a numpy sort, then sampled tokens equal to the CPU's seed for
   seed in every mode);
@@ -777,7 +777,7 @@ def test_long_prefill_with_some_layers_on_the_gpu_runs_in_passes(make_gguf):
 
 @gpu
 def test_greedy_tokens_identical_across_placements(make_gguf):
-    """Issue 8: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2: the
+    """Placements: CPU only, all on the GPU, routed experts on the CPU (--cpu-moe, --n-cpu-moe 2: the
     resident forward, those experts' inputs and outputs crossing to the CPU and back), partial
     layers, and a --fit budget give the same greedy tokens in every mode, at Q4_K_M
     (the issue's type). Not Q8_0: there this prompt's diffusion tokens differ at index 13
@@ -818,7 +818,7 @@ def _gpu_free() -> int:
 
 @emulated
 def test_a_gpu_too_small_for_the_weights_is_refused_and_fit_uses_what_is_free(make_gguf, monkeypatch):
-    """Issue 8 on a small GPU (the emulator's device memory cut to CLOVER_EMU_MEMORY bytes):
+    """Placements on a small GPU (the emulator's device memory cut to CLOVER_EMU_MEMORY bytes):
     - room for half the weights: every layer is refused before any upload, by name (n_gpu_layers,
       the MiB needed and free), leaving the memory as it was;
     - room for the weights and half the context's state on the GPU (KV cache, GDN state, conv

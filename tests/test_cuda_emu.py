@@ -1,9 +1,9 @@
-"""The CUDA backend's code run on a machine without a GPU (issue 7).
+"""The CUDA backend's code run on a machine without a GPU.
 
 native/cuda is built by the host C++ compiler against the CUDA emulator (native/cuda/emu,
 ``-DCLOVER_CUDA=EMU``, about 40 s), and every test of tests/test_cuda.py then runs against that
 library in a child pytest: each kernel against the CPU engine, whole-model logits and greedy
-tokens in all three modes, and the placements of issue 8; then the kernel tests and the F32
+tokens in all three modes, and the GPU placements; then the kernel tests and the F32
 whole-model test once more with each block's threads run in the opposite order
 (CLOVER_EMU_ORDER=reverse). The emulator runs
 the threads of a block as fibers that switch at barriers and warp shuffles; what it checks and

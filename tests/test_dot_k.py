@@ -1,4 +1,4 @@
-"""K-quant dot-product kernels of native/dot_k.c (spec 6, issue 3 "Kernels").
+"""K-quant dot-product kernels of native/dot_k.c (spec 6).
 
 Weight types Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K activations, each with a scalar kernel
 (the reference) and AVX2 / AVX-512-VNNI kernels.

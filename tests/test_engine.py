@@ -559,7 +559,7 @@ def test_thread_count_does_not_change_results(ref, gguf_of, outtype):
 
 @pytest.mark.parametrize("outtype", ["q4_k_m", "q8_0"])
 def test_quantised_file_against_its_dequantised_f32_twin(ref, gguf_of, tmp_path, outtype):
-    """Issue 3: the engine on a Q4_K_M (Q4_K, Q5_K, Q6_K, Q8_0 mix, per llama.cpp's rules) or Q8_0
+    """The engine on a Q4_K_M (Q4_K, Q5_K, Q6_K, Q8_0 mix, per llama.cpp's rules) or Q8_0
     file against the engine on an F32 file holding exactly the dequantised weights: the only
     difference left is the Q8_K / Q8_0 quantisation of activations inside the products. Stated
     tolerance: top-1 agreement >= 85% of rows and max |diff| <= 15 (logits reach ~30). Measured:

@@ -1,4 +1,4 @@
-"""Hostile files against the native reader and loader, under AddressSanitizer + UBSan (issue 10).
+"""Hostile files against the native reader and loader, under AddressSanitizer + UBSan.
 
 The session builds libclover and tests/fuzz/fuzz_gguf.c with ``-DCLOVER_SANITIZE=ON
 -DCLOVER_FUZZ=ON`` (about 30 s), then:

@@ -1,4 +1,4 @@
-"""llama.cpp as a second oracle for everything Clover shares with its parent (issue 4 item 2).
+"""llama.cpp as a second oracle for everything Clover shares with its parent.
 
 Runs whenever llama-cpp-python can be run: importable here, or a Python that has it named by
 ``CLOVER_LLAMA_PYTHON`` (``bench/llama_oracle.sh`` builds llama-cpp-python 0.3.36 from source

@@ -1,4 +1,4 @@
-"""GPU placement planning (issue 8): -ngl, --cpu-moe / --n-cpu-moe, --fit (clover_gguf.placement).
+"""GPU placement planning: -ngl, --cpu-moe / --n-cpu-moe, --fit (clover_gguf.placement).
 
 The byte counts come from the engine (clover_model_placement_bytes) and are checked against the
 GGUF's own tensor sizes; fit() is checked on budgets around the model's parts (no GPU needed:

@@ -1,4 +1,4 @@
-"""``clover-gguf serve`` (clover_gguf/server.py, issue 9 item 3) through the official ``openai``
+"""``clover-gguf serve`` (clover_gguf/server.py) through the official ``openai``
 client: a server started in a subprocess on a free loopback port with the tiny random model.
 
 Reference: :class:`clover_gguf.Clover` in this process (the same model, greedy settings), and

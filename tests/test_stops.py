@@ -1,4 +1,4 @@
-"""Stop strings and streaming (clover-spec 5.2; issue 5 item 4): ``stop=`` of ``generate``,
+"""Stop strings and streaming (clover-spec 5.2): ``stop=`` of ``generate``,
 ``generate_stream``, ``generate_tokens`` and ``clover-gguf run --stop``.
 
 References: the same model's output without stop strings (greedy, so a run with a stop string

@@ -1,4 +1,4 @@
-/* cuda.cu: the CUDA part of the engine (issue 7): device discovery, weight upload, the weight
+/* cuda.cu: the CUDA part of the engine: device discovery, weight upload, the weight
  * products (matrix-vector and matrix-matrix) for every weight type the CPU engine accepts, the
  * routed experts of a layer as grouped products, gated attention against a KV cache on the
  * device, the Gated DeltaNet recurrence and the block operator's mixing (spec 3.3) with the
