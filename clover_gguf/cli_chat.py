@@ -110,8 +110,10 @@ def model_stats_timings(st: dict) -> dict:
     t_prompt = float(st.get("prefill_seconds", 0.0))
     t_pred = max(float(st.get("seconds", 0.0)) - t_prompt, 0.0)
     n_gen = int(st.get("n_generated", 0))
-    return {"prompt_per_second": None if not st.get("n_forward_prefill") else
-            st.get("n_prompt", 0) / t_prompt if t_prompt > 0 else 0.0,
+    pps = None  # no prefill pass
+    if st.get("n_forward_prefill"):
+        pps = st.get("n_prompt", 0) / t_prompt if t_prompt > 0 else 0.0
+    return {"prompt_per_second": pps,
             "predicted_per_second": n_gen / t_pred if t_pred > 0 else 0.0,
             "tokens_per_forward": st.get("tokens_per_forward", 0.0)}
 
