@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout; tests/reference as `reference`
 
 CONVERTED = [("q8_0", None, True), ("f32", "qwen35moe", False), ("q8_0", "qwen35moe", True),
              ("bf16", "qwen35moe", False), ("q4_k_m", None, True), ("q6_k", None, True), ("iq4_xs", None, True),
@@ -68,8 +68,8 @@ def small_kv_file(path: pathlib.Path) -> pathlib.Path:
 def make_seeds(out: pathlib.Path) -> list[pathlib.Path]:
     """The seed files (written once into out)."""
     import clover_gguf
-    from convert.convert import convert
-    from convert.make_checkpoint import make_checkpoint
+    from clover_gguf.convert.convert import convert
+    from reference.checkpoint import make_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "kv.gguf", out / "embedded.gguf"]

@@ -24,7 +24,7 @@ Values (sensible scales; the model is random, only its speed matters): linear we
 N(0, 1/ne0) (ne0 = input width); token_embd N(0, 0.05^2); norm weights stored as 1 + N(0, 0.1^2);
 ssm_a = -U(1, 16); ssm_dt.bias = softplus^-1(U(0.001, 0.1)); conv1d and the right taps N(0, 0.5^2);
 router N(0, 1/H); block softmax (spec 3.3) bd_logit_scale N(1.2, 0.3^2), bd_history_bias
-N(0, 0.5^2), bd_history_c N(0.5, 0.3^2) (convert/make_checkpoint.py's scales).
+N(0, 0.5^2), bd_history_c N(0.5, 0.3^2) (tests/reference/checkpoint.py's scales).
 
 CLI: ``python bench/make_bench_model.py OUT.gguf [--dims real|tiny] [--layers N]
 [--outtype q4_k_m|q8_0|q4_0|q5_k_m|q6_k|iq4_xs|f32|f16|bf16] [--arch qwen35moe|clover_moe] [--seed S]
@@ -46,19 +46,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+for _p in (_ROOT, _ROOT / "tests"):  # the checkout's clover_gguf; tests/reference as `reference`
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from convert import convert as C  # noqa: E402
-from convert import quant_plan as QP  # noqa: E402
-from convert import record as R  # noqa: E402
+from clover_gguf.convert import convert as C  # noqa: E402
+from clover_gguf.convert import quant_plan as QP  # noqa: E402
+from clover_gguf.convert import record as R  # noqa: E402
 
 _SHARED = next((p for p in (_ROOT.parent / "shared", _ROOT / "shared", pathlib.Path("/work/shared"))
                 if (p / "data").is_dir()), pathlib.Path("/work/shared"))
 REAL_CONFIG_PATH = _SHARED / "data" / "qwen3.6-35b-a3b.json"
 CHAT_TEMPLATE_PATH = _SHARED / "data" / "templates" / "Qwen3.5-4B.jinja"
 
-# clover-spec section 1 test dims (the same as convert/make_checkpoint.py's tiny config)
+# clover-spec section 1 test dims (the same as tests/reference/checkpoint.py's tiny config)
 TINY_CONFIG = {
     "vocab_size": 2048, "hidden_size": 256, "num_hidden_layers": 4, "full_attention_interval": 4,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "attn_output_gate": True,
@@ -132,7 +133,7 @@ def build_tokenizer_dir(out_dir: pathlib.Path, n_tokens: int = 1024) -> None:
         "chat_template": template, "add_bos_token": False}))
 
 
-# block softmax parameters (spec 3.3): (mean, std) as convert/make_checkpoint.py draws them
+# block softmax parameters (spec 3.3): (mean, std) as tests/reference/checkpoint.py draws them
 _BLOCK_SOFTMAX = {"bd_logit_scale": (1.2, 0.3), "bd_history_bias": (0.0, 0.5), "bd_history_c": (0.5, 0.3)}
 
 

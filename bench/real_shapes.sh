@@ -10,7 +10,7 @@ N=${2:-32}
 mkdir -p "$DIR"
 if [ ! -f "$DIR/ckpt/model.safetensors.index.json" ]; then
     /usr/bin/time -f "make_checkpoint: %e s, peak RSS %M KB" \
-        python -m convert.make_checkpoint "$DIR/ckpt" --dims real --layers 4
+        python tests/reference/checkpoint.py "$DIR/ckpt" --dims real --layers 4
 fi
 /usr/bin/time -f "convert q8_0: %e s, peak RSS %M KB" \
     clover-gguf convert "$DIR/ckpt" -o "$DIR/real-q8_0.gguf" --outtype q8_0

@@ -339,7 +339,7 @@ def cmd_fit(a) -> int:
 # ---------------------------------------------------------------------------- convert
 def cmd_convert(argv: list[str]) -> int:
     # Imported lazily: the converter is only needed here.
-    from convert.convert import main as convert_main
+    from .convert.convert import main as convert_main
 
     rc = convert_main(argv)
     return 0 if rc is None else int(rc)

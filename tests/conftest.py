@@ -1,7 +1,7 @@
-"""Shared pytest fixtures: random HF test checkpoints (convert/make_checkpoint.py).
+"""Shared pytest fixtures: random HF test checkpoints (tests/reference/checkpoint.py).
 
 - ``make_ckpt(**opts) -> pathlib.Path``: session-scoped factory; ``opts`` are keyword
-  arguments of ``convert.make_checkpoint.make_checkpoint`` (dims, n_layers, clover, prefix,
+  arguments of ``reference.checkpoint.make_checkpoint`` (dims, n_layers, clover, prefix,
   fused_experts, seed, block_size, lm_head_gain, router_gain, extra_config, ...).
   Each distinct option set is written once per session under pytest's tmp dir and reused.
 - ``tiny_ckpt``: the default tiny Clover checkpoint (prefix ``model.``, fused experts, seed 0).
@@ -14,7 +14,7 @@
   ``Qwen3_5MoeForCausalLM`` checkpoints written by transformers' own ``save_pretrained``
   (sharded, index, transformers' config.json; every parameter random with make_checkpoint's
   scales, so the values equal ``make_ckpt(clover=False, seed=...)``); ``opts`` are keyword
-  arguments of ``convert.make_checkpoint.make_hf_saved_checkpoint`` (seed, mtp, n_layers,
+  arguments of ``reference.checkpoint.make_hf_saved_checkpoint`` (seed, mtp, n_layers,
   max_shard_size, ...). Cached per option set (do not modify the returned directory).
 """
 
@@ -30,9 +30,11 @@ import pytest
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:  # use the checkout when the package is not installed
     import clover_gguf  # noqa: F401
-    import convert  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(_ROOT))
+# tests/reference (the PyTorch reference and the checkpoint generator) as the package `reference`
+if str(_ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(_ROOT / "tests"))
 
 
 def pytest_configure(config):
@@ -51,9 +53,9 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory):
     """Factory fixture: ``make_ckpt(**opts)`` returns the directory of a random HF checkpoint
-    written by ``convert.make_checkpoint.make_checkpoint(out_dir, **opts)``, cached per option
+    written by ``reference.checkpoint.make_checkpoint(out_dir, **opts)``, cached per option
     set for the whole session (do not modify the returned directory)."""
-    from convert.make_checkpoint import make_checkpoint
+    from reference.checkpoint import make_checkpoint
 
     cache: dict[str, pathlib.Path] = {}
 
@@ -80,7 +82,7 @@ def make_gguf(make_ckpt, tmp_path_factory):
     ``convert.convert.convert(..., split=split, record=record)`` and returns the GGUF path (with
     ``split``: the trunk; its sidecar is ``<stem>.diffusion.gguf`` in the same directory), cached
     per argument set for the session (do not modify the files)."""
-    from convert.convert import convert
+    from clover_gguf.convert.convert import convert
 
     cache: dict[str, pathlib.Path] = {}
 
@@ -101,9 +103,9 @@ def make_gguf(make_ckpt, tmp_path_factory):
 def make_hf_ckpt(tmp_path_factory):
     """Factory fixture: ``make_hf_ckpt(**opts)`` returns the directory of a tiny
     Qwen3_5MoeForCausalLM checkpoint saved by transformers
-    (``convert.make_checkpoint.make_hf_saved_checkpoint(out_dir, **opts)``), cached per option set
+    (``reference.checkpoint.make_hf_saved_checkpoint(out_dir, **opts)``), cached per option set
     for the whole session (do not modify the returned directory)."""
-    from convert.make_checkpoint import make_hf_saved_checkpoint
+    from reference.checkpoint import make_hf_saved_checkpoint
 
     cache: dict[str, pathlib.Path] = {}
 

@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import pytest
 
-from convert import convert as C
-from convert import quant_plan as QP
+from clover_gguf.convert import convert as C
+from clover_gguf.convert import quant_plan as QP
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType
@@ -103,7 +103,7 @@ def test_clover_moe_layout_record_and_block_tensors(bench_files, outtype):
     tensors, types and bytes under the clover_moe. prefix plus expert_shared_count, the block
     tensors after each GDN layer's ssm_out (F32, random, non-zero, at the stated scales) and the
     decoding record at its defaults with the <|mask|> token."""
-    from convert import record as R
+    from clover_gguf.convert import record as R
     res = bench_files(outtype, arch="clover_moe")
     r = gguf.GGUFReader(res["path"])
     parent = {x.name: x for x in gguf.GGUFReader(bench_files(outtype)["path"]).tensors}

@@ -3,7 +3,7 @@
 Reference: transformers 5.23.0 ``PreTrainedTokenizerFast.apply_chat_template(...,
 tokenize=False)`` with the same template and special tokens; our text must be identical, byte
 for byte. Templates: Qwen3.5's real one (tests/data/templates/Qwen3.5-4B.jinja, a copy of
-/work/shared/data/templates/Qwen3.5-4B.jinja, the file convert/make_checkpoint.py puts into
+/work/shared/data/templates/Qwen3.5-4B.jinja, the file tests/reference/checkpoint.py puts into
 the test checkpoints) and small templates that exercise one feature each (tojson options,
 loop controls, the generation tag, whitespace control, special-token variables).
 """

@@ -1,4 +1,4 @@
-"""Tests of the HF -> GGUF converter (convert/convert.py; clover-spec section 4).
+"""Tests of the HF -> GGUF converter (clover_gguf/convert/convert.py; clover-spec section 4).
 
 The reference for every tensor is an independent torch implementation of the spec 4.3
 transforms applied to the HF checkpoint (``expected_tensors`` below: reshape/permute V-head
@@ -30,8 +30,8 @@ from llamacpp import LLAMA_CPP_SRC, llama_python, run_llama_converter
 import torch
 from safetensors.torch import load_file, save_file
 
-from convert import convert as C
-from convert.make_checkpoint import QWEN35_PRETOKENIZER_REGEX
+from clover_gguf.convert import convert as C
+from reference.checkpoint import QWEN35_PRETOKENIZER_REGEX
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType
@@ -65,7 +65,7 @@ def ckpts(make_ckpt, make_hf_ckpt):
     test first asks for them: Clover fused/model., Clover nested prefix, Clover per-expert, the
     parent (no Clover tensors or keys), the parent and Clover with one MTP layer (``mtp.*``), the
     MTP parent nested and per-expert, and ``hf_mtp``: the MTP parent as transformers'
-    ``save_pretrained`` writes it (convert.make_checkpoint.make_hf_saved_checkpoint; same values
+    ``save_pretrained`` writes it (reference.checkpoint.make_hf_saved_checkpoint; same values
     as "mtp"). Never modified in place (tests copy them first)."""
     opts = {
         "clover": {},
@@ -225,7 +225,7 @@ def _numpy_shape(t) -> tuple:
 
 
 # The decoding record (docs/gguf-layout.md): field, GGUF key, type, default; a hand-written copy of
-# the table, independent of convert/record.py
+# the table, independent of clover_gguf/convert/record.py
 RECORD = [
     ("mask_token_id", "tokenizer.ggml.mask_token_id", gguf.GGUFValueType.UINT32, None),
     ("shift_logits", "diffusion.shift_logits", gguf.GGUFValueType.BOOL, False),
@@ -1077,7 +1077,7 @@ def test_mtp_kept(which, outtype, ckpts, converted):
     f = reader.fields[f"{arch}.attention.recurrent_layers"]
     assert f.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL]
     # the layout the other tools derive from hyperparameters alone (convert.quant_plan.tensor_shapes)
-    from convert import quant_plan as QP
+    from clover_gguf.convert import quant_plan as QP
     hp = C.read_hparams(json.loads((ckpts[which] / "config.json").read_text()))
     hp.n_mtp = 1
     assert [(n, tuple(s)) for n, s in QP.tensor_shapes(hp, arch)] == [(t.name, _numpy_shape(t)) for t in reader.tensors]
@@ -1088,8 +1088,8 @@ def test_mtp_quant_plan():
     and one MTP block, Q4_K_M puts Q6_K on ffn_down of layers 2 and 4 (use_more_bits(i, 5)), not 2
     and 3 (use_more_bits(i, 4)); nextn.eh_proj takes the default type, the nextn norms stay F32.
     (test_mtp_quantized_matches_llama_quantize checks the whole file against llama-quantize.)"""
-    from convert import quant_plan as QP
-    from convert.make_checkpoint import text_config
+    from clover_gguf.convert import quant_plan as QP
+    from reference.checkpoint import text_config
     hp = C.read_hparams(text_config("tiny"))
     plain = QP.plan_types("qwen35moe", hp, dict(QP.tensor_shapes(hp)), "q4_k_m")
     hp.n_mtp = 1
@@ -1281,7 +1281,7 @@ def _native_bytes(a: np.ndarray, qtype) -> np.ndarray:
 @pytest.mark.parametrize("outtype,ftype", [("q4_0", 2), ("q4_k_m", 15), ("q5_k_m", 17), ("q6_k", 18),
                                            ("iq4_xs", 30)])
 def test_quantized_outtypes(outtype, ftype, ckpts, converted):
-    from convert import quant_plan as QP
+    from clover_gguf.convert import quant_plan as QP
     res, reader = converted("clover", outtype)
     m = kv(reader)
     assert res["file_type"] == ftype and m["general.file_type"] == ftype

@@ -1,4 +1,4 @@
-"""The C engine against the PyTorch reference (clover_gguf.reference), clover-spec sections 2-3, 5.
+"""The C engine against the PyTorch reference (reference.model), clover-spec sections 2-3, 5.
 
 Tiny Clover checkpoint (spec 1), every parameter random. F32 GGUF: prefix and block logits within
 1e-3. BF16 GGUF: the checkpoint is BF16, so the engine sees exactly the reference's weights: same
@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from clover_gguf import reference  # noqa: E402
+import reference.model as reference  # noqa: E402
 from clover_gguf import _ffi  # noqa: E402
 from clover_gguf._ffi import ffi, lib, err_buf, raise_error  # noqa: E402
 from clover_gguf.api import Model  # noqa: E402

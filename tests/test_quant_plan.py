@@ -1,4 +1,4 @@
-"""Per-tensor type plan (convert/quant_plan.py) against llama.cpp's llama-quantize rules.
+"""Per-tensor type plan (clover_gguf/convert/quant_plan.py) against llama.cpp's llama-quantize rules.
 
 Table test for the REAL 40-layer Qwen3.6-35B-A3B shapes (shared/data/qwen3.6-35b-a3b.json, no
 weights). The expectations below were derived by reading src/llama-quant.cpp of the llama.cpp
@@ -19,8 +19,8 @@ import gguf
 import numpy as np
 import pytest
 
-from convert import quant_plan as QP
-from convert.convert import read_hparams
+from clover_gguf.convert import quant_plan as QP
+from clover_gguf.convert.convert import read_hparams
 
 Q = gguf.GGMLQuantizationType
 REAL = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3.6-35b-a3b.json",
@@ -215,7 +215,7 @@ def _sparse_bf16_skeleton(path, cfg):
     """A BF16 qwen35moe GGUF with the converter's layout and zero data (a sparse file: ~69 GB
     apparent size for the real 40 layers, a few MB on disk); llama-quantize --dry-run needs the
     shapes only."""
-    from convert import convert as C
+    from clover_gguf.convert import convert as C
     MB = _bench_module()
     hp = read_hparams(cfg)
     vdir = path.parent / "vocab"

@@ -1,4 +1,4 @@
-"""Tests of convert/make_checkpoint.py and clover_gguf/reference.py (clover-spec v1).
+"""Tests of tests/reference/checkpoint.py and tests/reference/model.py (clover-spec v1).
 
 Oracles: transformers 5.23's Qwen3_5MoeForCausalLM (names, shapes, prefix-mode logits); a
 float64 restatement of spec 3.3 written here step by step (the block operator of one GDN
@@ -22,11 +22,11 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
-from clover_gguf.reference import (  # noqa: E402
+from reference.model import (  # noqa: E402
     BLOCK_TENSORS, CloverReference, GDNCache, coreset_route, generate_ar, generate_diffusion,
     generate_spec,
 )
-from convert.make_checkpoint import ADDED_TOKENS  # noqa: E402
+from reference.checkpoint import ADDED_TOKENS  # noqa: E402
 
 # The decoding record of spec 3.4 (config.json keys).
 RECORD_KEYS = ("mask_token_id", "block_size", "threshold", "moe_block_coreset_top_p", "presence_penalty",
@@ -164,7 +164,7 @@ def test_clover_checkpoint_names(make_ckpt, prefix, fused):
 
 
 def test_checkpoint_values_independent_of_layout_and_deterministic(make_ckpt, tmp_path):
-    from convert.make_checkpoint import make_checkpoint
+    from reference.checkpoint import make_checkpoint
 
     a = _load_all(make_ckpt())
     b = _load_all(make_ckpt(prefix="model.language_model.", fused_experts=False))
@@ -635,7 +635,7 @@ def test_record_from_generation_config(tiny_ckpt, tmp_path):
 
 
 def test_missing_tensor_is_named(tiny_ckpt):
-    from clover_gguf import reference as R
+    import reference.model as R
 
     cfg = R.ReferenceConfig.from_hf(json.loads((tiny_ckpt / "config.json").read_text()))
     for name, shown in (("layers.3.self_attn.k_norm.weight", "model.layers.3.self_attn.k_norm.weight"),

@@ -1,6 +1,6 @@
 """The training script of the embedded model (bench/train/train_tiny.py).
 
-- its batched training forward equals clover_gguf.reference (logits and gradients, prefix
+- its batched training forward equals reference.model (logits and gradients, prefix
   mode and block mode with the block operator of spec 3.3), so training and inference share
   one definition; its diffusion loss reads each masked slot's own row (spec 3.5, in place);
 - a short run (a few steps, small vocabulary) goes through data, tokenizer, training,
@@ -100,7 +100,7 @@ def test_train_forward_coreset_equals_reference(tt, top_p):
 
 def test_train_gradients_equal_reference(tt):
     """The reference's own forward is differentiable and gives the same gradients."""
-    from clover_gguf.reference import CloverReference
+    from reference.model import CloverReference
 
     cfg, P0 = _random_model(tt, seed=5)
     tok, noisy, _ = _batch(tt, N=1, T=16, seed=7)

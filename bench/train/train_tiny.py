@@ -18,7 +18,7 @@ sorted by path; ``crc32(path) % 16 == 0`` (about 6%) is the held-out set, the re
 training text. Files are joined with ``<|endoftext|>``. The data therefore depends on the
 Python version (the committed model: CPython 3.11.7).
 
-Tokenizer. A byte-level BPE like ``convert/make_checkpoint.py``'s (qwen35 pre-tokenizer regex,
+Tokenizer. A byte-level BPE like ``tests/reference/checkpoint.py``'s (qwen35 pre-tokenizer regex,
 Qwen's added tokens and ``<|mask|>`` after the BPE vocabulary, Qwen3.5 chat template), trained
 on the training files only; 1024 tokens (2.6 characters per token on the held-out files).
 At this model size the LM head dominates the cost of a token, and short tokens make more of
@@ -91,7 +91,7 @@ Decoding defaults written into the checkpoint: block 32, threshold 0.95, coreset
 own unpenalised greedy choices, and code repeats its tokens, so penalties lower exactly the
 confidences that let a pass fill several slots.
 
-The training forward is a batched restatement of ``clover_gguf.reference`` (the chunked GDN
+The training forward is a batched restatement of ``reference.model`` (the chunked GDN
 form of spec 2.1 step 6, blocks batched): it uses the reference's config class, parameter
 names and kernels (``rmsnorm``, ``l2norm``, the N1p norm, the GDN gates), and
 tests/test_train.py checks its logits and gradients against ``CloverReference`` itself.
@@ -115,15 +115,16 @@ import time
 import zlib
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+for _p in (_ROOT, _ROOT / "tests"):  # the checkout's clover_gguf; tests/reference as `reference`
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from clover_gguf.reference import (CloverReference, GatedDeltaNet, ReferenceConfig,  # noqa: E402
+from reference.model import (CloverReference, GatedDeltaNet, ReferenceConfig,  # noqa: E402
                                    RMSNorm1p, coreset_route, l2norm, rmsnorm)
-from convert.make_checkpoint import build_tokenizer, param_specs, text_config  # noqa: E402
+from reference.checkpoint import build_tokenizer, param_specs, text_config  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Data: the standard library's own sources
@@ -270,7 +271,7 @@ def init_block_params(config: dict) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batched training forward (a restatement of clover_gguf.reference; tests/test_train.py)
+# Batched training forward (a restatement of reference.model; tests/test_train.py)
 # ---------------------------------------------------------------------------------------------
 
 def gdn_chunked(q, k, v, g, beta, S0, C: int):
@@ -512,7 +513,7 @@ def reference_config(config: dict) -> ReferenceConfig:
 
 
 def to_reference(P: dict, config: dict) -> CloverReference:
-    """The reference model (clover_gguf.reference) on a detached copy of the parameters."""
+    """The reference model (reference.model) on a detached copy of the parameters."""
     return CloverReference(reference_config(config), {n: t.detach().clone() for n, t in P.items()})
 
 
@@ -724,7 +725,7 @@ def tokenizer_from_gguf(path):
 
     from gguf import GGUFReader
 
-    from convert.make_checkpoint import ADDED_TOKENS, QWEN35_PRETOKENIZER_REGEX
+    from reference.checkpoint import ADDED_TOKENS, QWEN35_PRETOKENIZER_REGEX
 
     reader = GGUFReader(str(path))
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
@@ -800,7 +801,7 @@ def export_hf(out_dir, P: dict, config: dict, tok) -> pathlib.Path:
     chat template), model.safetensors (float32, prefix ``model.``)."""
     from safetensors.torch import save_file
 
-    from convert.make_checkpoint import _write_tokenizer
+    from reference.checkpoint import _write_tokenizer
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -819,7 +820,7 @@ def export_hf(out_dir, P: dict, config: dict, tok) -> pathlib.Path:
 
 def export_gguf(hf_dir, gguf_path, outtype="q8_0") -> pathlib.Path:
     """``clover-gguf convert HF_DIR -o GGUF --outtype q8_0``."""
-    from convert.convert import main as convert_main
+    from clover_gguf.convert.convert import main as convert_main
 
     rc = convert_main([str(hf_dir), "-o", str(gguf_path), "--outtype", outtype, "--no-progress"])
     if rc not in (0, None):

@@ -2,7 +2,7 @@
 
 One definition of each record field: its name (the HF config key where the checkpoint may give
 it, and the ``convert`` option: ``record={name: value}`` in Python, ``--name-with-dashes`` on the
-command line), its GGUF key and type, its default and its valid range. ``convert/convert.py`` and
+command line), its GGUF key and type, its default and its valid range. ``clover_gguf/convert/convert.py`` and
 ``bench/make_bench_model.py`` read, check and write the record through this module only.
 
 Sources, first that gives a field wins: the convert option; ``config.json`` (top level, then

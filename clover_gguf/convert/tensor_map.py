@@ -106,7 +106,7 @@ MTP_GLOBAL_MAP = {
 }
 
 # Per-tensor GGML types (which tensors stay F32, the quantised mixes) are decided by
-# convert/quant_plan.py, which follows llama.cpp's llama-quantize rules by tensor name.
+# clover_gguf/convert/quant_plan.py, which follows llama.cpp's llama-quantize rules by tensor name.
 
 # Clover's block tensors of every GDN layer (spec 3.3): all four in every GDN layer make a Clover
 # checkpoint, none a parent. They are F32 in every output, dropped by --arch qwen35moe, and alone

@@ -19,7 +19,7 @@ not depend on the tensor prefix, on fused vs per-expert storage, or on Clover vs
 Generation streams tensor by tensor and flushes a shard when it reaches ``max_shard_bytes``, so
 ``--dims real`` (3.2B parameters for four layers) runs in a few GB of RAM.
 
-CLI: ``python -m convert.make_checkpoint OUT [--dims tiny|real] [--layers N] [--parent]
+CLI: ``python tests/reference/checkpoint.py OUT [--dims tiny|real] [--layers N] [--parent]
 [--prefix model.|model.language_model.] [--per-expert] [--seed S] [--mtp [N]]``.
 """
 
@@ -679,7 +679,7 @@ def make_hf_saved_checkpoint(
 
 def main(argv=None) -> int:
     """CLI entry point (see module docstring). Returns the exit status."""
-    ap = argparse.ArgumentParser(prog="python -m convert.make_checkpoint",
+    ap = argparse.ArgumentParser(prog="python tests/reference/checkpoint.py",
                                  description="Write a random Clover / Qwen3.6-MoE HF checkpoint.")
     ap.add_argument("out_dir")
     ap.add_argument("--dims", choices=["tiny", "real"], default="tiny")

@@ -1,0 +1,1 @@
+"""HF checkpoint -> GGUF converter (clover-spec section 4): ``clover-gguf convert``."""

@@ -1,1 +1,0 @@
-"""HF checkpoint -> GGUF converter and the test-checkpoint generator (clover-spec section 4)."""
