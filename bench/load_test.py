@@ -1,4 +1,4 @@
-"""Loopback load test of ``clover-gguf serve`` (issue: runtime guards and load, item 5).
+"""Loopback load test of ``clover-gguf serve``.
 
 Starts the server in a subprocess (so its RSS is read from ``/proc/PID/status``) on a free
 127.0.0.1 port, sends one greedy reference request, then runs ``--clients`` concurrent

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-shapes check (issue: "Real shapes"): a random checkpoint with the 35B-A3B dimensions and
+# Real-shapes check: a random checkpoint with the 35B-A3B dimensions and
 # 4 layers (3 GDN + 1 attention, vocab 248,320, 256 experts), converted to Q8_0 and run in both
 # modes. Prints conversion time and peak RSS, file size, and tokens/s per mode.
 # Needs the `test` extra (torch for the generator) and ~15 GB of free disk under $DIR.

@@ -24,7 +24,7 @@ __all__ = ["Model", "Clover", "CloverError", "DEFAULT_MODEL", "__version__"]
 def __getattr__(name: str):
     # PEP 562: load the native binding only when Model/CloverError are first used.
     if name == "Model":
-        from .api import Model
+        from .model import Model
 
         return Model
     if name == "Clover":

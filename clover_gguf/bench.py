@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._ffi import err_buf, ffi, lib, raise_error
-from .api import cache_type
+from .model import cache_type
 
 __all__ = ["BenchResult", "run_bench", "model_summary", "bytes_per_token", "format_table"]
 
@@ -43,12 +43,6 @@ _FTYPE_NAMES = {
     17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
     23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
     30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE",
-}
-# ggml tensor type numbering -> name (for the fallback "dominant type" and reports).
-_GGML_TYPE_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 20: "IQ4_NL",
-    23: "IQ4_XS", 30: "BF16", 39: "MXFP4",
 }
 
 
@@ -227,7 +221,7 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
         commit: False skips the commit test; n_gpu_layers: layers whose weight products run on
             the GPU (-1 = all and the output; CloverError without a usable GPU); n_cpu_moe: the
             routed experts of the first n_cpu_moe layers stay on the CPU; type_k, type_v: the KV
-            cache types (``"f16"``, ``"f32"``; :func:`clover_gguf.api.cache_type`); n_depth: tokens
+            cache types (``"f16"``, ``"f32"``; :func:`clover_gguf.model.cache_type`); n_depth: tokens
             in the context before every test (int >= 0, untimed; module docstring).
 
     Returns a dict: ``model`` (:func:`model_summary`), ``threads`` (int, the resolved

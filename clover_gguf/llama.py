@@ -1,6 +1,6 @@
 """llama-cpp-python-style API: :class:`Clover`.
 
-``Clover`` is to :class:`~clover_gguf.api.Model` what llama-cpp-python's ``Llama`` is to
+``Clover`` is to :class:`~clover_gguf.model.Model` what llama-cpp-python's ``Llama`` is to
 llama.cpp: keyword arguments named as there (``model_path, n_ctx, n_threads, n_gpu_layers,
 seed, verbose``) plus the diffusion settings (``mode, block_size, threshold, coreset_top_p``),
 ``create_completion`` / ``__call__`` and ``create_chat_completion`` returning OpenAI-shaped
@@ -8,7 +8,7 @@ dicts (or, with ``stream=True``, iterators of OpenAI-shaped chunks), ``tokenize`
 ``detokenize``, ``close`` and the context manager. Additions for this runtime:
 
 - ``timings`` in every response (and in the last chunk of a stream): the diffusion statistics
-  of :attr:`Model.last_stats <clover_gguf.api.Model.last_stats>` (forward passes by kind,
+  of :attr:`Model.last_stats <clover_gguf.model.Model.last_stats>` (forward passes by kind,
   tokens per forward, seconds, tokens/s) plus llama.cpp server's ``prompt_n``,
   ``prompt_ms``, ``predicted_n``, ... names;
 - chat answers split ``<think>...</think>`` into ``message.reasoning_content`` (streaming:
@@ -30,12 +30,12 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 import weakref
 from typing import Any, Iterator, Sequence
 
-from ._ffi import CloverError, ffi
-from .api import Model
+from ._ffi import CloverError
+from .model import Model
+from .options import REQUEST_FIELDS
 
 __all__ = ["Clover", "ReasoningSplitter"]
 
@@ -53,7 +53,7 @@ class ReasoningSplitter:
     one runs to the end); the tags themselves are dropped. Whitespace at the edges of a
     reasoning block and at the start of the content (and after each ``</think>``) is dropped,
     as llama.cpp's server trims them. Text that may be the start of a tag is held back until
-    it can no longer be one.
+    it cannot be one any more.
     """
 
     def __init__(self, think_open: bool = False) -> None:
@@ -138,11 +138,11 @@ class Clover:
         n_threads: CPU threads; None or 0 = the physical cores.
         n_gpu_layers: layers whose weight products run on the GPU (-1: all, and the output
             projection), as llama-cpp-python's; needs a CUDA build and a GPU, else a
-            ``UserWarning`` naming the reason and the CPU (:class:`~clover_gguf.api.Model`).
+            ``UserWarning`` naming the reason and the CPU (:class:`~clover_gguf.model.Model`).
         n_cpu_moe, gpu_budget: routed experts of the first layers kept on the CPU, and a GPU
-            memory budget that chooses the placement (--fit); see :class:`~clover_gguf.api.Model`.
+            memory budget that chooses the placement (--fit); see :class:`~clover_gguf.model.Model`.
         type_k, type_v: KV cache element types, ``"f32"`` (default, exact) or ``"f16"`` (half
-            the memory, llama.cpp's default; see :class:`~clover_gguf.api.Model`); ggml type ids
+            the memory, llama.cpp's default; see :class:`~clover_gguf.model.Model`); ggml type ids
             0 and 1 as llama-cpp-python's also work.
         seed: default sampling seed of calls without ``seed`` (it only matters at
             ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
@@ -158,9 +158,9 @@ class Clover:
             new tokens (``timings["n_prompt_reused"]``). True by default; the output then equals
             a full prefill's up to float rounding (summation order).
         plan_callback: called with the GPU placement's plan line before the weights go to the
-            GPU (see :class:`~clover_gguf.api.Model`).
+            GPU (see :class:`~clover_gguf.model.Model`).
         diffusion_path: the diffusion sidecar of a clover_moe trunk (None: ``<stem>.diffusion.gguf``
-            beside the model when it exists; see :class:`~clover_gguf.api.Model`).
+            beside the model when it exists; see :class:`~clover_gguf.model.Model`).
 
     Raises:
         CloverError: the native loader's message (bad file, missing tensor, ...).
@@ -200,7 +200,8 @@ class Clover:
             self.mode = mode if mode is not None else ("diffusion" if self._model.has_block else "ar")
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p
             # validate the diffusion settings now (the same checks as every call's)
-            self._model._params(1, self.mode, 0.0, 0, 1.0, 0, block_size, threshold, coreset_top_p, None)
+            self._model.check_generate_args(mode=self.mode, block_size=block_size, threshold=threshold,
+                                            coreset_top_p=coreset_top_p)
         except BaseException:
             self._model.close()
             raise
@@ -304,6 +305,11 @@ class Clover:
         return self._cancel_current()
 
     # ------------------------------------------------------------------ info
+    @property
+    def engine(self) -> Model:
+        """The :class:`~clover_gguf.model.Model` this object drives (arch, placement, hparams)."""
+        return self._model
+
     def n_ctx(self) -> int:
         return self._model.n_ctx
 
@@ -333,7 +339,7 @@ class Clover:
         ``prev_tokens`` is accepted for compatibility and ignored (byte-level BPE pieces do not
         depend on the previous tokens)."""
         self._check_open()
-        ids = self._model._check_ids("tokens", tokens, allow_empty=True)
+        ids = self._model.check_ids("tokens", tokens, allow_empty=True)
         return self._model.tokenizer.decode_bytes(ids, skip_special=not special)
 
     # ------------------------------------------------------------------ generation core
@@ -367,8 +373,7 @@ class Clover:
         presence_penalty, frequency_penalty, repeat_penalty, logit_bias, stop, mode, block_size,
         threshold, coreset_top_p``; None = the default) without generating, as a call would.
         Raises ValueError naming the field (``clover-gguf chat`` checks its flags with it)."""
-        names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repeat_penalty", "logit_bias", "stop", "mode", "block_size", "threshold", "coreset_top_p")
+        names = tuple(n for n in REQUEST_FIELDS if n != "max_tokens")
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"check_args: unexpected argument {unknown[0]!r}")
@@ -383,7 +388,7 @@ class Clover:
         prompt tokens, mode)."""
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
-        ids = self._model._prompt_ids(prompt)
+        ids = self._model.prompt_ids(prompt)
         kw = self._gen_kwargs(len(ids), **kw)
         return self._model.generate_stream(ids, **kw), len(ids), kw["mode"]
 
@@ -394,10 +399,7 @@ class Clover:
         pieces, n_prompt, mode = started
         try:
             if holder.cancelled:
-                st = ffi.new("clover_stats *")
-                st.n_prompt = n_prompt
-                self._model.last_stats = self._model._stats_dict(st, mode, 0.0, 0.0, [])
-                self._model.last_stats.update(finish_reason="cancelled", stop_string=None)
+                self._model.record_cancelled(n_prompt, mode)
                 return
             for piece in pieces:
                 yield piece
@@ -523,7 +525,7 @@ class Clover:
         ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``presence_penalty``,
         ``frequency_penalty``, ``repeat_penalty``, ``logit_bias`` (``{token id: bias}``, keys
         may be str as in OpenAI's JSON), ``stop``, ``seed``: as :meth:`Model.generate
-        <clover_gguf.api.Model.generate>`; None = the engine default (greedy, GGUF penalties).
+        <clover_gguf.model.Model.generate>`; None = the engine default (greedy, GGUF penalties).
         ``mode``, ``block_size``, ``threshold``, ``coreset_top_p``: None = the constructor's.
         ``echo``: prepend the prompt text. ``suffix`` and ``logprobs`` are not supported (a
         value other than None raises ValueError). ``model``: the name written in the
@@ -604,7 +606,7 @@ class Clover:
 
         The prompt is the GGUF's ``tokenizer.chat_template`` rendered with
         ``add_generation_prompt=True`` (:meth:`Model.apply_chat_template
-        <clover_gguf.api.Model.apply_chat_template>`; ``tools`` and ``chat_template_kwargs``
+        <clover_gguf.model.Model.apply_chat_template>`; ``tools`` and ``chat_template_kwargs``
         reach the template). ``enable_thinking``: None leaves the template's default (Qwen3.5's
         template thinks unless told ``False``); True / False is passed to the template.
 

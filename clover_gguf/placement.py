@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from ._ffi import ffi, lib
-from .api import CACHE_TYPE_BYTES
+from .model import CACHE_TYPE_BYTES
 
 PARTS = ("gpu", "dense", "experts", "output", "experts_cpu", "vectors")
 # bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
@@ -23,7 +23,7 @@ RESERVE = 512 << 20
 
 
 def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = None) -> dict:
-    """Bytes per part of a placement on ``model`` (a :class:`~clover_gguf.api.Model`):
+    """Bytes per part of a placement on ``model`` (a :class:`~clover_gguf.model.Model`):
     ``gpu`` (the weights on the GPU), ``dense`` (attention/GDN projections, routers, shared
     experts of the offloaded layers), ``experts`` (their routed experts on the GPU), ``output``
     (the LM head), ``experts_cpu`` (routed experts of offloaded layers kept on the CPU),

@@ -43,12 +43,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .options import REQUEST_FIELDS
+
 __all__ = ["create_app", "serve"]
 
-# Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours).
-_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "presence_penalty",
-           "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "mode", "block_size",
-           "threshold", "coreset_top_p")
+# Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours): the
+# generation options, and logprobs, which Clover refuses by name.
+_COMMON = REQUEST_FIELDS + ("logprobs",)
 _COMPLETION = _COMMON + ("echo", "suffix")
 _CHAT = _COMMON + ("tools", "enable_thinking", "chat_template_kwargs")
 

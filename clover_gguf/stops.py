@@ -12,7 +12,7 @@ the text is chunked):
   arrives (per token, per block, all at once).
 - Streaming never writes text that could still turn out to be part of a stop string: the
   longest suffix of the pending text that is a proper prefix of some stop string is held back
-  and released once it can no longer match (or when generation ends without a match).
+  and released once it cannot match any more (or when generation ends without a match).
 """
 from __future__ import annotations
 

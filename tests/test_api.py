@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from clover_gguf import CloverError, Model
+from clover_gguf.options import GenerateOptions
 
 N_THREADS = 2
 
@@ -163,7 +164,7 @@ def test_diffusion_streams_final_tokens_before_the_block_ends(model):
     with the block's final start as soon as they are filled: with one slot filled per pass
     (threshold 1.0), blocks of 8 arrive in several pieces, and the pieces concatenate to the
     block-at-once result of the same decoding (the tokens are those of full blocks, in order)."""
-    p, _, mode, _ = model._params(24, "diffusion", 0.0, 0, 1.0, 0, 8, 1.0, None, [])
+    p, _, mode, _ = model._params(GenerateOptions(max_tokens=24, mode="diffusion", block_size=8, threshold=1.0), [])
     steps = list(model._steps(model.tokenize(PROMPT), p, mode))
     st = model.last_stats
     assert sum(len(x) for x in steps) == st["n_generated"] == 24
@@ -201,7 +202,7 @@ def test_sampling_defaults_and_logit_bias_forms(model):
     """None takes clover_gen_params_default (the GGUF's penalties and ramp starts); logit_bias
     accepts OpenAI's string keys; the ramps use the vocabulary's <think> / </think>."""
     hp = model.hparams
-    p, _keep, _, _ = model._params(4, "ar", 0.0, 0, 1.0, 0, None, None, None, None)
+    p, _keep, _, _ = model._params(GenerateOptions(max_tokens=4, mode="ar"))
     assert p.presence_penalty == pytest.approx(hp["presence_penalty"])
     assert p.repetition_penalty == pytest.approx(hp["repetition_penalty"])
     assert p.think_close_bias_start == hp["think_close_bias_start"] and p.eos_bias_start == hp["eos_bias_start"]

@@ -56,7 +56,7 @@ def model(gguf_path):
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, clover_gguf, clover_gguf.cli, clover_gguf.api, clover_gguf.tokenizer; " \
+    code = "import sys, clover_gguf, clover_gguf.cli, clover_gguf.model, clover_gguf.tokenizer; " \
            "print('torch' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -312,7 +312,7 @@ def test_stdout_closed_early_cancels_the_worker_before_the_model_closes():
     import threading
     import time
 
-    from clover_gguf.cli_chat import stream_interruptibly
+    from clover_gguf.cli.common import stream_interruptibly
 
     stop = threading.Event()
     finished = []
@@ -351,7 +351,7 @@ def test_run_piped_into_a_reader_that_closes_early_exits_0():
 def test_run_n_minus_1_fills_the_context_and_a_block_that_does_not_fit_is_explained():
     """``-n -1`` (llama.cpp's no limit) generates until the context is full: in ar mode every
     position of ``-c 64`` is used (the embedded model writes no end token here). In diffusion
-    mode a block that no longer fits ends the generation early, and a note on stderr says so
+    mode a block that does not fit any more ends the generation early, and a note on stderr says so
     (``-c 10`` with a 32-row block: no tokens, before, silently)."""
     r = cli("run", "-p", "import os", "-n", -1, "-c", 64, "--mode", "ar", "-t", 2, "--json")
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import reference.model as reference  # noqa: E402
 from clover_gguf import _ffi  # noqa: E402
 from clover_gguf._ffi import ffi, lib, err_buf, raise_error  # noqa: E402
-from clover_gguf.api import Model  # noqa: E402
+from clover_gguf.model import Model  # noqa: E402
 
 PROMPT_LEN = 40
 

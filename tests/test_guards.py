@@ -1,4 +1,4 @@
-"""Runtime guards (issue: robustness, item 4): impossible arguments are refused with an error
+"""Runtime guards: impossible arguments are refused with an error
 naming the field, in the API (:class:`Model`, :class:`Clover`: ValueError), the CLI (exit code 2,
 ``error: ...`` or argparse's message on stderr) and the server (HTTP 400, OpenAI-shaped error
 with the field in ``param``), never a crash, a hang or a 500.

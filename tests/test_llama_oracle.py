@@ -99,7 +99,7 @@ def _greedy_check(ours: list, ref_tokens: list, ref_rows: np.ndarray, strict: bo
 
 
 def _compare(path: pathlib.Path, outtype: str) -> dict:
-    from clover_gguf.api import Model
+    from clover_gguf.model import Model
 
     strict = outtype == "f32"
     # F32 KV caches on both sides (llama_runner.py): with an F16 cache llama.cpp's CPU code also
@@ -180,7 +180,7 @@ def test_clover_split_trunk_against_llama_cpp_and_transformers(make_ckpt, make_g
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from clover_gguf.api import Model
+    from clover_gguf.model import Model
 
     ckpt = make_ckpt()
     trunk = make_gguf("f32", split=True)

@@ -1,4 +1,4 @@
-"""Load and faults (issue: robustness, item 5), short versions that fit the default test run.
+"""Load and faults, short versions that fit the default test run.
 
 - the server under a loopback load (bench/load_test.py: 8 concurrent clients for 10 s, with
   streams dropped mid-way, malformed JSON and impossible parameters) keeps answering, has no

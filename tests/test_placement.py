@@ -87,7 +87,7 @@ def test_fit_chooses_the_smallest_change_that_fits(make_gguf):
         cache = full["cache"]
         assert cache > 0
         assert fit(m, full["gpu"] + cache + RESERVE) | {"budget": 0} == full | {"budget": 0}
-        # the caches of a longer context no longer fit beside every weight
+        # the caches of a longer context do not fit beside every weight
         assert fit(m, full["gpu"] + cache + RESERVE, n_ctx=4096)["n_cpu_moe"] > 0
         # between the dense part and everything: some layers' experts move to the CPU, as few as fit
         budget = full["gpu"] - full["experts"] // 2 + cache + RESERVE

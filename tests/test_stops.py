@@ -271,7 +271,7 @@ def test_stop_filter_first_completed_wins_and_holds_back():
     assert _run_filter(["zabc"], ["bc", "abc"]) == (["z"], "abc")  # same end: the longer
     f = StopFilter(["</end>"])
     assert not f.push("hello </e") and f.take() == "hello "  # "</e" may start the stop
-    assert not f.push("x") and f.take() == "</ex"  # no longer can: released
+    assert not f.push("x") and f.take() == "</ex"  # cannot match any more: released
     assert f.push("yy</end>more") and f.take() == "yy" and f.matched == "</end>"
 
 

@@ -46,7 +46,7 @@ No imatrix, no tensor-type overrides, not ``--pure``. Importing this module neve
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import gguf
 

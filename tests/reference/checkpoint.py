@@ -55,7 +55,7 @@ ADDED_TOKENS = [
 
 # The shared data folder: next to the checkout, inside it (device machines), or the workspace.
 _HERE = pathlib.Path(__file__).resolve()
-_SHARED = next((p for p in (_HERE.parents[2] / "shared", _HERE.parents[1] / "shared",
+_SHARED = next((p for p in (_HERE.parents[3] / "shared", _HERE.parents[2] / "shared",
                             pathlib.Path("/work/shared")) if (p / "data").is_dir()),
                pathlib.Path("/work/shared"))
 CHAT_TEMPLATE_PATH = _SHARED / "data" / "templates" / "Qwen3.5-4B.jinja"

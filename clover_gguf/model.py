@@ -18,6 +18,7 @@ import numpy as np
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 from .chat import ChatTemplate
+from .options import GenerateOptions
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
 
@@ -320,7 +321,7 @@ class Model:
     def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD). Raises ValueError for an id out
         of range."""
-        return self.tokenizer.decode(self._check_ids("ids", ids, allow_empty=True), skip_special)
+        return self.tokenizer.decode(self.check_ids("ids", ids, allow_empty=True), skip_special)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None,
                             **kwargs) -> str:
@@ -335,7 +336,9 @@ class Model:
         return self._chat.render(messages, add_generation_prompt=add_generation_prompt,
                                  tools=tools, **kwargs)
 
-    def _check_ids(self, name, ids, allow_empty=False) -> list[int]:
+    def check_ids(self, name, ids, allow_empty=False) -> list[int]:
+        """``ids`` as a list of ints, each a token id in [0, n_vocab); ValueError naming ``name``
+        (and the index) otherwise, or when empty unless ``allow_empty``."""
         if isinstance(ids, (str, bytes)):
             raise ValueError(f"{name}: expected a sequence of token ids, got {type(ids).__name__}")
         try:
@@ -353,7 +356,9 @@ class Model:
                 raise ValueError(f"{name}[{k}]: token id {i} out of range [0, {self.n_vocab})")
         return out
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
+        """The token ids of ``prompt``: a str tokenized (special tokens recognised) or a sequence
+        of ids checked by :meth:`check_ids`; ValueError when empty or not valid Unicode."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -363,7 +368,7 @@ class Model:
             if not ids:
                 raise ValueError("prompt: empty (at least one token is needed)")
             return ids
-        return self._check_ids("prompt", prompt)
+        return self.check_ids("prompt", prompt)
 
     # ------------------------------------------------------------------ generation
     def _check_fits(self, ids: list[int]) -> list[int]:
@@ -372,10 +377,12 @@ class Model:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room in n_ctx={self.n_ctx}")
         return ids
 
-    def _params(self, max_tokens, mode, temperature, top_k, top_p, seed, block_size, threshold,
-                coreset_top_p, end_ids, **sampling):
+    def _params(self, o: GenerateOptions, end_ids=None):
+        """The engine's parameters for options ``o`` (each field checked here, naming it);
+        ``end_ids`` None: :attr:`end_ids`. Returns (params, arrays they point to, mode, end ids)."""
         p = ffi.new("clover_gen_params *")
         lib.clover_gen_params_default(self._model, p)
+        mode = o.mode
         if mode is None:
             mode = "diffusion" if self.has_block else "ar"
         if not isinstance(mode, str) or mode not in _MODES:
@@ -384,55 +391,48 @@ class Model:
         if lib.clover_model_check_mode(self._model, _MODES[mode], err, len(err)) != 0:
             raise ValueError(ffi.string(err).decode("utf-8", "replace"))
         p.mode = _MODES[mode]
-        p.max_tokens = _check_int("max_tokens", max_tokens, lo=1, hi=2**31 - 1)
-        p.temperature = _check_float("temperature", temperature, lo=0.0)
-        p.top_k = _check_int("top_k", top_k, lo=0, hi=2**31 - 1)
-        p.top_p = _check_float("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
-        p.seed = _check_int("seed", seed, lo=0, hi=2**64 - 1)
-        if block_size is not None:
-            p.block_size = _check_int("block_size", block_size, lo=1, hi=self.n_ctx)
-        if threshold is not None:
-            p.threshold = _check_float("threshold", threshold, lo=0.0, hi=1.0, lo_open=True)
-        if coreset_top_p is not None:
-            p.coreset_top_p = _check_float("coreset_top_p", coreset_top_p, lo=0.0, hi=1.0, lo_open=True)
-        ends = self.end_ids if end_ids is None else self._check_ids("end_ids", end_ids, allow_empty=True)
+        p.max_tokens = _check_int("max_tokens", o.max_tokens, lo=1, hi=2**31 - 1)
+        p.temperature = _check_float("temperature", o.temperature, lo=0.0)
+        p.top_k = _check_int("top_k", o.top_k, lo=0, hi=2**31 - 1)
+        p.top_p = _check_float("top_p", o.top_p, lo=0.0, hi=1.0, lo_open=True)
+        p.seed = _check_int("seed", o.seed, lo=0, hi=2**64 - 1)
+        if o.block_size is not None:
+            p.block_size = _check_int("block_size", o.block_size, lo=1, hi=self.n_ctx)
+        if o.threshold is not None:
+            p.threshold = _check_float("threshold", o.threshold, lo=0.0, hi=1.0, lo_open=True)
+        if o.coreset_top_p is not None:
+            p.coreset_top_p = _check_float("coreset_top_p", o.coreset_top_p, lo=0.0, hi=1.0, lo_open=True)
+        ends = self.end_ids if end_ids is None else self.check_ids("end_ids", end_ids, allow_empty=True)
         keep = ffi.new("int32_t[]", max(len(ends), 1))
         for k, t in enumerate(ends):
             keep[k] = t
         p.end_ids = keep
         p.n_end_ids = len(ends)
-        keep = (keep, self._set_sampling(p, **sampling))
+        keep = (keep, self._set_sampling(p, o))
         return p, keep, mode, ends
 
-    def _set_sampling(self, p, min_p=None, presence_penalty=None, repeat_penalty=None,
-                      frequency_penalty=None, logit_bias=None, think_close_bias_start=None,
-                      eos_bias_start=None, bias_slope=None, bias_max=None, penalty_scope=None):
+    def _set_sampling(self, p, o: GenerateOptions):
         """Set the spec 5.3-5.4 fields of ``p``; None keeps clover_gen_params_default's value
         (the GGUF's decoding record). Returns the arrays ``p`` points to (they must live as long
         as ``p``)."""
-        if penalty_scope is not None:
-            if penalty_scope not in _SCOPES:
-                raise ValueError(f"penalty_scope: {penalty_scope!r} is not one of {', '.join(_SCOPES)}")
-            p.penalty_scope = _SCOPES.index(penalty_scope)
-        if min_p is not None:
-            p.min_p = _check_float("min_p", min_p, lo=0.0, hi=1.0)
-        if presence_penalty is not None:
-            p.presence_penalty = _check_f32("presence_penalty", presence_penalty)
-        if repeat_penalty is not None:
-            p.repetition_penalty = _check_f32("repeat_penalty", repeat_penalty, lo=0.0, lo_open=True)
-        if frequency_penalty is not None:
-            p.frequency_penalty = _check_f32("frequency_penalty", frequency_penalty)
-        if think_close_bias_start is not None:
-            p.think_close_bias_start = _check_int("think_close_bias_start", think_close_bias_start, lo=0,
+        if o.min_p is not None:
+            p.min_p = _check_float("min_p", o.min_p, lo=0.0, hi=1.0)
+        if o.presence_penalty is not None:
+            p.presence_penalty = _check_f32("presence_penalty", o.presence_penalty)
+        if o.repeat_penalty is not None:
+            p.repetition_penalty = _check_f32("repeat_penalty", o.repeat_penalty, lo=0.0, lo_open=True)
+        if o.frequency_penalty is not None:
+            p.frequency_penalty = _check_f32("frequency_penalty", o.frequency_penalty)
+        if o.think_close_bias_start is not None:
+            p.think_close_bias_start = _check_int("think_close_bias_start", o.think_close_bias_start, lo=0,
                                                   hi=2**31 - 1)
-        if eos_bias_start is not None:
-            p.eos_bias_start = _check_int("eos_bias_start", eos_bias_start, lo=0, hi=2**31 - 1)
-        if bias_slope is not None:
-            p.bias_slope = _check_f32("bias_slope", bias_slope, lo=0.0)
-        if bias_max is not None:
-            p.bias_max = _check_f32("bias_max", bias_max, lo=0.0)
-        if logit_bias is None:
-            logit_bias = {}
+        if o.eos_bias_start is not None:
+            p.eos_bias_start = _check_int("eos_bias_start", o.eos_bias_start, lo=0, hi=2**31 - 1)
+        if o.bias_slope is not None:
+            p.bias_slope = _check_f32("bias_slope", o.bias_slope, lo=0.0)
+        if o.bias_max is not None:
+            p.bias_max = _check_f32("bias_max", o.bias_max, lo=0.0)
+        logit_bias = {} if o.logit_bias is None else o.logit_bias
         if not hasattr(logit_bias, "items"):
             raise ValueError(f"logit_bias: expected a dict {{token id: bias}}, got {type(logit_bias).__name__}")
         ids, vals = [], []
@@ -454,19 +454,15 @@ class Model:
         p.n_logit_bias = len(ids)
         return bias_ids, bias_vals
 
-    def check_generate_args(self, max_tokens: int = 256, mode: str | None = None, temperature: float = 0.0,
-                            top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
-                            threshold: float | None = None, coreset_top_p: float | None = None,
-                            end_ids: Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
-                            **sampling) -> None:
-        """Validate the arguments of :meth:`generate` / :meth:`generate_tokens` (all but the
-        prompt) without generating: the same checks a call makes, so a front end (``chat``)
-        can refuse bad settings before its first prompt. ``sampling``: ``min_p``,
-        ``presence_penalty``, ... as :meth:`generate`. Raises ValueError naming the field."""
+    def check_generate_args(self, end_ids: Sequence[int] | None = None, **options) -> None:
+        """Validate the options of :meth:`generate` / :meth:`generate_tokens` (all but the
+        prompt; :class:`~clover_gguf.options.GenerateOptions`) without generating: the same
+        checks a call makes, so a front end (``chat``) can refuse bad settings before its first
+        prompt. Raises ValueError naming the field, TypeError for an unknown option."""
         self._live()
-        check_stop(stop)
-        self._params(max_tokens, mode, temperature, top_k, top_p, seed, block_size, threshold,
-                     coreset_top_p, end_ids, **sampling)
+        o = GenerateOptions.of(options)
+        check_stop(o.stop)
+        self._params(o, end_ids)
 
     @staticmethod
     def _block_state(d, cap):
@@ -605,6 +601,13 @@ class Model:
             lib.clover_context_abort(self._ctx)
             return True
 
+    def record_cancelled(self, n_prompt: int, mode: str) -> None:
+        """Set :attr:`last_stats` for a generation cancelled before its prefill started."""
+        st = ffi.new("clover_stats *")
+        st.n_prompt = n_prompt
+        self.last_stats = self._stats_dict(st, mode, 0.0, 0.0, [])
+        self.last_stats.update(finish_reason="cancelled", stop_string=None)
+
     def _stats_dict(self, st, mode, seconds, t_prefill, tokens) -> dict:
         n_forward = int(st.n_forward_prefill + st.n_forward_denoise + st.n_forward_commit
                         + st.n_forward_decode + st.n_forward_draft + st.n_forward_verify)
@@ -642,15 +645,7 @@ class Model:
             "tokens": list(tokens),
         }
 
-    def generate_tokens(self, prompt_ids: Sequence[int], max_tokens: int = 256, mode: str | None = None,
-                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                        block_size: int | None = None, threshold: float | None = None,
-                        coreset_top_p: float | None = None, end_ids: Sequence[int] | None = None,
-                        min_p: float | None = None, presence_penalty: float | None = None,
-                        repeat_penalty: float | None = None, frequency_penalty: float | None = None,
-                        logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
-                        eos_bias_start: int | None = None, bias_slope: float | None = None,
-                        bias_max: float | None = None, stop: str | Sequence[str] | None = None):
+    def generate_tokens(self, prompt_ids: Sequence[int], end_ids: Sequence[int] | None = None, **options):
         """Generate from token ids (spec 5.1-5.3, 5.6).
 
         Returns ``(ids, stats)``: the generated token ids (the end token included when
@@ -658,7 +653,7 @@ class Model:
         ``mode`` None means ``"diffusion"`` for a clover GGUF, ``"ar"`` for qwen35moe;
         ``block_size``/``threshold``/``coreset_top_p`` None take the GGUF defaults (spec 4.2);
         ``end_ids`` None means ``<|im_end|>``, ``<|endoftext|>`` and the GGUF eos.
-        Sampling and penalties (spec 5.3-5.4): as :meth:`generate`.
+        ``options``: as :meth:`generate`.
         ``stop``: stop strings as in :meth:`generate`, matched on the text of the ids (end
         tokens not written). Tokens cannot be cut inside, so on a match ``ids`` end with the
         token that completes the stop string: ``detokenize(ids)`` is the text :meth:`generate`
@@ -669,34 +664,21 @@ class Model:
         block that holds the stop string).
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
-        ids = self._check_fits(self._check_ids("prompt_ids", prompt_ids))
-        stops = check_stop(stop)
-        p, keep, mode, ends = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
-                                           block_size, threshold, coreset_top_p, end_ids,
-                                           min_p=min_p, presence_penalty=presence_penalty,
-                                           repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                           logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
-                                           eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
+        ids = self._check_fits(self.check_ids("prompt_ids", prompt_ids))
+        o = GenerateOptions.of(options)
+        stops = check_stop(o.stop)
+        p, keep, mode, ends = self._params(o, end_ids)
         out: list[int] = []
         for _, new in self._run(ids, p, keep, mode, set(ends), stops, text=bool(stops)):
             out.extend(new)
         return out, dict(self.last_stats)
 
-    def generate_stream(self, prompt, max_tokens: int = 256, mode: str | None = None,
-                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                        block_size: int | None = None, threshold: float | None = None,
-                        coreset_top_p: float | None = None,
-                        min_p: float | None = None, presence_penalty: float | None = None,
-                        repeat_penalty: float | None = None, frequency_penalty: float | None = None,
-                        logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
-                        eos_bias_start: int | None = None, bias_slope: float | None = None,
-                        bias_max: float | None = None, stop: str | Sequence[str] | None = None,
-                        on_step=None) -> Iterator[str]:
+    def generate_stream(self, prompt, on_step=None, **options) -> Iterator[str]:
         """Like :meth:`generate`, but yields text as tokens become final (per AR token, per
         diffusion denoising pass: the filled slots contiguous with the block's final start, per
         spec verify). Pieces never split a UTF-8 character; end tokens
         are not written. With ``stop``, text that could still be the start of a stop string
-        is held back until it can no longer match, so no piece ever holds any part of the
+        is held back until it cannot match any more, so no piece ever holds any part of the
         stop string; the pieces concatenate to what :meth:`generate` returns.
         :attr:`last_stats` is set when the iterator ends (or is closed).
         ``on_step`` (optional) is called after every decoder step with ``(new_ids, block)``:
@@ -704,14 +686,10 @@ class Model:
         ``(block_ids, filled)`` (lists of block_size; unfilled slots hold the mask id), else
         None; it is how ``clover-gguf run --visual`` draws the block.
         Arguments are validated before the first piece is requested."""
-        ids = self._check_fits(self._prompt_ids(prompt))
-        stops = check_stop(stop)
-        p, keep, mode, ends = self._params(max_tokens, mode, temperature, top_k, top_p, seed,
-                                           block_size, threshold, coreset_top_p, None,
-                                           min_p=min_p, presence_penalty=presence_penalty,
-                                           repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                           logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
-                                           eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max)
+        ids = self._check_fits(self.prompt_ids(prompt))
+        o = GenerateOptions.of(options)
+        stops = check_stop(o.stop)
+        p, keep, mode, ends = self._params(o)
         return self._stream(ids, p, keep, mode, set(ends), stops, on_step)
 
     def _stream(self, ids, p, keep, mode, ends, stops=(), on_step=None) -> Iterator[str]:
@@ -770,15 +748,7 @@ class Model:
             yield tail, tail_ids
         del keep  # the end-id and bias arrays must live as long as the decoder
 
-    def generate(self, prompt, max_tokens: int = 256, mode: str | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 block_size: int | None = None, threshold: float | None = None,
-                 coreset_top_p: float | None = None,
-                 min_p: float | None = None, presence_penalty: float | None = None,
-                 repeat_penalty: float | None = None, frequency_penalty: float | None = None,
-                 logit_bias: dict[int, float] | None = None, think_close_bias_start: int | None = None,
-                 eos_bias_start: int | None = None, bias_slope: float | None = None,
-                 bias_max: float | None = None, stop: str | Sequence[str] | None = None) -> str:
+    def generate(self, prompt, **options) -> str:
         """Generate text after ``prompt`` (a str, tokenized with special tokens recognised,
         or a sequence of token ids) and return it, without the end token.
 
@@ -786,6 +756,10 @@ class Model:
         sampling reproducible. Statistics of the run are in :attr:`last_stats`
         (``n_forward``, ``tokens_per_forward``, ``seconds``, ``tokens_per_second``,
         ``finish_reason`` ``"stop"``/``"length"``, ``stop_string``, ``tokens``...).
+        ``options``: the fields of :class:`~clover_gguf.options.GenerateOptions` as keyword
+        arguments (``max_tokens`` 256, ``mode`` None: diffusion for clover, ar for qwen35moe,
+        ``temperature``, ``top_k``, ``top_p``, ``seed``; ``block_size``, ``threshold``,
+        ``coreset_top_p`` None: the GGUF defaults, spec 4.2; an unknown name raises TypeError).
         Sampling and penalties (spec 5.3-5.4; None = the engine default): ``min_p`` (0 = off),
         ``presence_penalty`` (GGUF default, 0.9; 0 = off), ``repeat_penalty`` (GGUF default,
         1.05; 1 = off), ``frequency_penalty`` (0 = off), ``logit_bias`` (dict token id ->
@@ -805,13 +779,7 @@ class Model:
         (the text is what was final before).
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
-        return "".join(self.generate_stream(prompt, max_tokens, mode, temperature, top_k, top_p,
-                                            seed, block_size, threshold, coreset_top_p,
-                                            min_p=min_p, presence_penalty=presence_penalty,
-                                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                            logit_bias=logit_bias, think_close_bias_start=think_close_bias_start,
-                                            eos_bias_start=eos_bias_start, bias_slope=bias_slope, bias_max=bias_max,
-                                            stop=stop))
+        return "".join(self.generate_stream(prompt, **options))
 
     # ------------------------------------------------------------------ logits (tests)
     def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -819,7 +787,7 @@ class Model:
         float32 array [len(ids), n_vocab]; row t predicts the token after ids[t].
         Resets the context. Raises ValueError / CloverError."""
         self._live()
-        ids = self._check_ids("ids", ids)
+        ids = self.check_ids("ids", ids)
         if len(ids) > self.n_ctx:
             raise ValueError(f"ids: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
         self._abort_active()
@@ -848,8 +816,8 @@ class Model:
         err = err_buf()
         if lib.clover_model_check_mode(self._model, lib.CLOVER_MODE_DIFFUSION, err, len(err)) != 0:
             raise ValueError("block_logits: " + ffi.string(err).decode("utf-8", "replace"))
-        prefix = self._check_ids("prefix_ids", prefix_ids, allow_empty=True)
-        block = self._check_ids("block_ids", block_ids)
+        prefix = self.check_ids("prefix_ids", prefix_ids, allow_empty=True)
+        block = self.check_ids("block_ids", block_ids)
         cp = _check_float("coreset_top_p", coreset_top_p, lo=0.0, hi=1.0, lo_open=True)
         if len(prefix) + len(block) > self.n_ctx:
             raise ValueError(f"prefix_ids + block_ids: {len(prefix) + len(block)} tokens do not fit n_ctx={self.n_ctx}")

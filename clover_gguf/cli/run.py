@@ -1,0 +1,148 @@
+"""``clover-gguf run``: generate text from a prompt through :class:`~clover_gguf.model.Model`
+(the flags are :mod:`clover_gguf.options`), streaming it, or one JSON object."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+from .. import options
+from .common import DIM, MODEL_HELP, OFF, EXIT_OK, UsageError, add_device_args, add_threads_ctx_args, \
+    load_model, model_stats_timings, placement_kwargs, stats_line, stream_interruptibly
+
+
+class _BlockView:
+    """`run --visual`: the diffusion block being denoised is drawn right after the committed
+    text, on the rest of the current terminal line (masked slots as a dim dot, slots filled by
+    the last pass highlighted, newlines as \u23ce), and redrawn in place: the cursor always goes
+    back to the end of the committed text, so that text is written exactly as without --visual."""
+
+    DIM, NEW, OFF, CLEAR = "\033[2m", "\033[1;32m", "\033[0m", "\033[K"
+
+    def __init__(self, model, out) -> None:
+        self.tok, self.out = model.tokenizer, out
+        self.block, self.prev = None, None
+        self.width = max(shutil.get_terminal_size((80, 24)).columns, 20)
+        self.col = 0  # column of the cursor at the end of the committed text
+
+    def _slot(self, t: int) -> str:
+        s = self.tok.token_bytes(t).decode("utf-8", "replace")
+        return s.replace("\n", "\u23ce").replace("\r", "").replace("\t", " ")
+
+    def _draw(self) -> None:
+        """Clear to the end of the line, draw the block into the room left, step back."""
+        self.out.write(self.CLEAR)
+        room, n, parts = self.width - self.col - 2, 0, []
+        if self.block and room > 0:
+            ids, filled = self.block
+            for j, (t, f) in enumerate(zip(ids, filled)):
+                s = self._slot(t) if f else "\u00b7"
+                if n + len(s) > room:
+                    break
+                n += len(s)
+                if not f:
+                    parts.append(self.DIM + s + self.OFF)
+                elif not (self.prev and self.prev[1][j]):
+                    parts.append(self.NEW + s + self.OFF)
+                else:
+                    parts.append(s)
+        if n:
+            self.out.write(" " + "".join(parts) + f"\033[{n + 1}D")
+        self.out.flush()
+
+    def step(self, new_ids, block) -> None:
+        self.prev, self.block = self.block, block
+        self._draw()
+
+    def text(self, piece: str) -> None:
+        self.out.write(self.CLEAR + piece)
+        tail = piece.rsplit("\n", 1)
+        self.col = (len(tail[-1]) if len(tail) > 1 else self.col + len(piece)) % self.width
+        self._draw()
+
+    def finish(self) -> None:
+        self.out.write(self.CLEAR)
+        self.out.flush()
+
+
+def cmd(a) -> int:
+    if a.prompt is None:  # `echo PROMPT | clover-gguf run`: the prompt from stdin
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("--prompt: required (or pipe the prompt on stdin)")
+        a.prompt = sys.stdin.read()
+        if a.prompt.endswith("\n"):  # the newline echo and editors add, as $(...) drops it
+            a.prompt = a.prompt[:-1]
+    m = load_model(a.model, a.ctx_size, a.threads, placement_kwargs(a))
+    with m:
+        kw = options.from_cli(a)
+        if kw["max_tokens"] is None:  # -n -1: until an end token or the context is full
+            kw["max_tokens"] = m.n_ctx
+        view = _BlockView(m, sys.stdout) if a.visual and not a.json and sys.stdout.isatty() else None
+        try:
+            stream = m.generate_stream(a.prompt, on_step=view.step if view else None, **kw)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        pieces = []
+
+        def show(piece):
+            pieces.append(piece)
+            if view:
+                view.text(piece)
+            elif not a.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+
+        # the first Ctrl+C stops the answer (the text final so far is kept), a second exits 130
+        interrupted = stream_interruptibly(lambda: stream, m.cancel, show)
+        if view:
+            view.finish()
+        st = m.last_stats
+        text = "".join(pieces)
+        if a.json:
+            obj = {
+                "text": text,
+                "tokens": st["tokens"],
+                "n_tokens": len(st["tokens"]),  # the answer's tokens
+                "n_decoded": st["n_generated"],  # the decoder's: a stop string's whole block in diffusion
+                "n_prompt": st["n_prompt"],
+                "n_forward": st["n_forward"],
+                "tokens_per_forward": st["tokens_per_forward"],
+                "seconds": st["seconds"],
+                "tokens_per_second": st["tokens_per_second"],
+                "mode": st["mode"],
+                "finish_reason": st["finish_reason"],
+                "stop_string": st.get("stop_string"),
+            }
+            print(json.dumps(obj, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            line = stats_line(model_stats_timings(st))
+            print(DIM + line + OFF if sys.stderr.isatty() else line, file=sys.stderr)
+            print(
+                f"[{st['mode']}] {st['n_generated']} tokens in {st['seconds']:.3f} s "
+                f"({st['tokens_per_second']:.2f} tokens/s), {st['n_forward']} forward passes, "
+                f"{st['tokens_per_forward']:.2f} tokens/forward, finish: {st['finish_reason']}",
+                file=sys.stderr,
+            )
+        room = m.n_ctx - st["n_prompt"] - st["n_generated"]
+        if st["mode"] == "diffusion" and st["finish_reason"] == "length" and room > 0 and \
+                st["n_generated"] < kw["max_tokens"]:
+            print(f"note: the next diffusion block did not fit in the context ({room} of n_ctx {m.n_ctx} "
+                  "positions left); raise -c, or use --mode ar or spec, which fill it to the end", file=sys.stderr)
+    return 130 if interrupted else EXIT_OK
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("run", help="generate text from a prompt")
+    r.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    r.add_argument("-p", "--prompt", default=None,
+                   help="prompt text (special tokens recognised); default: read from stdin when it is piped")
+    options.add_cli_args(r)
+    r.add_argument("--visual", action="store_true",
+                   help="diffusion: redraw the block being denoised in place on a terminal (masked slots "
+                        "dim, newly filled ones highlighted); plain output when stdout is not a terminal")
+    add_threads_ctx_args(r)
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_device_args(r)
+    r.set_defaults(func=cmd)
