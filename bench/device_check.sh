@@ -4,7 +4,7 @@
 # included in the 15): the steps run in order of what they prove, each within what is left of
 # a time budget, and the optional ones only when enough is left.
 #   1. build with the CUDA backend;
-#   2. the GPU tests (tests/test_cuda.py);
+#   2. the GPU tests (tests/native/test_cuda.py);
 #   3. the embedded default model: every mode on the GPU and the CPU,
 #      greedy tokens compared, and diffusion and spec against ar;
 #   4. real-dims 4-layer models (generated here, in the background from the start):
@@ -148,10 +148,10 @@ export CLOVER_LIB="$PWD/$build/libclover.so"
 $py -c "from clover_gguf._ffi import lib, ffi; b = ffi.new('char[]', 256); n = lib.clover_gpu_devices(b, 256); \
 print(n, ffi.string(b).decode()); raise SystemExit(0 if n > 0 else 1)"
 
-step "GPU tests (tests/test_cuda.py)"
+step "GPU tests (tests/native/test_cuda.py)"
 set +e
 ptimeout=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout=120" || true)  # a hung test fails alone
-run_to 240 $py -m pytest -q -rs -p no:cacheprovider $ptimeout "${pytest_sel[@]}" tests/test_cuda.py 2>&1 \
+run_to 240 $py -m pytest -q -rs -p no:cacheprovider $ptimeout "${pytest_sel[@]}" tests/native/test_cuda.py 2>&1 \
     | tee "$out/pytest.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 set -e

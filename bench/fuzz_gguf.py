@@ -8,7 +8,7 @@ diffusion sidecar), runs
 the mutator for --iters inputs from --seed, then every prefix of the small files (--truncate) and
 the regression corpus, and prints the harness's JSON lines. Inputs that crash are written to
 --crashes; copy them into tests/fuzz/corpus/ once fixed. The test suite runs the same harness
-with 100,000 inputs (tests/test_fuzz.py).
+with 100,000 inputs (tests/native/test_fuzz.py).
 
     python bench/fuzz_gguf.py --iters 1000000 --seed 2      # about 50 minutes on 2 cores
 """

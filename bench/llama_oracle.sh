@@ -2,11 +2,11 @@
 # llama.cpp as an oracle: build llama-cpp-python 0.3.36 from source (CPU, no AMX)
 # into its own virtual environment when it is not there yet, unpack its source for
 # llama.cpp's converter, and run the tests that use them:
-#   tests/test_llama_oracle.py  our engine vs llama.cpp on our converter's and llama.cpp's
+#   tests/oracles/test_llama_oracle.py  our engine vs llama.cpp on our converter's and llama.cpp's
 #                               converter/quantizer qwen35moe files (F32, Q8_0, Q4_K_M)
-#   tests/test_convert.py -k llama   our converter vs llama.cpp's convert_hf_to_gguf.py and
+#   tests/convert/test_convert.py -k llama   our converter vs llama.cpp's convert_hf_to_gguf.py and
 #                                    llama_model_quantize (MTP files included)
-#   tests/test_kquants.py -k llama   our quantisers vs ggml's reference ones, byte for byte
+#   tests/native/test_kquants.py -k llama   our quantisers vs ggml's reference ones, byte for byte
 # Usage: bench/llama_oracle.sh [VENV_DIR] [pytest args...]   (default VENV_DIR /tmp/llama-venv)
 #   LLAMA_SRC_DIR  where the sdist is downloaded and unpacked (default /tmp/llsrc)
 # Needs the package installed with its test extra (pip install ".[test]"): torch runs
@@ -32,5 +32,5 @@ if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
 fi
 
 export CLOVER_LLAMA_PYTHON="$VENV/bin/python" CLOVER_LLAMA_CPP_SRC="$TREE"
-exec python -m pytest -q -rfEs -s tests/test_llama_oracle.py tests/test_convert.py tests/test_kquants.py \
+exec python -m pytest -q -rfEs -s tests/oracles/test_llama_oracle.py tests/convert/test_convert.py tests/native/test_kquants.py \
     -k "converter_files or llama or ggml_reference" "$@"

@@ -94,7 +94,7 @@ confidences that let a pass fill several slots.
 The training forward is a batched restatement of ``reference.model`` (the chunked GDN
 form of spec 2.1 step 6, blocks batched): it uses the reference's config class, parameter
 names and kernels (``rmsnorm``, ``l2norm``, the N1p norm, the GDN gates), and
-tests/test_train.py checks its logits and gradients against ``CloverReference`` itself.
+tests/oracles/test_train.py checks its logits and gradients against ``CloverReference`` itself.
 
 Outputs under ``--out``: ``hf/`` (the HF checkpoint: config.json with the Clover keys,
 tokenizer files, model.safetensors), ``clover-tiny-q8_0.gguf`` (``clover-gguf convert hf
@@ -271,7 +271,7 @@ def init_block_params(config: dict) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batched training forward (a restatement of reference.model; tests/test_train.py)
+# Batched training forward (a restatement of reference.model; tests/oracles/test_train.py)
 # ---------------------------------------------------------------------------------------------
 
 def gdn_chunked(q, k, v, g, beta, S0, C: int):

@@ -1,5 +1,5 @@
 /* dq_check.cu: the GPU kernels' dequantisation (native/cuda/dequant.cuh) run on the host, so
- * tests/test_cuda.py can compare it with the CPU engine's on a machine without a GPU.
+ * tests/native/test_cuda.py can compare it with the CPU engine's on a machine without a GPU.
  *   dq_check TYPE IN OUT [int]   reads whole blocks of ggml type TYPE from file IN, writes float32 to
  *                                OUT: dq(b, j), or with `int` s * q_j + o from qpack and qscale */
 #include <stdio.h>

@@ -5,7 +5,7 @@ Each file is a small GGUF built byte by byte with one hostile field, after the c
 llama.cpp's published GGUF advisories (wrapped size computations, unchecked counts, string
 lengths and offsets) and in other readers (huge counts that make a reader loop or allocate).
 The fuzz harness replays every file of the corpus (``fuzz_gguf --replay``) under the sanitisers,
-and tests/test_fuzz.py checks that the reader refuses each with a message naming the field.
+and tests/native/test_fuzz.py checks that the reader refuses each with a message naming the field.
 Inputs the fuzzer finds crashing are added to the corpus as they are (``crash-*.gguf``).
 
     python tests/fuzz/make_corpus.py            # rewrites the hand-made files

@@ -5,7 +5,7 @@ Gated DeltaNet recurrence, every step in the working dtype (float32 by default; 
 This module needs torch; ``import clover_gguf`` never imports it.
 
 - Prefix (causal) mode, spec 3.2: exactly the Qwen3.6 autoregressive computation (checked
-  against transformers' Qwen3_5MoeForCausalLM in tests/test_reference.py).
+  against transformers' Qwen3_5MoeForCausalLM in tests/oracles/test_reference.py).
 - Block (denoising) mode, spec 3.2/3.3: the B rows of a block against read-only caches;
   attention rows see the prefix and the whole block; GDN layers run the block operator (the
   conv with right taps, the history slot read from the clean state, the block softmax).

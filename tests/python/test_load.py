@@ -25,7 +25,7 @@ import pytest
 
 from clover_gguf import DEFAULT_MODEL, Clover, Model
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SERVER_RSS_BOUND_MB = 100.0   # server RSS after the load <= before + this
 CYCLE_RSS_BOUND_MB = 40.0     # RSS after 30 load/close cycles <= after the first + this (model: 9.3 MB)
 PROMPT = "def parse(text):\n"

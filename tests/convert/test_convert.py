@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from clover_gguf.convert import convert as C
 from reference.checkpoint import QWEN35_PRETOKENIZER_REGEX
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 Q = gguf.GGMLQuantizationType
 # Clover's block tensors (docs/gguf-layout.md): HF suffix after layers.N.linear_attn. -> GGUF suffix
 BLOCK_SOFTMAX = {"bd_softmax_logit_scale": "bd_logit_scale", "bd_softmax_history_bias": "bd_history_bias",
@@ -1310,7 +1310,7 @@ def test_quantized_outtypes(outtype, ftype, ckpts, converted):
         rel = float(np.sqrt(np.mean((d - ef) ** 2) / np.mean(ef ** 2)))
         assert rel < QUANT_RMSE[t.tensor_type], (name, t.tensor_type.name, rel)
     assert default in seen
-    # llama.cpp's rules (tests/test_quant_plan.py has the full table): output.weight Q6_K
+    # llama.cpp's rules (tests/convert/test_quant_plan.py has the full table): output.weight Q6_K
     assert got["output.weight"].tensor_type == Q.Q6_K
     if outtype == "q4_k_m":
         # the tiny model has 8 experts: llama.cpp's n_expert == 8 rules give attn_v/qkv/k Q8_0,

@@ -23,7 +23,7 @@ from clover_gguf.convert import quant_plan as QP
 from clover_gguf.convert.convert import read_hparams
 
 Q = gguf.GGMLQuantizationType
-REAL = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3.6-35b-a3b.json",
+REAL = next((p for p in (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "qwen3.6-35b-a3b.json",
                          pathlib.Path("/work/shared/data/qwen3.6-35b-a3b.json")) if p.is_file()), None)
 
 # use_more_bits(i, 40): i < 40/8 = 5, or i >= 7*40/8 = 35, or (i - 5) % 3 == 2  (llama-quant.cpp,
@@ -204,7 +204,7 @@ _DRY_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\S+
 
 def _bench_module():
     import importlib.util
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("make_bench_model", root / "bench" / "make_bench_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -179,7 +179,7 @@ def test_modes_script_json(clover_gguf_path):
     forward, the ids it compares across backends); a forward count per kind adds up."""
     import pathlib
 
-    script = pathlib.Path(__file__).parent.parent / "bench" / "modes.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "modes.py"
     r = subprocess.run([sys.executable, str(script), str(clover_gguf_path), "-n", "6", "-t", "1", "--json",
                         "--prompts", "3"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -206,7 +206,7 @@ def test_logits_check_script(clover_gguf_path, tmp_path):
 
     from clover_gguf import Model
 
-    script = str(pathlib.Path(__file__).parent.parent / "bench" / "logits_check.py")
+    script = str(pathlib.Path(__file__).resolve().parents[2] / "bench" / "logits_check.py")
     simd, scalar = tmp_path / "simd.npz", tmp_path / "scalar.npz"
     for out, env in ((simd, {}), (scalar, {"CLOVER_ISA": "scalar"})):
         r = subprocess.run([sys.executable, script, str(clover_gguf_path), str(out), "-t", "1", "--prompts", "2"],

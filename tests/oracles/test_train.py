@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "bench" / "train" / "train_tiny.py"
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "train" / "train_tiny.py"
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_short_training_run(tt, tmp_path):
     assert (tmp_path / "distill-source-q8_0.gguf").is_file()
 
 
-_SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "clover_gguf" / "models" / "clover-tiny-q8_0.gguf"
+_SHIPPED = pathlib.Path(__file__).resolve().parents[2] / "clover_gguf" / "models" / "clover-tiny-q8_0.gguf"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 from clover_gguf import DEFAULT_MODEL, Clover, Model
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 N_CTX = 64
 NAN, INF = float("nan"), float("inf")
 

@@ -17,7 +17,7 @@ import pytest
 from clover_gguf.convert import convert as C
 from clover_gguf.convert import quant_plan as QP
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 Q = gguf.GGMLQuantizationType
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from llamacpp import LLAMA_CPP_SRC, llama_python, run_llama_converter
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]  # tests/: llama_runner.py
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "The quick brown fox jumps over the lazy dog. Block diffusion fills many tokens at once.",

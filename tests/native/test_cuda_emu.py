@@ -1,7 +1,7 @@
 """The CUDA backend's code run on a machine without a GPU.
 
 native/cuda is built by the host C++ compiler against the CUDA emulator (native/cuda/emu,
-``-DCLOVER_CUDA=EMU``, about 40 s), and every test of tests/test_cuda.py then runs against that
+``-DCLOVER_CUDA=EMU``, about 40 s), and every test of tests/native/test_cuda.py then runs against that
 library in a child pytest: each kernel against the CPU engine, whole-model logits and greedy
 tokens in all three modes, and the GPU placements; then the kernel tests and the F32
 whole-model test once more with each block's threads run in the opposite order
@@ -21,8 +21,8 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-# tests/test_cuda.py's kernel-level tests (seconds under the emulator) and the F32 whole-model
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# tests/native/test_cuda.py's kernel-level tests (seconds under the emulator) and the F32 whole-model
 # test (the resident forward's kernels; 30 s), for the run in reverse thread order
 KERNEL_TESTS = "matmul or experts or attention or gdn or routing or combine or greedy_and or kv_store or (whole_model and f32)"
 
@@ -39,7 +39,7 @@ def test_cuda_tests_pass_under_the_emulator(tmp_path):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     env = dict(os.environ, CLOVER_LIB=str(build / "libclover.so"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        str(ROOT / "tests" / "test_cuda.py")], cwd=ROOT, env=env, capture_output=True, text=True,
+                        str(ROOT / "tests" / "native" / "test_cuda.py")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=1800)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-8000:]
@@ -54,7 +54,7 @@ def test_cuda_tests_pass_under_the_emulator(tmp_path):
     # opposite order: a result
     # that depends on the order threads run between barriers would be a race on a GPU
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", KERNEL_TESTS,
-                        str(ROOT / "tests" / "test_cuda.py")], cwd=ROOT, env=dict(env, CLOVER_EMU_ORDER="reverse"),
+                        str(ROOT / "tests" / "native" / "test_cuda.py")], cwd=ROOT, env=dict(env, CLOVER_EMU_ORDER="reverse"),
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     assert int(re.search(r"(\d+) passed", r.stdout.strip().splitlines()[-1]).group(1)) >= 50

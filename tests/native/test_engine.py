@@ -587,7 +587,7 @@ def test_quantised_file_against_its_dequantised_f32_twin(ref, gguf_of, tmp_path,
 
 def _native_roundtrip(type_, t):
     """Quantise -> dequantise rows (last axis) with the engine's own quantiser (byte-equal to
-    ggml's reference quantisers, tests/test_kquants.py)."""
+    ggml's reference quantisers, tests/native/test_kquants.py)."""
     a = np.ascontiguousarray(t.float().numpy().reshape(-1))
     buf = np.zeros(lib.clover_type_nbytes(type_, a.size), np.uint8)
     assert lib.clover_from_f32(type_, ffi.cast("float *", a.ctypes.data), ffi.cast("void *", buf.ctypes.data),

@@ -28,7 +28,7 @@ import urllib.request  # noqa: E402
 
 import openai  # noqa: E402
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 N_CTX = 4096
 HANG = 120  # seconds: generous guard against hangs, not a speed check

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "clover_gguf"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "clover_gguf"
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -18,7 +18,7 @@ import pytest
 
 from clover_gguf.chat import ChatTemplate, chat_template_from_metadata
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 QWEN35 = (DATA / "templates" / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
 SPECIAL = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 
@@ -367,7 +367,7 @@ def test_import_does_not_load_torch_or_transformers():
     code = ("import sys, clover_gguf, clover_gguf.chat; "
             "print(sorted(m for m in ('torch', 'transformers', 'clover_gguf._ffi') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=pathlib.Path(__file__).parent.parent)
+                         cwd=pathlib.Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
 
 

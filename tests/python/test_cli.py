@@ -372,7 +372,7 @@ def test_gpu_options_without_a_gpu_say_everything_runs_on_the_cpu():
     from clover_gguf._ffi import ffi, lib
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) > 0:
-        pytest.skip("a GPU is present (tests/test_cuda.py covers placements there)")
+        pytest.skip("a GPU is present (tests/native/test_cuda.py covers placements there)")
     r = cli("run", "-p", "import os", "-n", 4, "-ngl", "all", "-t", 1)
     assert r.returncode == 0, r.stderr
     assert "running on the CPU" in r.stderr

@@ -35,15 +35,15 @@ import clover_gguf
 from clover_gguf._ffi import ERR_SIZE, err_buf, ffi, lib
 from conftest import rewrite_gguf
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "fuzz" / "corpus"
 FUZZ_ITERS = int(os.environ.get("CLOVER_FUZZ_ITERS", "100000"))
 # corpus files the reader accepts: legal GGUF (a zero-sized tensor), refused later by the loader
 ACCEPTED_BY_READER = {"dim_zero.gguf"}
 # native-facing tests re-run against the sanitised library (no torch-heavy or slow ones)
-SANITISED_TESTS = ["tests/test_gguf.py", "tests/test_dot.py", "tests/test_fuzz.py::test_model_level_validation",
-                   "tests/test_fuzz.py::test_nonfinite_values_stop_with_the_layer_named",
-                   "tests/test_sampler.py", "-k", "not penalties_off_reproduce"]
+SANITISED_TESTS = ["tests/native/test_gguf.py", "tests/native/test_dot.py", "tests/native/test_fuzz.py::test_model_level_validation",
+                   "tests/native/test_fuzz.py::test_nonfinite_values_stop_with_the_layer_named",
+                   "tests/native/test_sampler.py", "-k", "not penalties_off_reproduce"]
 
 def _asan_runtime() -> str:
     out = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()

@@ -6,7 +6,7 @@ independent), and its greedy ``ar`` and ``diffusion`` outputs on fixed prompts e
 recorded fixture tests/data/default_model.json. After retraining the model, regenerate the
 fixture with::
 
-    CLOVER_LIB=... python tests/test_default_model.py --write
+    CLOVER_LIB=... python tests/python/test_default_model.py --write
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
@@ -93,7 +93,7 @@ def test_ar_greedy_is_deterministic(model):
 def test_outputs_equal_fixture(model):
     want = json.loads(FIXTURE.read_text())
     assert want["model_sha256"] == _sha256(clover_gguf.DEFAULT_MODEL), \
-        "the fixture was recorded for another model file: python tests/test_default_model.py --write"
+        "the fixture was recorded for another model file: python tests/python/test_default_model.py --write"
     got = _outputs(model)
     for k in ("ar_tokens", "ar_text", "diffusion_tokens", "diffusion_text", "diffusion_n_forward_denoise"):
         assert got[k] == want[k], k

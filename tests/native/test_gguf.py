@@ -352,7 +352,7 @@ def test_large_vocabulary_reads_fast(tmp_path):
 def test_real_vocabulary_file():
     """llama.cpp's qwen35 vocabulary GGUF (152k tokens and merges): every value equals the
     pure-Python walk of the same bytes."""
-    path = os.path.join(os.path.dirname(__file__), "data", "qwen35-vocab", "ggml-vocab-qwen35.gguf")
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "qwen35-vocab", "ggml-vocab-qwen35.gguf")
     if not os.path.exists(path):
         pytest.skip("tests/data/qwen35-vocab/ggml-vocab-qwen35.gguf not present")
     with open(path, "rb") as fh:

@@ -2,7 +2,7 @@
 
 The byte counts come from the engine (clover_model_placement_bytes) and are checked against the
 GGUF's own tensor sizes; fit() is checked on budgets around the model's parts (no GPU needed:
-it only plans). Greedy tokens across placements on a GPU: tests/test_cuda.py.
+it only plans). Greedy tokens across placements on a GPU: tests/native/test_cuda.py.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_fit_command_and_budget_without_a_gpu(make_gguf):
     from clover_gguf._ffi import ffi, lib
     info = ffi.new("char[]", 256)
     if lib.clover_gpu_devices(info, 256) > 0:
-        pytest.skip("a GPU is present (tests/test_cuda.py covers placements there)")
+        pytest.skip("a GPU is present (tests/native/test_cuda.py covers placements there)")
     with pytest.warns(UserWarning, match=r"gpu_budget's plan, n_gpu_layers=5 \(every layer and the output\): .*"
                                          "running on the CPU"):
         with Model(path, n_ctx=64, n_threads=1, gpu_budget="600M") as g, Model(path, n_ctx=64, n_threads=1) as c:

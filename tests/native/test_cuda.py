@@ -7,7 +7,7 @@ Always run:
 - the GPU kernels' dequantisation (native/cuda/dequant.cuh) built for the host with nvcc, bit
   for bit against the CPU engine.
 Only with a GPU (skipped otherwise, with the reason), or under the CUDA emulator
-(tests/test_cuda_emu.py runs this file against a CLOVER_CUDA=EMU library on the CPU):
+(tests/native/test_cuda_emu.py runs this file against a CLOVER_CUDA=EMU library on the CPU):
 - clover_cuda_matmul for every weight type against the CPU engine's clover_matmul (both round
   activations to Q8_0/Q8_K the same way, so they differ only in float summation order:
   tolerance 1e-5 of sum |w x| per output; seen: below 4e-7 of max |y|; F16/BF16 on tensor cores
@@ -722,7 +722,7 @@ def _tokens_as_the_cpu(got: list, want: list, path, ids: list, mode: str, model_
             "with Model(sys.argv[1], n_ctx=512, n_threads=2, **json.loads(sys.argv[2])) as m:\n"
             "    print(json.dumps(m.generate_tokens(json.loads(sys.argv[3]), max_tokens=int(sys.argv[4]), "
             "mode=sys.argv[5], end_ids=[])[0]))\n")
-    env = dict(os.environ, CLOVER_ISA="scalar", PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, CLOVER_ISA="scalar", PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[2]))
     r = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(model_kw), json.dumps(list(ids)),
                         str(len(want)), mode], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -970,7 +970,7 @@ def dq_check(tmp_path_factory):
         pytest.skip("nvcc not found")
 
     exe = tmp_path_factory.mktemp("dq") / "dq_check"
-    src = pathlib.Path(__file__).parent / "cuda" / "dq_check.cu"
+    src = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "dq_check.cu"
     r = subprocess.run([nvcc, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return exe
@@ -1705,7 +1705,7 @@ def test_gpu_kernels_bench_runs():
     library (a stale one would crash on the device), every case is timed, the attention cases
     cover the F32 and F16 caches, the block pass with and without tensor cores (64 keys: no
     prefill case), and the GDN block operator runs for the rows asked."""
-    script = pathlib.Path(__file__).parent.parent / "bench" / "gpu_kernels.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_kernels.py"
     r = subprocess.run([sys.executable, str(script), "--ne0", "256", "--ne1", "64", "--types", "Q4_K,F16",
                         "--rows", "1,32", "--keys", "64", "--gdn-rows", "1,9", "--iters", "1", "--reps", "1", "--json"],
                        capture_output=True, text=True, timeout=600)

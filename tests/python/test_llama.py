@@ -444,7 +444,7 @@ def test_constructor_settings_and_n_gpu_layers(gguf_path, ref):
         with pytest.warns(UserWarning, match="running on the CPU"):
             c = Clover(gguf_path, n_ctx=256, n_threads=N_THREADS, n_gpu_layers=-1, block_size=8, threshold=0.5)
         assert c._model.n_gpu_layers == 0
-    else:  # (tests/test_cuda.py compares the GPU path with the CPU)
+    else:  # (tests/native/test_cuda.py compares the GPU path with the CPU)
         c = Clover(gguf_path, n_ctx=256, n_threads=N_THREADS, n_gpu_layers=-1, block_size=8, threshold=0.5)
         assert c._model.n_gpu_layers == c._model.hparams["n_layer"] + 1
     with c:

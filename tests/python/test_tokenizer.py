@@ -14,7 +14,7 @@ import pytest
 
 from clover_gguf.tokenizer import CloverTokenizer
 
-DATA = pathlib.Path(__file__).parent / "data" / "qwen35-vocab"
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "qwen35-vocab"
 
 TEXTS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
