@@ -2,7 +2,8 @@
  *
  * The engine runs Clover block-diffusion models and their Qwen3.5/3.6-MoE parents from GGUF
  * files (design: clover-spec.md). Everything here is plain C11, callable through cffi in
- * ABI mode (clover_gguf/_ffi.py repeats these declarations; keep both in sync).
+ * ABI mode (clover_gguf/_ffi.py parses its declarations from this file, so what is declared
+ * here is what Python sees).
  *
  * Conventions
  * - Errors: functions that can fail take `char *err, size_t err_size` and write a one-line,
@@ -106,7 +107,7 @@ CLOVER_API const void *clover_gguf_tensor_data(const clover_gguf *g, int64_t t);
 CLOVER_API int clover_gguf_tensor_to_f32(const clover_gguf *g, int64_t t, float *out, int64_t n_out,
                                          char *err, size_t err_size);
 
-/* ---------------------------------------------------------------- quant formats (quants.c) */
+/* ---------------------------------------------------------------- quant formats (quant/quants.c) */
 /* Convert n values of type `type` (F32, F16, BF16, Q8_0; Q8_0 needs n % 32 == 0) at src to
  * float32. Returns CLOVER_OK or CLOVER_E_ARG. */
 CLOVER_API int clover_to_f32(int type, const void *src, float *dst, int64_t n);
@@ -114,8 +115,12 @@ CLOVER_API int clover_to_f32(int type, const void *src, float *dst, int64_t n);
 CLOVER_API int64_t clover_from_f32(int type, const float *src, void *dst, int64_t n);
 /* Bytes needed for n values of `type`, or -1 if n does not fit the block size. */
 CLOVER_API int64_t clover_type_nbytes(int type, int64_t n);
+/* The ggml name of tensor type id `type` ("F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "BF16",
+ * ...: ggml.h's numbering, ids 0..39, computable here or not), NULL for an id ggml does not
+ * define (removed or out of range). One table (core/ggml_types.c) serves the C reader and Python. */
+CLOVER_API const char *clover_type_name(int32_t type);
 
-/* ---------------------------------------------------------------- model (model.c) */
+/* ---------------------------------------------------------------- model (model/load.c, gpu/offload.c) */
 typedef struct clover_model clover_model;
 
 /* Load a `clover_moe` or `qwen35moe` GGUF (docs/gguf-layout.md): reads hyperparameters, checks
@@ -214,7 +219,7 @@ CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out)
  * instead of corrupting memory. */
 CLOVER_API size_t clover_struct_size(const char *name);
 
-/* ---------------------------------------------------------------- context (model.c)
+/* ---------------------------------------------------------------- context (model/context.c, model/forward.c)
  * A context holds the per-sequence caches of spec 6: KV cache for attention layers (F16 or
  * F32), GDN state (fp32, per value head dk x dv) and conv history (last 3 qkv inputs) per GDN
  * layer, and the scratch buffers. */

@@ -8,7 +8,12 @@
  * the newly filled slots contiguous with the block's already final start (spec 5.2: filled
  * slots are never remasked), not only whole blocks.
  */
-#include "engine.h"
+#include "core/errors.h"
+#include "decode/sampler.h"
+#include "model/checkpoint.h"
+#include "model/forward.h"
+#include "model/load.h"
+#include "model/model.h"
 
 #include <math.h>
 #include <stdlib.h>
