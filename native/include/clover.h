@@ -168,6 +168,20 @@ CLOVER_API int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, i
  * CLOVER_GPU_RESIDENT=0). -1 for bad arguments. Needs no GPU (for --fit plans). */
 CLOVER_API int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe,
                                                 int32_t part);
+/* 1 when layer il of m is a full-attention layer, 0 a Gated DeltaNet layer (the loader's rule:
+ * attention.recurrent_layers when present, else every full_attention_interval-th layer; spec 1),
+ * -1 for a NULL model or il outside [0, n_layer). */
+CLOVER_API int32_t clover_model_layer_is_attn(const clover_model *m, int32_t il);
+/* Bytes a context of n_ctx tokens with KV cache types type_k, type_v keeps on the GPU when
+ * clover_model_offload(m, n_gpu_layers, ...) placed the weights (computed by the sizing the
+ * context's allocations use, gpu/device_state.c): the K and V cache of each offloaded attention
+ * layer (n_ctx x n_head_kv x head_dim elements of type_k and of type_v); once any GDN layer runs
+ * on the GPU, the float32 state [Hv][dk][dv] of every GDN layer; and when the placement makes the
+ * model resident (n_gpu_layers > n_layer, clover_model_gpu_resident) their float32 conv history
+ * [d_conv-1][channels] too. Needs no GPU. -1 for a NULL model, n_ctx <= 0, n_gpu_layers < 0 or
+ * another cache type; INT64_MAX when the size overflows. */
+CLOVER_API int64_t clover_model_gpu_cache_bytes(const clover_model *m, int32_t n_ctx, int32_t n_gpu_layers,
+                                                int32_t type_k, int32_t type_v);
 /* Bytes of weights on the GPU (0 when none). */
 CLOVER_API int64_t clover_model_gpu_bytes(const clover_model *m);
 /* 1 when forwards run device-resident: every layer with its experts and the output offloaded
