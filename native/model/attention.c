@@ -23,10 +23,12 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim;
     const int64_t kvd = nkv * hd, group = nh / nkv;
-    float *qg = malloc(sizeof(float) * (size_t)(T * nh * 2 * hd));
-    float *k = malloc(sizeof(float) * (size_t)(T * kvd));
-    float *v = malloc(sizeof(float) * (size_t)(T * kvd));
-    float *att = malloc(sizeof(float) * (size_t)(T * nh * hd));
+    scratch_plan sp = {0};
+    const int iqg = scratch_add(&sp, T * nh * 2 * hd, sizeof(float)), ik = scratch_add(&sp, T * kvd, sizeof(float));
+    const int iv = scratch_add(&sp, T * kvd, sizeof(float)), iatt = scratch_add(&sp, T * nh * hd, sizeof(float));
+    char *base = scratch_carve(c, SCRATCH_LAYER, &sp);
+    float *qg = scratch_part(base, &sp, iqg), *k = scratch_part(base, &sp, ik), *v = scratch_part(base, &sp, iv);
+    float *att = scratch_part(base, &sp, iatt);
     int rc = CLOVER_E_NOMEM;
     if (!qg || !k || !v || !att) goto done;
     if (matmul(f, &ly->wq, xn, T, qg) || matmul(f, &ly->wk, xn, T, k) || matmul(f, &ly->wv, xn, T, v)) goto done;
@@ -106,6 +108,5 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
     if (nomem) goto done;
     rc = matmul(f, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
-    free(qg), free(k), free(v), free(att);
     return rc;
 }

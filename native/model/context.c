@@ -5,6 +5,7 @@
 #include "gpu/device_state.h"
 #include "gpu/forward_resident.h"
 #include "model/model.h"
+#include "model/pass.h"
 
 #include <stdatomic.h>
 #include <stdio.h>
@@ -183,6 +184,7 @@ void clover_context_free(clover_context *c) {
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
     clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
     moe_host_release(c);
+    free(c->scratch[SCRATCH_PASS].p), free(c->scratch[SCRATCH_LAYER].p);
     free(c);
 }
 

@@ -31,9 +31,11 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
     const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
     const int64_t T = f->T, H = hp->n_embd;
-    float *x = malloc(sizeof(float) * (size_t)(T * H));
-    float *xn = malloc(sizeof(float) * (size_t)(T * H));
-    float *o = malloc(sizeof(float) * (size_t)(T * H));
+    scratch_plan sp = {0};
+    const int ix = scratch_add(&sp, T * H, sizeof(float)), ixn = scratch_add(&sp, T * H, sizeof(float));
+    const int io = scratch_add(&sp, T * H, sizeof(float));
+    char *base = scratch_carve(c, SCRATCH_PASS, &sp);
+    float *x = scratch_part(base, &sp, ix), *xn = scratch_part(base, &sp, ixn), *o = scratch_part(base, &sp, io);
     int rc = CLOVER_E_NOMEM;
     f->gpu_rc = 0; /* a step that fails may say why (the GPU's products) */
     if (f->err && f->err_size) f->err[0] = '\0';
@@ -59,13 +61,14 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
         int64_t n = 0;
         for (int64_t t = 0; t < T; t++)
             if (rows[t]) rmsnorm(xn + n++ * H, x + t * H, m->output_norm, H, hp->rms_eps);
-        float *lg = n ? malloc(sizeof(float) * (size_t)(n * hp->n_vocab)) : NULL;
+        scratch_plan lp = {0};
+        const int ilg = scratch_add(&lp, n * hp->n_vocab, sizeof(float));
+        float *lg = n ? scratch_part(scratch_carve(c, SCRATCH_LAYER, &lp), &lp, ilg) : NULL;
         rc = n && !lg ? CLOVER_E_NOMEM : CLOVER_OK;
         if (n && lg && matmul(f, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
         for (int64_t t = 0, k = 0; t < T && rc == CLOVER_OK; t++)
             if (rows[t]) memcpy(logits + t * hp->n_vocab, lg + k++ * hp->n_vocab, sizeof(float) * (size_t)hp->n_vocab);
         if (rc == CLOVER_OK && n) rc = check_finite(f, lg, n * hp->n_vocab, -1, NULL);
-        free(lg);
     } else if (logits) {
         for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
         rc = matmul(f, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
@@ -75,7 +78,6 @@ done:
     if (rc == CLOVER_E_NOMEM && f->gpu_rc) rc = f->gpu_rc;
     if (rc == CLOVER_E_NOMEM && !(f->err && f->err_size && f->err[0]))
         clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
-    free(x), free(xn), free(o);
     return rc;
 }
 

@@ -67,12 +67,13 @@ int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
     const int block = f->mode == MODE_BLOCK;
     float *state = c->gdn_state + (size_t)ly->slot * gdn_state_floats(hp);
     float *hist = c->conv_state + (size_t)ly->slot * (d.K - 1) * C;
-    float *qkv = malloc(sizeof(float) * (size_t)(T * C));
-    float *cv = malloc(sizeof(float) * (size_t)(T * C));
-    float *z = malloc(sizeof(float) * (size_t)(T * vdim));
-    float *b = malloc(sizeof(float) * (size_t)(T * d.Hv));
-    float *a = malloc(sizeof(float) * (size_t)(T * d.Hv));
-    float *o = malloc(sizeof(float) * (size_t)(T * vdim));
+    scratch_plan sp = {0};
+    const int iqkv = scratch_add(&sp, T * C, sizeof(float)), icv = scratch_add(&sp, T * C, sizeof(float));
+    const int iz = scratch_add(&sp, T * vdim, sizeof(float)), ib = scratch_add(&sp, T * d.Hv, sizeof(float));
+    const int ia = scratch_add(&sp, T * d.Hv, sizeof(float)), io = scratch_add(&sp, T * vdim, sizeof(float));
+    char *base = scratch_carve(c, SCRATCH_LAYER, &sp);
+    float *qkv = scratch_part(base, &sp, iqkv), *cv = scratch_part(base, &sp, icv), *z = scratch_part(base, &sp, iz);
+    float *b = scratch_part(base, &sp, ib), *a = scratch_part(base, &sp, ia), *o = scratch_part(base, &sp, io);
     int rc = CLOVER_E_NOMEM;
     /* the recurrence on the GPU when the layer is offloaded (the conv and norms stay here) */
     const int on_gpu = gdn_on_gpu(ly, &d);
@@ -121,6 +122,5 @@ int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
         }
     rc = matmul(f, &ly->wout, o, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
-    free(qkv), free(cv), free(z), free(b), free(a), free(o);
     return rc;
 }

@@ -125,6 +125,13 @@ struct clover_context {
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
                            without the coreset (the union of their own top-k; spec 5.6) */
     atomic_int abort_req; /* set by clover_context_abort (any thread), consumed by forward() */
+    /* host scratch of the CPU forward, grown on demand and kept until clover_context_free
+     * (model/pass.c scratch_carve): [SCRATCH_PASS] a pass's activations, [SCRATCH_LAYER] one
+     * layer's buffers (attention, GDN or MoE; the layers run one after another) */
+    struct {
+        void *p;
+        size_t cap;
+    } scratch[2];
 };
 
 /* Channels of a GDN layer's conv: q and k of Hk key heads, v of Hv value heads (spec 2.1). */

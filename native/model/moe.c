@@ -154,22 +154,28 @@ int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *ou
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, I = hp->n_ff_exp;
     const int64_t Is = hp->n_ff_shexp, P = T * k; /* P (row, expert) pairs */
-    float *probs = malloc(sizeof(float) * (size_t)(T * E));
-    int32_t *sel = malloc(sizeof(int32_t) * (size_t)P);
-    float *wsel = malloc(sizeof(float) * (size_t)P);
-    unsigned char *allowed = malloc((size_t)E);
-    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t)); /* bucket of expert e: [start[e], start[e+1]) */
-    int64_t *fill = malloc(sizeof(int64_t) * (size_t)E);
-    double *S = malloc(sizeof(double) * (size_t)E);
-    int32_t *order = malloc(sizeof(int32_t) * (size_t)E);
-    int32_t *prow = malloc(sizeof(int32_t) * (size_t)P); /* token row of each bucketed pair */
-    float *pw = malloc(sizeof(float) * (size_t)P);
-    float *xg = malloc(sizeof(float) * (size_t)(P * H));
-    float *yg = malloc(sizeof(float) * (size_t)(P * H));
-    float *gt = malloc(sizeof(float) * (size_t)(T * Is));
-    float *up = malloc(sizeof(float) * (size_t)(T * Is));
-    float *ys = malloc(sizeof(float) * (size_t)(T * H));
-    float *sg = malloc(sizeof(float) * (size_t)T);
+    const size_t F = sizeof(float), I32 = sizeof(int32_t), I64 = sizeof(int64_t);
+    scratch_plan sp = {0};
+    const int i_probs = scratch_add(&sp, T * E, F), i_sel = scratch_add(&sp, P, I32), i_wsel = scratch_add(&sp, P, F);
+    const int i_allowed = scratch_add(&sp, E, 1), i_start = scratch_add(&sp, E + 1, I64), i_fill = scratch_add(&sp, E, I64);
+    const int i_S = scratch_add(&sp, E, sizeof(double)), i_order = scratch_add(&sp, E, I32), i_prow = scratch_add(&sp, P, I32);
+    const int i_pw = scratch_add(&sp, P, F), i_xg = scratch_add(&sp, P * H, F), i_yg = scratch_add(&sp, P * H, F);
+    const int i_gt = scratch_add(&sp, T * Is, F), i_up = scratch_add(&sp, T * Is, F), i_ys = scratch_add(&sp, T * H, F);
+    const int i_sg = scratch_add(&sp, T, F);
+    char *base = scratch_carve(c, SCRATCH_LAYER, &sp);
+    float *probs = scratch_part(base, &sp, i_probs);
+    int32_t *sel = scratch_part(base, &sp, i_sel);
+    float *wsel = scratch_part(base, &sp, i_wsel);
+    unsigned char *allowed = scratch_part(base, &sp, i_allowed);
+    int64_t *start = scratch_part(base, &sp, i_start); /* bucket of expert e: [start[e], start[e+1]) */
+    int64_t *fill = scratch_part(base, &sp, i_fill);
+    double *S = scratch_part(base, &sp, i_S);
+    int32_t *order = scratch_part(base, &sp, i_order);
+    int32_t *prow = scratch_part(base, &sp, i_prow); /* token row of each bucketed pair */
+    float *pw = scratch_part(base, &sp, i_pw), *xg = scratch_part(base, &sp, i_xg), *yg = scratch_part(base, &sp, i_yg);
+    float *gt = scratch_part(base, &sp, i_gt), *up = scratch_part(base, &sp, i_up), *ys = scratch_part(base, &sp, i_ys);
+    float *sg = scratch_part(base, &sp, i_sg);
+    if (start) memset(start, 0, sizeof(int64_t) * ((size_t)E + 1));
     int rc = CLOVER_E_NOMEM;
     if (!probs || !sel || !wsel || !allowed || !start || !fill || !S || !order || !prow || !pw || !xg || !yg || !gt || !up ||
         !ys || !sg)
@@ -256,7 +262,5 @@ int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *ou
     }
     rc = CLOVER_OK;
 done:
-    free(probs), free(sel), free(wsel), free(allowed), free(start), free(fill), free(S), free(order), free(prow);
-    free(pw), free(xg), free(yg), free(gt), free(up), free(ys), free(sg);
     return rc;
 }

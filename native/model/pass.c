@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 
 /* y = W x for T rows, on the GPU when W was offloaded (clover_model_offload; its error message
  * into err, when given), else on the CPU with n_threads. CLOVER_OK, or the failure's code
@@ -74,4 +75,28 @@ int check_finite(fwd *f, const float *x, int64_t n, int il, const char *what) {
                               "(output.weight), row %lld", x[i], (long long)(i / f->c->m->hp.n_vocab));
     return clover_set_err(f->err, f->err_size, CLOVER_E_NUMERIC, "non-finite value (%g) after layer %d (blk.%d) %s, "
                           "row %lld of %lld", x[i], il, il, what, (long long)(i / H), (long long)f->T);
+}
+
+/* Part offsets in order, each rounded up to 64 bytes; an overflow marks the plan unusable. */
+int scratch_add(scratch_plan *p, int64_t count, size_t elem) {
+    size_t bytes, end;
+    const int i = p->n < SCRATCH_PARTS ? p->n++ : (p->overflow = 1, SCRATCH_PARTS - 1);
+    if (count < 0 || __builtin_mul_overflow((size_t)count, elem, &bytes) || __builtin_add_overflow(bytes, 63, &bytes) ||
+        __builtin_add_overflow(p->total, bytes & ~(size_t)63, &end))
+        p->overflow = 1;
+    else
+        p->off[i] = p->total, p->total = end;
+    return i;
+}
+
+/* Grow the slot to the plan's total when needed (the old contents are not kept: every user
+ * writes its parts before it reads them) and return its base. */
+char *scratch_carve(clover_context *c, int slot, const scratch_plan *p) {
+    if (p->overflow) return NULL;
+    if (p->total > c->scratch[slot].cap || !c->scratch[slot].p) {
+        free(c->scratch[slot].p);
+        c->scratch[slot].p = malloc(p->total ? p->total : 1);
+        c->scratch[slot].cap = c->scratch[slot].p ? p->total : 0;
+    }
+    return c->scratch[slot].p;
 }

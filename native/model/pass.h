@@ -42,6 +42,22 @@ typedef struct select_req {
     int64_t full_row0;
 } select_req;
 
+/* The context's host scratch (clover_context.scratch): a plan of up to SCRATCH_PARTS parts, each
+ * count elements of elem bytes (64-byte aligned), with every size computation overflow-checked. */
+enum { SCRATCH_PASS = 0, SCRATCH_LAYER = 1, SCRATCH_PARTS = 24 };
+typedef struct {
+    size_t off[SCRATCH_PARTS];
+    size_t total;
+    int n, overflow;
+} scratch_plan;
+/* Add a part of count elements of elem bytes to p; returns its index. */
+CLOVER_HIDDEN int scratch_add(scratch_plan *p, int64_t count, size_t elem);
+/* The base of slot `slot` of c's scratch holding p's parts (grown when smaller, kept), or NULL
+ * when a size overflowed or the allocation failed. */
+CLOVER_HIDDEN char *scratch_carve(clover_context *c, int slot, const scratch_plan *p);
+/* Part i of a carved plan (NULL when base is NULL). */
+static inline void *scratch_part(char *base, const scratch_plan *p, int i) { return base ? base + p->off[i] : NULL; }
+
 /* y = W x for T rows, on the GPU when W was offloaded (clover_model_offload; its error message
  * into err, when given), else on the CPU with n_threads. CLOVER_OK, or the failure's code
  * (CLOVER_E_NOMEM on the CPU). */
