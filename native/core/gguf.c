@@ -486,7 +486,7 @@ static int parse_tensor(reader *r, clover_gguf *g, int64_t i) {
         fail(r, "data offset %" PRIu64 " is not a multiple of the alignment %" PRIu64, offset, g->alignment);
         return 0;
     }
-    t->offset = offset; /* relative for now; made absolute once the data section is known */
+    t->offset = offset; /* relative to the data section; made absolute once its start is known */
     (void)elem_align;
     return 1;
 }

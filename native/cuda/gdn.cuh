@@ -4,7 +4,7 @@
  * (blockIdx.y), GDN_SPLIT threads a column, thread p of a column holding its rows p R .. p R + R - 1
  * in registers (R: the template's, at least dk / GDN_SPLIT). Per row t in order: S <- exp(g) S;
  * S <- S + k (beta (v - S^T k))^T; o = S^T q, the dot products summed per thread, then over
- * the column's threads (the CPU's delta_step and readout in native/model.c sum in row order, so
+ * the column's threads (the CPU's delta_step and readout in cpu/gdn_heads.c sum in row order, so
  * results differ by that order, FMA contraction and expf); S written back at the end. conv: [T][C]
  * rows of q (Hk dk), k (Hk dk), v (Hv dv); value head h reads key head h % Hk. */
 #define DK_MAX 256

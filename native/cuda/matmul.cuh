@@ -88,7 +88,7 @@ __device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) {
  * float, the scale of each 32 values; act_q8_* below): lane l takes the pieces of 8 elements
  * p = l, l + 32, ...; a piece's 8 weight values are two qpack words of one group with scale s and
  * offset o (dequant.cuh), so it adds d_a * (s * sum(q_w q_a) + o * sum(q_a)) to each activation
- * row, the integer sums exact (dp4a), as the CPU's dot products form them (native/dot.h) up to
+ * row, the integer sums exact (dp4a), as the CPU's dot products form them (quant/dot.h) up to
  * the float order. */
 template <int TYPE>
 __global__ void k_matmul_q(const uint8_t *W, int64_t w_stride, int64_t ne0, int64_t ne1, const int8_t *Q,
@@ -182,7 +182,7 @@ __global__ void k_swiglu(float *g, const float *u, int64_t n) {
         g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* Activations as the CPU engine multiplies them with quantised weights (native/dot.h): each
+/* Activations as the CPU engine multiplies them with quantised weights (quant/dot.h): each
  * block of X quantised to Q8_0 (32 values) or Q8_K (256 values) with the CPU's rounding, as int8
  * values Q (same layout as X) and the scale D of every 32 values (a Q8_K block's scale
  * repeated 8 times), so that a GPU product differs from the CPU's only in the float order of its
@@ -203,7 +203,7 @@ __device__ __forceinline__ int warp_isum(int v) {
     return v;
 }
 
-/* Q8_0 (native/dot.c quantize_act_q8_0): d = fp16(amax/127), q = rint(x * (127/amax)). */
+/* Q8_0 (quant/dot.c quantize_act_q8_0): d = fp16(amax/127), q = rint(x * (127/amax)). */
 __global__ void k_act_q8_0(const float *X, int8_t *Q, float *D, float *S) {
     const int64_t i = (int64_t)blockIdx.x * 32 + threadIdx.x;
     const float v = X[i], a = fabsf(v);
@@ -217,7 +217,7 @@ __global__ void k_act_q8_0(const float *X, int8_t *Q, float *D, float *S) {
     if (threadIdx.x == 0) D[blockIdx.x] = bad ? NAN : d, S[blockIdx.x] = bad ? NAN : d * (float)sum;
 }
 
-/* Q8_K (native/kquants.c q8_k_quant, ggml's quantize_row_q8_K_ref): vmax = the first element
+/* Q8_K (native/quant/kquants.c q8_k_quant, ggml's quantize_row_q8_K_ref): vmax = the first element
  * of largest |x|, q = min(127, rint(x * -127/vmax)), d = 1 / (-127/vmax). Lane l holds
  * elements l + 32 i. */
 __global__ void k_act_q8_k(const float *X, int8_t *Q, float *D, float *S) {

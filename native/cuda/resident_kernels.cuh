@@ -1,13 +1,13 @@
 /* resident_kernels.cuh: part of cuda.cu (included there, in order, after the parts before it): the kernels of the device-resident forward (norms, RoPE, conv, GDN gates and output, routing, gather, combine, residual add). */
 /* ------------------------------------------------------------------ device-resident forward
- * The operations of native/model.c's resident forward (every layer and the output on the GPU):
+ * The operations of gpu/forward_resident.c's resident forward (every layer and the output on the GPU):
  * all pointers are device memory, launches are queued in stream order and return at once (a
  * launch error is reported by that call, a later asynchronous one by a later call or by the copy
  * that brings the logits back). Each kernel follows the CPU function named in its comment, in
  * the same operation order, so results differ from the CPU's only in float rounding (expf, FMA
  * contraction, the order of parallel sums). */
 
-/* rmsnorm (model.c) of row idx[r] (r without idx) of X into row r of Y, one warp per row:
+/* rmsnorm (cpu/kernels.h) of row idx[r] (r without idx) of X into row r of Y, one warp per row:
  * y = x * rsqrt(mean(x^2) + eps) * w, the sum of squares in double. In place when X == Y. */
 __global__ void k_rmsnorm(const float *X, int64_t xs, const int32_t *idx, const float *w, int64_t n, float eps, float *Y,
                           int64_t ys) {
@@ -21,7 +21,7 @@ __global__ void k_rmsnorm(const float *X, int64_t xs, const int32_t *idx, const 
     for (int64_t i = threadIdx.x; i < n; i += 32) y[i] = x[i] * s * w[i];
 }
 
-/* attention_layer's per-head rmsnorm then rope_neox (model.c; spec 2.2 step 2) on head
+/* attention_layer's per-head rmsnorm then rope_neox (cpu/kernels.h; spec 2.2 step 2) on head
  * blockIdx.x of row t = blockIdx.y (hd floats at X + t ts + h hs) at position *pos_p + t: the
  * first rd dimensions rotate, angles in double as on the CPU. One warp per head. */
 __global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *w, int64_t hd, float eps,
@@ -49,7 +49,7 @@ __global__ void k_head_norm_rope(float *X, int64_t ts, int64_t hs, const float *
     }
 }
 
-/* conv_silu (model.c; spec 2.1 step 2, 3.3 step 1), one thread per (row, channel): the K taps w
+/* conv_silu (model/gdn.c; spec 2.1 step 2, 3.3 step 1), one thread per (row, channel): the K taps w
  * over hist (the K-1 previous inputs) ++ in, w[ch K + K-1] on the row itself, then, with wr (block
  * mode), the right taps wr[ch (K-1) + d-1] on rows t + d < T (d = 1..K-1); SiLU. */
 __global__ void k_conv(const float *w, const float *wr, const float *hist, const float *in, int64_t T, int64_t C, int K,
@@ -80,7 +80,7 @@ __global__ void k_conv_hist(float *hist, const float *in, int64_t T, int64_t C, 
     }
 }
 
-/* qk_norm (model.c; spec 2.1 step 3): q (blockIdx.x < Hk) and k heads of row blockIdx.y
+/* qk_norm (model/gdn.c; spec 2.1 step 3): q (blockIdx.x < Hk) and k heads of row blockIdx.y
  * l2-normed, q then times 1/sqrt(dk); one warp per head. */
 __global__ void k_gdn_qk_norm(float *conv, int64_t C, int64_t Hk, int64_t dk, float eps) {
     const int is_q = blockIdx.x < Hk;
@@ -95,7 +95,7 @@ __global__ void k_gdn_qk_norm(float *conv, int64_t C, int64_t Hk, int64_t dk, fl
     }
 }
 
-/* gates (model.c; spec 2.1 step 4): beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias). */
+/* gates (model/gdn.c; spec 2.1 step 4): beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias). */
 __global__ void k_gdn_gates(float *b, float *a, const float *ssm_a, const float *dt_bias, int64_t n, int64_t Hv) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -118,7 +118,7 @@ __global__ void k_gdn_out(float *O, const float *Z, const float *w, int64_t Hv, 
     for (int64_t i = threadIdx.x; i < dv; i += 32) o[i] = o[i] * s * w[i] * (z[i] / (1.0f + expf(-z[i])));
 }
 
-/* model.c's topk for one row, by one warp: the k largest p[e] among allowed experts (all when
+/* model/moe.c's topk for one row, by one warp: the k largest p[e] among allowed experts (all when
  * NULL), ties to the lower id (E <= 1024: lane l owns experts l + 32 j). Each lane finds its own
  * best untaken candidate, then the warp the best of those (larger p, else lower id): the CPU's
  * choice. idx is written by lane 0. */
@@ -148,7 +148,7 @@ __device__ void topk_warp(const float *p, int64_t E, const unsigned char *allowe
 }
 
 /* MoE routing (spec 2.3 step 1; the coreset of spec 5.6 when coreset != 0), as moe_layer and
- * coreset in model.c, in one block of 32 warps: rows of P (logits [T][E]) become softmax
+ * coreset in model/moe.c, in one block of 32 warps: rows of P (logits [T][E]) become softmax
  * probabilities; sel/wsel [T][k] scratch; out: prow and pw [T k] (row and weight of each pair,
  * bucketed by expert, rows ascending within a bucket), pair [T][k] (row t's pair indices
  * ascending), tiles (n_tiles; those past the used ones get nr = 0), stats[0] experts used,

@@ -1,5 +1,5 @@
 /* select.cuh: part of cuda.cu (included there, in order, after the parts before it): the sampler's selection on the device (clover-spec 5.3-5.4): logit edits, greedy, top-k candidates, row totals. */
-/* native/sampler.c clover_apply_logit_ops on row blockIdx.x of Z, by one thread, in order. */
+/* decode/sampler.c clover_apply_logit_ops on row blockIdx.x of Z, by one thread, in order. */
 __global__ void k_logit_ops(float *Z, int64_t V, const clover_logit_op *ops, const int32_t *start, float rep, float freq,
                             float pres, float *pre) {
     float *z = Z + (int64_t)blockIdx.x * V;
@@ -9,7 +9,7 @@ __global__ void k_logit_ops(float *Z, int64_t V, const clover_logit_op *ops, con
     }
 }
 
-/* clover_sample at temperature 0 (native/sampler.c) on row blockIdx.x of Z, 256 threads: the
+/* clover_sample at temperature 0 (decode/sampler.c) on row blockIdx.x of Z, 256 threads: the
  * argmax over ids other than mask (the lowest id among equal maxima, the CPU's first strict
  * maximum), then 1 / sum of exp(z - z_max) in double, as tree reductions. */
 __global__ void k_greedy(const float *Z, int64_t V, int32_t mask, int32_t *ids, float *conf) {
@@ -73,7 +73,7 @@ __device__ __forceinline__ uint64_t cand_key(float z, int64_t i) {
 
 enum { TOP_K_THREADS = 1024 };
 
-/* clover_sample's top-k candidates (native/sampler.c top_k_cands) of row blockIdx.x of Z: a radix
+/* clover_sample's top-k candidates (decode/sampler.c top_k_cands) of row blockIdx.x of Z: a radix
  * select over the 64-bit rank keys, 8 bits a pass from the top (a 256-bin histogram of the keys
  * that share the prefix chosen so far), until the bin holding the k-th key is taken whole; then
  * the keys at or above that bin (exactly k) are gathered and placed by rank. Usually 3-4 passes
@@ -148,7 +148,7 @@ extern "C" int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_
     return launched(CLOVER_OK, "top_k_d", err, err_size);
 }
 
-/* The tempered weight of row blockIdx.x of Z (edited) for top-p alone (native/sampler.c
+/* The tempered weight of row blockIdx.x of Z (edited) for top-p alone (decode/sampler.c
  * clover_sample): total = sum over ids other than mask of (float)exp((double)(z - zmax) / T) in
  * double, zmax the row's first candidate (cand[row][0]); 256 threads, a fixed reduction order (not
  * the CPU's vocabulary order). */

@@ -26,7 +26,7 @@ int64_t clover_context_passes(const clover_context *c) { return c ? c->n_passes 
 
 /* CUDA graphs record every launch on the backend's one stream, so they run only while the process
  * has a single context that uses the GPU (one counts from its first forward on a model with
- * weights there, model.c forward, until it is freed; contexts on the CPU alone never launch):
+ * weights there, model/forward.c forward, until it is freed; contexts on the CPU alone never launch):
  * g_graph_mu is held over a graph's pass (record or replay) and over the count's changes, so no
  * other context's launches or copies can fall into a recording, and no other context's forward
  * can move the scratch a graph holds. */
@@ -153,7 +153,7 @@ static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
                 clover_cuda_graph_free(c->graph[i].exec);
                 c->graph[i].exec = NULL;
                 if (rc == CLOVER_E_ABORTED) return rc;
-                c->graphs = 0; /* the device cannot record this: plain passes from now on */
+                c->graphs = 0; /* the device cannot record this: plain passes for this context */
                 return res_run(f, b, 0, n);
             }
         }

@@ -5,9 +5,9 @@
 
 #include "model/pass.h"
 
-/* How many passes of c replayed a CUDA graph (model.c res_run_graph), for tests. */
+/* How many passes of c replayed a CUDA graph (gpu/forward_resident.c res_run_graph), for tests. */
 int64_t clover_context_graph_launches(const clover_context *c);
-/* How many forward passes c ran (a long prefill takes several: model.c forward), for tests. */
+/* How many forward passes c ran (a long prefill takes several: model/forward.c forward), for tests. */
 int64_t clover_context_passes(const clover_context *c);
 /* How many rows of c's top-p selections on the GPU came back whole (their top-p prefix did not end
  * within the candidates), for tests. */

@@ -58,7 +58,7 @@ struct clover_model {
     clover_layer *layers;
     int32_t n_gpu_layers;  /* layers whose weight products run on the GPU (clover_model_offload) */
     int64_t gpu_bytes;     /* bytes of weights copied to the GPU */
-    /* every layer and the output on the GPU: forwards run device-resident (model.c res_forward),
+    /* every layer and the output on the GPU: forwards run device-resident (gpu/forward_resident.c res_pass),
      * the activations staying on the GPU from embedding to logits, except the inputs and outputs
      * of routed experts kept on the CPU (--n-cpu-moe: cpu_experts, the first n layers) */
     int resident, cpu_experts;
@@ -81,7 +81,7 @@ struct clover_context {
     int64_t *kv_dev_rows;      /* [n_attn] */
     /* the GDN state of offloaded GDN layers lives on the device between forwards: gdn_dev has
      * gdn_state's layout, gdn_on_dev[slot] says the device copy is the current one; host code
-     * that reads or writes gdn_state first brings it back (gdn_to_host in model.c) */
+     * that reads or writes gdn_state first brings it back (gdn_to_host, gpu/device_state.c) */
     void *gdn_dev;
     unsigned char *gdn_on_dev; /* [n_gdn] */
     void *gdn_snap_dev;         /* clover_context_checkpoint's copy of gdn_dev, on the device */
@@ -107,7 +107,7 @@ struct clover_context {
     void *moe_host;          /* host staging of routed experts on the CPU (moe_host_cap bytes) */
     size_t moe_host_cap;
     int moe_host_pinned;     /* moe_host is page-locked (clover_cuda_host_alloc), else malloc'd */
-    /* resident passes through CUDA graphs (model.c res_run_graph; graphs: not disabled by
+    /* resident passes through CUDA graphs (gpu/forward_resident.c res_run_graph; graphs: not disabled by
      * CLOVER_CUDA_GRAPHS=0): a few recorded graphs (exec, NULL until recorded) by the key of the
      * pass they replay (a key is seen once plainly first), least recently used out; replays so far */
     int graphs;
@@ -118,8 +118,8 @@ struct clover_context {
     } graph[4];
     int64_t graph_clock, n_graph_launches;
     int64_t n_full_rows; /* top-p selections whose row came back whole (res_select_read) */
-    int64_t n_passes;    /* forward passes run (model.c forward) */
-    int gpu_counted;     /* counted among the contexts that use the GPU (model.c g_n_gpu_contexts) */
+    int64_t n_passes;    /* forward passes run (model/forward.c forward) */
+    int gpu_counted;     /* counted among the contexts that use the GPU (gpu/forward_resident.c g_n_gpu_contexts) */
     void *conv_dev, *conv_snap_dev;
     void *rec_dev;
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use

@@ -9,8 +9,8 @@
 #include "decode/sampler.h"
 #include "model/model.h"
 
-enum { CLOVER_SELECT_MAX_ROWS = 512 }; /* clover_prefill_select's n (one resident pass, model.c RES_ROWS) */
-enum { CLOVER_SELECT_TOTAL_MAX_ROWS = 32 }; /* rows of a selection with total (model.c RES_LM) */
+enum { CLOVER_SELECT_MAX_ROWS = 512 }; /* clover_prefill_select's n (one resident pass, gpu/resident_ops.h RES_ROWS) */
+enum { CLOVER_SELECT_TOTAL_MAX_ROWS = 32 }; /* rows of a selection with total (gpu/resident_ops.h RES_LM) */
 
 enum { MODE_PREFIX = 0, MODE_BLOCK = 1 };
 
