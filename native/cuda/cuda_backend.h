@@ -1,5 +1,5 @@
 /* cuda_backend.h: the C interface of native/cuda/cuda.cu (compiled when CMake finds the CUDA
- * toolkit, CLOVER_CUDA=AUTO|ON); native/cuda_stub.c defines the same functions returning
+ * toolkit, CLOVER_CUDA=AUTO|ON); native/gpu/cuda_stub.c defines the same functions returning
  * CLOVER_E_DEVICE ("built without CUDA") otherwise. All return CLOVER_* codes (clover.h). */
 #ifndef CLOVER_CUDA_BACKEND_H
 #define CLOVER_CUDA_BACKEND_H
@@ -21,7 +21,7 @@ void clover_cuda_free(void *dev);
 /* y[t][r] = sum_j W[r][j] x[t][j] for t < T, r < ne1: W on the device (ne1 rows of ne0 values of
  * ggml type `type`: F32, F16, BF16, Q8_0, Q4_0, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS), x and y
  * float32 in host memory ([T][ne0], [T][ne1]). Activations are rounded as the CPU engine rounds
- * them for `type` (Q8_0 or Q8_K, native/dot.h), so y equals clover_matmul's up to float
+ * them for `type` (Q8_0 or Q8_K, quant/dot.h), so y equals clover_matmul's up to float
  * summation order. Thread-safe (calls are serialised). */
 int clover_cuda_matmul(int type, const void *dev_w, int64_t ne0, int64_t ne1, const float *x, int64_t T, float *y,
                        char *err, size_t err_size);
@@ -76,16 +76,16 @@ int clover_cuda_copy(void *dst, const void *src, size_t nbytes, char *err, size_
 int clover_cuda_read(const void *dev, size_t offset, void *host, size_t nbytes, char *err, size_t err_size);
 
 /* Gated DeltaNet recurrence of all Hv value heads over T rows on the device (spec 2.1 step 6), as
- * native/model.c's gdn_recurrent_head: conv [T][C] (q and k of Hk key heads of dk, l2-normed, then
+ * cpu/gdn_heads.c's gdn_recurrent_head: conv [T][C] (q and k of Hk key heads of dk, l2-normed, then
  * v of Hv heads of dv), beta and the log-decay g [T][Hv], all host float32; o: host [T][Hv*dv].
  * state: device [Hv][dk][dv], updated in place; kind CLOVER_GDN_FORWARD token by token,
- * CLOVER_GDN_FORWARD_CHUNKED in the chunked form (chunks of 64 rows, native/model.c
+ * CLOVER_GDN_FORWARD_CHUNKED in the chunked form (chunks of 64 rows, cpu/gdn_heads.c
  * gdn_chunked_head; for prefills). dk <= 256, dv <= 1024.
  * Errors: CLOVER_E_ARG, CLOVER_E_NOMEM, CLOVER_E_DEVICE. */
 enum { CLOVER_GDN_FORWARD = 0, CLOVER_GDN_FORWARD_CHUNKED = 1 };
 int clover_cuda_gdn(int kind, const float *conv, const float *beta, const float *g, int64_t T, int64_t Hk, int64_t Hv,
                     int64_t dk, int64_t dv, int64_t C, float *state, float *o, char *err, size_t err_size);
-/* The block operator's mixing of a Gated DeltaNet layer (spec 3.3 steps 3-4), as native/model.c's
+/* The block operator's mixing of a Gated DeltaNet layer (spec 3.3 steps 3-4), as cpu/gdn_heads.c's
  * bd_heads: for each value head h and block row i < T of conv (host [T][C], as clover_cuda_gdn's,
  * q carrying 1/sqrt(dk)), o[i][h] (host [T][Hv*dv]) = a_iH S_h^T q_i + sum_j a_ij v_j with
  * a_i = softmax(exp(lambda[h]) sqrt(dk) q_i . k_j for j < T, beta0[h] + c[h] log1p(P)); state:
@@ -95,11 +95,11 @@ int clover_cuda_gdn_block(const float *conv, int64_t T, int64_t Hk, int64_t Hv, 
                           const float *state, const float *lambda, const float *beta0, const float *c, int64_t P,
                           float *o, char *err, size_t err_size);
 
-/* ---- the device-resident forward (native/model.c, every layer and the output on the GPU).
+/* ---- the device-resident forward (gpu/forward_resident.c, every layer and the output on the GPU).
  * Every pointer is device memory; float32 unless said; calls queue their kernels in stream
  * order and return without waiting (results are seen by a later clover_cuda_read). Errors:
  * CLOVER_E_ARG (arguments, named in err), CLOVER_E_NOMEM (scratch), CLOVER_E_DEVICE (a launch,
- * or an earlier asynchronous failure). Each mirrors the CPU function of model.c named. */
+ * or an earlier asynchronous failure). Each mirrors the CPU function named (model/, cpu/). */
 
 /* clover_cuda_matmul of n weights w[i] (one matrix each, the same ne0) on device x [T][ne0] into
  * y[i] [T][w[i].ne1] (x is not modified): x is rounded once per activation format the types
@@ -121,7 +121,7 @@ int clover_cuda_head_norm_rope_d(float *x, int64_t T, int64_t n_head, int64_t ro
 int clover_cuda_attention_d(const float *q, const void *k_cache, const void *v_cache, int kv_f16, const int64_t *pos,
                             int64_t T, int64_t n_head, int64_t n_kv, int64_t hd, int causal, float scale, float *out,
                             char *err, size_t err_size);
-/* conv_silu (model.c; spec 2.1 step 2, 3.3 step 1) of in [T][C] after hist (the K-1 previous rows
+/* conv_silu (model/gdn.c; spec 2.1 step 2, 3.3 step 1) of in [T][C] after hist (the K-1 previous rows
  * [K-1][C]) with weights w [C][K] and, when wr is not NULL, the right taps wr [C][K-1], SiLU, into
  * out [T][C]. K <= 16. */
 int clover_cuda_conv_d(const float *w, const float *wr, const float *hist, const float *in, int64_t T, int64_t C,
@@ -171,7 +171,7 @@ int clover_cuda_swiglu_d(float *g, const float *u, int64_t n, char *err, size_t 
 int clover_cuda_moe_combine_d(float *x, const float *yg, const float *pw, const int32_t *pair, int32_t k,
                               const float *ys, const float *sg, int64_t T, int64_t H, int32_t *bad, char *err,
                               size_t err_size);
-/* One edit of a logits row by the sampler's processing (spec 5.4; native/sampler.c
+/* One edit of a logits row by the sampler's processing (spec 5.4; decode/sampler.c
  * clover_logit_ops): PENALTY: z[id] through the repetition penalty, then minus count * frequency
  * + presence when count > 0; ADD: z[id] += value; MASK: z[id] = -inf. */
 typedef struct {
@@ -185,7 +185,7 @@ enum { CLOVER_OP_PENALTY = 0, CLOVER_OP_ADD = 1, CLOVER_OP_MASK = 2 };
 #define CLOVER_OP_HD
 #endif
 /* Apply edit o to the row z[V] (ids outside [0, V) are skipped): one definition for the CPU
- * (native/sampler.c clover_apply_logit_ops) and the GPU (cuda.cu k_logit_ops). */
+ * (decode/sampler.c clover_apply_logit_ops) and the GPU (cuda.cu k_logit_ops). */
 static inline CLOVER_OP_HD void clover_logit_op_apply(float *z, int64_t V, clover_logit_op o, float repetition,
                                                       float frequency, float presence) {
     if (o.id < 0 || o.id >= V) return;
@@ -205,7 +205,7 @@ static inline CLOVER_OP_HD void clover_logit_op_apply(float *z, int64_t V, clove
     }
 }
 /* A sampling candidate (spec 5.3): a processed logit and its token id. Candidate lists are sorted
- * by z descending, ties by id ascending (native/sampler.c clover_sample_top). */
+ * by z descending, ties by id ascending (decode/sampler.c clover_sample_top). */
 typedef struct {
     float z;
     int32_t id;
@@ -236,14 +236,14 @@ int clover_cuda_greedy_d(float *z, int64_t n, int64_t V, const clover_logit_op *
 int clover_cuda_top_k_d(float *z, int64_t n, int64_t V, const clover_logit_op *ops, const int32_t *start,
                         float repetition, float frequency, float presence, int32_t mask_id, int32_t k,
                         clover_cand *cand, float *bad, float *pre, char *err, size_t err_size);
-/* The row weight that top-p alone needs (native/sampler.c clover_sample): for each of the n rows
+/* The row weight that top-p alone needs (decode/sampler.c clover_sample): for each of the n rows
  * of z [n][V] (device, already edited by clover_cuda_top_k_d, whose k candidates a row cand
  * [n][k] (device) give the row's maximum cand[r][0].z), total[r] (device double) = the sum over
  * ids other than mask_id of (float)exp((double)(z - zmax) / temperature), temperature > 0; summed
  * in another order than the CPU's. */
 int clover_cuda_row_total_d(const float *z, int64_t n, int64_t V, int32_t mask_id, const clover_cand *cand,
                             int32_t k, float temperature, double *total, char *err, size_t err_size);
-/* Whether the block formats' many-row products run on int8 tensor cores now (compute 8.0 or
+/* Whether the block formats' many-row products run on int8 tensor cores in this process (compute 8.0 or
  * later, not CLOVER_CUDA_MMA=0; read at each product, so a CUDA graph's key holds it). */
 int clover_cuda_mma(void);
 /* CUDA graphs of the device-resident forward: between clover_cuda_capture_begin and

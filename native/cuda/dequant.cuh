@@ -1,7 +1,7 @@
 /* dequant.cuh: element j of one ggml block, for the GPU kernels (native/cuda/cuda.cu) and, compiled
  * for the host, for tests/cuda/dq_check.cu, which compares every format with the CPU engine's
- * dequantisation (native/kquants.c, native/quants.c) on a machine without a GPU. Block layouts
- * and formulas are ggml's (as in native/kquants.c). */
+ * dequantisation (native/quant/kquants.c, native/quant/quants.c) on a machine without a GPU. Block layouts
+ * and formulas are ggml's (as in native/quant/kquants.c). */
 #ifndef CLOVER_DEQUANT_CUH
 #define CLOVER_DEQUANT_CUH
 #include <cuda_fp16.h>
@@ -29,7 +29,7 @@ CLOVER_HD float bits_to_float(uint32_t b) {
 #endif
 }
 
-/* ggml's kvalues_iq4nl and the doubled E2M1 codes of MXFP4 (native/kquants.c) */
+/* ggml's kvalues_iq4nl and the doubled E2M1 codes of MXFP4 (native/quant/kquants.c) */
 #define KV_IQ4NL_INIT {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
 #define KV_MXFP4_INIT {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}
 __constant__ int8_t KV_IQ4NL_D[16] = KV_IQ4NL_INIT;

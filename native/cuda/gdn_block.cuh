@@ -4,7 +4,7 @@
  *   a_i = softmax(scale q_i . k_j for j < T, hist),  scale = exp(lambda_h) sqrt(dk),
  *   hist = beta0_h + c_h ln(1 + P),  o_i = a_iH S_h^T q_i + sum_j a_ij v_j,
  * q carrying 1/sqrt(dk) (so scale q . k = exp(lambda) q~ . k~), S_h the clean state [dk][dv],
- * read only. The CPU's bd_constants and bd_head (native/model.c) in the same operation order:
+ * read only. The CPU's bd_constants and bd_head (cpu/gdn_heads.c) in the same operation order:
  * each score a sequential float dot product over dk, then times scale (a product never fused
  * with what follows, nor is c_h's in hist), the maximum from hist, expf(a - max) summed in
  * double with the history's term last, the weights a * (float)(1 / sum), the readout S^T q

@@ -1,5 +1,5 @@
 /* gdn_chunk.cuh: the chunked Gated DeltaNet prefill on the GPU, for native/cuda/cuda.cu (included
- * after k_gdn): the algorithm of native/model.c gdn_chunked_head (the WY / UT-transform form of
+ * after k_gdn): the algorithm of cpu/gdn_heads.c gdn_chunked_head (the WY / UT-transform form of
  * transformers' torch_chunk_gated_delta_rule, after fla's chunk_gated_delta_rule), chunks of
  * GDN_CH rows. Per chunk of L rows with in-chunk cumulative decay G_i = sum_{m<=i} g_m:
  *   A = (I - A0)^-1, A0 = -(diag(beta) K K^T * exp(G_i - G_j)) strictly lower

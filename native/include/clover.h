@@ -2,7 +2,8 @@
  *
  * The engine runs Clover block-diffusion models and their Qwen3.5/3.6-MoE parents from GGUF
  * files (design: clover-spec.md). Everything here is plain C11, callable through cffi in
- * ABI mode (clover_gguf/_ffi.py repeats these declarations; keep both in sync).
+ * ABI mode (clover_gguf/_ffi.py parses its declarations from this file, so what is declared
+ * here is what Python sees).
  *
  * Conventions
  * - Errors: functions that can fail take `char *err, size_t err_size` and write a one-line,
@@ -57,7 +58,7 @@ enum {
 /* ggml tensor types understood by this engine (ggml numbering). */
 enum {
     CLOVER_TYPE_F32 = 0, CLOVER_TYPE_F16 = 1, CLOVER_TYPE_Q8_0 = 8, CLOVER_TYPE_BF16 = 30,
-    /* block formats (native/kquants.c): weight types of the loader and matmul, except Q8_K,
+    /* block formats (native/quant/kquants.c): weight types of the loader and matmul, except Q8_K,
      * which is the activations' form of the K formats' products only */
     CLOVER_TYPE_Q4_0 = 2, CLOVER_TYPE_Q4_K = 12, CLOVER_TYPE_Q5_K = 13, CLOVER_TYPE_Q6_K = 14,
     CLOVER_TYPE_Q8_K = 15, CLOVER_TYPE_IQ4_NL = 20, CLOVER_TYPE_IQ4_XS = 23, CLOVER_TYPE_MXFP4 = 39,
@@ -106,7 +107,7 @@ CLOVER_API const void *clover_gguf_tensor_data(const clover_gguf *g, int64_t t);
 CLOVER_API int clover_gguf_tensor_to_f32(const clover_gguf *g, int64_t t, float *out, int64_t n_out,
                                          char *err, size_t err_size);
 
-/* ---------------------------------------------------------------- quant formats (quants.c) */
+/* ---------------------------------------------------------------- quant formats (quant/quants.c) */
 /* Convert n values of type `type` (F32, F16, BF16, Q8_0; Q8_0 needs n % 32 == 0) at src to
  * float32. Returns CLOVER_OK or CLOVER_E_ARG. */
 CLOVER_API int clover_to_f32(int type, const void *src, float *dst, int64_t n);
@@ -114,8 +115,12 @@ CLOVER_API int clover_to_f32(int type, const void *src, float *dst, int64_t n);
 CLOVER_API int64_t clover_from_f32(int type, const float *src, void *dst, int64_t n);
 /* Bytes needed for n values of `type`, or -1 if n does not fit the block size. */
 CLOVER_API int64_t clover_type_nbytes(int type, int64_t n);
+/* The ggml name of tensor type id `type` ("F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "BF16",
+ * ...: ggml.h's numbering, ids 0..39, computable here or not), NULL for an id ggml does not
+ * define (removed or out of range). One table (core/ggml_types.c) serves the C reader and Python. */
+CLOVER_API const char *clover_type_name(int32_t type);
 
-/* ---------------------------------------------------------------- model (model.c) */
+/* ---------------------------------------------------------------- model (model/load.c, gpu/offload.c) */
 typedef struct clover_model clover_model;
 
 /* Load a `clover_moe` or `qwen35moe` GGUF (docs/gguf-layout.md): reads hyperparameters, checks
@@ -163,6 +168,20 @@ CLOVER_API int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, i
  * CLOVER_GPU_RESIDENT=0). -1 for bad arguments. Needs no GPU (for --fit plans). */
 CLOVER_API int64_t clover_model_placement_bytes(const clover_model *m, int32_t n_gpu_layers, int32_t n_cpu_moe,
                                                 int32_t part);
+/* 1 when layer il of m is a full-attention layer, 0 a Gated DeltaNet layer (the loader's rule:
+ * attention.recurrent_layers when present, else every full_attention_interval-th layer; spec 1),
+ * -1 for a NULL model or il outside [0, n_layer). */
+CLOVER_API int32_t clover_model_layer_is_attn(const clover_model *m, int32_t il);
+/* Bytes a context of n_ctx tokens with KV cache types type_k, type_v keeps on the GPU when
+ * clover_model_offload(m, n_gpu_layers, ...) placed the weights (computed by the sizing the
+ * context's allocations use, gpu/device_state.c): the K and V cache of each offloaded attention
+ * layer (n_ctx x n_head_kv x head_dim elements of type_k and of type_v); once any GDN layer runs
+ * on the GPU, the float32 state [Hv][dk][dv] of every GDN layer; and when the placement makes the
+ * model resident (n_gpu_layers > n_layer, clover_model_gpu_resident) their float32 conv history
+ * [d_conv-1][channels] too. Needs no GPU. -1 for a NULL model, n_ctx <= 0, n_gpu_layers < 0 or
+ * another cache type; INT64_MAX when the size overflows. */
+CLOVER_API int64_t clover_model_gpu_cache_bytes(const clover_model *m, int32_t n_ctx, int32_t n_gpu_layers,
+                                                int32_t type_k, int32_t type_v);
 /* Bytes of weights on the GPU (0 when none). */
 CLOVER_API int64_t clover_model_gpu_bytes(const clover_model *m);
 /* 1 when forwards run device-resident: every layer with its experts and the output offloaded
@@ -214,7 +233,7 @@ CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out)
  * instead of corrupting memory. */
 CLOVER_API size_t clover_struct_size(const char *name);
 
-/* ---------------------------------------------------------------- context (model.c)
+/* ---------------------------------------------------------------- context (model/context.c, model/forward.c)
  * A context holds the per-sequence caches of spec 6: KV cache for attention layers (F16 or
  * F32), GDN state (fp32, per value head dk x dv) and conv history (last 3 qkv inputs) per GDN
  * layer, and the scratch buffers. */

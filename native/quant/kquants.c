@@ -32,8 +32,8 @@
 #include <string.h>
 
 #include "clover.h"
-#include "dot.h"
-#include "quants.h"
+#include "quant/dot.h"
+#include "quant/quants.h"
 
 #if defined(_WIN32)
 #define CLOVER_INTERNAL

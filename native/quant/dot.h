@@ -3,7 +3,7 @@
  * activation row is quantised to once per product call:
  *   Q8_0, Q4_0, IQ4_NL, MXFP4  x  Q8_0 activations (blocks of 32)
  *   Q4_K, Q5_K, Q6_K, IQ4_XS   x  Q8_K activations (blocks of 256)
- * Every type has a portable scalar kernel (dot_scalar.c, the reference) and optional AVX2
+ * Every type has a portable scalar kernel (dot.c clover_dot_scalar, the reference) and optional AVX2
  * (dot_avx2.c) and AVX-512 VNNI (dot_avx512.c) kernels, chosen at run time from the CPU's
  * features; every SIMD kernel is tested against the scalar one (tests/test_dot.py).
  */
@@ -71,7 +71,7 @@ typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq,
 /* Best multi-row kernel for `type` on this CPU, or NULL. */
 clover_vec_dot4_fn clover_dot4_kernel(int type);
 
-/* Float kernels of attention over an F16 or F32 KV cache (model.c attend_tile): q . k for n
+/* Float kernels of attention over an F16 or F32 KV cache (cpu/attend.c attend_tile): q . k for n
  * float32 values q and n fp16 (float32) values k, and o[i] += p * v[i] for n fp16 (float32)
  * values v (fp16 as IEEE binary16 bits). The AVX2 ones convert 8 values an instruction (F16C,
  * part of this file's AVX2 level) and sum the dot in 16 lanes (F32: 32 lanes); the scalar ones
@@ -111,7 +111,7 @@ clover_axpy_f16_rows_fn clover_axpy_f16_rows_kernel(void);
 clover_dot_f16x4_fn clover_dot_f16x4_avx512(void);
 clover_axpy_f16_rows_fn clover_axpy_f16_rows_avx512(void);
 
-/* A float32 matrix product, the chunk-level products of the chunked GDN (model.c
+/* A float32 matrix product, the chunk-level products of the chunked GDN (cpu/gdn_heads.c
  * gdn_chunked_head): C[i][n] += alpha * sum_m A[i lda + m] B[m ldb + n] for i < M, n < N, m < K
  * (row-major, leading dimensions lda, ldb, ldc in floats; C must not overlap A or B). Blocks of
  * 4 rows x 16 (portable: 8) columns keep their sums in registers while B streams once per block;

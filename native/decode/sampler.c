@@ -7,7 +7,8 @@
  * so an unlikely draw waits. The mask token is never a candidate. A seeded RNG makes every run
  * reproducible.
  */
-#include "engine.h"
+#include "core/errors.h"
+#include "decode/sampler.h"
 
 #include <float.h>
 #include <math.h>

@@ -4,10 +4,10 @@
  * per block an exact int32 sum of weight codes times activation quants, then one float
  * multiply by both scales.
  */
-#include "dot.h"
+#include "quant/dot.h"
 
 #include "clover.h"
-#include "quants.h"
+#include "quant/quants.h"
 
 #include <float.h>
 #include <math.h>

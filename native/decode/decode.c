@@ -8,7 +8,12 @@
  * the newly filled slots contiguous with the block's already final start (spec 5.2: filled
  * slots are never remasked), not only whole blocks.
  */
-#include "engine.h"
+#include "core/errors.h"
+#include "decode/sampler.h"
+#include "model/checkpoint.h"
+#include "model/forward.h"
+#include "model/load.h"
+#include "model/model.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -89,7 +94,7 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     p->coreset_top_p = m ? m->hp.coreset_top_p : 0.9f;
     /* spec 5.3-5.4 */
     p->min_p = 0.0f;
-    /* the decoding record's repetition controls (spec 4.2; model.c read_record gives a parent's
+    /* the decoding record's repetition controls (spec 4.2; model/load.c read_record gives a parent's
      * file llama.cpp's: none, over the whole history) */
     p->presence_penalty = m ? m->hp.presence_penalty : 0.0f;
     p->repetition_penalty = m ? m->hp.repetition_penalty : 1.0f;
@@ -360,7 +365,7 @@ static int denoise_on_gpu(clover_decoder *d, char *err, size_t err_size) {
 
 /* Prefill tokens[0..n) (the prefix-mode forward of a decode step or a diffusion commit) and take
  * the causal prediction of the next slot: selected on the GPU when select_on_gpu (its edits
- * are known now: the history already holds the tokens), for next_token; else its logits go to
+ * are known at this point: the history already holds the tokens), for next_token; else its logits go to
  * causal for sample_slot. */
 static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, char *err, size_t err_size) {
     d->have_next = 0;
@@ -673,7 +678,7 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
                                  : top_draw(d, j - sh, &conf);
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
-    if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known now */
+    if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known at this point */
         int64_t n_ops = 0;
         for (int32_t i = 0; i < B && rc == CLOVER_OK; i++) {
             d->gstart[i] = (int32_t)n_ops;

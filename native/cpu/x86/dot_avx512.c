@@ -4,15 +4,15 @@
  * each block's int32 sum is exact; then one FMA with the two blocks' scales.
  * Only called after clover_dot_best_isa() found AVX-512 F/BW/VL and VNNI.
  */
-#include "dot.h"
+#include "quant/dot.h"
 
 #include "clover.h"
-#include "quants.h"
+#include "quant/quants.h"
 
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include "simd_x86.h"
+#include "cpu/x86/simd_x86.h"
 
 #define AVX512 CLOVER_AVX512
 

@@ -4,15 +4,15 @@
  * sign trick turns the signed x signed product into maddubs' unsigned x signed form; |w| <= 128,
  * |x| <= 127 keeps each pair sum inside int16), then one FMA with both scales.
  */
-#include "dot.h"
+#include "quant/dot.h"
 
 #include "clover.h"
-#include "quants.h"
+#include "quant/quants.h"
 
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include "simd_x86.h"
+#include "cpu/x86/simd_x86.h"
 
 #define AVX2 CLOVER_AVX2
 

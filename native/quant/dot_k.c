@@ -25,8 +25,8 @@
 #include <string.h>
 
 #include "clover.h"
-#include "dot.h"
-#include "quants.h"
+#include "quant/dot.h"
+#include "quant/quants.h"
 
 #if defined(_WIN32)
 #define DK_EXPORT
@@ -208,7 +208,7 @@ DK_EXPORT clover_vec_dot_fn clover_dot_k_scalar(int type) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-#include "simd_x86.h"
+#include "cpu/x86/simd_x86.h"
 
 #define DK_AVX2 CLOVER_AVX2
 #define DK_AVX512 CLOVER_AVX512

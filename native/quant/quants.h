@@ -1,4 +1,5 @@
-/* quants.h: internal weight formats and product kernels of the CPU engine (not public API).
+/* quants.h: internal weight formats of the CPU engine (not public API); the products over them
+ * are quant/matmul.h.
  *
  * Weight matrices are stored as in GGUF/ggml: n_out rows of n_in elements, each row
  * contiguous in its storage type (F32, F16, BF16, Q8_0). Activations are float32.
@@ -57,9 +58,10 @@ uint16_t clover_fp32_to_fp16(float f);
 float clover_bf16_to_fp32(uint16_t h);
 uint16_t clover_fp32_to_bf16(float f); /* round to nearest even, NaN kept quiet */
 
-/* Bytes of one row of n_in elements of `type`; -1 for unsupported types or a Q8_0 row whose
- * length is not a multiple of 32. */
-int64_t clover_row_nbytes(int type, int64_t n_in);
+/* Row conversions of n fp16 / bf16 values (IEEE binary16 / bfloat16 bits) to float32, exact
+ * (quants.c; used by clover_to_f32 and quant/matmul.c). */
+void clover_f16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n);
+void clover_bf16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n);
 
 /* Block formats of kquants.c (Q4_0, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS, MXFP4; ggml
  * layouts and ggml's reference quantisers). n must be a multiple of the block size (32 for
@@ -67,7 +69,7 @@ int64_t clover_row_nbytes(int type, int64_t n_in);
  * clover_kq_nbytes: bytes of n values, -1 for other types or a bad n.
  * clover_kq_to_f32 / clover_kq_from_f32: as clover_to_f32 / clover_from_f32 for these types
  * only (CLOVER_E_ARG for any other type). All but Q8_K (activations only) are engine weight
- * types too: clover_row_nbytes accepts those that have a dot kernel (native/dot.h). */
+ * types too: clover_row_nbytes (quant/matmul.h) accepts those that have a dot kernel (quant/dot.h). */
 int64_t clover_kq_nbytes(int type, int64_t n);
 /* ggml's IQ4_NL and MXFP4 code tables and the MXFP4 block scale (half of 2^(e-127)). */
 extern const int8_t clover_kv_iq4nl[16];
@@ -75,13 +77,5 @@ extern const int8_t clover_kv_mxfp4[16];
 float clover_e8m0_half(uint8_t e);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
-
-/* y[t*n_out + r] = sum_i W[r, i] * x[t*n_in + i] for t < T, r < n_out.
- * W: n_out rows of `type` (row r at (const char*)W + r*row_nbytes). x: float32 [T, n_in].
- * y: float32 [T, n_out]. Each weight row is read once for all T rows. Work is split over
- * n_threads (<= 1: current thread only). Returns 0, or -1 on unsupported type / allocation
- * failure. */
-int clover_matmul(int type, const void *W, int64_t n_in, int64_t n_out, const float *x, int64_t T,
-                  float *y, int n_threads);
 
 #endif

@@ -37,7 +37,8 @@
 #include <unistd.h>
 
 #include "clover.h"
-#include "quants.h"
+#include "core/ggml_types.h"
+#include "quant/quants.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32
 /* Lower bounds on the bytes one entry occupies, used to reject counts the file cannot hold
@@ -251,33 +252,20 @@ static uint64_t value_type_size(uint32_t t) {
     }
 }
 
-/* ggml type names (ggml.h numbering), for messages about types this engine cannot run. */
-static const char *ggml_type_name(uint32_t t) {
-    static const char *names[] = {
-        "F32",  "F16",   "Q4_0",   "Q4_1",    "Q4_2 (removed)", "Q4_3 (removed)", "Q5_0",  "Q5_1",
-        "Q8_0", "Q8_1",  "Q2_K",   "Q3_K",    "Q4_K",    "Q5_K",     "Q6_K",    "Q8_K",
-        "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
-        "I8",   "I16",   "I32",    "I64",     "F64",     "IQ1_M",    "BF16",    "Q4_0_4_4 (removed)",
-        "Q4_0_4_8 (removed)", "Q4_0_8_8 (removed)", "TQ1_0", "TQ2_0", "IQ4_NL_4_4 (removed)",
-        "IQ4_NL_4_8 (removed)", "IQ4_NL_8_8 (removed)", "MXFP4"};
-    return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
-}
-
+/* Whether ggml type t is one this engine runs, with its block size and bytes (the ggml type
+ * table, core/ggml_types.c) and the alignment its elements need. */
 static int engine_type(uint32_t t, int64_t *block, uint64_t *block_bytes, uint64_t *elem_align) {
     switch (t) {
-    case CLOVER_TYPE_F32: *block = 1; *block_bytes = 4; *elem_align = 4; return 1;
-    case CLOVER_TYPE_F16: *block = 1; *block_bytes = 2; *elem_align = 2; return 1;
-    case CLOVER_TYPE_BF16: *block = 1; *block_bytes = 2; *elem_align = 2; return 1;
-    case CLOVER_TYPE_Q8_0: *block = CLOVER_QK8_0; *block_bytes = sizeof(clover_block_q8_0); *elem_align = 2; return 1;
-    case CLOVER_TYPE_Q4_0:
-    case CLOVER_TYPE_IQ4_NL: *block = 32; *block_bytes = 18; *elem_align = 2; return 1;
-    case CLOVER_TYPE_MXFP4: *block = 32; *block_bytes = 17; *elem_align = 1; return 1;
-    case CLOVER_TYPE_Q4_K: *block = 256; *block_bytes = 144; *elem_align = 2; return 1;
-    case CLOVER_TYPE_Q5_K: *block = 256; *block_bytes = 176; *elem_align = 2; return 1;
-    case CLOVER_TYPE_Q6_K: *block = 256; *block_bytes = 210; *elem_align = 2; return 1;
-    case CLOVER_TYPE_IQ4_XS: *block = 256; *block_bytes = 136; *elem_align = 2; return 1;
+    case CLOVER_TYPE_F32: *elem_align = 4; break;
+    case CLOVER_TYPE_MXFP4: *elem_align = 1; break;
+    case CLOVER_TYPE_F16: case CLOVER_TYPE_BF16: case CLOVER_TYPE_Q8_0: case CLOVER_TYPE_Q4_0: case CLOVER_TYPE_IQ4_NL:
+    case CLOVER_TYPE_Q4_K: case CLOVER_TYPE_Q5_K: case CLOVER_TYPE_Q6_K: case CLOVER_TYPE_IQ4_XS: *elem_align = 2; break;
     default: return 0;
     }
+    const clover_ggml_type *e = clover_ggml_type_of(t);
+    *block = e->block;
+    *block_bytes = (uint64_t)e->block_bytes;
+    return 1;
 }
 
 /* ---------------------------------------------------------------- parsing */
@@ -475,19 +463,19 @@ static int parse_tensor(reader *r, clover_gguf *g, int64_t i) {
     if (!engine_type(type, &block, &block_bytes, &elem_align)) {
         fail(r, "ggml type %" PRIu32 " (%s) is not supported by this engine (supported: F32, F16, BF16, Q8_0, Q4_0, "
              "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)",
-             type, ggml_type_name(type));
+             type, clover_ggml_type_label(type));
         return 0;
     }
     t->type = (int)type;
     if (t->ne[0] % block != 0) {
         fail(r, "row length ne[0] = %" PRId64 " is not a multiple of the %s block size %" PRId64, t->ne[0],
-             ggml_type_name(type), block);
+             clover_ggml_type_label(type), block);
         return 0;
     }
     const uint64_t n_blocks = (uint64_t)(nelem / block);
     if (n_blocks > UINT64_MAX / block_bytes) {
         fail(r, "byte size of shape {%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "} (%s) overflows", t->ne[0],
-             t->ne[1], t->ne[2], t->ne[3], ggml_type_name(type));
+             t->ne[1], t->ne[2], t->ne[3], clover_ggml_type_label(type));
         return 0;
     }
     t->nbytes = n_blocks * block_bytes;
@@ -498,7 +486,7 @@ static int parse_tensor(reader *r, clover_gguf *g, int64_t i) {
         fail(r, "data offset %" PRIu64 " is not a multiple of the alignment %" PRIu64, offset, g->alignment);
         return 0;
     }
-    t->offset = offset; /* relative for now; made absolute once the data section is known */
+    t->offset = offset; /* relative to the data section; made absolute once its start is known */
     (void)elem_align;
     return 1;
 }
@@ -611,7 +599,7 @@ static int parse(reader *r, clover_gguf *g) {
         engine_type((uint32_t)t->type, &block, &block_bytes, &elem_align);
         if (t->offset % elem_align != 0) { /* only possible with general.alignment < 4 */
             fail(r, "file offset %" PRIu64 " is not aligned to %" PRIu64 " bytes as %s data needs", t->offset,
-                 elem_align, ggml_type_name((uint32_t)t->type));
+                 elem_align, clover_ggml_type_label((uint32_t)t->type));
             return 0;
         }
     }

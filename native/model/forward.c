@@ -1,0 +1,255 @@
+/* forward.c: the forward pass (clover-spec 2: embed -> per layer rmsnorm, mixer (attention or
+ * Gated DeltaNet), residual, rmsnorm, MoE, residual -> N1p -> LM head) in prefix mode (spec 5.1)
+ * and block mode (spec 3.2), on the CPU path (products on the GPU where offloaded), and the
+ * public prefill and block-forward entry points.
+ * Twin: gpu/forward_resident.c (the same layer loop on the device, resident models). */
+#include "model/forward.h"
+#include "cpu/kernels.h"
+#include "gpu/forward_resident.h"
+#include "gpu/resident_ops.h"
+#include "model/attention.h"
+#include "model/gdn.h"
+#include "model/load.h"
+#include "model/moe.h"
+#include "quant/matmul.h"
+#include "quant/quants.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Rows of one prefill pass on the CPU path (CPU_ROWS; PASS_ROWS_GPU where some weights are on
+ * the GPU, whose per-product scratch grows with the rows), as llama.cpp's n_batch: a long
+ * prompt's activations, attention and expert buffers stay bounded. */
+enum { CPU_ROWS = 2048, PASS_ROWS_GPU = RES_ROWS };
+
+/* One forward pass on the CPU path (products on the GPU where offloaded): embed -> layers ->
+ * N1p -> lm_head on rows [logit_row0, T). rows: when not NULL, the LM head runs only on rows t
+ * with rows[t] != 0 (row t of logits is written, others are left as they are); else on rows
+ * logit_row0.. (written from row 0). */
+static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+    clover_context *c = f->c;
+    const clover_model *m = c->m;
+    const clover_hparams *hp = &m->hp;
+    const int64_t T = f->T, H = hp->n_embd;
+    scratch_plan sp = {0};
+    const int ix = scratch_add(&sp, T * H, sizeof(float)), ixn = scratch_add(&sp, T * H, sizeof(float));
+    const int io = scratch_add(&sp, T * H, sizeof(float));
+    char *base = scratch_carve(c, SCRATCH_PASS, &sp);
+    float *x = scratch_part(base, &sp, ix), *xn = scratch_part(base, &sp, ixn), *o = scratch_part(base, &sp, io);
+    int rc = CLOVER_E_NOMEM;
+    f->gpu_rc = 0; /* a step that fails may say why (the GPU's products) */
+    if (f->err && f->err_size) f->err[0] = '\0';
+    if (!x || !xn || !o) goto done;
+    const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
+    for (int64_t t = 0; t < T; t++)
+        clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const clover_layer *ly = &m->layers[il];
+        if ((rc = check_abort(f, il))) goto done;
+        for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->attn_norm, H, hp->rms_eps);
+        rc = ly->is_attn ? attention_layer(f, ly, xn, o) : gdn_layer(f, ly, xn, o);
+        if (rc) goto done;
+        for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+        if ((rc = check_finite(f, x, T * H, il, ly->is_attn ? "attention" : "gated deltanet"))) goto done;
+        for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->post_norm, H, hp->rms_eps);
+        if ((rc = moe_layer(f, ly, il, xn, o))) goto done;
+        for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+        if ((rc = check_finite(f, x, T * H, il, "moe"))) goto done;
+    }
+    if (logits && (rc = check_abort(f, hp->n_layer))) goto done;
+    if (logits && rows) { /* gather the needed rows, one LM head pass, scatter */
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; t++)
+            if (rows[t]) rmsnorm(xn + n++ * H, x + t * H, m->output_norm, H, hp->rms_eps);
+        scratch_plan lp = {0};
+        const int ilg = scratch_add(&lp, n * hp->n_vocab, sizeof(float));
+        float *lg = n ? scratch_part(scratch_carve(c, SCRATCH_LAYER, &lp), &lp, ilg) : NULL;
+        rc = n && !lg ? CLOVER_E_NOMEM : CLOVER_OK;
+        if (n && lg && matmul(f, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
+        for (int64_t t = 0, k = 0; t < T && rc == CLOVER_OK; t++)
+            if (rows[t]) memcpy(logits + t * hp->n_vocab, lg + k++ * hp->n_vocab, sizeof(float) * (size_t)hp->n_vocab);
+        if (rc == CLOVER_OK && n) rc = check_finite(f, lg, n * hp->n_vocab, -1, NULL);
+    } else if (logits) {
+        for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
+        rc = matmul(f, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
+        if (rc == CLOVER_OK) rc = check_finite(f, logits, (T - logit_row0) * hp->n_vocab, -1, NULL);
+    }
+done:
+    if (rc == CLOVER_E_NOMEM && f->gpu_rc) rc = f->gpu_rc;
+    if (rc == CLOVER_E_NOMEM && !(f->err && f->err_size && f->err[0]))
+        clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
+    return rc;
+}
+
+/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's). Block
+ * passes run whole; a prefill (causal, so consecutive passes equal one) in passes of at most
+ * RES_ROWS rows on a resident model (its verify record from row r0 of each), CPU_ROWS or
+ * PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts at row 0). */
+static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+    clover_context *c = f->c;
+    if (c->m->gpu_bytes) gpu_context_count(c); /* its first launches: count it (CUDA graphs) */
+    const int res = c->m->resident;
+    const int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
+    if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {
+        c->n_passes++;
+        return res ? res_pass(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
+    }
+    const int64_t T = f->T, V = c->m->hp.n_vocab;
+    int rc = CLOVER_OK;
+    for (int64_t r0 = 0; r0 < T && rc == CLOVER_OK; r0 += max_rows) {
+        fwd g = *f;
+        g.T = T - r0 < max_rows ? T - r0 : max_rows;
+        g.pos0 = f->pos0 + r0;
+        const int with_logits = logits && logit_row0 < r0 + g.T;
+        const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
+        float *lg = with_logits ? logits + (r0 + row0 - logit_row0) * V : NULL;
+        c->n_passes++;
+        rc = res ? res_pass(&g, tokens + r0, r0, lg, row0, NULL) : cpu_forward(&g, tokens + r0, lg, row0, NULL);
+    }
+    return rc;
+}
+
+/* A selection request's model and outputs: resident, and id and conf (k 0) or cand (k > 0). */
+static int check_select(const clover_context *c, const clover_sampler_params *sp, int32_t k, const int32_t *id,
+                        const float *conf, const clover_cand *cand, const char *what, char *err, size_t err_size) {
+    if (!c->m->resident)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "%s: the model's forwards are not resident on the GPU", what);
+    const int32_t ids = clover_cand_ids(c->m->hp.n_vocab, sp->mask_token_id);
+    if (k < 0 || k > CLOVER_CUDA_TOP_K_MAX || k > ids || (k == 0 && sp->temperature > 0.0f))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "k: %d candidates at temperature %g: needs 0 (temperature "
+                              "0) or [1, %d] and at most the %d ids other than the mask (%s)", k, sp->temperature,
+                              (int)CLOVER_CUDA_TOP_K_MAX, ids, what);
+    if (k ? !cand : !id || !conf) return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: NULL output", what);
+    return CLOVER_OK;
+}
+
+/* A top-p selection's extra outputs (total, full; both or neither): k candidates a row above
+ * temperature 0, on at most CLOVER_SELECT_TOTAL_MAX_ROWS rows (n_rows: those the pass selects). */
+static int check_total(const clover_sampler_params *sp, int32_t k, const double *total, const float *full,
+                       int64_t n_rows, const char *what, char *err, size_t err_size) {
+    if (!total && !full) return CLOVER_OK;
+    if (!total || !full || k < 1 || !(sp->temperature > 0.0f) || n_rows > CLOVER_SELECT_TOTAL_MAX_ROWS)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "%s: total and logits need each other, k > 0 candidates, "
+                              "temperature > 0 and at most %d rows (%lld)", what, (int)CLOVER_SELECT_TOTAL_MAX_ROWS,
+                              (long long)n_rows);
+    return CLOVER_OK;
+}
+
+/* ops_start of a selection request: non-decreasing from 0, empty ranges for the rows not selected
+ * (rows[t] == 0; rows NULL: all but the last). */
+static int check_ops_start(const int32_t *ops_start, const uint8_t *rows, int32_t n, char *err, size_t err_size) {
+    if (n <= 0) return CLOVER_OK;
+    if (ops_start[0] != 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "ops_start[0]: %d must be 0", ops_start[0]);
+    for (int32_t t = 0; t < n; t++) {
+        const int selected = rows ? rows[t] != 0 : t == n - 1;
+        if (ops_start[t + 1] < ops_start[t] || (!selected && ops_start[t + 1] != ops_start[t]))
+            return clover_set_err(err, err_size, CLOVER_E_ARG, "ops_start[%d]: %d after %d (must not decrease, and "
+                                  "rows without selection have no edits)", t + 1, ops_start[t + 1], ops_start[t]);
+    }
+    return CLOVER_OK;
+}
+
+static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   const select_req *sreq, char *err, size_t err_size) {
+    if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
+    if (n <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d must be > 0", n);
+    if ((int64_t)c->n_past + n > c->n_ctx)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d past %d cached exceeds n_ctx %d", n,
+                              c->n_past, c->n_ctx);
+    int rc = check_tokens(c->m, tokens, n, err, err_size);
+    if (rc) return rc;
+    if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
+                              "at most %d tokens", n, c->rec_cap);
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq, 0};
+    rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
+    if (rc == CLOVER_OK) {
+        c->n_past += n;
+        if (c->rec_on) c->rec_n = n;
+    } else {
+        clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
+    }
+    return rc;
+}
+
+int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   char *err, size_t err_size) {
+    return prefill(c, tokens, n, logits, all_logits, NULL, err, err_size);
+}
+
+int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, int32_t all_rows,
+                          const clover_logit_op *ops, const int32_t *ops_start, const clover_sampler_params *sp,
+                          int32_t K, int32_t *id, float *conf, clover_cand *cand, double *total, float *logits,
+                          char *err, size_t err_size) {
+    if (!c || !ops_start || !sp || (n > 0 && ops_start[n] > 0 && !ops))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "prefill_select: NULL argument");
+    int rc = check_select(c, sp, K, id, conf, cand, "prefill_select", err, err_size);
+    if (rc == CLOVER_OK) rc = check_total(sp, K, total, logits, all_rows ? n : 1, "prefill_select", err, err_size);
+    if (rc) return rc;
+    if (n <= 0 || n > RES_ROWS)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_select", n,
+                              (int)RES_ROWS);
+    uint8_t *rows = malloc((size_t)n);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    float *confs = malloc(sizeof(float) * (size_t)n);
+    clover_cand *cands = K ? malloc(sizeof(clover_cand) * (size_t)n * (size_t)K) : NULL;
+    double *totals = total ? malloc(sizeof(double) * (size_t)n) : NULL;
+    rc = rows && ids && confs && (cands || !K) && (totals || !total)
+             ? CLOVER_OK
+             : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    for (int32_t t = 0; t < n && rc == CLOVER_OK; t++) rows[t] = all_rows || t == n - 1;
+    if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, n, err, err_size);
+    const int32_t t0 = all_rows ? 0 : n - 1; /* the rows handed back, from row t0 */
+    if (rc == CLOVER_OK) {
+        const select_req g = {ops, ops_start, sp, K, ids, confs, cands, NULL, totals, logits, t0};
+        rc = prefill(c, tokens, n, NULL, all_rows, &g, err, err_size);
+    }
+    if (rc == CLOVER_OK && K) memcpy(cand, cands + (int64_t)t0 * K, sizeof(clover_cand) * (size_t)(n - t0) * (size_t)K);
+    if (rc == CLOVER_OK && total) memcpy(total, totals + t0, sizeof(double) * (size_t)(n - t0));
+    for (int32_t t = t0; t < n && rc == CLOVER_OK && !K; t++) id[t - t0] = ids[t], conf[t - t0] = confs[t];
+    free(rows), free(ids), free(confs), free(cands), free(totals);
+    return rc;
+}
+
+static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
+                         const uint8_t *rows, const select_req *sreq, int32_t *n_experts_out, char *err,
+                         size_t err_size) {
+    if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
+    if (!c->m->hp.has_block) return clover_no_block(c->m, "block mode", err, err_size);
+    if (B <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "block_size: %d must be > 0", B);
+    if (!(coreset_top_p > 0.0f && coreset_top_p <= 1.0f))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "coreset_top_p: %g outside (0, 1]", coreset_top_p);
+    if ((int64_t)c->n_past + B > c->n_ctx)
+        return clover_set_err(err, err_size, CLOVER_E_STATE, "block_size: %d past %d cached exceeds n_ctx %d", B,
+                              c->n_past, c->n_ctx);
+    int rc = check_tokens(c->m, tokens, B, err, err_size);
+    if (rc) return rc;
+    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq, 0};
+    return forward(&f, tokens, logits, 0, rows);
+}
+
+int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+                              float *logits, const uint8_t *rows, int32_t *n_experts_out, char *err,
+                              size_t err_size) {
+    return block_forward(c, tokens, B, coreset_top_p, logits, rows, NULL, n_experts_out, err, err_size);
+}
+
+int clover_block_forward_select(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,
+                                const uint8_t *rows, const clover_logit_op *ops, const int32_t *ops_start,
+                                const clover_sampler_params *sp, int32_t k, int32_t *id, float *conf,
+                                clover_cand *cand, float *pre, double *total, float *logits, int32_t *n_experts_out,
+                                char *err, size_t err_size) {
+    if (!c || !rows || !ops_start || !sp || (!ops && B > 0 && ops_start[B] > 0))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "block_forward_select: NULL argument");
+    int rc = check_select(c, sp, k, id, conf, cand, "block_forward_select", err, err_size);
+    if (rc == CLOVER_OK) rc = check_total(sp, k, total, logits, B, "block_forward_select", err, err_size);
+    if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, B, err, err_size);
+    if (rc) return rc;
+    const select_req g = {ops, ops_start, sp, k, id, conf, cand, pre, total, logits, 0};
+    return block_forward(c, tokens, B, coreset_top_p, NULL, rows, &g, n_experts_out, err, err_size);
+}
+
+int clover_block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
+                         int32_t *n_experts_out, char *err, size_t err_size) {
+    return clover_block_forward_rows(c, tokens, B, coreset_top_p, logits, NULL, n_experts_out, err, err_size);
+}
