@@ -17,15 +17,15 @@ from typing import Any
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 
-__all__ = ["GGUFFile", "CloverError", "TYPE_NAMES"]
+__all__ = ["GGUFFile", "CloverError", "type_name"]
 
-#: ggml tensor type id -> name, for the types this engine runs.
-TYPE_NAMES = {
-    lib.CLOVER_TYPE_F32: "F32",
-    lib.CLOVER_TYPE_F16: "F16",
-    lib.CLOVER_TYPE_BF16: "BF16",
-    lib.CLOVER_TYPE_Q8_0: "Q8_0",
-}
+
+def type_name(t: int) -> str:
+    """ggml's name of tensor type id ``t`` ("Q4_K"), from the engine's type table
+    (``clover_type_name``); the number itself for an id ggml does not define."""
+    name = lib.clover_type_name(t)
+    return ffi.string(name).decode() if name != ffi.NULL else str(t)
+
 
 _FLOAT_TYPES = (lib.CLOVER_GGUF_FLOAT32, lib.CLOVER_GGUF_FLOAT64)
 _UNSIGNED_TYPES = (lib.CLOVER_GGUF_UINT8, lib.CLOVER_GGUF_UINT16, lib.CLOVER_GGUF_UINT32,
@@ -114,7 +114,7 @@ class GGUFFile:
             ty = lib.clover_gguf_tensor_type(g, t)
             out.append({
                 "name": ffi.string(lib.clover_gguf_tensor_name(g, t)).decode("utf-8", "replace"),
-                "type": TYPE_NAMES.get(ty, str(ty)),
+                "type": type_name(ty),
                 "shape": [int(lib.clover_gguf_tensor_ne(g, t, d)) for d in range(n_dims)],
                 "offset": int(lib.clover_gguf_tensor_offset(g, t)),
                 "nbytes": int(lib.clover_gguf_tensor_nbytes(g, t)),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 from ._ffi import ffi, lib
-from .model import CACHE_TYPE_BYTES
 
 PARTS = ("gpu", "dense", "experts", "output", "experts_cpu", "vectors")
 # bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
@@ -39,28 +38,15 @@ def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = 
 
 
 def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
-    """Bytes a context keeps on the GPU when the first ``n_gpu_layers`` layers are offloaded
-    (native/model.c gpu_attention, gpu_gdn): the KV cache of each offloaded attention layer,
-    [n_ctx][n_head_kv * head_dim] for K and for V in the model's cache types (``type_k``,
-    ``type_v``: 2 bytes a value for F16, 4 for F32), and, once any GDN layer is offloaded, the
-    state of every GDN layer, float32 [Hv][dk][dv], with, when every layer and the output are
-    (the resident forward), its conv history, float32 [d_conv - 1][channels]. The context
-    allocates these when it is created (native/model.c gpu_state_reserve)."""
-    hp = model.hparams
-    n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
-    on = range(min(n_gpu_layers, n_layer))
-    n_attn_on = sum((il + 1) % interval == 0 for il in on)
-    es = CACHE_TYPE_BYTES[model.type_k] + CACHE_TYPE_BYTES[model.type_v]
-    kv = n_attn_on * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * es
-    gdn = 0
-    if hp.get("ssm_dt_rank") and len(on) > n_attn_on:
-        n_gdn = sum((il + 1) % interval != 0 for il in range(n_layer))
-        dv = int(hp["ssm_d_inner"]) // int(hp["ssm_dt_rank"])
-        gdn = n_gdn * int(hp["ssm_dt_rank"]) * int(hp["ssm_d_state"]) * dv * 4
-        if n_gpu_layers > n_layer:
-            channels = 2 * int(hp["ssm_n_group"]) * int(hp["ssm_d_state"]) + int(hp["ssm_d_inner"])
-            gdn += n_gdn * (int(hp["ssm_d_conv"]) - 1) * channels * 4
-    return kv + gdn
+    """Bytes a context of ``n_ctx`` tokens keeps on the GPU when the first ``n_gpu_layers`` layers
+    are offloaded, as the engine reserves them when the context is created
+    (``clover_model_gpu_cache_bytes``): the KV cache of each offloaded attention layer in the
+    model's cache types, and, once any GDN layer is offloaded, the state of every GDN layer
+    (float32 [Hv][dk][dv]), with its conv history when the whole model is resident."""
+    n = int(lib.clover_model_gpu_cache_bytes(model._model, n_ctx, n_gpu_layers, model.type_k, model.type_v))
+    if n < 0:
+        raise ValueError(f"n_ctx / n_gpu_layers: no cache size for n_ctx={n_ctx}, n_gpu_layers={n_gpu_layers}")
+    return n
 
 
 def _layers(model, n_gpu_layers: int) -> int:

@@ -34,6 +34,7 @@ static void topk(const float *p, int64_t n, const unsigned char *allowed, int64_
 /* Coreset C (spec 5.6): allowed[e] = 1 for the first m experts by aggregated top-k mass. */
 static void coreset(const float *probs, int64_t T, int64_t E, int64_t k, double top_p, unsigned char *allowed,
                     double *S, int32_t *order, int32_t *idx) {
+    if (E <= 0) return; /* the loader guarantees n_expert > 0 */
     for (int64_t e = 0; e < E; e++) S[e] = 0;
     for (int64_t t = 0; t < T; t++) {
         topk(probs + t * E, E, NULL, k, idx);

@@ -530,3 +530,19 @@ def test_bad_alignment_key(tmp_path):
     open_error(tmp_path, patch(buf, kv["value_pos"], "I", 48), r"general.alignment'\): alignment 48 is not a power")
     open_error(tmp_path, patch(buf, kv["value_pos"], "I", 0), r"alignment 0 is not a power of two")
     open_error(tmp_path, patch(buf, kv["type_pos"], "I", 5), r"general.alignment'\): type int32, expected uint32")
+
+
+def test_type_names_are_ggml_s():
+    """clover_type_name: ggml's names for ids 0..39 as gguf-py numbers them, None for the ids ggml
+    removed and for ids outside 0..39 (the table's range)."""
+    from gguf import GGMLQuantizationType
+
+    from clover_gguf._ffi import ffi, lib
+
+    defined = {int(t): t.name for t in GGMLQuantizationType if int(t) < 40}
+    for i in range(-2, 45):
+        p = lib.clover_type_name(i)
+        got = ffi.string(p).decode() if p != ffi.NULL else None
+        assert got == defined.get(i), i
+    assert [ffi.string(lib.clover_type_name(i)).decode() for i in (0, 1, 2, 8, 12, 14, 30)] == \
+        ["F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "BF16"]

@@ -162,6 +162,24 @@ def test_info_prints_metadata_and_tensor_table(gguf_path):
     assert f"total tensor bytes: {sum(t['nbytes'] for t in tensors)}" in out
 
 
+def test_info_names_every_tensor_type(make_gguf):
+    """A Q4_K_M file's table names its types as ggml does (Q4_K, Q6_K, Q8_0, F32, ...): no
+    tensor's type column is a bare number. The names are checked against gguf-py's reader."""
+    from gguf import GGUFReader
+
+    path = make_gguf("q4_k_m")
+    r = cli("info", path)
+    assert r.returncode == 0, r.stderr
+    want = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "F32"} <= set(want.values())
+    seen = {}
+    for ln in r.stdout.splitlines():
+        cols = ln.split()
+        if cols and cols[0] in want:
+            seen[cols[0]] = cols[1]
+    assert seen == want
+
+
 def test_logits_writes_prefix_logits(gguf_path, model, tmp_path):
     out = tmp_path / "logits.npy"
     r = cli("logits", "-m", gguf_path, "--tokens", "5,17,300,42", "-o", out)

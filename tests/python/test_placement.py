@@ -166,3 +166,61 @@ def test_fit_command_and_budget_without_a_gpu(make_gguf):
             assert g.n_gpu_layers == 0 and g.placement["plan"].startswith("GPU:")
             assert g.placement["budget"] == 600 << 20  # "600M", as the CLI's --gpu-budget
             assert g.generate_tokens([1, 2, 3], max_tokens=6)[0] == c.generate_tokens([1, 2, 3], max_tokens=6)[0]
+
+
+def test_layer_is_attn(make_gguf):
+    from clover_gguf import Model
+    from clover_gguf._ffi import ffi, lib
+
+    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
+        L, k = m.hparams["n_layer"], m.hparams["full_attention_interval"]
+        assert [lib.clover_model_layer_is_attn(m._model, il) for il in range(L)] == \
+            [int((il + 1) % k == 0) for il in range(L)]
+        assert lib.clover_model_layer_is_attn(m._model, -1) == -1
+        assert lib.clover_model_layer_is_attn(m._model, L) == -1
+        assert lib.clover_model_layer_is_attn(ffi.NULL, 0) == -1
+
+
+def expected_cache_bytes(hp: dict, type_k: int, type_v: int, n_ctx: int, n_gpu_layers: int) -> int:
+    """The GPU cache bytes of a placement from the hyperparameters (spec 6): the KV cache of each
+    offloaded attention layer, [n_ctx][n_head_kv * head_dim] for K and for V (4 bytes a value for
+    F32, 2 for F16), and, once any GDN layer is offloaded, the state of every GDN layer, float32
+    [Hv][dk][dv], with, when every layer and the output are (the resident forward), its conv
+    history, float32 [d_conv - 1][channels]."""
+    n_layer, interval = int(hp["n_layer"]), int(hp.get("full_attention_interval") or 1)
+    on = range(min(n_gpu_layers, n_layer))
+    n_attn_on = sum((il + 1) % interval == 0 for il in on)
+    es = {0: 4, 1: 2}[type_k] + {0: 4, 1: 2}[type_v]
+    kv = n_attn_on * n_ctx * int(hp["n_head_kv"]) * int(hp["head_dim"]) * es
+    gdn = 0
+    if hp.get("ssm_dt_rank") and len(on) > n_attn_on:
+        n_gdn = sum((il + 1) % interval != 0 for il in range(n_layer))
+        dv = int(hp["ssm_d_inner"]) // int(hp["ssm_dt_rank"])
+        gdn = n_gdn * int(hp["ssm_dt_rank"]) * int(hp["ssm_d_state"]) * dv * 4
+        if n_gpu_layers > n_layer:
+            channels = 2 * int(hp["ssm_n_group"]) * int(hp["ssm_d_state"]) + int(hp["ssm_d_inner"])
+            gdn += n_gdn * (int(hp["ssm_d_conv"]) - 1) * channels * 4
+    return kv + gdn
+
+
+@pytest.mark.parametrize("types", [("f32", "f32"), ("f32", "f16"), ("f16", "f16")])
+def test_gpu_cache_bytes_follow_the_spec_sizes(make_gguf, types):
+    """clover_model_gpu_cache_bytes (the sizing the context's allocations use, which
+    clover_gguf.placement.cache_bytes returns) equals the sizes of spec 6 computed here from the
+    hyperparameters, on every placement of the tiny model."""
+    from clover_gguf import Model
+    from clover_gguf._ffi import ffi, lib
+    from clover_gguf.placement import cache_bytes
+
+    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1, type_k=types[0], type_v=types[1]) as m:
+        L = m.hparams["n_layer"]
+        for n_ctx in (1, 100, 4096):
+            for ngl in range(0, L + 3):
+                want = expected_cache_bytes(m.hparams, m.type_k, m.type_v, n_ctx, ngl)
+                assert lib.clover_model_gpu_cache_bytes(m._model, n_ctx, ngl, m.type_k, m.type_v) == want, (n_ctx, ngl)
+                assert cache_bytes(m, n_ctx, ngl) == want
+        assert lib.clover_model_gpu_cache_bytes(ffi.NULL, 16, 1, 0, 0) == -1
+        assert lib.clover_model_gpu_cache_bytes(m._model, 0, 1, 0, 0) == -1
+        assert lib.clover_model_gpu_cache_bytes(m._model, 16, -1, 0, 0) == -1
+        assert lib.clover_model_gpu_cache_bytes(m._model, 16, 1, 8, 0) == -1
+        assert lib.clover_model_gpu_cache_bytes(m._model, 2**31 - 1, L + 1, 0, 0) > 0

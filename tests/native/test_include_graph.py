@@ -4,19 +4,13 @@
   (model/attention.c and model/attention.h are one module); A -> B when a file of A has a quoted
   ``#include`` that resolves to a file of B (relative to the including file, then native/include,
   then native/);
-- no file under native/ is longer than MAX_LINES lines.
-
-And the values C reports so that Python need not recompute them: clover_type_name (the one ggml
-type table) and clover_model_gpu_cache_bytes (against clover_gguf.placement.cache_bytes).
-"""
+- no file under native/ is longer than MAX_LINES lines."""
 from __future__ import annotations
 
 import pathlib
 import re
 
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
 MAX_LINES = 900
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
@@ -134,53 +128,3 @@ def test_every_quoted_include_resolves():
             if resolve(name, f, native) is None:
                 missing.append(f"{f.relative_to(native)}: {name}")
     assert not missing
-
-
-def test_type_names_are_ggml_s():
-    """clover_type_name: ggml's names for ids 0..39 as gguf-py numbers them, None for the ids ggml
-    removed and for ids outside 0..39 (the table's range)."""
-    from gguf import GGMLQuantizationType
-
-    from clover_gguf._ffi import ffi, lib
-
-    defined = {int(t): t.name for t in GGMLQuantizationType if int(t) < 40}
-    for i in range(-2, 45):
-        p = lib.clover_type_name(i)
-        got = ffi.string(p).decode() if p != ffi.NULL else None
-        assert got == defined.get(i), i
-    assert [ffi.string(lib.clover_type_name(i)).decode() for i in (0, 1, 2, 8, 12, 14, 30)] == \
-        ["F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "BF16"]
-
-
-def test_layer_is_attn(make_gguf):
-    from clover_gguf import Model
-    from clover_gguf._ffi import ffi, lib
-
-    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1) as m:
-        L, k = m.hparams["n_layer"], m.hparams["full_attention_interval"]
-        assert [lib.clover_model_layer_is_attn(m._model, il) for il in range(L)] == \
-            [int((il + 1) % k == 0) for il in range(L)]
-        assert lib.clover_model_layer_is_attn(m._model, -1) == -1
-        assert lib.clover_model_layer_is_attn(m._model, L) == -1
-        assert lib.clover_model_layer_is_attn(ffi.NULL, 0) == -1
-
-
-@pytest.mark.parametrize("types", [("f32", "f32"), ("f32", "f16"), ("f16", "f16")])
-def test_gpu_cache_bytes_equal_placement_cache_bytes(make_gguf, types):
-    """The C value (computed by the sizing the context's allocations use) equals the Python
-    recomputation in clover_gguf.placement.cache_bytes on every placement of the tiny model."""
-    from clover_gguf import Model
-    from clover_gguf._ffi import ffi, lib
-    from clover_gguf.placement import cache_bytes
-
-    with Model(make_gguf("q8_0"), n_ctx=16, n_threads=1, type_k=types[0], type_v=types[1]) as m:
-        L = m.hparams["n_layer"]
-        for n_ctx in (1, 100, 4096):
-            for ngl in range(0, L + 3):
-                c = lib.clover_model_gpu_cache_bytes(m._model, n_ctx, ngl, m.type_k, m.type_v)
-                assert c == cache_bytes(m, n_ctx, ngl), (n_ctx, ngl)
-        assert lib.clover_model_gpu_cache_bytes(ffi.NULL, 16, 1, 0, 0) == -1
-        assert lib.clover_model_gpu_cache_bytes(m._model, 0, 1, 0, 0) == -1
-        assert lib.clover_model_gpu_cache_bytes(m._model, 16, -1, 0, 0) == -1
-        assert lib.clover_model_gpu_cache_bytes(m._model, 16, 1, 8, 0) == -1
-        assert lib.clover_model_gpu_cache_bytes(m._model, 2**31 - 1, L + 1, 0, 0) > 0
