@@ -213,44 +213,39 @@ static void gdn_head(const gdn_job *j, int64_t h, float *scratch) {
     }
 }
 
-/* gdn_head over every value head (independent, so split over threads, each with n_scratch floats
- * of scratch and subnormals flushed). CLOVER_E_NOMEM when a thread's scratch cannot be had. */
-static int gdn_heads(const gdn_job *j, int nth) {
-    int err = 0;
+/* gdn_head over every value head (independent, so split over nth threads, thread i with the
+ * n_scratch floats at ts + i * stride bytes, subnormals flushed). */
+static int gdn_heads(const gdn_job *j, int nth, char *ts, size_t stride) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nth) if (nth > 1 && j->d->Hv > 1)
 #endif
     {
         const unsigned csr = flush_subnormals_begin(); /* in every thread of the region */
-        float *scratch = malloc(sizeof(float) * (size_t)j->n_scratch);
-        if (!scratch) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            err = 1;
-        }
+        float *scratch = (float *)(ts + (size_t)thread_index() * stride);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t h = 0; h < j->d->Hv; h++)
-            if (scratch) gdn_head(j, h, scratch);
-        free(scratch);
+        for (int64_t h = 0; h < j->d->Hv; h++) gdn_head(j, h, scratch);
         flush_subnormals_end(csr);
     }
-    return err ? CLOVER_E_NOMEM : CLOVER_OK;
+    return CLOVER_OK;
+}
+
+int64_t gdn_heads_scratch_floats(const gdn_dims *d, int block, int64_t T) {
+    return block ? T + 1 : gdn_scratch_floats(d);
 }
 
 /* The recurrence of kind GDN_FORWARD* over all value heads, advancing state [Hv][dk][dv]. */
 int gdn_recurrence(int kind, const gdn_dims *d, const float *conv, const float *beta, const float *g,
-                          int64_t T, float *state, float *o, int nth) {
-    const gdn_job j = {d, kind, 0, NULL, conv, beta, g, T, 0, state, o, gdn_scratch_floats(d)};
-    return gdn_heads(&j, nth);
+                   int64_t T, float *state, float *o, int nth, char *ts, size_t stride) {
+    const gdn_job j = {d, kind, 0, NULL, conv, beta, g, T, 0, state, o, gdn_heads_scratch_floats(d, 0, T)};
+    return gdn_heads(&j, nth, ts, stride);
 }
 
 /* The block operator's mixing (bd_head) over every value head of layer ly after P clean tokens;
  * state: the layer's clean state [Hv][dk][dv], read only. */
 int bd_heads(const gdn_dims *d, const clover_layer *ly, const float *conv, const float *state, int64_t T,
-                    int64_t P, float *o, int nth) {
-    const gdn_job j = {d, 0, 1, ly, conv, NULL, NULL, T, P, (float *)state, o, T + 1};
-    return gdn_heads(&j, nth);
+             int64_t P, float *o, int nth, char *ts, size_t stride) {
+    const gdn_job j = {d, 0, 1, ly, conv, NULL, NULL, T, P, (float *)state, o, gdn_heads_scratch_floats(d, 1, T)};
+    return gdn_heads(&j, nth, ts, stride);
 }

@@ -9,6 +9,19 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The calling thread's index in the enclosing parallel region (0 outside one): which block of a
+ * per-thread scratch it owns. */
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }

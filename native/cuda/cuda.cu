@@ -4,7 +4,7 @@
  * device, the Gated DeltaNet recurrence and the block operator's mixing (spec 3.3) with the
  * state on the device, each call moving its
  * activations to the device and back; and, at the end, the operations of the resident forward
- * (gpu/forward_resident.c res_pass: norms, RoPE, the GDN convolution and gates, routing, ...) on
+ * (gpu/forward_resident.c res_forward: norms, RoPE, the GDN convolution and gates, routing, ...) on
  * activations that stay on the device.
  *
  * A product y[t][r] = sum_j W[r][j] * x[t][j] (W: ne1 rows of ne0 values in its ggml type,

@@ -6,7 +6,7 @@
 
 /* attention_layer on the device: the new K and V rows go into the device cache at *b->pos
  * (res_prepare made the cache ready). */
-int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b) {
+int res_attention_layer(fwd *f, const clover_layer *ly, const res_bufs *b) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim, kvd = nkv * hd;

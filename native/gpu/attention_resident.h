@@ -5,6 +5,6 @@
 #include "gpu/resident_ops.h"
 
 /* attention_layer on the device: b->xn in, b->o out; new K and V rows into the device cache at *b->pos. */
-CLOVER_HIDDEN int res_attention(fwd *f, const clover_layer *ly, const res_bufs *b);
+CLOVER_HIDDEN int res_attention_layer(fwd *f, const clover_layer *ly, const res_bufs *b);
 
 #endif

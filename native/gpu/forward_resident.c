@@ -33,13 +33,15 @@ int64_t clover_context_passes(const clover_context *c) { return c ? c->n_passes 
 static pthread_mutex_t g_graph_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_n_gpu_contexts;
 
-/* The LM head of forward() on the device for the n rows whose indices res_pass uploaded to
+/* The LM head of forward() on the device for the n rows whose indices res_forward uploaded to
  * b->idx (idx: the same on the host), groups of RES_LM rows; rows != NULL: row idx[i] of logits
  * is written, else rows from 0. */
 static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, float *logits, const uint8_t *rows) {
     const clover_model *m = f->c->m;
     const int64_t H = m->hp.n_embd, V = m->hp.n_vocab;
-    float *lg = rows ? malloc(sizeof(float) * (size_t)(RES_LM * V)) : NULL;
+    scratch_plan p = {0};
+    const int ilg = scratch_add(&p, RES_LM * V, sizeof(float));
+    float *lg = rows ? scratch_part(scratch_carve(f->c, SCRATCH_LAYER, &p), &p, ilg) : NULL;
     int rc = lg || !rows ? CLOVER_OK : clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory");
     for (int64_t g0 = 0; g0 < n && rc == CLOVER_OK; g0 += RES_LM) {
         const int64_t ng = n - g0 < RES_LM ? n - g0 : RES_LM;
@@ -52,7 +54,6 @@ static int res_lm_head(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n,
         for (int64_t i = 0; rows && i < ng; i++)
             memcpy(logits + (int64_t)idx[g0 + i] * V, lg + i * V, sizeof(float) * (size_t)V);
     }
-    free(lg);
     return rc;
 }
 
@@ -77,7 +78,7 @@ static int res_prepare(fwd *f) {
 
 /* The launches of a resident pass: the layers, then with a selection request the LM head and the
  * selection on the n rows of b->idx (else res_lm_head follows, reading its logits back). */
-static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
+static int res_layer_loop(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
     clover_context *c = f->c;
     const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
@@ -89,11 +90,11 @@ static int res_run(fwd *f, const res_bufs *b, int64_t rec_row, int64_t n) {
         const clover_layer *ly = &m->layers[il];
         if ((rc = check_abort(f, il)) ||
             (rc = clover_cuda_rmsnorm_d(b->x, H, NULL, ly->dev.attn_norm, H, T, hp->rms_eps, b->xn, H, err, es)) ||
-            (rc = ly->is_attn ? res_attention(f, ly, b) : res_gdn(f, ly, b, rec_row)) ||
+            (rc = ly->is_attn ? res_attention_layer(f, ly, b) : res_gdn_layer(f, ly, b, rec_row)) ||
             (rc = clover_cuda_add_d(b->x, b->o, T * H, b->flags + 2 * il, err, es)) ||
             (rc = clover_cuda_rmsnorm_d(b->x, H, NULL, ly->dev.post_norm, H, T, hp->rms_eps, b->xn, H, err, es)))
             break;
-        rc = res_moe(f, ly, il, b);
+        rc = res_moe_layer(f, ly, il, b);
     }
     if (rc == CLOVER_OK && n && f->sreq && !(rc = check_abort(f, (int)L))) rc = res_select_run(f, b, n);
     return rc;
@@ -126,7 +127,7 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
     return k;
 }
 
-/* res_run through a CUDA graph (passes of at most RES_LM rows with the selection on the GPU: ar's
+/* res_layer_loop through a CUDA graph (passes of at most RES_LM rows with the selection on the GPU: ar's
  * decode steps, diffusion's denoising passes and commits, spec's drafts and verifies; and
  * one-row passes that return logits, as llama.cpp's decode of one token, the LM head then
  * running after the graph): the
@@ -134,7 +135,7 @@ static graph_key graph_key_of(const fwd *f, int64_t n) {
  * and the following ones replay it. The context keeps the graphs of its last four keys, so a
  * diffusion block's commit and denoising passes keep theirs. CLOVER_CUDA_GRAPHS=0 turns this
  * off. */
-static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
+static int res_layer_loop_graph(fwd *f, const res_bufs *b, int64_t n) {
     clover_context *c = f->c;
     const int N = (int)(sizeof c->graph / sizeof c->graph[0]);
     graph_key key = graph_key_of(f, n);
@@ -145,7 +146,7 @@ static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
         if (!c->graph[i].exec) {
             rc = clover_cuda_capture_begin(f->err, f->err_size);
             if (rc == CLOVER_OK) {
-                rc = res_run(f, b, 0, n);
+                rc = res_layer_loop(f, b, 0, n);
                 const int rc2 = clover_cuda_capture_end(&c->graph[i].exec, f->err, f->err_size);
                 if (rc == CLOVER_OK) rc = rc2;
             }
@@ -154,7 +155,7 @@ static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
                 c->graph[i].exec = NULL;
                 if (rc == CLOVER_E_ABORTED) return rc;
                 c->graphs = 0; /* the device cannot record this: plain passes for this context */
-                return res_run(f, b, 0, n);
+                return res_layer_loop(f, b, 0, n);
             }
         }
         if ((rc = check_abort(f, 0)) == CLOVER_OK &&
@@ -162,7 +163,7 @@ static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
             c->n_graph_launches++;
         return rc;
     }
-    rc = res_run(f, b, 0, n); /* first seen: plainly, then its key (with the scratch it grew) in the oldest slot */
+    rc = res_layer_loop(f, b, 0, n); /* first seen: plainly, then its key (with the scratch it grew) in the oldest slot */
     if (rc != CLOVER_OK) return rc;
     for (int j = i = 0; j < N; j++)
         if (c->graph[j].used < c->graph[i].used) i = j;
@@ -175,7 +176,7 @@ static int res_run_graph(fwd *f, const res_bufs *b, int64_t n) {
 }
 
 /* One resident pass over f->T rows (a prefill's rows from rec_row of its recording). */
-int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int64_t logit_row0,
+int res_forward(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int64_t logit_row0,
                     const uint8_t *rows) {
     clover_context *c = f->c;
     const clover_model *m = c->m;
@@ -191,7 +192,10 @@ int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int6
      * flags: the embedding rows (dequantised here, a row each, as the CPU), the LM head's row
      * list, the selection's ranges of sampler edits per row, the position, cleared flags */
     const size_t up_bytes = (size_t)((char *)(b.flags + 4 * L) - (char *)b.x);
-    char *up = calloc(1, up_bytes);
+    scratch_plan up_plan = {0};
+    scratch_add(&up_plan, (int64_t)up_bytes, 1);
+    char *up = scratch_carve(c, SCRATCH_PASS, &up_plan);
+    if (up) memset(up, 0, up_bytes); /* cleared flags */
     float *x = (float *)up;
     int32_t *flags = up ? (int32_t *)(up + ((char *)b.flags - (char *)b.x)) : NULL;
     int32_t *idx = up ? (int32_t *)(up + ((char *)b.idx - (char *)b.x)) : NULL;
@@ -216,10 +220,10 @@ int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int6
     if (rc == CLOVER_OK) rc = clover_cuda_write(b.x, 0, up, up_bytes, err, es);
     if (rc == CLOVER_OK && graph) {
         pthread_mutex_lock(&g_graph_mu);
-        rc = g_n_gpu_contexts == 1 ? res_run_graph(f, &b, n) : res_run(f, &b, rec_row, n);
+        rc = g_n_gpu_contexts == 1 ? res_layer_loop_graph(f, &b, n) : res_layer_loop(f, &b, rec_row, n);
         pthread_mutex_unlock(&g_graph_mu);
     } else if (rc == CLOVER_OK) {
-        rc = res_run(f, &b, rec_row, n);
+        rc = res_layer_loop(f, &b, rec_row, n);
     }
     if (rc == CLOVER_OK && n && !f->sreq && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
     /* the flags after the logits, or with the selection (no wait in between); a non-finite layer
@@ -238,7 +242,6 @@ int res_pass(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, int6
         if (f->n_experts_out) f->n_experts_out[il] = flags[2 * L + 2 * il];
         if (f->mode == MODE_BLOCK) c->nexp_full[il] = flags[2 * L + 2 * il + 1];
     }
-    free(up);
     return rc;
 }
 

@@ -15,7 +15,7 @@ static void rec_dev_slot(const clover_context *c, int g, float **qkv, float **cv
 
 /* gdn_layer on the device; a recorded prefill (spec verify) keeps its inputs in rec_dev from
  * row rec_row. */
-int res_gdn(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t rec_row) {
+int res_gdn_layer(fwd *f, const clover_layer *ly, const res_bufs *b, int64_t rec_row) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
     const gdn_dims d = gdn_dims_of(hp);

@@ -4,6 +4,7 @@
 #include "gpu/device_state.h"
 #include "model/moe.h"
 #include <stdlib.h>
+#include <string.h>
 
 /* The shared expert's products after its input products (on the GPU): gt = silu(gt) * up, ys =
  * down_sh gt. */
@@ -35,7 +36,10 @@ static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
     }
     float *xg = c->moe_host, *yg = xg ? xg + P * H : NULL;
     int32_t *tl = yg ? (int32_t *)(yg + P * H) : NULL;
-    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
+    scratch_plan sp = {0};
+    const int istart = scratch_add(&sp, E + 1, sizeof(int64_t));
+    int64_t *start = scratch_part(scratch_carve(c, SCRATCH_LAYER, &sp), &sp, istart);
+    if (start) memset(start, 0, sizeof(int64_t) * (size_t)(E + 1));
     if (rc == CLOVER_OK && !start) rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory (experts on the CPU)");
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->tiles, 0, tl, sizeof(int32_t) * (size_t)(3 * n_tiles), err, es);
     if (rc == CLOVER_OK) rc = clover_cuda_read(b->xg, 0, xg, rows_bytes, err, es);
@@ -58,13 +62,12 @@ static int res_cpu_experts(fwd *f, const clover_layer *ly, const res_bufs *b) {
     if (rc == CLOVER_OK && cpu_experts(c, ly, hp->n_ff_exp, H, E, n_used, start, xg, yg))
         rc = clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory in the routed experts (on the CPU)");
     if (rc == CLOVER_OK) rc = clover_cuda_write(b->yg, 0, yg, rows_bytes, err, es);
-    free(start);
     return rc;
 }
 
 /* moe_layer on the device, its result added to x (flags: this layer's slots); routed experts
  * kept on the CPU through res_cpu_experts. */
-int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
+int res_moe_layer(fwd *f, const clover_layer *ly, int il, const res_bufs *b) {
     const clover_hparams *hp = &f->c->m->hp;
     const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, P = T * k;
     char *err = f->err;

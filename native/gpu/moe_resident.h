@@ -5,6 +5,6 @@
 #include "gpu/resident_ops.h"
 
 /* moe_layer on the device, its result added to b->x (b->flags: this layer's slots). */
-CLOVER_HIDDEN int res_moe(fwd *f, const clover_layer *ly, int il, const res_bufs *b);
+CLOVER_HIDDEN int res_moe_layer(fwd *f, const clover_layer *ly, int il, const res_bufs *b);
 
 #endif

@@ -17,8 +17,8 @@ static size_t res_layout(const clover_model *m, int64_t T, char *base, res_bufs 
     const int64_t vdim = d.Hv * d.dv, Is = hp->n_ff_shexp, LM = T < RES_LM ? T : RES_LM;
     size_t off = 0;
     const size_t F = sizeof(float), I = sizeof(int32_t);
-    /* what a pass uploads (res_pass: one copy from x to the end of flags), then what it reads
-     * back (res_pass / res_select_read: one copy from flags on) */
+    /* what a pass uploads (res_forward: one copy from x to the end of flags), then what it reads
+     * back (res_forward / res_select_read: one copy from flags on) */
     b->x = take(base, &off, T * H, F), b->idx = take(base, &off, T, I), b->gstart = take(base, &off, T + 1, I);
     b->pos = take(base, &off, 1, sizeof(int64_t)), b->flags = take(base, &off, 4 * (int64_t)hp->n_layer, I);
     b->gconf = take(base, &off, T, F), b->gid = take(base, &off, T, I), b->gtotal = take(base, &off, T, sizeof(double));

@@ -6,7 +6,7 @@
 #include <string.h>
 
 /* The selection's inputs (clover_block_forward_select): the n needed rows' ranges of edits into
- * start (n + 1, host: res_pass uploads them with the pass's other inputs), and the edits
+ * start (n + 1, host: res_forward uploads them with the pass's other inputs), and the edits
  * themselves to ops_dev (grown as needed). */
 int res_select_upload(fwd *f, const int32_t *idx, int64_t n, int32_t *start) {
     clover_context *c = f->c;
@@ -75,7 +75,9 @@ int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, co
                       : g->total ? (const char *)(b->gtotal + n)
                                  : (const char *)(b->gid + n);
     const size_t bytes = (size_t)(end - (const char *)b->flags);
-    char *down = malloc(bytes);
+    scratch_plan p = {0};
+    scratch_add(&p, (int64_t)bytes, 1);
+    char *down = scratch_carve(f->c, SCRATCH_LAYER, &p);
     int rc = down ? CLOVER_OK : clover_set_err(err, es, CLOVER_E_NOMEM, "out of memory");
     if (rc == CLOVER_OK && g->total && n > RES_LM) /* the callers keep to this (CLOVER_SELECT_TOTAL_MAX_ROWS) */
         rc = clover_set_err(err, es, CLOVER_E_ARG, "top-p selection of %lld rows: at most %d", (long long)n, (int)RES_LM);
@@ -88,8 +90,7 @@ int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, co
 #undef AT
     if (rc == CLOVER_OK) memcpy(flags, down, sizeof(int32_t) * (size_t)(4 * L));
     for (int64_t il = 0; il < L && rc == CLOVER_OK; il++)
-        if (flags[2 * il] || flags[2 * il + 1]) { /* a non-finite layer output: res_pass names it */
-            free(down);
+        if (flags[2 * il] || flags[2 * il + 1]) { /* a non-finite layer output: res_forward names it */
             return CLOVER_OK;
         }
     if (rc == CLOVER_OK && K && g->pre && n_ops)
@@ -111,6 +112,5 @@ int res_select_read(fwd *f, const res_bufs *b, const int32_t *idx, int64_t n, co
                                   sizeof(float) * (size_t)V, err, es);
         }
     }
-    free(down);
     return rc;
 }

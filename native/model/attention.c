@@ -77,35 +77,29 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
     const int64_t fed = group * nkv * T / want; /* the largest chunk giving want items at R = 1 */
     if (nkv * T * (group / hc) < want) hc = divisor_at_most(group, hc < fed ? hc : fed);
     const int64_t n_tiles = (T + R - 1) / R, n_chunks = group / hc, n_items = nkv * n_tiles * n_chunks;
-    int nomem = 0;
+    /* per thread: the row sums (R * hc doubles), then the scores (R * hc * n_keys_max floats) */
+    size_t stride = 0;
+    char *ts = thread_scratch(c, R * hc * (2 + n_keys_max), sizeof(float), &stride);
+    if (!ts) goto done;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && T * nh * n_keys_max * hd >= 65536)
 #endif
     {
         const unsigned csr = flush_subnormals_begin(); /* weights exp(s - max) of far keys: subnormal */
-        float *sc = malloc(sizeof(float) * (size_t)(R * hc * n_keys_max));
-        double *sum = malloc(sizeof(double) * (size_t)(R * hc));
-        if (!sc || !sum) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            nomem = 1;
-        }
+        double *sum = (double *)(ts + (size_t)thread_index() * stride);
+        float *sc = (float *)(sum + R * hc);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t it = 0; it < n_items; it++) { /* the last rows (most keys) first */
-            if (!sc || !sum) continue;
             const int64_t r = n_tiles - 1 - it / (nkv * n_chunks), g = it / n_chunks % nkv, ch = it % n_chunks;
             const int64_t t0 = r * R, nt = T - t0 < R ? T - t0 : R;
             att_job a = job;
             a.off = g * hd;
             attend_tile(&a, &kv, t0, nt, g * group + ch * hc, hc, sc, sum);
         }
-        free(sc), free(sum);
         flush_subnormals_end(csr);
     }
-    if (nomem) goto done;
     rc = matmul(f, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 done:
     return rc;

@@ -125,7 +125,9 @@ int clover_context_rollback(clover_context *c, int32_t n_keep, char *err, size_t
         }
         if (c->gdn_on_dev) c->gdn_on_dev[g] = 0; /* the host copy is rewritten */
         memcpy(state, c->snap_state + g * S_n, sizeof(float) * (size_t)S_n);
-        if (gdn_recurrence(GDN_FORWARD, &d, cv, b, a, n_keep, state, o, c->n_threads))
+        size_t stride = 0;
+        char *ts = thread_scratch(c, gdn_heads_scratch_floats(&d, 0, n_keep), sizeof(float), &stride);
+        if (!ts || gdn_recurrence(GDN_FORWARD, &d, cv, b, a, n_keep, state, o, c->n_threads, ts, stride))
             rc = clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory in rollback");
     }
     free(o), free(cat);

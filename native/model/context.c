@@ -140,7 +140,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     c->graphs = !(graphs && strcmp(graphs, "0") == 0);
     atomic_init(&c->abort_req, 0);
     int64_t kv = (int64_t)hp->n_head_kv * hp->head_dim;
-    /* a resident model's forwards use the device KV cache only (res_attention) */
+    /* a resident model's forwards use the device KV cache only (res_attention_layer) */
     c->type_k = type_k, c->type_v = type_v;
     c->k_cache = alloc_elems(m->resident ? 0 : m->n_attn, n_ctx, kv, kv_elem_bytes(type_k));
     c->v_cache = alloc_elems(m->resident ? 0 : m->n_attn, n_ctx, kv, kv_elem_bytes(type_v));
@@ -184,7 +184,7 @@ void clover_context_free(clover_context *c) {
     clover_cuda_free(c->res_ws), clover_cuda_free(c->conv_dev), clover_cuda_free(c->conv_snap_dev);
     clover_cuda_free(c->rec_dev), clover_cuda_free(c->ops_dev), clover_cuda_free(c->pre_dev);
     moe_host_release(c);
-    free(c->scratch[SCRATCH_PASS].p), free(c->scratch[SCRATCH_LAYER].p);
+    for (int s = 0; s < SCRATCH_SLOTS; s++) free(c->scratch[s].p);
     free(c);
 }
 

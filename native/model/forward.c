@@ -92,7 +92,7 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
     const int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
     if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {
         c->n_passes++;
-        return res ? res_pass(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
+        return res ? res_forward(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
     }
     const int64_t T = f->T, V = c->m->hp.n_vocab;
     int rc = CLOVER_OK;
@@ -104,7 +104,7 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
         const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
         float *lg = with_logits ? logits + (r0 + row0 - logit_row0) * V : NULL;
         c->n_passes++;
-        rc = res ? res_pass(&g, tokens + r0, r0, lg, row0, NULL) : cpu_forward(&g, tokens + r0, lg, row0, NULL);
+        rc = res ? res_forward(&g, tokens + r0, r0, lg, row0, NULL) : cpu_forward(&g, tokens + r0, lg, row0, NULL);
     }
     return rc;
 }
@@ -189,14 +189,17 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
     if (n <= 0 || n > RES_ROWS)
         return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, %d] for prefill_select", n,
                               (int)RES_ROWS);
-    uint8_t *rows = malloc((size_t)n);
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
-    float *confs = malloc(sizeof(float) * (size_t)n);
-    clover_cand *cands = K ? malloc(sizeof(clover_cand) * (size_t)n * (size_t)K) : NULL;
-    double *totals = total ? malloc(sizeof(double) * (size_t)n) : NULL;
-    rc = rows && ids && confs && (cands || !K) && (totals || !total)
-             ? CLOVER_OK
-             : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    scratch_plan p = {0};
+    const int irows = scratch_add(&p, n, 1), iids = scratch_add(&p, n, sizeof(int32_t));
+    const int iconfs = scratch_add(&p, n, sizeof(float)), icands = scratch_add(&p, (int64_t)n * K, sizeof(clover_cand));
+    const int itotals = scratch_add(&p, total ? n : 0, sizeof(double));
+    char *base = scratch_carve(c, SCRATCH_CALL, &p);
+    uint8_t *rows = scratch_part(base, &p, irows);
+    int32_t *ids = scratch_part(base, &p, iids);
+    float *confs = scratch_part(base, &p, iconfs);
+    clover_cand *cands = scratch_part(base, &p, icands);
+    double *totals = total ? scratch_part(base, &p, itotals) : NULL;
+    rc = base ? CLOVER_OK : clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
     for (int32_t t = 0; t < n && rc == CLOVER_OK; t++) rows[t] = all_rows || t == n - 1;
     if (rc == CLOVER_OK) rc = check_ops_start(ops_start, rows, n, err, err_size);
     const int32_t t0 = all_rows ? 0 : n - 1; /* the rows handed back, from row t0 */
@@ -207,7 +210,6 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
     if (rc == CLOVER_OK && K) memcpy(cand, cands + (int64_t)t0 * K, sizeof(clover_cand) * (size_t)(n - t0) * (size_t)K);
     if (rc == CLOVER_OK && total) memcpy(total, totals + t0, sizeof(double) * (size_t)(n - t0));
     for (int32_t t = t0; t < n && rc == CLOVER_OK && !K; t++) id[t - t0] = ids[t], conf[t - t0] = confs[t];
-    free(rows), free(ids), free(confs), free(cands), free(totals);
     return rc;
 }
 

@@ -87,9 +87,12 @@ int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
         goto done;
     conv_silu(&d, ly->conv, block ? ly->conv_right : NULL, hist, qkv, T, cv);
     qk_norm(&d, cv, T, 1e-6f);
+    size_t stride = 0; /* the heads' per-thread scratch, on the CPU */
+    char *ts = on_gpu ? NULL : thread_scratch(c, gdn_heads_scratch_floats(&d, block, T), sizeof(float), &stride);
+    if (!on_gpu && !ts) goto done;
     if (block) {
         rc = on_gpu ? gpu_gdn(f, ly, 0, &d, cv, NULL, NULL, o)
-                    : bd_heads(&d, ly, cv, state, T, f->pos0, o, c->n_threads);
+                    : bd_heads(&d, ly, cv, state, T, f->pos0, o, c->n_threads, ts, stride);
         if (rc != CLOVER_OK) goto done;
     } else {
         gates(&d, b, a, ly->ssm_a, ly->dt_bias, T);
@@ -109,7 +112,7 @@ int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
         }
         rc = on_gpu ? gpu_gdn(f, ly, gpu_gdn_forward(f->c, T), &d, cv, b, a, o)
                     : gdn_recurrence(c->gdn_chunked && T > 1 ? GDN_FORWARD_CHUNKED : GDN_FORWARD, &d, cv, b, a, T,
-                                     state, o, c->n_threads);
+                                     state, o, c->n_threads, ts, stride);
         if (rc != CLOVER_OK) goto done;
     }
     /* gated RMSNorm per head with a plain weight (spec 2.1 step 7) */

@@ -58,7 +58,7 @@ struct clover_model {
     clover_layer *layers;
     int32_t n_gpu_layers;  /* layers whose weight products run on the GPU (clover_model_offload) */
     int64_t gpu_bytes;     /* bytes of weights copied to the GPU */
-    /* every layer and the output on the GPU: forwards run device-resident (gpu/forward_resident.c res_pass),
+    /* every layer and the output on the GPU: forwards run device-resident (gpu/forward_resident.c res_forward),
      * the activations staying on the GPU from embedding to logits, except the inputs and outputs
      * of routed experts kept on the CPU (--n-cpu-moe: cpu_experts, the first n layers) */
     int resident, cpu_experts;
@@ -127,11 +127,14 @@ struct clover_context {
     atomic_int abort_req; /* set by clover_context_abort (any thread), consumed by forward() */
     /* host scratch of the CPU forward, grown on demand and kept until clover_context_free
      * (model/pass.c scratch_carve): [SCRATCH_PASS] a pass's activations, [SCRATCH_LAYER] one
-     * layer's buffers (attention, GDN or MoE; the layers run one after another) */
+     * layer's buffers (attention, GDN or MoE; the layers run one after another; the LM head's and
+     * the selection's host rows after them), [SCRATCH_THREADS] the per-thread buffers of the
+     * parallel region running inside a layer, [SCRATCH_CALL] an entry point's own arrays around
+     * its passes (clover_prefill_select) */
     struct {
         void *p;
         size_t cap;
-    } scratch[2];
+    } scratch[4];
 };
 
 /* Channels of a GDN layer's conv: q and k of Hk key heads, v of Hv value heads (spec 2.1). */

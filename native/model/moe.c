@@ -84,29 +84,26 @@ static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float 
 /* The routed experts on the CPU: expert e over its bucket [start[e], start[e+1]) of xg into yg
  * (n_used non-empty buckets), experts spread over the threads, one task per expert, so a pass
  * forks once instead of once per product. Non-zero on failure (out of memory). */
-int cpu_experts(const clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E,
-                       int32_t n_used, const int64_t *start, const float *xg, float *yg) {
+int cpu_experts(clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E, int32_t n_used,
+                const int64_t *start, const float *xg, float *yg) {
     int err_any = 0;
     int64_t n_max = 0;
     for (int64_t e = 0; e < E; e++) n_max = start[e + 1] - start[e] > n_max ? start[e + 1] - start[e] : n_max;
+    size_t stride = 0; /* per thread: the gate and up products of the largest bucket, [n_max][I] each */
+    int64_t per = 0;
+    char *ts = __builtin_mul_overflow(n_max, 2 * I, &per) ? NULL : thread_scratch(c, per, sizeof(float), &stride);
+    if (!ts) return 1;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && n_used > 1)
 #endif
     {
-        float *tg = malloc(sizeof(float) * (size_t)(n_max * I));
-        float *tu = malloc(sizeof(float) * (size_t)(n_max * I));
-        if (!tg || !tu) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            err_any = 1;
-        }
+        float *tg = (float *)(ts + (size_t)thread_index() * stride), *tu = tg + n_max * I;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t e = 0; e < E; e++) {
             const int64_t n = start[e + 1] - start[e];
-            if (n == 0 || !tg || !tu) continue;
+            if (n == 0) continue;
             if (expert_ffn(ly, e, I, xg + start[e] * H, n, tg, tu, yg + start[e] * H)) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -114,7 +111,6 @@ int cpu_experts(const clover_context *c, const clover_layer *ly, int64_t I, int6
                 err_any = 1;
             }
         }
-        free(tg), free(tu);
     }
     return err_any;
 }

@@ -7,7 +7,7 @@
 
 /* The routed experts on the CPU: expert e over its bucket [start[e], start[e+1]) of xg into yg.
  * Non-zero on failure (out of memory). */
-CLOVER_HIDDEN int cpu_experts(const clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E, int32_t n_used,
+CLOVER_HIDDEN int cpu_experts(clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E, int32_t n_used,
                 const int64_t *start, const float *xg, float *yg);
 /* The MoE layer (clover-spec 2.3; coreset in block mode, 5.6) of layer il over the rows xn into out. */
 CLOVER_HIDDEN int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *out);

@@ -89,6 +89,15 @@ int scratch_add(scratch_plan *p, int64_t count, size_t elem) {
     return i;
 }
 
+void *thread_scratch(clover_context *c, int64_t per, size_t elem, size_t *stride) {
+    scratch_plan p = {0};
+    scratch_add(&p, per, elem); /* one block, rounded up to 64 bytes: the stride */
+    *stride = p.total;
+    scratch_plan all = {0};
+    scratch_add(&all, c->n_threads > 0 ? c->n_threads : 1, p.total);
+    return p.overflow ? NULL : scratch_carve(c, SCRATCH_THREADS, &all);
+}
+
 /* Grow the slot to the plan's total when needed (the old contents are not kept: every user
  * writes its parts before it reads them) and return its base. */
 char *scratch_carve(clover_context *c, int slot, const scratch_plan *p) {

@@ -44,7 +44,7 @@ typedef struct select_req {
 
 /* The context's host scratch (clover_context.scratch): a plan of up to SCRATCH_PARTS parts, each
  * count elements of elem bytes (64-byte aligned), with every size computation overflow-checked. */
-enum { SCRATCH_PASS = 0, SCRATCH_LAYER = 1, SCRATCH_PARTS = 24 };
+enum { SCRATCH_PASS = 0, SCRATCH_LAYER = 1, SCRATCH_THREADS = 2, SCRATCH_CALL = 3, SCRATCH_SLOTS = 4, SCRATCH_PARTS = 24 };
 typedef struct {
     size_t off[SCRATCH_PARTS];
     size_t total;
@@ -55,6 +55,10 @@ CLOVER_HIDDEN int scratch_add(scratch_plan *p, int64_t count, size_t elem);
 /* The base of slot `slot` of c's scratch holding p's parts (grown when smaller, kept), or NULL
  * when a size overflowed or the allocation failed. */
 CLOVER_HIDDEN char *scratch_carve(clover_context *c, int slot, const scratch_plan *p);
+/* n_threads blocks of `per` elements of elem bytes each (64-byte aligned) in c's SCRATCH_THREADS
+ * slot: thread i of a parallel region (thread_index) owns base + i * *stride bytes. NULL when a
+ * size overflows or memory is short. */
+CLOVER_HIDDEN void *thread_scratch(clover_context *c, int64_t per, size_t elem, size_t *stride);
 /* Part i of a carved plan (NULL when base is NULL). */
 static inline void *scratch_part(char *base, const scratch_plan *p, int i) { return base ? base + p->off[i] : NULL; }
 
