@@ -86,15 +86,25 @@ def _check_float(name, v, lo=None, hi=None, lo_open=False):
     return v
 
 
-_F32_MAX = 3.4028234663852886e38
+_INT32 = (-2**31, 2**31 - 1)
 
 
-def _check_f32(name, v, lo=None, hi=None, lo_open=False):
-    """A finite number that stays finite as a C float."""
-    v = _check_float(name, v, lo, hi, lo_open)
-    if abs(v) > _F32_MAX:
-        raise ValueError(f"{name}: {v} overflows float32")
-    return v
+def _as_int(name, v, lo=_INT32[0], hi=_INT32[1]):
+    """``v`` as an int for an engine field holding [lo, hi] (an int32 unless said): the type and
+    the representable range only; the engine checks the value (clover_gen_params_check)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name}: expected an integer, got {v!r}")
+    if not lo <= int(v) <= hi:
+        raise ValueError(f"{name}: {int(v)} is outside the engine's range [{lo}, {hi}]")
+    return int(v)
+
+
+def _as_number(name, v):
+    """``v`` as a float for an engine float field: the type only; the engine checks the value
+    (NaN, infinities and numbers beyond float32, which become infinities, included)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}: expected a number, got {v!r}")
+    return float(v)
 
 
 class Model:
@@ -391,17 +401,17 @@ class Model:
         if lib.clover_model_check_mode(self._model, _MODES[mode], err, len(err)) != 0:
             raise ValueError(ffi.string(err).decode("utf-8", "replace"))
         p.mode = _MODES[mode]
-        p.max_tokens = _check_int("max_tokens", o.max_tokens, lo=1, hi=2**31 - 1)
-        p.temperature = _check_float("temperature", o.temperature, lo=0.0)
-        p.top_k = _check_int("top_k", o.top_k, lo=0, hi=2**31 - 1)
-        p.top_p = _check_float("top_p", o.top_p, lo=0.0, hi=1.0, lo_open=True)
-        p.seed = _check_int("seed", o.seed, lo=0, hi=2**64 - 1)
+        p.max_tokens = _as_int("max_tokens", o.max_tokens)
+        p.temperature = _as_number("temperature", o.temperature)
+        p.top_k = _as_int("top_k", o.top_k)
+        p.top_p = _as_number("top_p", o.top_p)
+        p.seed = _as_int("seed", o.seed, 0, 2**64 - 1)
         if o.block_size is not None:
-            p.block_size = _check_int("block_size", o.block_size, lo=1, hi=self.n_ctx)
+            p.block_size = _as_int("block_size", o.block_size)
         if o.threshold is not None:
-            p.threshold = _check_float("threshold", o.threshold, lo=0.0, hi=1.0, lo_open=True)
+            p.threshold = _as_number("threshold", o.threshold)
         if o.coreset_top_p is not None:
-            p.coreset_top_p = _check_float("coreset_top_p", o.coreset_top_p, lo=0.0, hi=1.0, lo_open=True)
+            p.coreset_top_p = _as_number("coreset_top_p", o.coreset_top_p)
         ends = self.end_ids if end_ids is None else self.check_ids("end_ids", end_ids, allow_empty=True)
         keep = ffi.new("int32_t[]", max(len(ends), 1))
         for k, t in enumerate(ends):
@@ -409,29 +419,23 @@ class Model:
         p.end_ids = keep
         p.n_end_ids = len(ends)
         keep = (keep, self._set_sampling(p, o))
+        if lib.clover_gen_params_check(self._ctx, p, err, len(err)) != 0:  # every value, by name
+            raise ValueError(ffi.string(err).decode("utf-8", "replace"))
         return p, keep, mode, ends
 
     def _set_sampling(self, p, o: GenerateOptions):
-        """Set the spec 5.3-5.4 fields of ``p``; None keeps clover_gen_params_default's value
-        (the GGUF's decoding record). Returns the arrays ``p`` points to (they must live as long
-        as ``p``)."""
-        if o.min_p is not None:
-            p.min_p = _check_float("min_p", o.min_p, lo=0.0, hi=1.0)
-        if o.presence_penalty is not None:
-            p.presence_penalty = _check_f32("presence_penalty", o.presence_penalty)
-        if o.repeat_penalty is not None:
-            p.repetition_penalty = _check_f32("repeat_penalty", o.repeat_penalty, lo=0.0, lo_open=True)
-        if o.frequency_penalty is not None:
-            p.frequency_penalty = _check_f32("frequency_penalty", o.frequency_penalty)
-        if o.think_close_bias_start is not None:
-            p.think_close_bias_start = _check_int("think_close_bias_start", o.think_close_bias_start, lo=0,
-                                                  hi=2**31 - 1)
-        if o.eos_bias_start is not None:
-            p.eos_bias_start = _check_int("eos_bias_start", o.eos_bias_start, lo=0, hi=2**31 - 1)
-        if o.bias_slope is not None:
-            p.bias_slope = _check_f32("bias_slope", o.bias_slope, lo=0.0)
-        if o.bias_max is not None:
-            p.bias_max = _check_f32("bias_max", o.bias_max, lo=0.0)
+        """Set the spec 5.3-5.4 fields of ``p`` (converted; the engine checks their values); None
+        keeps clover_gen_params_default's value (the GGUF's decoding record). Returns the arrays
+        ``p`` points to (they must live as long as ``p``)."""
+        fields = (("min_p", "min_p", _as_number), ("presence_penalty", "presence_penalty", _as_number),
+                  ("repeat_penalty", "repetition_penalty", _as_number),
+                  ("frequency_penalty", "frequency_penalty", _as_number),
+                  ("think_close_bias_start", "think_close_bias_start", _as_int),
+                  ("eos_bias_start", "eos_bias_start", _as_int), ("bias_slope", "bias_slope", _as_number),
+                  ("bias_max", "bias_max", _as_number))
+        for name, c_name, conv in fields:
+            if getattr(o, name) is not None:
+                setattr(p, c_name, conv(name, getattr(o, name)))
         logit_bias = {} if o.logit_bias is None else o.logit_bias
         if not hasattr(logit_bias, "items"):
             raise ValueError(f"logit_bias: expected a dict {{token id: bias}}, got {type(logit_bias).__name__}")
@@ -442,11 +446,9 @@ class Model:
                     k = int(k)
                 except ValueError:
                     raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
-            t = _check_int("logit_bias key", k)
-            if not 0 <= t < self.n_vocab:
-                raise ValueError(f"logit_bias: token id {t} out of range [0, {self.n_vocab})")
+            t = _as_int("logit_bias key", k)
             ids.append(t)
-            vals.append(_check_f32(f"logit_bias[{t}]", v))
+            vals.append(_as_number(f"logit_bias[{t}]", v))
         bias_ids = ffi.new("int32_t[]", ids or [0])
         bias_vals = ffi.new("float[]", vals or [0.0])
         p.logit_bias_ids = bias_ids

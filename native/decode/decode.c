@@ -119,7 +119,9 @@ int clover_model_check_mode(const clover_model *m, int32_t mode, char *err, size
     return CLOVER_OK;
 }
 
-static int check_params(const clover_model *m, const clover_gen_params *p, char *err, size_t n) {
+int clover_gen_params_check(const clover_context *c, const clover_gen_params *p, char *err, size_t n) {
+    if (!c || !p) return clover_set_err(err, n, CLOVER_E_ARG, "context or params is NULL");
+    const clover_model *m = c->m;
     const clover_hparams *hp = &m->hp;
     int rc = clover_model_check_mode(m, p->mode, err, n);
     if (rc) return rc;
@@ -163,7 +165,7 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
         return NULL;
     }
     const clover_model *m = c->m;
-    if (check_params(m, p, err, err_size)) return NULL;
+    if (clover_gen_params_check(c, p, err, err_size)) return NULL;
     if (n_prompt > c->n_ctx) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "prompt: %d tokens exceed n_ctx %d", n_prompt, c->n_ctx);
         return NULL;

@@ -72,16 +72,17 @@ int clover_check_sampling(const clover_gen_params *p, int32_t n_vocab, char *err
     if (!(p->min_p >= 0.0f && p->min_p <= 1.0f)) BAD("min_p: %g outside [0, 1]", p->min_p);
     if (!isfinite(p->presence_penalty)) BAD("presence_penalty: %g must be finite", p->presence_penalty);
     if (!(p->repetition_penalty > 0.0f) || isinf(p->repetition_penalty))
-        BAD("repetition_penalty: %g must be finite and > 0 (1 = off)", p->repetition_penalty);
+        BAD("repeat_penalty: %g must be finite and > 0 (1 = off; repetition_penalty)", p->repetition_penalty);
     if (!isfinite(p->frequency_penalty)) BAD("frequency_penalty: %g must be finite", p->frequency_penalty);
     if (p->n_logit_bias < 0) BAD("n_logit_bias: %d must be >= 0", p->n_logit_bias);
     if (p->n_logit_bias > 0 && (!p->logit_bias_ids || !p->logit_bias_values))
         BAD("logit_bias: %d entries but no ids or values array", p->n_logit_bias);
     for (int32_t i = 0; i < p->n_logit_bias; i++) {
         if (p->logit_bias_ids[i] < 0 || p->logit_bias_ids[i] >= n_vocab)
-            BAD("logit_bias_ids[%d]: id %d outside [0, %d)", i, p->logit_bias_ids[i], n_vocab);
+            BAD("logit_bias: token id %d out of range [0, %d) (logit_bias_ids[%d])", p->logit_bias_ids[i], n_vocab, i);
         if (!isfinite(p->logit_bias_values[i]))
-            BAD("logit_bias_values[%d]: %g (token %d) must be finite", i, p->logit_bias_values[i], p->logit_bias_ids[i]);
+            BAD("logit_bias[%d] (logit_bias_values[%d]): %g must be finite", p->logit_bias_ids[i], i,
+                p->logit_bias_values[i]);
     }
     if (p->think_open_id < -1 || p->think_open_id >= n_vocab)
         BAD("think_open_id: %d outside [-1, %d)", p->think_open_id, n_vocab);

@@ -369,6 +369,15 @@ typedef struct {
  * diffusion and spec need the block tensors, and the message says how to get them. */
 CLOVER_API int clover_model_check_mode(const clover_model *m, int32_t mode, char *err, size_t err_size);
 
+/* CLOVER_OK when p is valid for a decoder on c (clover_decoder_new makes the same check), else
+ * CLOVER_E_ARG with the first bad field named in err: the mode (clover_model_check_mode),
+ * max_tokens > 0, the sampling fields (temperature finite >= 0, top_k >= 0, top_p in (0, 1],
+ * min_p in [0, 1], finite penalties with repetition_penalty > 0, logit_bias ids in [0, n_vocab)
+ * with finite values, ramps >= 0), block_size > 0 (a block that does not fit the context ends
+ * the generation), threshold and coreset_top_p in (0, 1], end_ids in [0, n_vocab). */
+CLOVER_API int clover_gen_params_check(const clover_context *c, const clover_gen_params *p, char *err,
+                                       size_t err_size);
+
 /* Fill p with the model's defaults (spec 4.2 values from the GGUF; ramp slope and cap: the
  * engine's defaults above). */
 CLOVER_API void clover_gen_params_default(const clover_model *m, clover_gen_params *p);
