@@ -1,4 +1,4 @@
-"""GGUF files read through the validating native reader (native/gguf.c, spec 4).
+"""GGUF files read through the validating native reader (native/core/gguf.c, spec 4).
 
 ``GGUFFile(path)`` opens and validates a GGUF v2/v3 file with ``clover_gguf_open``: every
 count, string length, value type, shape, tensor type, byte size, offset and the alignment
@@ -89,7 +89,7 @@ class GGUFFile:
         if t == lib.CLOVER_GGUF_STRING:
             get, unpack = lib.clover_gguf_get_str, ffi.unpack
             if n > 1:
-                # native/gguf.c stores the strings of one KV back to back, each NUL-terminated:
+                # native/core/gguf.c stores the strings of one KV back to back, each NUL-terminated:
                 # read them in one copy and split, unless a string holds a NUL itself.
                 first = get(g, i, 0, ffi.NULL)
                 last = get(g, i, n - 1, lenp)

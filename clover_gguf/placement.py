@@ -16,8 +16,8 @@ from ._ffi import ffi, lib
 PARTS = ("gpu", "dense", "experts", "output", "experts_cpu", "vectors")
 # bytes of the budget kept for the CUDA context and activation buffers (at 35B-A3B dimensions the
 # resident forward's buffers for a 512-row prefill pass are about 210 MiB plus 50 MiB of product
-# scratch, 45 MiB for a 32-row block pass: native/model.c res_layout; BF16 weights add 48 MiB,
-# the experts' inputs split for tensor cores: native/cuda/cuda.cu split_act)
+# scratch, 45 MiB for a 32-row block pass: native/gpu/resident_ops.c res_layout; BF16 weights add 48 MiB,
+# the experts' inputs split for tensor cores: native/cuda/memory.cuh split_act)
 RESERVE = 512 << 20
 
 

@@ -14,7 +14,7 @@
  * integer dot products (dp4a; int8 tensor cores for many rows, mma.cuh), scaled per group of 32
  * (16) values in float32; float formats multiply in float32 (F16 and BF16 on f16/bf16 tensor
  * cores for many rows, the activations split into 16-bit terms, mma.cuh). Results differ from the
- * CPU path only in float rounding (tests/test_cuda.py states the tolerances). The GDN of long
+ * CPU path only in float rounding (tests/native/test_cuda.py states the tolerances). The GDN of long
  * prefills runs chunked (gdn_chunk.cuh); the block operator's mixing is gdn_block.cuh.
  *
  * Only the CUDA runtime is used (linked statically: a machine without a driver gets an error

@@ -5,7 +5,7 @@
  *   Q4_K, Q5_K, Q6_K, IQ4_XS   x  Q8_K activations (blocks of 256)
  * Every type has a portable scalar kernel (dot.c clover_dot_scalar, the reference) and optional AVX2
  * (dot_avx2.c) and AVX-512 VNNI (dot_avx512.c) kernels, chosen at run time from the CPU's
- * features; every SIMD kernel is tested against the scalar one (tests/test_dot.py).
+ * features; every SIMD kernel is tested against the scalar one (tests/native/test_dot.py).
  */
 #ifndef CLOVER_DOT_H
 #define CLOVER_DOT_H

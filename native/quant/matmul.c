@@ -5,7 +5,7 @@
  * converted to float32 into a per-thread scratch buffer first; quantised weights are paired with
  * activations quantised once per call (Q8_0 or Q8_K, quant/dot.h) and multiplied with int32
  * block sums scaled by d_w*d_x, as llama.cpp's ggml_vec_dot_q8_0_q8_0 does. SIMD kernels are
- * tested against the scalar ones (tests/test_dot.py).
+ * tested against the scalar ones (tests/native/test_dot.py).
  *
  * Build without -ffast-math: rounding relies on exact IEEE float arithmetic.
  */

@@ -314,7 +314,7 @@ def test_matmul_refuses_bad_arguments():
                                        (("Q4_K", "Q4_K", "Q6_K"), 2048, 512)])  # the last: 35B-A3B's H and I
 def test_grouped_experts_equal_the_cpu_expert_by_expert(types, H, I):
     """clover_cuda_experts (one grouped product per projection over every expert's tiles) against
-    the CPU engine's products expert by expert with silu(g) * u between (model.c expert_ffn):
+    the CPU engine's products expert by expert with silu(g) * u between (model/moe.c expert_ffn):
     8 experts, buckets of 0 to 19 pairs (tiles of 8 and a remainder), mixed weight types (also
     gate and up rounding x differently), and the real model's H = 2048, I = 512; tolerance
     1e-5 of sum |w x| as for one product, plus two steps of down's int8 activations (h, from the
@@ -759,7 +759,7 @@ def test_long_prefill_runs_the_chunked_gdn_and_equals_the_cpu(make_gguf):
 @gpu
 def test_long_prefill_with_some_layers_on_the_gpu_runs_in_passes(make_gguf):
     """With some layers offloaded (the per-product path) a prefill runs in passes of at most 512
-    rows (model.c PASS_ROWS_GPU: the GPU's per-product scratch stays bounded): 600 tokens take 2
+    rows (model/forward.c PASS_ROWS_GPU: the GPU's per-product scratch stays bounded): 600 tokens take 2
     passes, and every row's logits are within 2e-3 of the CPU's std (one pass there)."""
     from clover_gguf import Model
 
@@ -1052,7 +1052,7 @@ def test_saved_state_and_rollback_with_the_gdn_state_on_the_gpu(make_gguf, monke
 
         lib.clover_context_reset(g._ctx)
         prefill(p1)
-        ctx = _cffi.cast("void *", int(ffi.cast("uintptr_t", g._ctx)))  # internal API (native/engine.h)
+        ctx = _cffi.cast("void *", int(ffi.cast("uintptr_t", g._ctx)))  # internal API (native/model/model.h)
         assert _clib.clover_context_checkpoint(ctx, 5, err, len(err)) == 0
         prefill(p2[:5])
         assert _clib.clover_context_rollback(ctx, 2, err, len(err)) == 0
@@ -1214,7 +1214,7 @@ NORM_DIMS = {"real": dict(hd=256, n_head=16, head_stride=512, rd=64, theta=1e7, 
 @pytest.mark.parametrize("dims", NORM_DIMS.values(), ids=NORM_DIMS.keys())
 def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
     """The element-wise kernels of the resident forward, each against float64 (the CPU engine's
-    formulas in native/model.c: rmsnorm, rope_neox, conv_silu, qk_norm, gates, gdn_layer's end),
+    formulas in native/cpu/kernels.h and native/model/gdn.c: rmsnorm, rope_neox, conv_silu, qk_norm, gates, gdn_layer's end),
     on random inputs, weights and gates; bound: max |diff| <= 2e-6 x max |ref|
     for every kernel (float32 arithmetic; the angles of RoPE in double as on the CPU; seen under
     the emulator: up to 1.4e-7):
@@ -1325,7 +1325,7 @@ def test_norm_rope_conv_and_gdn_gate_kernels_equal_float64(dims):
 
 
 def _route_reference(p: np.ndarray, k: int, top_p: float) -> tuple[list, int]:
-    """model.c's routing on the probabilities p [T][E]: each row's top-k (ties to the lower id)
+    """model/moe.c's routing on the probabilities p [T][E]: each row's top-k (ties to the lower id)
     among the coreset's experts (spec 5.6: experts by their summed top-k mass over the rows,
     largest first, ties to the lower id, the fewest whose share reaches top_p, at least k;
     top_p 0: every expert); returns the rows' picks and the experts with mass (coreset only)."""
@@ -1359,7 +1359,7 @@ ROUTE_CASES = {"block_coreset": (32, 256, 8, 0.9, "normal"), "block_no_coreset":
 @gpu
 @pytest.mark.parametrize("T, E, k, top_p, kind", ROUTE_CASES.values(), ids=ROUTE_CASES.keys())
 def test_routing_kernel_equals_the_cpus_top_k_and_coreset(T, E, k, top_p, kind):
-    """clover_cuda_route_d against model.c's routing redone in Python: the softmax within 1e-6 x
+    """clover_cuda_route_d against model/moe.c's routing redone in Python: the softmax within 1e-6 x
     the largest probability of float64's; on the kernel's own probabilities (so float order
     cannot move a pick) the exact experts of each row (top-k, coreset of spec 5.6 at top_p,
     ties to the lower id: the "ties" case has router logits of 4 distinct values, so most
@@ -1437,7 +1437,7 @@ def test_moe_combine_kernel_equals_float64_and_flags_non_finite_results():
 @pytest.mark.parametrize("V", [300, 248320])
 def test_greedy_and_row_total_kernels_against_numpy(V):
     """clover_cuda_greedy_d against the CPU sampler's greedy rule redone in numpy: per row the
-    edits (repetition, frequency and presence penalties as native/sampler.c applies them in
+    edits (repetition, frequency and presence penalties as native/decode/sampler.c applies them in
     float32, a logit_bias, a mask), then the argmax, lowest id on ties and never the mask token,
     exact; its confidence 1 / sum of exp(z - max) over the other ids within 1e-6 relative. Rows:
     few distinct values (ties everywhere), distinct floats, edited. clover_cuda_row_total_d (top-p
@@ -1586,7 +1586,7 @@ def test_sampling_with_top_p_alone_selects_on_the_gpu_and_draws_as_the_cpu(make_
 @gpu
 def test_top_p_alone_with_blocks_over_32_rows_samples_on_the_cpu(make_gguf):
     """Top-p alone reads rows back from the LM head's one group of 32, so a 40-token block
-    (block_size 40) takes the host path instead (native/decode.c: the needed logits rows come
+    (block_size 40) takes the host path instead (native/decode/decode.c: the needed logits rows come
     back and the CPU samples): diffusion's and spec's tokens equal the CPU's seed for seed, and no
     row went through the GPU's top-p selection (clover_context_full_rows stays 0)."""
     from clover_gguf import Model
@@ -1654,7 +1654,7 @@ def test_spec_sampled_draft_with_penalties_selects_on_the_gpu(make_gguf):
 
 @gpu
 def test_ar_decode_steps_replay_a_cuda_graph(make_gguf, monkeypatch):
-    """ar's decode steps on a resident model run through a CUDA graph (model.c res_run_graph): the
+    """ar's decode steps on a resident model run through a CUDA graph (gpu/forward_resident.c res_layer_loop_graph): the
     first step runs plainly, the second records the graph and runs it, the rest replay it with the
     position, token and edits in device memory. Greedy with penalties, sampled top-k and top-p
     alone (two temperatures: a graph each) tokens equal the CPU's, the graph ran at every step but

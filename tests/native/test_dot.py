@@ -1,4 +1,4 @@
-"""Quantised dot kernels (native/dot.h) and the matmul built on them.
+"""Quantised dot kernels (native/quant/dot.h) and the matmul built on them.
 
 - scalar kernel == float dot of the dequantised weight row and the dequantised activation row
   (relative 1e-5 of sum |w * x|: the integer sums are exact, only the float scale products and

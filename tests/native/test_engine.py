@@ -261,7 +261,7 @@ def test_chunked_gdn_equals_recurrence_and_incremental_decode(ref, model_of):
 
 @pytest.mark.parametrize("nth", [1, 2])
 def test_subnormal_flush_ends_with_the_forward(ref, gguf_of, nth):
-    """The GDN's and attention's parallel regions flush subnormal floats to zero (model.c
+    """The GDN's and attention's parallel regions flush subnormal floats to zero (cpu/kernels.h
     flush_subnormals_begin: x86 MXCSR DAZ/FTZ) and put the caller's state back: after a 150-token
     prefill (chunked GDN, attention) and one decode step, float32 arithmetic in this thread (which
     ran the regions' first share) still gives subnormals."""
@@ -278,7 +278,7 @@ def test_subnormal_flush_ends_with_the_forward(ref, gguf_of, nth):
 
 @pytest.mark.parametrize("type_kv", ["f32", "f16"])
 def test_attention_tiles_leave_each_row_unchanged(ref, gguf_of, type_kv):
-    """Attention runs on tiles of query rows and heads that share each key tile (model.c
+    """Attention runs on tiles of query rows and heads that share each key tile (cpu/attend.c
     attend_tile: 16 rows, keys 64 at a time), every (row, head) summed in one fixed order: with
     the GDN's recurrence (as spec's verify runs it), a 150-token prefill (10 row tiles, 3 key
     tiles) gives the logits of 150 one-token steps bit for bit, at 1 and 2 threads (other
@@ -322,12 +322,12 @@ def test_attention_tiles_with_an_odd_gqa_group(make_ckpt, make_gguf):
 
 
 _internal = cffi.FFI()
-_internal.cdef("int64_t clover_context_passes(const void *c);")  # engine.h, for tests
+_internal.cdef("int64_t clover_context_passes(const void *c);")  # gpu/forward_resident.h, for tests
 _passes = _internal.dlopen(_ffi._find_library()).clover_context_passes
 
 
 def test_long_prefill_runs_in_passes_of_2048_rows(gguf_of):
-    """A prefill over 2048 tokens runs in passes of at most 2048 rows on the CPU (model.c
+    """A prefill over 2048 tokens runs in passes of at most 2048 rows on the CPU (model/forward.c
     CPU_ROWS, as llama.cpp's n_batch: bounded buffers): its logits, every row and the last row
     alone, equal two prefill calls of 2048 and 52 tokens bit for bit (the same passes), and
     those of a split at 1000 within float32 summation noise: 3e-4 of the logits' std (the GDN's

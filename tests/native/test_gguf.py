@@ -1,4 +1,4 @@
-"""The validating GGUF reader (native/gguf.c, clover_gguf.gguf.GGUFFile; spec 4).
+"""The validating GGUF reader (native/core/gguf.c, clover_gguf.gguf.GGUFFile; spec 4).
 
 Valid files are written with gguf-py's GGUFWriter and read back; every KV and tensor must
 equal gguf-py's GGUFReader view (values, types, shapes, offsets, sizes, dequantised data).

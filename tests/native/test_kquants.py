@@ -1,4 +1,4 @@
-"""Block formats of native/kquants.c against gguf-py and ggml's reference quantisers (spec 6).
+"""Block formats of native/quant/kquants.c against gguf-py and ggml's reference quantisers (spec 6).
 
 Types: Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 (weights) and Q8_K (activations).
 References:

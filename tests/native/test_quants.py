@@ -1,4 +1,4 @@
-"""Quant formats and matmul kernels of native/quants.c against numpy and gguf-py (spec 6).
+"""Quant formats and matmul kernels of native/quant/quants.c against numpy and gguf-py (spec 6).
 
 References:
 - fp16: numpy's float16 (all 65536 values widened; narrowing of all fp16 values, the midpoints
@@ -26,7 +26,7 @@ TYPES = {"F32": lib.CLOVER_TYPE_F32, "F16": lib.CLOVER_TYPE_F16, "BF16": lib.CLO
          "Q8_0": lib.CLOVER_TYPE_Q8_0}
 GGUF_QT = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16, "Q8_0": QT.Q8_0}
 
-# clover_matmul is internal (native/quants.h), not in clover.h: reach it with its own cdef on
+# clover_matmul is internal (native/quant/matmul.h), not in clover.h: reach it with its own cdef on
 # the same library.
 _iffi = cffi.FFI()
 _iffi.cdef("""

@@ -22,7 +22,7 @@ DENSE = re.compile(r"blk\.(\d+)\.(attn_(q|k|v|output|qkv|gate)|ssm_(out|alpha|be
                    r"ffn_gate_inp|ffn_gate_inp_shexp|ffn_(gate|up|down)_shexp)\.weight")
 
 
-# the float32 tensors a whole offload copies for the resident forward (native/model.c layer_vectors)
+# the float32 tensors a whole offload copies for the resident forward (native/gpu/offload.c layer_vectors)
 VECTORS = re.compile(r"blk\.\d+\.(attn_norm\.weight|post_attention_norm\.weight|attn_[qk]_norm\.weight|"
                      r"ssm_conv1d(_right)?\.weight|ssm_a|ssm_dt\.bias|ssm_norm\.weight|bd_(logit_scale|history_bias|history_c))"
                      r"|output_norm\.weight")

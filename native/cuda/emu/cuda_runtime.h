@@ -1,7 +1,7 @@
 /* cuda_runtime.h of the CUDA emulator (native/cuda/emu, CLOVER_CUDA=EMU): what the .cu files of native/cuda
  * use of the CUDA runtime and of the device language, for a host C++ compiler, so that the GPU
- * kernels and their host code run on a CPU in tests (tests/test_cuda.py through
- * tests/test_cuda_emu.py). Not for speed and not a GPU model: device memory is host memory,
+ * kernels and their host code run on a CPU in tests (tests/native/test_cuda.py through
+ * tests/native/test_cuda_emu.py). Not for speed and not a GPU model: device memory is host memory,
  * copies and launches are synchronous, the blocks of a launch run on a few host threads at once
  * (CLOVER_EMU_THREADS, 1 to 8), and the threads of a block run one at a time as fibers on one
  * host thread (emu.cpp), switching only at __syncthreads and warp shuffles. What it checks:
