@@ -35,12 +35,6 @@
 #include "quant/dot.h"
 #include "quant/quants.h"
 
-#if defined(_WIN32)
-#define CLOVER_INTERNAL
-#else
-#define CLOVER_INTERNAL __attribute__((visibility("default")))
-#endif
-
 #define QK_K 256
 #define GROUP_EPS 1e-15f /* groups with max |x| below this are stored as zeros */
 

@@ -22,16 +22,6 @@
 #include "quant/matmul.h"
 #include "quant/quants.h"
 
-/* The internal kernels are exported with default visibility too, so that tests can reach
- * clover_matmul through their own cdef even when the library is built with
- * -fvisibility=hidden. */
-#if defined(_WIN32)
-#define CLOVER_INTERNAL
-#else
-#define CLOVER_INTERNAL __attribute__((visibility("default")))
-#endif
-
-#define Q8_0_BYTES ((int64_t)sizeof(clover_block_q8_0)) /* 34: fp16 d + 32 int8 */
 
 /* Bytes of one row of n_in elements of a weight type the products take; -1 otherwise. */
 CLOVER_INTERNAL int64_t clover_row_nbytes(int type, int64_t n_in) {

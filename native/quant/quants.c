@@ -15,23 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "clover.h"
 #include "quant/quants.h"
 
-/* The internal kernels are exported with default visibility too, so that tests can reach
- * clover_matmul through their own cdef even when the library is built with
- * -fvisibility=hidden. */
-#if defined(_WIN32)
-#define CLOVER_INTERNAL
-#else
-#define CLOVER_INTERNAL __attribute__((visibility("default")))
-#endif
-
-#define Q8_0_BYTES ((int64_t)sizeof(clover_block_q8_0)) /* 34: fp16 d + 32 int8 */
 
 /* ---------------------------------------------------------------- scalar conversions */
 

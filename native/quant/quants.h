@@ -30,10 +30,20 @@
 #define CLOVER_INLINE static inline
 #endif
 
+/* The internal kernels are exported with default visibility too, so that tests can reach them
+ * (clover_matmul, the k-quant tables) through their own cdef even when the library is built
+ * with -fvisibility=hidden. */
+#if defined(_WIN32)
+#define CLOVER_INTERNAL
+#else
+#define CLOVER_INTERNAL __attribute__((visibility("default")))
+#endif
+
 typedef struct {
     uint16_t d; /* fp16 scale */
     int8_t qs[CLOVER_QK8_0];
 } clover_block_q8_0;
+#define Q8_0_BYTES ((int64_t)sizeof(clover_block_q8_0)) /* 34: fp16 d + 32 int8 */
 
 /* fp16 bits to float, exact for every value (NaN payloads kept); branch-free, so loops over rows
  * vectorise where it is inlined (quants.c's row conversions, dot.c's scalar F16 kernels). */
