@@ -119,7 +119,7 @@ class Model:
         n_threads: CPU threads; None or 0 = all available cores.
         n_gpu_layers: layers whose weight products run on the GPU in a CUDA build (-1: all, and
             the output projection; llama.cpp's -ngl). Without a usable GPU: a UserWarning naming
-            the reason, and the CPU. The rest of each layer runs on the CPU (see the README).
+            the reason, and the CPU. The rest of each layer runs on the CPU (docs/gpu.md).
         n_cpu_moe: the routed experts of the first n_cpu_moe offloaded layers stay in system
             memory (llama.cpp's --n-cpu-moe; >= n_layer: --cpu-moe).
         type_k, type_v: element type of the KV cache's keys and values: ``"f32"`` (default:
