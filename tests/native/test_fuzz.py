@@ -289,8 +289,8 @@ def test_native_tests_pass_under_sanitisers(san_build):
 
 def test_nonfinite_activations_of_quantised_products_propagate(tmp_path):
     """A NaN entering a Q8_0 / Q8_K-quantised product (the embedded Q8_0 model, a NaN norm weight
-    in layer 0) must not vanish in the activation quantiser (it used to become 0: finite garbage
-    text): the block's scale becomes NaN and the guard names layer 0."""
+    in layer 0) must not vanish in the activation quantiser (a NaN read as 0 would give finite
+    garbage text): the block's scale becomes NaN and the guard names layer 0."""
     from clover_gguf import Model
     from clover_gguf._ffi import CloverError
 
