@@ -1256,7 +1256,7 @@ def _read_config(hf_dir: pathlib.Path) -> dict:
 
 
 def resolve_record(hf_dir: pathlib.Path, config: dict, options: dict | None, vocab_size: int) -> tuple[dict, dict]:
-    """convert.record.resolve, its errors as ConvertError; prints (stderr, one line) the fields
+    """record.resolve, its errors as ConvertError; prints (stderr, one line) the fields
     that took the default."""
     try:
         values, sources = R.resolve(hf_dir, config, options, vocab_size)

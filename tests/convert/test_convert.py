@@ -825,7 +825,7 @@ def test_record_cli_options(ckpts, tmp_path):
     assert p.returncode == 0, p.stderr
     assert _record_of(tmp_path / "d.gguf") == expected_record(OPTIONS)
     for bad in (["--shift-logits", "yes"], ["--penalty-scope", "prompt"], ["--block-size", "1.5"]):
-        p = subprocess.run([sys.executable, "-m", "convert.convert", str(ckpts["clover"]), "-o",
+        p = subprocess.run([sys.executable, "-m", "clover_gguf.convert.convert", str(ckpts["clover"]), "-o",
                             str(tmp_path / "x.gguf"), "--diffusion-only", *bad], cwd=ROOT, capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 2 and bad[0] in p.stderr, p.stderr
@@ -1339,7 +1339,7 @@ def test_cli_quantized_outtype(ckpts, tmp_path):
     assert kv(r)["general.file_type"] == 15 and kv(r)["general.architecture"] == "qwen35moe"
     types = {t.name: t.tensor_type for t in r.tensors}
     assert types["blk.0.ffn_gate_exps.weight"] == Q.Q4_K and types["output.weight"] == Q.Q6_K
-    p = subprocess.run([sys.executable, "-m", "convert.convert", str(ckpts["parent"]), "-o", str(tmp_path / "x.gguf"),
+    p = subprocess.run([sys.executable, "-m", "clover_gguf.convert.convert", str(ckpts["parent"]), "-o", str(tmp_path / "x.gguf"),
                         "--outtype", "q3_k_m"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "q4_k_m" in p.stderr
 
