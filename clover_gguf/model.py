@@ -7,11 +7,13 @@ Nothing here imports torch.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -44,6 +46,15 @@ class _Run:
 
     def __init__(self) -> None:
         self.cancelled = False
+
+
+def _locked(method):
+    """Run ``method`` holding the model's call lock (:attr:`Model._lock`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 def _check_int(name, v, lo=None, hi=None):
@@ -146,6 +157,11 @@ class Model:
         ValueError: a bad argument, naming it.
 
     Use as a context manager or call :meth:`close` to free the native memory.
+
+    Thread safety: one lock serialises the calls that use the native context (a call from
+    another thread waits for the running one; ``generate_stream`` holds it while it computes a
+    piece, not between pieces, so another call in between interrupts that stream with a
+    CloverError); :meth:`cancel` and :meth:`close` may come from any thread at any time.
     """
 
     def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
@@ -154,6 +170,8 @@ class Model:
                  diffusion_path=None) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
+        self._lock = threading.RLock()  # the call lock: native calls on the context and model
+        self._closing = False
         # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
         # a prompt that extends them prefills only its new tokens (chat turns, server requests)
         self.prefix_reuse = bool(prefix_reuse)
@@ -244,7 +262,7 @@ class Model:
         return ids
 
     def _live(self):
-        if self._ctx == ffi.NULL:
+        if self._closing or self._ctx == ffi.NULL:
             raise CloverError("model is closed")
 
     def _abort_active(self) -> None:
@@ -256,16 +274,34 @@ class Model:
             lib.clover_decoder_free(d)
 
     def close(self) -> None:
-        """Free the context and the model (idempotent). An unfinished generate_stream
-        iterator of this model raises CloverError if resumed afterwards."""
-        self._abort_active()
-        if getattr(self, "_ctx", ffi.NULL) != ffi.NULL:
-            with self._cancel_lock:  # cancel() never aborts a freed context
-                lib.clover_context_free(self._ctx)
-                self._ctx = ffi.NULL
-        if getattr(self, "_model", ffi.NULL) != ffi.NULL:
-            lib.clover_model_free(self._model)
-            self._model = ffi.NULL
+        """Free the context and the model (idempotent; from any thread). A call running in
+        another thread is cancelled and waited for; calls after it raise CloverError, and so
+        does an unfinished generate_stream iterator of this model when resumed."""
+        if not hasattr(self, "_lock"):  # __init__ failed before the lock existed
+            return
+        self._closing = True
+        while not self._lock.acquire(timeout=0.05):
+            self.cancel()
+        try:
+            self._abort_active()
+            if self._ctx != ffi.NULL:
+                with self._cancel_lock:  # cancel() never aborts a freed context
+                    lib.clover_context_free(self._ctx)
+                    self._ctx = ffi.NULL
+            if self._model != ffi.NULL:
+                lib.clover_model_free(self._model)
+                self._model = ffi.NULL
+        finally:
+            self._lock.release()
+
+    @contextmanager
+    def _unlocked(self):
+        """Release the call lock for a moment (a stream between two pieces)."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
 
     def __enter__(self) -> "Model":
         return self
@@ -456,6 +492,7 @@ class Model:
         p.n_logit_bias = len(ids)
         return bias_ids, bias_vals
 
+    @_locked
     def check_generate_args(self, end_ids: Sequence[int] | None = None, **options) -> None:
         """Validate the options of :meth:`generate` / :meth:`generate_tokens` (all but the
         prompt; :class:`~clover_gguf.options.GenerateOptions`) without generating: the same
@@ -475,6 +512,11 @@ class Model:
         return ([int(bt[k]) for k in range(n)], [bool(bf[k]) for k in range(n)]) if n else None
 
     def _steps(self, prompt_ids, p, mode, on_step=None) -> Iterator[list[int]]:
+        """:meth:`_decode` holding the call lock except while a step's tokens are handed out."""
+        with self._lock:
+            yield from self._decode(prompt_ids, p, mode, on_step)
+
+    def _decode(self, prompt_ids, p, mode, on_step=None) -> Iterator[list[int]]:
         """Run the native decoder; yield each step's newly final tokens; set last_stats.
         A :meth:`cancel` (or an aborted forward) ends it early with ``finish_reason``
         ``"cancelled"``; the tokens final by then stay in the stats."""
@@ -528,7 +570,8 @@ class Model:
                     if on_step is not None:
                         on_step(new, self._block_state(d, cap))
                     if new:
-                        yield new
+                        with self._unlocked():
+                            yield new
                     if rc == 0:
                         break
             finally:
@@ -647,6 +690,7 @@ class Model:
             "tokens": list(tokens),
         }
 
+    @_locked
     def generate_tokens(self, prompt_ids: Sequence[int], end_ids: Sequence[int] | None = None, **options):
         """Generate from token ids (spec 5.1-5.3, 5.6).
 
@@ -675,6 +719,7 @@ class Model:
             out.extend(new)
         return out, dict(self.last_stats)
 
+    @_locked
     def generate_stream(self, prompt, on_step=None, **options) -> Iterator[str]:
         """Like :meth:`generate`, but yields text as tokens become final (per AR token, per
         diffusion denoising pass: the filled slots contiguous with the block's final start, per
@@ -750,6 +795,7 @@ class Model:
             yield tail, tail_ids
         del keep  # the end-id and bias arrays must live as long as the decoder
 
+    @_locked
     def generate(self, prompt, **options) -> str:
         """Generate text after ``prompt`` (a str, tokenized with special tokens recognised,
         or a sequence of token ids) and return it, without the end token.
@@ -784,6 +830,7 @@ class Model:
         return "".join(self.generate_stream(prompt, **options))
 
     # ------------------------------------------------------------------ logits (tests)
+    @_locked
     def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Prefix (causal) mode logits of ``ids`` from an empty cache (spec 3.2):
         float32 array [len(ids), n_vocab]; row t predicts the token after ids[t].
@@ -804,6 +851,7 @@ class Model:
             raise_error(err, "prefix_logits")
         return out
 
+    @_locked
     def block_logits(self, prefix_ids: Sequence[int], block_ids: Sequence[int],
                      coreset_top_p: float = 1.0):
         """Block (denoising) mode logits (spec 3.2-3.3, coreset 5.6): reset, prefill
