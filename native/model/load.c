@@ -21,6 +21,7 @@ typedef struct {
     char *err;
     size_t err_size;
     int failed;
+    unsigned char *used; /* per tensor of g: 1 once the loader looked it up (NULL: not tracked) */
 } loader;
 
 static int64_t key_index(loader *L, const char *suffix) {
@@ -103,6 +104,7 @@ static int get_tensor(loader *L, const char *name, int required, int f32_only, i
         }
         return 0;
     }
+    if (L->used) L->used[t] = 1;
     int64_t want[4] = {ne0, ne1, ne2, 1};
     int64_t have[4];
     for (int d = 0; d < 4; d++) have[d] = clover_gguf_tensor_ne(L->g, t, d);
@@ -230,19 +232,45 @@ static void load_layer(loader *L, const clover_hparams *hp, int il, clover_layer
 #undef TN
 }
 
-/* MTP layer il (llama.cpp's NextN block after the trunk): its projection and norms must be
- * present with the right shapes; the engine does not run it (self-speculation uses block
- * mode, spec 5.5), so nothing is kept. */
+/* MTP layer il (llama.cpp's NextN block after the trunk, as llama.cpp's qwen35moe loads it): a
+ * full-attention decoder block with its MoE, the projection and norms eh_proj, enorm, hnorm, and
+ * optionally embed_tokens, shared_head_head and shared_head_norm, each with the right shape. The
+ * engine does not run it (self-speculation uses block mode, spec 5.5), so nothing is kept. */
 static void check_mtp_layer(loader *L, const clover_hparams *hp, int il) {
     char n[128];
     clover_tensor t;
-    const int64_t H = hp->n_embd;
-    snprintf(n, sizeof n, "blk.%d.nextn.eh_proj.weight", il);
-    get_tensor(L, n, 1, 0, 2 * H, H, 1, &t);
-    snprintf(n, sizeof n, "blk.%d.nextn.enorm.weight", il);
-    get_f32(L, n, 1, H, 1);
-    snprintf(n, sizeof n, "blk.%d.nextn.hnorm.weight", il);
-    get_f32(L, n, 1, H, 1);
+    clover_layer ly = {.is_attn = 1};
+    const int64_t H = hp->n_embd, V = hp->n_vocab;
+    load_layer(L, hp, il, &ly);
+#define NN(suffix) (snprintf(n, sizeof n, "blk.%d.nextn." suffix, il), n)
+    get_tensor(L, NN("eh_proj.weight"), 1, 0, 2 * H, H, 1, &t);
+    get_f32(L, NN("enorm.weight"), 1, H, 1);
+    get_f32(L, NN("hnorm.weight"), 1, H, 1);
+    get_tensor(L, NN("embed_tokens.weight"), 0, 0, H, V, 1, &t);
+    get_tensor(L, NN("shared_head_head.weight"), 0, 0, H, V, 1, &t);
+    get_f32(L, NN("shared_head_norm.weight"), 0, H, 1);
+#undef NN
+}
+
+/* Every tensor of L's file is one the model reads (llama.cpp's done_getting_tensors: "wrong
+ * number of tensors"): 0 with the error naming the first tensor in file order that no lookup
+ * used. */
+static int check_all_used(loader *L, const clover_hparams *hp) {
+    const int64_t n = clover_gguf_n_tensors(L->g);
+    int64_t first = -1, n_used = 0;
+    for (int64_t t = 0; t < n; t++) {
+        if (L->used[t]) n_used++;
+        else if (first < 0) first = t;
+    }
+    if (first < 0) return 1;
+    char nextn[64] = "";
+    if (hp->n_layer_nextn)
+        snprintf(nextn, sizeof nextn, " and nextn_predict_layers %d", hp->n_layer_nextn);
+    clover_set_err(L->err, L->err_size, CLOVER_E_FORMAT,
+                   "%s: not part of a %s model with block_count %d%s (the model uses %lld of the file's %lld "
+                   "tensors)", clover_gguf_tensor_name(L->g, first), L->arch, hp->n_layer + hp->n_layer_nextn, nextn,
+                   (long long)n_used, (long long)n);
+    return 0;
 }
 
 /* Clover's block tensors of a GDN layer (spec 3.3; names and shapes: docs/gguf-layout.md). */
@@ -336,7 +364,9 @@ static int read_record(loader *L, clover_hparams *hp) {
 }
 
 /* Special token ids (tokenizer.ggml.*_token_id) must be integers in [0, n_vocab), and the
- * vocabulary (tokenizer.ggml.tokens) must not list more entries than token_embd.weight has rows. */
+ * vocabulary (tokenizer.ggml.tokens), when present, an array of strings with one entry per row of
+ * token_embd.weight, so that every id the engine may emit has a token (llama.cpp takes n_vocab
+ * from the token list and refuses a token_embd.weight of another row count). */
 static int check_vocab_keys(const clover_gguf *g, int32_t n_vocab, char *err, size_t err_size) {
     static const char *ids[] = {"bos", "eos", "eot", "eom", "padding", "unknown", "seperator", "mask"};
     char key[64];
@@ -358,9 +388,17 @@ static int check_vocab_keys(const clover_gguf *g, int32_t n_vocab, char *err, si
         }
     }
     const int64_t kt = clover_gguf_find_key(g, "tokenizer.ggml.tokens");
-    if (kt >= 0 && clover_gguf_kv_type(g, kt) == CLOVER_GGUF_ARRAY && clover_gguf_arr_n(g, kt) > n_vocab) {
-        clover_set_err(err, err_size, CLOVER_E_FORMAT, "key tokenizer.ggml.tokens: %lld entries but token_embd.weight "
-                       "has %d rows", (long long)clover_gguf_arr_n(g, kt), n_vocab);
+    if (kt < 0) return 1;
+    if (clover_gguf_kv_type(g, kt) != CLOVER_GGUF_ARRAY || clover_gguf_arr_type(g, kt) != CLOVER_GGUF_STRING) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "key tokenizer.ggml.tokens: expected an array of strings "
+                       "(type %d)", clover_gguf_kv_type(g, kt));
+        return 0;
+    }
+    const int64_t n_tokens = clover_gguf_arr_n(g, kt);
+    if (n_tokens != n_vocab) {
+        clover_set_err(err, err_size, CLOVER_E_FORMAT, "key tokenizer.ggml.tokens: %lld entries, but token_embd.weight "
+                       "has %d rows (n_vocab): the vocabulary must name every id the model can emit, and no more",
+                       (long long)n_tokens, n_vocab);
         return 0;
     }
     return 1;
@@ -376,7 +414,7 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
         return NULL;
     }
     m->g = g;
-    loader L = {g, NULL, err, err_size, 0};
+    loader L = {g, NULL, err, err_size, 0, NULL};
     int64_t ka = clover_gguf_find_key(g, "general.architecture");
     const char *arch = ka >= 0 ? clover_gguf_get_str(g, ka, 0, NULL) : NULL;
     if (!arch) {
@@ -415,6 +453,11 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
     }
     hp->n_vocab = (int32_t)V;
     if (!check_vocab_keys(g, hp->n_vocab, err, err_size)) goto fail;
+    L.used = calloc((size_t)clover_gguf_n_tensors(g) + 1, 1);
+    if (!L.used) {
+        clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        goto fail;
+    }
     get_tensor(&L, "token_embd.weight", 1, 0, hp->n_embd, V, 1, &m->tok_embd);
     get_tensor(&L, "output.weight", 1, 0, hp->n_embd, V, 1, &m->output);
     m->output_norm = get_f32(&L, "output_norm.weight", 1, hp->n_embd, 1);
@@ -437,9 +480,11 @@ static clover_model *load_from(clover_gguf *g, char *err, size_t err_size) {
     }
     if (!read_record(&L, hp)) goto fail;
     for (int il = hp->n_layer; il < hp->n_layer + hp->n_layer_nextn && !L.failed; il++) check_mtp_layer(&L, hp, il);
-    if (L.failed) goto fail;
+    if (L.failed || !check_all_used(&L, hp)) goto fail;
+    free(L.used);
     return m;
 fail:
+    free(L.used);
     clover_model_free(m);
     return NULL;
 }
@@ -460,7 +505,7 @@ static int is_block_tensor(const clover_model *m, const char *name) {
  * decoder layers, the four block tensors of each GDN layer and nothing else). 0 with the error
  * (without the file name) in err. */
 static int take_sidecar(clover_model *m, clover_gguf *g, char *err, size_t err_size) {
-    loader L = {g, "clover_moe", err, err_size, 0};
+    loader L = {g, "clover_moe", err, err_size, 0, NULL};
     const char *arch = get_str_key(&L, "general.architecture"), *type = get_str_key(&L, "general.type");
     if (L.failed) return 0;
     if (!arch || strcmp(arch, "clover_moe") != 0)
