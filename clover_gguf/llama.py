@@ -31,13 +31,14 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ._ffi import CloverError
 from .model import Model
 from .options import REQUEST_FIELDS
 
-__all__ = ["Clover", "ReasoningSplitter"]
+__all__ = ["Clover", "ChatPrompt", "ReasoningSplitter"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -107,6 +108,15 @@ class ReasoningSplitter:
             self._buf = ""
         self._ws = ""  # trailing whitespace of an unclosed reasoning block
         return out
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat rendered and tokenized ahead of its call (:meth:`Clover.prepare_chat`): the prompt's
+    token ids and whether its generation header left a ``<think>`` section open."""
+
+    ids: list[int]
+    think_open: bool
 
 
 class _Holder:
@@ -312,6 +322,11 @@ class Clover:
 
     def n_ctx(self) -> int:
         return self._model.n_ctx
+
+    def reset(self) -> None:
+        """Empty the context's caches (waits for the running call): the next call prefills its
+        whole prompt; prefix reuse starts over from it."""
+        self._prepare(self._model.reset)
 
     def n_vocab(self) -> int:
         return self._model.n_vocab
@@ -591,7 +606,18 @@ class Clover:
         header = full[len(base):] if full.startswith(base) else full
         return full, header.rfind(_THINK_OPEN) > header.rfind(_THINK_CLOSE)
 
-    def create_chat_completion(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+    def prepare_chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> ChatPrompt:
+        """Render ``messages`` with the chat template and tokenize them, without the call lock
+        (safe while another thread generates): the result, given as ``messages`` to
+        :meth:`create_chat_completion`, skips that work there. A server prepares requests this way
+        while the slot is busy. Raises ValueError as :meth:`create_chat_completion` would
+        (ContextLengthExceeded when the prompt leaves no room in the context)."""
+        self._check_open()
+        text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
+        return ChatPrompt(self._model.check_prompt_fits(self._model.prompt_ids(text)), think_open)
+
+    def create_chat_completion(self, messages: Sequence[dict] | ChatPrompt, *, tools: Sequence[dict] | None = None,
                                enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
                                max_tokens: int | None = None, temperature: float | None = None,
                                top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
@@ -622,6 +648,8 @@ class Clover:
         deltas concatenate to the non-streamed fields.
         ``max_tokens``: None = until the context is full (generation normally ends at
         ``<|im_end|>``). The other arguments are those of :meth:`create_completion`.
+        ``messages`` may be a :class:`ChatPrompt` from :meth:`prepare_chat` (then ``tools``,
+        ``enable_thinking`` and ``chat_template_kwargs`` went there and must be None here).
         """
         if logprobs not in (None, False):
             raise ValueError("logprobs: not supported by this runtime")
@@ -650,6 +678,12 @@ class Clover:
             return [{**chunk({}, finish), "usage": usage, "timings": timings}]
 
         def prepare():
+            if isinstance(messages, ChatPrompt):
+                for name, v in (("tools", tools), ("enable_thinking", enable_thinking),
+                                ("chat_template_kwargs", chat_template_kwargs)):
+                    if v is not None:
+                        raise ValueError(f"{name}: give it to prepare_chat with the messages")
+                return self._start(messages.ids, kw), messages.think_open
             text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
             return self._start(text, kw), think_open
 

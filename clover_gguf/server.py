@@ -14,21 +14,33 @@ llama.cpp's ``llama-server`` and OpenAI name them:
 - ``GET /metrics``: Prometheus text format (requests, tokens, active and queued requests).
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a malformed
-body or a bad field value is 400 with the field in ``param``, a missing or wrong API key 401
-(``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open, as in llama.cpp).
+body or a bad field value is 400 with the field in ``param`` (a prompt longer than the context:
+code ``context_length_exceeded``), a body over ``max_body`` bytes 413, a missing or wrong API
+key 401 (``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open, as in llama.cpp).
 
-One slot: the single :class:`Clover` object runs one generation at a time; further requests
-wait in a FIFO queue (``clover_requests_queued``). A client that disconnects (mid-stream or
-while a non-streamed answer is computed) gets its generation cancelled with
-:meth:`Clover.cancel`, which stops the forward pass in progress before its next layer, so the
-slot is free for the next request within one forward. Not done: reuse of a slot's KV/GDN state
-for a request that extends the previous conversation (every request prefills its whole prompt).
+One slot: the single :class:`Clover` object runs one generation at a time. A request is read,
+parsed, rendered (chat template) and tokenized outside the slot, in a worker thread, then waits
+in a FIFO queue (``clover_requests_queued``); past ``max_queue`` waiting requests a new one gets
+503 with ``Retry-After``. A request older than ``timeout`` seconds is ended: 503 while it waits,
+504 (or an error event in a stream) once it generates, its generation cancelled. A client that
+disconnects (mid-stream or while a non-streamed answer is computed) gets its generation cancelled
+with :meth:`Clover.cancel`, which stops the forward pass in progress before its next layer, so
+the slot is free for the next request within one forward.
+
+Prefix reuse (``Clover(prefix_reuse=True)``): a request whose prompt extends what the slot's
+caches hold prefills only the new tokens. The caches are kept per client: a request whose client
+key (OpenAI's ``prompt_cache_key``, else ``user``; requests with neither share one anonymous key)
+differs from the previous request's starts from an empty context, so one client cannot learn
+from ``timings.n_prompt_reused`` or from the answer's timing whether another's prompt starts as
+its guess.
 
 fastapi and uvicorn (the ``server`` extra) are imported only here, i.e. only by ``serve``.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import json
 import os
 import secrets
@@ -43,9 +55,44 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .model import ContextLengthExceeded
 from .options import REQUEST_FIELDS
 
-__all__ = ["create_app", "serve"]
+__all__ = ["create_app", "serve", "default_max_body"]
+
+# Request limits (create_app's defaults): waiting requests, seconds per request, and the body size
+# per context token with its floor (a prompt of n_ctx tokens fits with room for JSON escapes).
+MAX_QUEUE = 64
+TIMEOUT = 600.0
+BODY_BYTES_PER_TOKEN = 64
+MIN_MAX_BODY = 1 << 20
+# Bodies from this size on are followed by _release_memory once prepared.
+BIG_BODY = 1 << 20
+
+
+def _release_memory() -> None:
+    """Give back the memory of a big request now: collect the reference cycles its prompt and ids
+    may sit in (an error's frames), which the interpreter would otherwise keep until its next full
+    collection, then return the C heap's free pages to the system (glibc's malloc_trim)."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
+
+
+def default_max_body(n_ctx: int) -> int:
+    """The default request-body limit in bytes for a context of ``n_ctx`` tokens."""
+    return max(MIN_MAX_BODY, BODY_BYTES_PER_TOKEN * int(n_ctx))
 
 # Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours): the
 # generation options, and logprobs, which Clover refuses by name.
@@ -69,33 +116,61 @@ class _ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def _value_error(e: Exception) -> _ApiError:
+def _value_error(e: Exception, prompt_param: str = "prompt") -> _ApiError:
     """400 for a ValueError / TypeError of Clover, whose messages start with the field name
-    (``temperature: expected ...``, ``prompt[3]: token id ...``)."""
+    (``temperature: expected ...``, ``prompt[3]: token id ...``); a prompt that does not fit the
+    context is OpenAI's ``context_length_exceeded`` on ``prompt_param``."""
     msg = str(e)
+    if isinstance(e, ContextLengthExceeded):
+        return _ApiError(400, msg, param=prompt_param, code="context_length_exceeded")
     head = msg.split(":", 1)[0] if ":" in msg else ""
     param = head.split("[", 1)[0].strip() if head and " " not in head.strip() else None
     return _ApiError(400, msg, param=param or None, code="invalid_value")
+
+
+# What a request handler passes on as raised: interruption and task cancellation; anything else a
+# generation or a library raises (a native library's panic included) becomes an error answer.
+_PASS_THROUGH = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
+
+
+def _failure(e: BaseException, prompt_param: str = "prompt") -> _ApiError:
+    """The error answer for what a generation raised: 400 for a bad value, else 500."""
+    if isinstance(e, (ValueError, TypeError)):
+        return _value_error(e, prompt_param)
+    return _ApiError(500, f"{type(e).__name__}: {e}", "server_error")
 
 
 class _Job:
     """One generation holding the slot: ``done`` is set (on the event loop) when its worker
     thread has finished and the slot is released."""
 
-    __slots__ = ("done", "stop")
+    __slots__ = ("done", "stop", "deadline", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
         self.done = False
         self.stop = threading.Event()
+        self.deadline = deadline  # loop.time() past which the request is ended (inf: none)
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (None: no limit)."""
+        if self.deadline == float("inf"):
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
 
 class _State:
     """What the app shares across requests: the model (None while loading), the slot, the
     counters of /metrics."""
 
-    def __init__(self, model_path: str, model_id: str, api_key: str | None, clover_kwargs: dict) -> None:
+    def __init__(self, model_path: str, model_id: str, api_key: str | None, clover_kwargs: dict,
+                 max_body: int | None, max_queue: int, timeout: float) -> None:
         self.model_path, self.model_id, self.api_key = model_path, model_id, api_key
         self.clover_kwargs = clover_kwargs
+        self.max_body = max_body if max_body is not None else default_max_body(clover_kwargs.get("n_ctx", 4096))
+        self.max_queue, self.timeout = max_queue, timeout
+        self.pending = 0  # admitted requests not yet holding the slot (preparing or queued)
+        self.client: str | None = None  # the client key of the last request that held the slot
+        self.durations: list[float] = []  # seconds the last requests held the slot (Retry-After)
         self.clover = None
         self.load_error: BaseException | None = None
         self.loaded = threading.Event()
@@ -131,23 +206,52 @@ class _State:
             self.loaded.set()
 
     # -------------------------------------------------------------- the slot
-    async def acquire(self) -> _Job:
+    def retry_after(self) -> str:
+        """Seconds a refused client should wait: the queue times the mean slot time, 1..60."""
+        mean = sum(self.durations) / len(self.durations) if self.durations else 1.0
+        return str(int(min(60, max(1, round(mean * (self.queued + self.active))))))
+
+    def admit(self) -> float:
+        """Count a new request as pending; 503 when ``max_queue`` requests are pending already.
+        Returns its deadline (loop time)."""
+        if self.pending >= self.max_queue:
+            raise _ApiError(503, f"server busy: {self.pending} requests waiting (max_queue {self.max_queue}); "
+                            "retry later", "unavailable_error", code="queue_full")
+        self.pending += 1
+        now = asyncio.get_running_loop().time()
+        return now + self.timeout if self.timeout > 0 else float("inf")
+
+    async def acquire(self, deadline: float) -> _Job:
+        """Wait for the slot until ``deadline`` (503 after it)."""
         if self.sem is None:
             self.sem = asyncio.Semaphore(1)
+        job = _Job(deadline)
         self.queued += 1
         try:
-            await self.sem.acquire()
+            await asyncio.wait_for(self.sem.acquire(), job.remaining())
+        except asyncio.TimeoutError:
+            raise _ApiError(503, f"timed out after {self.timeout:g} s waiting for a slot (timeout)",
+                            "unavailable_error", code="timeout") from None
         finally:
             self.queued -= 1
         self.active += 1
-        return _Job()
+        job.started = asyncio.get_running_loop().time()
+        return job
 
     def release(self, job: _Job) -> None:
         """On the event loop: the job's worker thread is over, the next request may start."""
         if not job.done:
             job.done = True
             self.active -= 1
+            self.durations = (self.durations + [asyncio.get_running_loop().time() - job.started])[-16:]
             self.sem.release()
+
+    def switch_client(self, client: str | None) -> None:
+        """In the slot, before a generation: a request of another client than the last one starts
+        from an empty context (prefix reuse stays within a client)."""
+        if client != self.client:
+            self.clover.reset()
+            self.client = client
 
     def cancel_until_done(self, job: _Job) -> None:
         """Cancel ``job``'s generation now and again every 50 ms until its thread ends (a
@@ -170,16 +274,40 @@ class _State:
 
 
 # ------------------------------------------------------------------------ request parsing
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    too_big = _ApiError(413, f"request body: larger than the server's limit of {limit} bytes (max_body)",
+                        param=None, code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes):
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise _ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
+
+
+async def _json_body(request: Request, limit: int) -> tuple[dict, int]:
+    """The request's JSON object and its size in bytes: read up to ``limit`` bytes, parsed in a
+    worker thread."""
+    raw = await _read_body(request, limit)
+    body = await anyio.to_thread.run_sync(_parse_json, raw)
     if not isinstance(body, dict):
         raise _ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}",
                         code="invalid_json")
-    return body
+    return body, len(raw)
 
 
 def _kwargs(body: dict, names: tuple) -> dict:
@@ -201,6 +329,19 @@ def _kwargs(body: dict, names: tuple) -> dict:
             raise _ApiError(400, "logit_bias: keys must be token ids", param="logit_bias",
                             code="invalid_value") from None
     return kw
+
+
+def _client_key(body: dict) -> str | None:
+    """The client a request's prefix reuse belongs to: OpenAI's ``prompt_cache_key``, else
+    ``user``; None (the anonymous client) without either."""
+    for name in ("prompt_cache_key", "user"):
+        v = body.get(name)
+        if v is not None:
+            if not isinstance(v, str):
+                raise _ApiError(400, f"{name}: expected a string, got {type(v).__name__}", param=name,
+                                code="invalid_value")
+            return f"{name}:{v}"
+    return None
 
 
 def _completion_kwargs(body: dict) -> dict:
@@ -236,11 +377,24 @@ def _chat_kwargs(body: dict) -> dict:
 
 # ------------------------------------------------------------------------ the app
 def create_app(model_path: str, *, api_key: str | None = None, model_id: str | None = None,
+               max_body: int | None = None, max_queue: int = MAX_QUEUE, timeout: float = TIMEOUT,
                **clover_kwargs: Any) -> FastAPI:
     """The FastAPI app serving ``model_path``; ``clover_kwargs`` go to :class:`Clover`
     (``n_ctx, n_threads, mode, ...``). The model loads in a background thread when the app
-    starts (``/health`` answers 503 until it is loaded)."""
-    st = _State(str(model_path), model_id or os.path.basename(str(model_path)), api_key, clover_kwargs)
+    starts (``/health`` answers 503 until it is loaded).
+
+    Limits: ``max_body`` bytes per request body (None: :func:`default_max_body` of ``n_ctx``),
+    ``max_queue`` requests waiting for the slot, ``timeout`` seconds per request (0: none).
+    ``api_key`` None serves without a key; an empty key is refused (ValueError)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key: empty (it would accept an empty bearer token); give a key or None")
+    for name, v in (("max_queue", max_queue), ("max_body", 1 if max_body is None else max_body)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"timeout: expected a finite number of seconds >= 0, got {timeout!r}")
+    st = _State(str(model_path), model_id or os.path.basename(str(model_path)), api_key, clover_kwargs,
+                max_body, max_queue, float(timeout))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -254,7 +408,10 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
 
     @app.exception_handler(_ApiError)
     async def _api_error(request, e: _ApiError):
-        return e.response()
+        resp = e.response()
+        if e.status == 503 and e.code in ("queue_full", "timeout"):
+            resp.headers["Retry-After"] = st.retry_after()
+        return resp
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
@@ -298,9 +455,12 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
                 ("clover_tokens_generated_total", "counter", "Tokens generated (completion tokens).",
                  st.tokens_generated),
                 ("clover_requests_cancelled_total", "counter",
-                 "Generations cancelled because the client disconnected.", st.cancelled),
+                 "Generations cancelled because the client disconnected or the request timed out.",
+                 st.cancelled),
                 ("clover_requests_active", "gauge", "Requests holding a slot (generating).", st.active),
                 ("clover_requests_queued", "gauge", "Requests waiting for a slot.", st.queued),
+                ("clover_requests_pending", "gauge",
+                 "Requests admitted and not yet generating (preparing their prompt or queued).", st.pending),
                 ("clover_slots_total", "gauge", "Generation slots.", 1),
                 ("clover_model_loaded", "gauge", "1 once the model is loaded.", int(st.clover is not None))):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
@@ -313,40 +473,75 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
         return {"object": "list", "data": [{"id": st.model_id, "object": "model", "created": st.created,
                                             "owned_by": "clover-gguf"}]}
 
-    async def generate(request: Request, endpoint: str, parse, call):
+    async def generate(request: Request, endpoint: str, parse, prepare, call, prompt_param: str):
+        """Check, parse and prepare (render, tokenize: ``prepare(kw)`` in a worker thread, outside
+        the slot) a request, then run ``call(**kw)`` in the slot."""
         try:
             check_key(request)
             check_loaded()
-            kw = parse(await _json_body(request))
+            deadline = st.admit()
         except _ApiError as e:
             st.count(endpoint, e.status)
             raise
-        kw["model"] = st.model_id
-        stream = kw.pop("stream")
-        job = await st.acquire()
+        size = 0
+        try:
+            try:
+                body, size = await _json_body(request, st.max_body)
+                kw = parse(body)
+                client = _client_key(body)
+                kw = await anyio.to_thread.run_sync(prepare, kw)
+            except (_ApiError, *_PASS_THROUGH):
+                raise
+            except BaseException as e:  # a bad value, or a native library's panic: an answer
+                raise _failure(e, prompt_param) from None
+            kw["model"] = st.model_id
+            stream = kw.pop("stream")
+            job = await st.acquire(deadline)
+        except _ApiError as e:
+            st.count(endpoint, e.status)
+            raise
+        finally:
+            st.pending -= 1
+            if size >= BIG_BODY:
+                _release_memory()
+
+        def run(**kwargs):
+            st.switch_client(client)
+            return call(**kwargs)
+
         try:
             if stream:
-                resp = await _start_stream(st, job, request, lambda: call(stream=True, **kw))
+                resp = await _start_stream(st, job, request, lambda: run(stream=True, **kw), prompt_param)
             else:
-                resp = await _run_whole(st, job, request, lambda: call(**kw))
+                resp = await _run_whole(st, job, request, lambda: run(**kw), prompt_param)
         except _ApiError as e:
             st.count(endpoint, e.status)
             raise
         st.count(endpoint, 200)
         return resp
 
+    def prepare_completion(kw: dict) -> dict:
+        if isinstance(kw["prompt"], str):  # tokenized here, outside the slot
+            kw["prompt"] = st.clover.engine.check_prompt_fits(st.clover.engine.prompt_ids(kw["prompt"]))
+        return kw
+
+    def prepare_chat(kw: dict) -> dict:
+        kw["messages"] = st.clover.prepare_chat(
+            kw.pop("messages"), tools=kw.pop("tools", None), enable_thinking=kw.pop("enable_thinking", None),
+            chat_template_kwargs=kw.pop("chat_template_kwargs", None))
+        return kw
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, "/v1/completions", _completion_kwargs,
-                              lambda **kw: st.clover.create_completion(kw.pop("prompt"), **kw))
+        return await generate(request, "/v1/completions", _completion_kwargs, prepare_completion,
+                              lambda **kw: st.clover.create_completion(kw.pop("prompt"), **kw), "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, "/v1/chat/completions", _chat_kwargs,
-                              lambda **kw: st.clover.create_chat_completion(kw.pop("messages"), **kw))
+        return await generate(request, "/v1/chat/completions", _chat_kwargs, prepare_chat,
+                              lambda **kw: st.clover.create_chat_completion(kw.pop("messages"), **kw), "messages")
 
     return app
-
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -356,9 +551,14 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _run_whole(st: _State, job: _Job, request: Request, call) -> JSONResponse:
+def _timed_out(st: _State) -> _ApiError:
+    return _ApiError(504, f"request exceeded the server's time limit of {st.timeout:g} s (timeout); "
+                     "its generation was cancelled", "timeout_error", code="timeout")
+
+
+async def _run_whole(st: _State, job: _Job, request: Request, call, prompt_param: str) -> JSONResponse:
     """A non-streamed answer: ``call()`` in a worker thread holding the slot; cancelled if the
-    client disconnects meanwhile."""
+    client disconnects meanwhile or the request's deadline passes (504)."""
     loop = asyncio.get_running_loop()
     result: dict = {}
 
@@ -373,17 +573,17 @@ async def _run_whole(st: _State, job: _Job, request: Request, call) -> JSONRespo
     worker = asyncio.ensure_future(anyio.to_thread.run_sync(work))
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        await asyncio.wait({worker, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({worker, watch}, timeout=job.remaining(), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not worker.done():  # the client left (or this handler was cancelled)
+        if not worker.done():  # the client left, the deadline passed (or this handler was cancelled)
             st.cancel_until_done(job)
         watch.cancel()
+    timed_out = not done
     await asyncio.shield(worker)
+    if timed_out:
+        raise _timed_out(st)
     if "error" in result:
-        e = result["error"]
-        if isinstance(e, (ValueError, TypeError)):
-            raise _value_error(e)
-        raise e
+        raise _failure(result["error"], prompt_param)
     st.add_usage(result["value"].get("usage"))
     return JSONResponse(result["value"])
 
@@ -392,20 +592,21 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _start_stream(st: _State, job: _Job, request: Request, call) -> StreamingResponse:
+async def _start_stream(st: _State, job: _Job, request: Request, call, prompt_param: str) -> StreamingResponse:
     """A streamed answer: ``call()`` (argument checking: a bad value is still a 400) then a
     worker thread advancing the iterator and handing the chunks to the SSE response through a
-    queue. When the response ends early (the client disconnected: starlette cancels it), the
-    generation is cancelled and the worker closes the iterator, which frees the slot."""
+    queue. When the response ends early (the client disconnected: starlette cancels it; or the
+    deadline passed: an error event), the generation is cancelled and the worker closes the
+    iterator, which frees the slot."""
     loop = asyncio.get_running_loop()
     try:
         it = await anyio.to_thread.run_sync(call)
-    except (ValueError, TypeError) as e:
-        st.release(job)
-        raise _value_error(e) from None
-    except BaseException:
+    except _PASS_THROUGH:
         st.release(job)
         raise
+    except BaseException as e:
+        st.release(job)
+        raise _failure(e, prompt_param) from None
     q: asyncio.Queue = asyncio.Queue()
 
     def work():
@@ -434,13 +635,17 @@ async def _start_stream(st: _State, job: _Job, request: Request, call) -> Stream
     async def body():
         try:
             while True:
-                kind, item = await q.get()
+                try:
+                    kind, item = await asyncio.wait_for(q.get(), job.remaining())
+                except asyncio.TimeoutError:
+                    st.cancel_until_done(job)
+                    yield _sse(_timed_out(st).body())
+                    yield b"data: [DONE]\n\n"
+                    return
                 if kind == "chunk":
                     yield _sse(item)
                 elif kind == "error":
-                    err = _value_error(item) if isinstance(item, (ValueError, TypeError)) else \
-                        _ApiError(500, f"{type(item).__name__}: {item}", "server_error")
-                    yield _sse(err.body())
+                    yield _sse(_failure(item, prompt_param).body())
                 else:
                     yield b"data: [DONE]\n\n"
                     return

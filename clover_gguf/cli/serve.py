@@ -1,21 +1,38 @@
 """``clover-gguf serve``: the OpenAI-compatible HTTP server (:mod:`clover_gguf.server`)."""
 from __future__ import annotations
 
+import argparse
+import math
 import os
 
 from ..options import MODES, int_at_least
-from .common import MODEL_HELP, UsageError, add_device_args, add_threads_ctx_args, check_model_path, \
-    placement_kwargs
+from .common import MODEL_HELP, UsageError, _size_arg, add_device_args, add_threads_ctx_args, \
+    check_model_path, placement_kwargs
+
+
+def _seconds(s: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s} must be a finite number >= 0")
+    return v
 
 
 def cmd(a) -> int:
+    if a.api_key is not None and not a.api_key.strip():
+        raise UsageError("--api-key: empty (from the flag or CLOVER_API_KEY): it would accept an empty bearer "
+                         "token; give a key, or unset CLOVER_API_KEY to serve without one")
     check_model_path(a.model)
     try:  # fastapi / uvicorn are imported only here (the "server" extra)
         from ..server import serve
     except ImportError as e:
         raise UsageError(f"serve needs fastapi and uvicorn ({e}): pip install 'clover-gguf[server]'") from None
-    return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, n_ctx=a.ctx_size,
-                 n_threads=a.threads, mode=a.mode, **placement_kwargs(a))
+    return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
+                 max_queue=a.max_queue, timeout=a.timeout, n_ctx=a.ctx_size, n_threads=a.threads, mode=a.mode,
+                 prefix_reuse=not a.no_prefix_reuse, **placement_kwargs(a))
 
 
 def add_parser(sub) -> None:
@@ -28,6 +45,16 @@ def add_parser(sub) -> None:
                     help="require Authorization: Bearer KEY on /v1 (default: $CLOVER_API_KEY, else none)")
     sv.add_argument("--mode", choices=MODES, default=None,
                     help="default decoding mode of requests (diffusion for clover, ar for qwen35moe)")
+    sv.add_argument("--max-body", type=_size_arg, default=None,
+                    help="largest request body, bytes or a size such as 4M (default: 64 bytes per context "
+                         "token, at least 1M); larger ones get 413")
+    sv.add_argument("--max-queue", type=int_at_least(1), default=64,
+                    help="requests waiting for the slot before new ones get 503 with Retry-After (64)")
+    sv.add_argument("--timeout", type=_seconds, default=600.0,
+                    help="seconds a request may take, waiting included; then it is cancelled (600; 0: none)")
+    sv.add_argument("--no-prefix-reuse", action="store_true",
+                    help="prefill every prompt in full (by default a request extending its client's previous "
+                         "one prefills only the new tokens)")
     add_threads_ctx_args(sv)
     add_device_args(sv)
     sv.set_defaults(func=cmd)

@@ -28,9 +28,12 @@ def cli_env() -> dict:
 
 
 def cli(*args, timeout=300, input=None):
-    """Run ``python -m clover_gguf ARGS`` with the same clover_gguf package as this process."""
+    """Run ``python -m clover_gguf ARGS`` with the same clover_gguf package as this process (run in
+    that package's parent folder: ``-m`` puts the working folder first on the child's path, so a
+    source tree there would shadow an installed package)."""
     return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True,
-                          text=True, encoding="utf-8", env=cli_env(), timeout=timeout, input=input)
+                          text=True, encoding="utf-8", env=cli_env(), timeout=timeout, input=input,
+                          cwd=PKG_PARENT)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import socket
 import subprocess
 import sys
 import threading
@@ -27,49 +25,10 @@ import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 
 import openai  # noqa: E402
+from serverproc import HANG, ROOT as _ROOT, http as _http, metrics as _metrics, serving  # noqa: E402
 
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 N_CTX = 4096
-HANG = 120  # seconds: generous guard against hangs, not a speed check
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Resp:
-    def __init__(self, status: int, text: str) -> None:
-        self.status_code, self.text = status, text
-
-    def json(self):
-        return json.loads(self.text)
-
-
-def _http(method: str, url: str, body=None, headers=None, timeout: float = 30) -> _Resp:
-    """A plain HTTP request (urllib: no client library between the test and the server);
-    ``body``: bytes as they are, anything else as JSON."""
-    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return _Resp(r.status, r.read().decode())
-    except urllib.error.HTTPError as e:
-        return _Resp(e.code, e.read().decode())
-
-
-def _metrics(base: str) -> dict[str, float]:
-    r = _http("GET", f"{base}/metrics", timeout=10)
-    assert r.status_code == 200
-    out = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +39,9 @@ def gguf_path(make_gguf):
 @pytest.fixture(scope="module")
 def server(gguf_path, tmp_path_factory):
     """Base URL of a server with --api-key KEY; the log goes to a file shown on failure."""
-    port = _free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "clover_gguf.cli", "serve", "-m", gguf_path,
-                                 "--port", str(port), "--api-key", KEY, "-c", str(N_CTX), "-t", "1"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(_ROOT))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + HANG
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
-            try:
-                if _http("GET", f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except OSError:  # not listening yet
-                pass
-            assert time.monotonic() < deadline, f"server not healthy after {HANG} s:\n{log.read_text()}"
-            time.sleep(0.2)
+    with serving(gguf_path, ["--api-key", KEY, "-c", N_CTX, "-t", 1], log) as (base, _):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
