@@ -581,8 +581,10 @@ class Model:
                     lib.clover_decoder_stats(d, st)
                     self._active = None
                     lib.clover_decoder_free(d)
-                    if not cancelled:  # the caches hold the prompt and the committed tokens
-                        self._cached = (list(prompt_ids) + tokens)[:lib.clover_context_n_past(self._ctx)]
+                    # the caches hold the prompt's prefill alone (a committed token ran as a decode
+                    # step or block commit, which a prefill does not reproduce bit for bit)
+                    if not cancelled and lib.clover_context_n_past(self._ctx) == limit:
+                        self._cached = list(prompt_ids[:limit])
                     self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
                     self.last_stats["n_prompt_reused"] = reused
                     if cancelled:
@@ -598,25 +600,33 @@ class Model:
         prompt up to its last block boundary, spec 3.1) and return ``(n_reuse for the decoder,
         prompt tokens not prefilled)``; ``(-1, 0)`` when a cancel() stopped the prefill here.
 
-        Reused: the tokens the caches hold after the last generation when ``ids`` extends them
-        exactly; else the prompt prefix saved at the last generation's split point when ``ids``
-        starts with it (clover_context_restore_state: the GDN state cannot be rewound, so it is
-        saved there). The split point of a prompt is its last ``<|im_start|>`` (where a chat
-        template starts the reply; the rendered history before it stays the same in the next
-        turn even when the template rewrites the reply, e.g. drops its reasoning), else its last
-        token. The tokens up to the split point are prefilled here and the state saved."""
-        n, k = len(ids), len(cached)
+        Reuse is invisible: the prefill is only ever split where the result equals one prefill
+        bit for bit (clover.h CLOVER_GDN_CHUNK): at a multiple of the GDN chunk, leaving the
+        decoder's call none or at least 2 tokens (``aligned`` below). Reused: the prompt tokens
+        the caches hold after the last generation (``cached``: its prefill alone, set by _steps)
+        when ``ids`` extends them and their end is such a point; else the prompt prefix saved at
+        the last generation's split point when ``ids`` starts with it
+        (clover_context_restore_state: the GDN state cannot be rewound, so it is saved there).
+        The split point of a prompt is its last ``<|im_start|>`` (where a chat template starts
+        the reply; the rendered history before it stays the same in the next turn even when the
+        template rewrites the reply, e.g. drops its reasoning), else its last token, moved down
+        to the nearest such point. The tokens up to it are prefilled here and the state saved."""
+        def aligned(pos: int) -> int:  # the largest invisible split <= pos
+            s = pos // lib.CLOVER_GDN_CHUNK * lib.CLOVER_GDN_CHUNK
+            return s - lib.CLOVER_GDN_CHUNK if limit - s == 1 and s > 0 else s
+
+        n, k, saved = len(ids), len(cached), len(self._saved)
         start = 0
-        if 0 < k <= limit and k < n and lib.clover_context_n_past(self._ctx) == k and list(ids[:k]) == cached:
+        if 0 < k <= limit and k < n and aligned(k) == k and lib.clover_context_n_past(self._ctx) == k \
+                and list(ids[:k]) == cached:
             start = k
-        elif self._saved and len(self._saved) <= limit and len(self._saved) < n \
-                and list(ids[:len(self._saved)]) == self._saved:
+        elif 0 < saved <= limit and saved < n and aligned(saved) == saved and list(ids[:saved]) == self._saved:
             start = max(0, int(lib.clover_context_restore_state(self._ctx, err, len(err))))
         if start == 0:
             lib.clover_context_reset(self._ctx)
             self._saved = []
         im_start = self.tokenizer.token_to_id("<|im_start|>")
-        split = min(max((i for i, t in enumerate(ids) if t == im_start), default=0) or n - 1, limit)
+        split = aligned(min(max((i for i, t in enumerate(ids) if t == im_start), default=0) or n - 1, limit))
         if split <= start:
             return start, start
         toks = ffi.new("int32_t[]", list(ids[start:split]))

@@ -281,9 +281,16 @@ CLOVER_API int32_t clover_context_restore_state(clover_context *c, char *err, si
  * prefill was aborted is finished (free it). c must stay valid during the call: do not race it
  * with clover_context_free. */
 CLOVER_API void clover_context_abort(clover_context *c);
-/* GDN prefill algorithm: 1 = chunked (chunk 64, default), 0 = token-by-token recurrence.
- * Both compute spec 2.1 step 6; the switch exists for tests. */
+/* GDN prefill algorithm: 1 = chunked (chunks of CLOVER_GDN_CHUNK rows, default), 0 = token-by-token
+ * recurrence. Both compute spec 2.1 step 6; the switch exists for tests. */
 CLOVER_API void clover_context_set_gdn_chunked(clover_context *c, int chunked);
+/* Rows of one chunk of the chunked GDN prefill (cpu/gdn_heads.c, cuda/gdn_chunk.cuh), counted
+ * from each clover_prefill call's first token; a 1-token call runs the recurrence. On the CPU
+ * path the other layers compute each row alone, so a prefill stopped at a multiple of it and
+ * continued by a call of 2 or more tokens gives one prefill's caches and logits bit for bit.
+ * Split elsewhere, or on the GPU (whose calls of up to 64 rows run the recurrence and whose
+ * kernels depend on the row count), the result differs in float rounding. */
+#define CLOVER_GDN_CHUNK 64
 
 /* Prefix (causal) mode, spec 3.2: append tokens[0..n) at positions n_past.. and write the
  * caches. If logits != NULL it receives float32 [n, n_vocab] when all_logits, else the last

@@ -84,7 +84,9 @@ done:
 /* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's). Block
  * passes run whole; a prefill (causal, so consecutive passes equal one) in passes of at most
  * RES_ROWS rows on a resident model (its verify record from row r0 of each), CPU_ROWS or
- * PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts at row 0). */
+ * PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts at row 0). Every
+ * pass of a split prefill has more than CLOVER_GDN_CHUNK rows: a short one would run the GDN
+ * recurrence (gpu_gdn_forward; a 1-row pass on the CPU) where one pass runs the chunked form. */
 static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
     if (c->m->gpu_bytes) gpu_context_count(c); /* its first launches: count it (CUDA graphs) */
@@ -96,9 +98,11 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
     }
     const int64_t T = f->T, V = c->m->hp.n_vocab;
     int rc = CLOVER_OK;
-    for (int64_t r0 = 0; r0 < T && rc == CLOVER_OK; r0 += max_rows) {
+    for (int64_t r0 = 0, n = 0; r0 < T && rc == CLOVER_OK; r0 += n) {
+        const int64_t left = T - r0; /* a pass of max_rows, one chunk less when the rest would be short */
+        n = left <= max_rows ? left : left - max_rows > CLOVER_GDN_CHUNK ? max_rows : max_rows - CLOVER_GDN_CHUNK;
         fwd g = *f;
-        g.T = T - r0 < max_rows ? T - r0 : max_rows;
+        g.T = n;
         g.pos0 = f->pos0 + r0;
         const int with_logits = logits && logit_row0 < r0 + g.T;
         const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
