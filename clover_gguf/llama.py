@@ -163,10 +163,10 @@ class Clover:
             their sidecar) or ``"spec"``.
         block_size, threshold, coreset_top_p: diffusion settings; None = the GGUF's
             (clover-spec 4.2). Calls may override all four.
-        prefix_reuse: when a prompt extends exactly what the caches hold after the last call
-            (the previous prompt and its committed answer: the next chat turn), prefill only the
-            new tokens (``timings["n_prompt_reused"]``). True by default; the output then equals
-            a full prefill's up to float rounding (summation order).
+        prefix_reuse: when a prompt starts with the last call's prompt (the next chat turn),
+            skip prefilling it up to a 64-token boundary (``timings["n_prompt_reused"]``; see
+            :class:`~clover_gguf.model.Model`). True by default; the output stays bit-identical to
+            a full prefill's on the CPU.
         plan_callback: called with the GPU placement's plan line before the weights go to the
             GPU (see :class:`~clover_gguf.model.Model`).
         diffusion_path: the diffusion sidecar of a clover_moe trunk (None: ``<stem>.diffusion.gguf``

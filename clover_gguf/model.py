@@ -24,7 +24,7 @@ from .options import GenerateOptions
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
 
-__all__ = ["Model", "CloverError"]
+__all__ = ["Model", "CloverError", "ContextLengthExceeded"]
 
 _MODES = {"ar": lib.CLOVER_MODE_AR, "diffusion": lib.CLOVER_MODE_DIFFUSION, "spec": lib.CLOVER_MODE_SPEC}
 _FINISH = {
@@ -37,6 +37,10 @@ _ARCHES = ("qwen35moe", "clover_moe")
 _SCOPES = ("response", "all")
 # Tokens that end generation besides the GGUF eos (Qwen chat / document ends).
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt that does not fit the model's context (OpenAI's ``context_length_exceeded``)."""
 
 
 class _Run:
@@ -147,10 +151,12 @@ class Model:
             usable GPU is found, before any weight goes to it (the CLI prints it, so --fit's
             plan shows before the upload, and also when the upload is refused); not called
             when nothing is offloaded.
-        prefix_reuse: a generation whose prompt extends exactly the tokens the caches hold
-            after the previous generation (its prompt and committed tokens) prefills only the
-            new tokens (``last_stats["n_prompt_reused"]``); off by default, so every call
-            starts from a full prefill (bit-reproducible).
+        prefix_reuse: a generation whose prompt starts with the previous generation's prompt
+            skips prefilling it up to the last multiple of 64 tokens (the Gated DeltaNet chunk,
+            ``CLOVER_GDN_CHUNK``) at or before that prompt's last ``<|im_start|>``, else its
+            last token (``last_stats["n_prompt_reused"]``); the previous answer's tokens are
+            prefilled again. Splitting the prefill only there keeps the output bit-identical to a
+            full prefill's on the CPU. Off by default.
 
     Raises:
         CloverError: the native loader's message (bad file, missing/mis-shaped tensor, ...).
@@ -407,9 +413,14 @@ class Model:
         of ids checked by :meth:`check_ids`; ValueError when empty or not valid Unicode."""
         if isinstance(prompt, str):
             try:
-                prompt.encode("utf-8")
+                size = len(prompt.encode("utf-8"))
             except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
                 raise ValueError(f"prompt: not valid Unicode ({e.reason} at index {e.start})") from None
+            most = self.n_ctx * self.tokenizer.max_token_bytes
+            if size > most:  # refused before tokenizing: no n_ctx tokens spell that many bytes
+                raise ContextLengthExceeded(
+                    f"prompt: {size} bytes cannot fit n_ctx={self.n_ctx} tokens (the longest token is "
+                    f"{self.tokenizer.max_token_bytes} bytes)")
             ids = self.tokenize(prompt)
             if not ids:
                 raise ValueError("prompt: empty (at least one token is needed)")
@@ -417,10 +428,11 @@ class Model:
         return self.check_ids("prompt", prompt)
 
     # ------------------------------------------------------------------ generation
-    def _check_fits(self, ids: list[int]) -> list[int]:
+    def check_prompt_fits(self, ids: list[int]) -> list[int]:
+        """``ids`` if they leave room for generation in the context, else ContextLengthExceeded."""
         self._live()
         if len(ids) >= self.n_ctx:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room in n_ctx={self.n_ctx}")
+            raise ContextLengthExceeded(f"prompt: {len(ids)} tokens leave no room in n_ctx={self.n_ctx}")
         return ids
 
     def _params(self, o: GenerateOptions, end_ids=None):
@@ -656,6 +668,15 @@ class Model:
             lib.clover_context_abort(self._ctx)
             return True
 
+    @_locked
+    def reset(self) -> None:
+        """Empty the context's caches: the next generation prefills its whole prompt (prefix
+        reuse starts over)."""
+        self._live()
+        self._abort_active()
+        lib.clover_context_reset(self._ctx)
+        self._cached, self._saved = [], []
+
     def record_cancelled(self, n_prompt: int, mode: str) -> None:
         """Set :attr:`last_stats` for a generation cancelled before its prefill started."""
         st = ffi.new("clover_stats *")
@@ -720,7 +741,7 @@ class Model:
         block that holds the stop string).
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
-        ids = self._check_fits(self.check_ids("prompt_ids", prompt_ids))
+        ids = self.check_prompt_fits(self.check_ids("prompt_ids", prompt_ids))
         o = GenerateOptions.of(options)
         stops = check_stop(o.stop)
         p, keep, mode, ends = self._params(o, end_ids)
@@ -743,7 +764,7 @@ class Model:
         ``(block_ids, filled)`` (lists of block_size; unfilled slots hold the mask id), else
         None; it is how ``clover-gguf run --visual`` draws the block.
         Arguments are validated before the first piece is requested."""
-        ids = self._check_fits(self.prompt_ids(prompt))
+        ids = self.check_prompt_fits(self.prompt_ids(prompt))
         o = GenerateOptions.of(options)
         stops = check_stop(o.stop)
         p, keep, mode, ends = self._params(o)
