@@ -59,10 +59,9 @@ CLOVER_CLONES static void gdn_recurrent_head(const gdn_dims *d, const float *con
  *   V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), j <= i) V'
  *   S <- exp(G_L) S + (K * exp(G_L - G))^T V'
  * It equals gdn_recurrent_head up to rounding (tested). scratch: gdn_scratch_floats(). */
-#define GDN_CHUNK 64
 CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv, const float *beta, const float *g, int64_t T,
                              int64_t h, float *S, float *o, float *scratch) {
-    const int64_t dk = d->dk, dv = d->dv, CH = GDN_CHUNK;
+    const int64_t dk = d->dk, dv = d->dv, CH = CLOVER_GDN_CHUNK;
     const clover_gemm_f32_fn gemm = clover_gemm_f32_kernel(-1); /* dot.h: C += alpha A B */
     float *A = scratch, *U = A + CH * CH, *W = U + CH * dv, *G = W + CH * dk, *row = G + CH;
     float *Kt = row + CH; /* [dk][L]: the chunk's K^T, at the end K'^T with K'_j = exp(G_L - G_j) k_j */
@@ -143,7 +142,7 @@ CLOVER_CLONES static void gdn_chunked_head(const gdn_dims *d, const float *conv,
 /* Floats of one thread's GDN scratch: gdn_chunked_head's A, U, W, G, row, Kt, E, Kc and Vc, and
  * at the end the S and tmp of the token-by-token forms. */
 static int64_t gdn_scratch_floats(const gdn_dims *d) {
-    return 2 * GDN_CHUNK * GDN_CHUNK + GDN_CHUNK * (2 * d->dv + 3 * d->dk) + 2 * GDN_CHUNK + d->dk * d->dv + d->dv;
+    return 2 * CLOVER_GDN_CHUNK * CLOVER_GDN_CHUNK + CLOVER_GDN_CHUNK * (2 * d->dv + 3 * d->dk) + 2 * CLOVER_GDN_CHUNK + d->dk * d->dv + d->dv;
 }
 
 /* The block softmax's per-head constants (spec 3.3 step 4): *scale = exp(lambda_h) sqrt(dk), the

@@ -13,7 +13,7 @@
 #ifndef CLOVER_GDN_CHUNK_CUH
 #define CLOVER_GDN_CHUNK_CUH
 
-#define GDN_CH 64
+#define GDN_CH CLOVER_GDN_CHUNK /* clover.h */
 
 /* Floats of one (head, chunk) slot of k_gdn_chunk_prep's output: U [GDN_CH][dv], W [GDN_CH][dk],
  * Kd [GDN_CH][dk] (k_j exp(G_L - G_j)), QK [GDN_CH][GDN_CH], eG [GDN_CH] (exp(G_i)), then exp(G_L)
