@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_OK
-    except Exception as e:  # runtime failure: one line, no traceback (CLOVER_DEBUG=1 shows it)
-        if os.environ.get("CLOVER_DEBUG"):
+    except BaseException as e:  # runtime failure, a native library's panic included: one line, no
+        # traceback (CLOVER_DEBUG=1 shows it)
+        if isinstance(e, (SystemExit, GeneratorExit)) or os.environ.get("CLOVER_DEBUG"):
             raise
         err(f"{type(e).__name__}: {e}" if not str(e).startswith(type(e).__name__) else str(e))
         return EXIT_RUNTIME

@@ -421,3 +421,21 @@ def test_subcommands_without_m_take_the_embedded_model():
     assert r.returncode == 0 and "tokens/forward" in r.stderr, r.stderr
     r = cli("compare", "-p", "x")
     assert r.returncode == 2 and "-m/--model" in r.stderr
+
+
+def test_a_base_exception_from_a_library_is_one_line(monkeypatch, capsys):
+    """A native library's panic (pyo3's PanicException derives from BaseException, not
+    Exception) ends the command with one error line and the runtime exit code, no traceback."""
+    from clover_gguf.cli import info as info_cmd
+    from clover_gguf.cli import main
+
+    class Panic(BaseException):
+        pass
+
+    def boom(a):
+        raise Panic("regex engine gave up")
+
+    monkeypatch.setattr(info_cmd, "cmd", boom)
+    assert main(["info", str(clover_gguf.DEFAULT_MODEL)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith("Panic: regex engine gave up") and "Traceback" not in err
