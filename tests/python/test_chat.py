@@ -12,6 +12,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -417,3 +418,198 @@ def test_model_apply_chat_template(make_gguf, make_ckpt):
         m.tokenizer.chat_template, m._chat = None, None
         with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: missing"):
             m.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits: a template written by a stranger cannot hang a render or build a huge value. Small
+# limits keep these fast; every size below is one the template would build unchecked.
+# ---------------------------------------------------------------------------------------------
+
+USER = [{"role": "user", "content": "x"}]
+
+LOOPS = {
+    "nested_range": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "over_string": "{% set s = 'ab' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    "over_list": "{% set l = range(100000) | list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}",
+    "macro_calls": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "recursive_loop": "{% for x in [1, 1] recursive %}{% if loop.depth < 60 %}{{ loop([1, 1]) }}{% endif %}"
+                      "{% endfor %}",
+    # one filter call looping in Python over a 4 MB text (about 2 s when not interrupted)
+    "inside_filter": "{{ ('a b ' * 1000000) | wordwrap(1) | length }}",
+}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_loops_stop_at_max_seconds(name):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: rendering took longer than "
+                                         r"max_seconds=0\.2$"):
+        ChatTemplate(LOOPS[name], max_seconds=0.2).render(USER)
+    assert time.monotonic() - t0 < 10  # generous bound: a 0.2 s limit on a loaded machine
+
+
+def test_recursion_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: recursion too deep"):
+        ChatTemplate("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").render(USER)
+
+
+def doubling(step, n=27):
+    """A template doubling a value ``n`` times (2**27 = 128M elements if unchecked)."""
+    return ("{% macro twice(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(s='x', l=[1]) %}"
+            f"{{% for i in range({n}) %}}{step}{{% endfor %}}{{{{ ns.s | length }}}}")
+
+
+AMPLIFIERS = {
+    "str_times": "{{ 'x' * 10**8 }}",
+    "list_times": "{{ ([0] * 2 * 10**7) | length }}",
+    "plus": doubling("{% set ns.s = ns.s + ns.s %}"),
+    "tilde": doubling("{% set ns.s = ns.s ~ ns.s %}"),
+    "list_plus": doubling("{% set ns.l = ns.l + ns.l %}", 24),
+    "macro_output": doubling("{% set ns.s = twice(ns.s) %}"),
+    "set_block": doubling("{% set t %}{{ ns.s }}{{ ns.s }}{% endset %}{% set ns.s = t %}"),
+    "percent_star": "{{ '%*s' % (10**8, 'x') }}",
+    "percent_width": "{{ '%100000000s' % 'x' }}",
+    "str_format": "{{ '{:>100000000}'.format('x') }}",
+    "str_format_repeat": "{{ ('{0}' * 10000).format('x' * 10000) }}",
+    "filter_format": "{{ '%100000000s' | format('x') }}",
+    "filter_center": "{{ 'x' | center(10**8) }}",
+    "filter_center_constant": "{{ 'x' | center(100000000) }}",  # jinja folds constants at compile
+    "filter_indent": "{{ 'a\nb' | indent(10**8) }}",
+    "filter_wordwrap": "{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 100000) }}",
+    "filter_replace": "{{ ('a' * 10000) | replace('a', 'b' * 10000) }}",
+    "filter_join": "{{ range(10000) | join('x' * 10000) }}",
+    "filter_tojson_indent": "{{ [[1]] | tojson(indent=10**8) }}",
+    "filter_batch": "{{ [1] | batch(10**8, 'x') | list | length }}",
+    "filter_slice": "{{ [1] | slice(10**6) | list | length }}",
+    "str_ljust": "{{ 'x'.ljust(10**8) }}",
+    "str_zfill": "{{ 'x'.zfill(10**8) }}",
+    "str_expandtabs": "{{ ('\t' * 100).expandtabs(10**6) }}",
+    "str_replace": "{{ ('a' * 10000).replace('a', 'b' * 10000) }}",
+    "str_join": "{{ ('x' * 10000).join(range(10000) | map('string')) }}",
+    "str_translate": "{{ ('a' * 10000).translate({97: 'b' * 10000}) }}",
+    "int_to_bytes": "{{ (1).to_bytes(10**8, 'big') | length }}",
+    "lipsum": "{{ lipsum(1000, false, 1000, 1000) | length }}",
+    "output": "{% for i in range(10000) %}{{ 'x' * 10000 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", list(AMPLIFIERS))
+def test_amplifiers_refused_before_allocating(name):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: .* is longer than "
+                                             r"max_chars=10000 \(about \d+ chars\)$"):
+            ChatTemplate(AMPLIFIERS[name], max_chars=10000).render(USER)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20  # each would allocate 100 MB or more if it ran
+
+
+def test_integers_stay_small():
+    for template in ("{{ 7 ** 100000000 }}",
+                     "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+                     "{% endfor %}"):
+        with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: the result of '\*\*?' is "
+                                             r"an integer of about \d+ bits, over the 16384-bit limit$"):
+            ChatTemplate(template, max_seconds=5).render(USER)
+    assert ChatTemplate("{{ 2 ** 64 * 3 }}").render(USER) == str(2 ** 64 * 3)
+
+
+SHARED = {  # values holding one value twice, nested: 2**100 references in a few KB
+    "list_literal": "{% set ns = namespace(v=['x']) %}{% for i in range(100) %}{% set ns.v = [ns.v, ns.v] %}"
+                    "{% endfor %}{{ ns.v }}",
+    "compare": "{% set ns = namespace(a=['x'], b=['x']) %}{% for i in range(100) %}"
+               "{% set ns.a, ns.b = [ns.a, ns.b], [ns.b, ns.a] %}{% endfor %}{{ ns.a == ns.b }}",
+    "dict_global": "{% set ns = namespace(v={}) %}{% for i in range(100) %}{% set ns.v = dict(a=ns.v, b=ns.v) %}"
+                   "{% endfor %}{{ ns.v | length }}",
+    "fromkeys": "{% set ns = namespace(v={}) %}{% for i in range(100) %}{% set ns.v = dict.fromkeys('ab', ns.v) %}"
+                "{% endfor %}{{ ns.v | tojson }}",
+    "namespaces_linked_later": "{% set a = namespace(v=0) %}{% set ns = namespace(n=a) %}{% for i in range(100) %}"
+                               "{% set b = namespace(v=0) %}{% set cur = ns.n %}{% set cur.v = [b, b] %}"
+                               "{% set ns.n = b %}{% endfor %}{{ a }}",
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+def test_shared_values_measured_with_every_reference(name):
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: .* is longer than max_chars=10000 "):
+        ChatTemplate(SHARED[name], max_chars=10000, max_seconds=5).render(USER)
+
+
+def nested(levels):
+    v = "x"
+    for _ in range(levels // 2):
+        v = {"k": [v]}
+    return v
+
+
+def test_deep_inputs_refused_naming_the_argument():
+    t = ChatTemplate("{{ messages | length }}")
+    msgs = USER * 3 + [{"role": "user", "content": nested(1000)}]
+    with pytest.raises(ValueError, match=r"^messages\[3\]\.content: nested deeper than 100 levels$"):
+        t.render(msgs)
+    with pytest.raises(ValueError, match=r"^tools: nested deeper than 100 levels$"):
+        t.render(USER, tools=[nested(1000)])
+    with pytest.raises(ValueError, match=r"^documents: nested deeper than 100 levels$"):
+        t.render(USER, documents=[nested(1000)])
+    with pytest.raises(ValueError, match=r"^schema: nested deeper than 100 levels$"):
+        t.render(USER, schema=nested(1000))
+    assert t.render(USER, schema=nested(100)) == "1"  # 100 levels: the limit itself
+
+
+def test_reserved_variables_refused():
+    from clover_gguf.chat import RESERVED_VARIABLES, check_template_kwargs
+
+    t = ChatTemplate("{{ messages | length }}")
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs\.messages: set from the request, not a "
+                                         r"template variable a caller may override$"):
+        t.render(USER, **{"messages": USER * 2})
+    assert t.render(USER, **{"tools": None}) == "1"  # a keyword of render itself
+    for name in RESERVED_VARIABLES:
+        with pytest.raises(ValueError, match=rf"^chat_template_kwargs\.{name}: set from the request"):
+            check_template_kwargs({"enable_thinking": False, name: 1})
+    check_template_kwargs({"enable_thinking": False})
+
+
+def test_limits_are_configurable():
+    from clover_gguf.chat import DEFAULT_MAX_CHARS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_SECONDS
+
+    t = ChatTemplate("x")
+    assert (t.max_seconds, t.max_chars, t.max_depth) == (DEFAULT_MAX_SECONDS, DEFAULT_MAX_CHARS,
+                                                         DEFAULT_MAX_DEPTH)
+    t = ChatTemplate("{{ 'x' * n }}{{ v | length }}", max_chars=100, max_seconds=3, max_depth=3)
+    assert (t.max_seconds, t.max_chars, t.max_depth) == (3, 100, 3)
+    assert t.render(USER, n=99, v=[[[1]]]) == "x" * 99 + "1"
+    with pytest.raises(ValueError, match=r"the result of '\*' is longer than max_chars=100 \(about 101 chars\)"):
+        t.render(USER, n=101, v=[])
+    with pytest.raises(ValueError, match=r"^v: nested deeper than 3 levels$"):
+        t.render(USER, n=1, v=[[[[1]]]])
+    assert ChatTemplate("{{ 'x' * 101 }}", max_chars=101).render(USER) == "x" * 101
+    loop = LOOPS["nested_range"]
+    with pytest.raises(ValueError, match=r"max_seconds=0\.05$"):
+        ChatTemplate(loop, max_seconds=0.05).render(USER)
+    md = {"tokenizer.chat_template": "{{ 'x' * 20 }}"}
+    with pytest.raises(ValueError, match=r"max_chars=10 "):
+        ChatTemplate.from_metadata(md, max_chars=10).render(USER)
+    for bad in ({"max_seconds": 0}, {"max_chars": -1}, {"max_depth": 1.5}, {"max_chars": True},
+                {"max_seconds": "5"}):
+        with pytest.raises(ValueError, match=rf"^{next(iter(bad))}: expected a positive number"):
+            ChatTemplate("x", **bad)
+
+
+def test_trace_function_restored():
+    # filters that loop in Python run under a trace function of their own; the caller's
+    # (a debugger's, a coverage tool's) is back afterwards
+    def tracer(frame, event, arg):
+        return None
+
+    outer = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        assert ChatTemplate("{{ 'a b c' | wordwrap(2) }}").render(USER) == "a\nb\nc"
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(outer)
