@@ -18,9 +18,10 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from typing import Iterable, Mapping, Sequence
+import threading
+from typing import Iterable, Iterator, Mapping, Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 # llama.cpp token types (gguf.TokenType numbering).
 TOKEN_NORMAL = 1
@@ -43,6 +44,25 @@ QWEN2_PRE_REGEX = (
 _PRE_REGEX = {"qwen35": QWEN35_PRE_REGEX, "qwen2": QWEN2_PRE_REGEX}
 
 _PAD_RE = re.compile(r"\[PAD\d+\]")
+
+# Long inputs are encoded as pieces (see _segments): chunks of about _CHUNK_CHARS characters
+# cut where the pre-tokenizer regex always splits, and runs of at least _LONG_WS_RUN
+# characters of horizontal whitespace handed to BPE alone: Oniguruma backtracks over such a
+# run once per character, and tokenizers panics when that passes its retry-limit-in-match
+# (10,000,000 steps: 9,999,983 spaces before a letter panic, one fewer does not).
+_CHUNK_CHARS = 1 << 15
+_LONG_WS_RUN = 1 << 15
+# Unicode White_Space less CR and LF: what the regex's \s matches besides [\r\n].
+_HWS = "\t\x0b\x0c \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+_HWS_RUN_RE = re.compile("[" + re.escape(_HWS) + "]*")
+_LAST_NON_HWS_RE = re.compile("(?s).*[^" + re.escape(_HWS) + "]")  # .match(text, lo, hi)
+# A cut point c (the match's start): ' ', '\t' or an ASCII digit after a non-space. The regex
+# always splits there and encodes text[:c] and text[c:] as it does the whole: no alternative
+# reads on from a non-space into horizontal whitespace (only "[\r\n]*" after punctuation
+# crosses into whitespace) or into a digit ("\p{N}" takes digits one at a time).
+_CUT_RE = re.compile(r"[ \t0-9](?<=\S.)")
+# An added token that could span a cut point or a whitespace run's ends.
+_UNCUTTABLE_TOKEN_RE = re.compile(r"\s|\S[0-9]")
 
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -85,6 +105,86 @@ def _byte_level_to_bytes(token: str) -> bytes:
         else:
             out.append(b)
     return bytes(out)
+
+
+# Maps every byte-level character to one ASCII character: the UTF-8 length of a token
+# translated with it is the byte length of the token.
+_ONE_BYTE = str.maketrans({c: "x" for c in _BYTE_DECODER})
+
+
+def _long_ws_runs(text: str, n: int) -> Iterator[tuple[int, int]]:
+    """Spans ``(a, e)`` of the maximal runs of ``_HWS`` characters at least ``n`` long, in
+    order. Looks at every n-th character only (each such run holds one) and at the run
+    around a hit, so that it scans a text without long runs at C speed."""
+    p = n - 1
+    while p < len(text):
+        if text[p] in _HWS:
+            e = _HWS_RUN_RE.match(text, p).end()
+            # The run starts after p - n: the character there was looked at and is not in it.
+            lo = max(0, p - n + 1)
+            m = _LAST_NON_HWS_RE.match(text, lo, p)
+            a = m.end() if m else lo
+            if e - a >= n:
+                yield a, e
+            p += (e - p) // n * n + n
+        else:
+            p += n
+
+
+def _segments(text: str, added: tuple[str, ...] = ()) -> list[tuple[str, bool]]:
+    r"""Cut ``text`` into pieces whose encodings, concatenated, are the encoding of ``text``.
+
+    ``(piece, False)`` goes through the whole tokenizer; ``(run, True)`` is one pre-token of
+    horizontal whitespace (matched by the regex's ``\s+(?!\S)``), to be given to BPE alone.
+    A maximal run ``text[a:e]`` of ``_HWS`` characters, at least ``_LONG_WS_RUN`` long, is such
+    a pre-token (less its last character when a non-space follows: that one starts the next
+    match) when ``text[a-1]`` is CR, LF or a non-space (the regex splits at ``a``: a match
+    ``\s*[\r\n]+`` ends at the last CR/LF of the whitespace) and ``text[e]`` is a non-space.
+    ``added`` are the added tokens the tokenizer matches (none holds whitespace): one starting
+    at ``e`` ends the text the regex sees, so the run keeps its last character.
+    The rest is cut into chunks at :data:`_CUT_RE` points.
+    """
+    out: list[tuple[str, bool]] = []
+    pos = 0
+    n = len(text)
+    if n >= _LONG_WS_RUN:
+        for a, e in _long_ws_runs(text, max(2, _LONG_WS_RUN)):
+            if a > 0 and text[a - 1] not in "\r\n" and text[a - 1].isspace():
+                continue
+            if e < n and text[e].isspace():
+                continue
+            b = e if e == n or text.startswith(added, e) else e - 1
+            out += _chunks(text, pos, a)
+            out.append((text[a:b], True))
+            pos = b
+    out += _chunks(text, pos, n)
+    return out
+
+
+def _chunks(text: str, lo: int, hi: int) -> list[tuple[str, bool]]:
+    """``text[lo:hi]`` in pieces of at least ``_CHUNK_CHARS`` characters (the last may be
+    shorter), cut at :data:`_CUT_RE` points (one piece where there is none)."""
+    out = []
+    while hi - lo > _CHUNK_CHARS:
+        m = _CUT_RE.search(text, lo + _CHUNK_CHARS, hi)
+        if m is None:
+            break
+        out.append((text[lo : m.start()], False))
+        lo = m.start()
+    if hi > lo:
+        out.append((text[lo:hi], False))
+    return out
+
+
+def _native(fn, *args, **kwargs):
+    """Call into ``tokenizers``; map its failures, a Rust panic included (pyo3's
+    ``PanicException`` derives from ``BaseException``), to ``ValueError``."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:
+        raise ValueError(f"text: the tokenizer failed on this input ({type(e).__name__}: {e})") from e
 
 
 class CloverTokenizer:
@@ -184,31 +284,35 @@ class CloverTokenizer:
             },
         }
         self._tk = Tokenizer.from_str(json.dumps(spec))
+        # Cutting text into pieces (_segments) keeps the ids only if no added token can span a cut.
+        self._cuttable = not any(_UNCUTTABLE_TOKEN_RE.search(t["content"]) for t in added)
+        self._added = tuple(t["content"] for t in added)
+        self._added_non_special = tuple(t["content"] for t in added if not t["special"])
+        self._variants: dict[str, Tokenizer] = {}  # built on first use, see _variant
+        self._variants_lock = threading.Lock()
+        self._max_token_bytes = max(self._byte_length(i) for i in range(n))
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_metadata(cls, md: Mapping[str, object]) -> "CloverTokenizer":
-        """Build from a mapping of GGUF keys (arrays as lists), e.g. ``GGUFFile.metadata``."""
-        model = md.get("tokenizer.ggml.model")
+        """Build from a mapping of GGUF keys (arrays as lists), e.g. ``GGUFFile.metadata``.
+        Raises ValueError naming the key for a missing key or a value of the wrong type."""
+        model = _meta(md, "tokenizer.ggml.model", "a string", _is_str)
         if model is not None and model != "gpt2":
             raise ValueError(f"tokenizer.ggml.model: {model!r} not supported (expected 'gpt2')")
         for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             if key not in md:
                 raise ValueError(f"{key}: missing from the GGUF")
-
-        def opt_int(key):
-            v = md.get(key)
-            return None if v is None else int(v)
-
+        pre = _meta(md, "tokenizer.ggml.pre", "a string", _is_str)
         return cls(
-            list(md["tokenizer.ggml.tokens"]),
-            md.get("tokenizer.ggml.token_type"),
-            list(md["tokenizer.ggml.merges"]),
-            pre=str(md.get("tokenizer.ggml.pre", "qwen35")),
-            eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
-            padding_token_id=opt_int("tokenizer.ggml.padding_token_id"),
-            bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
-            chat_template=md.get("tokenizer.chat_template"),
+            _meta_array(md, "tokenizer.ggml.tokens", "strings", _is_str),
+            _meta_array(md, "tokenizer.ggml.token_type", "integers", _is_int),
+            _meta_array(md, "tokenizer.ggml.merges", "strings", _is_str),
+            pre="qwen35" if pre is None else pre,
+            eos_token_id=_meta(md, "tokenizer.ggml.eos_token_id", "an integer token id", _is_int),
+            padding_token_id=_meta(md, "tokenizer.ggml.padding_token_id", "an integer token id", _is_int),
+            bos_token_id=_meta(md, "tokenizer.ggml.bos_token_id", "an integer token id", _is_int),
+            chat_template=_meta(md, "tokenizer.chat_template", "a string", _is_str),
         )
 
     @classmethod
@@ -245,6 +349,21 @@ class CloverTokenizer:
         """The underlying ``tokenizers.Tokenizer``."""
         return self._tk
 
+    @property
+    def max_token_bytes(self) -> int:
+        """Byte length of the longest token (as :meth:`token_bytes` gives): ``n`` tokens never
+        cover more than ``n * max_token_bytes`` bytes of UTF-8 text."""
+        return self._max_token_bytes
+
+    def _byte_length(self, i: int) -> int:
+        """``len(self.token_bytes(i))`` without building the bytes."""
+        tok, tt = self.tokens[i], self.token_types[i]
+        if tt in (TOKEN_UNUSED, TOKEN_UNKNOWN) or _PAD_RE.fullmatch(tok):
+            return 0
+        if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
+            return len(tok.encode("utf-8"))
+        return len(tok.translate(_ONE_BYTE).encode("utf-8"))
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (byte-level form for normal tokens), or None."""
         return self._tk.token_to_id(token)
@@ -260,19 +379,48 @@ class CloverTokenizer:
         With ``special=True`` control tokens written in the text (``<|im_start|>``...) are
         recognised as single tokens; with ``special=False`` they are encoded as plain text.
         Non-special added tokens (USER_DEFINED, e.g. ``<think>``) are always recognised.
-        Raises TypeError if text is not a str.
+
+        Safe to call from several threads at once; the native work runs without the GIL.
+        Long texts are encoded in pieces (:func:`_segments`) with the same ids as in one.
+        Raises TypeError if text is not a str, ValueError (``"text: ..."``) if the native
+        tokenizer fails on it.
         """
         if not isinstance(text, str):
             raise TypeError(f"text: expected str, got {type(text).__name__}")
         if not text:
             return []
-        if special:
-            return self._tk.encode(text, add_special_tokens=False).ids
-        self._tk.encode_special_tokens = True
-        try:
-            return self._tk.encode(text, add_special_tokens=False).ids
-        finally:
-            self._tk.encode_special_tokens = False
+        tk = self._tk if special else self._variant("special_as_text")
+        if self._cuttable:
+            pieces = _segments(text, self._added if special else self._added_non_special)
+        else:
+            pieces = [(text, False)]
+        # encode_batch_fast releases the GIL (Tokenizer.encode holds it) and gives the same ids.
+        plain = [p for p, run in pieces if not run]
+        runs = [p for p, run in pieces if run]
+        plain = iter(_native(tk.encode_batch_fast, plain, add_special_tokens=False))
+        bpe = iter(_native(self._variant("bpe_only").encode_batch_fast, runs, add_special_tokens=False)
+                   if runs else ())
+        ids: list[int] = []
+        for _, run in pieces:
+            ids += next(bpe if run else plain).ids
+        return ids
+
+    def _variant(self, kind: str) -> Tokenizer:
+        """Another ``tokenizers.Tokenizer`` over the same vocabulary, built on first use and
+        never changed after: ``"special_as_text"`` (control tokens are plain text) or
+        ``"bpe_only"`` (BPE over the byte-level form of the whole input, no regex split)."""
+        tk = self._variants.get(kind)
+        if tk is None:
+            with self._variants_lock:
+                tk = self._variants.get(kind)
+                if tk is None:
+                    tk = Tokenizer.from_str(self._tk.to_str())
+                    if kind == "special_as_text":
+                        tk.encode_special_tokens = True
+                    else:
+                        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+                    self._variants[kind] = tk
+        return tk
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` stands for: byte-level decoded for normal tokens, the UTF-8
@@ -334,6 +482,41 @@ class StreamDetokenizer:
         return out
 
 
+# ---------------------------------------------------------------------- metadata values
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _describe(v) -> str:
+    """What a metadata value is, for an error message: ``int 5``, ``an array of int``."""
+    if isinstance(v, (list, tuple)):
+        kinds = sorted({type(x).__name__ for x in v})
+        return "an array of " + "/".join(kinds) if kinds else "an empty array"
+    return f"{type(v).__name__} {v!r:.40}"
+
+
+def _meta(md: Mapping[str, object], key: str, expected: str, ok) -> object:
+    """Scalar ``md[key]`` (None if absent), checked with ``ok``."""
+    v = md.get(key)
+    if v is not None and not ok(v):
+        raise ValueError(f"{key}: expected {expected}, got {_describe(v)}")
+    return v
+
+
+def _meta_array(md: Mapping[str, object], key: str, expected: str, ok) -> list | None:
+    """Array ``md[key]`` as a list (None if absent), each element checked with ``ok``."""
+    v = md.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or not all(ok(x) for x in v):
+        raise ValueError(f"{key}: expected an array of {expected}, got {_describe(v)}")
+    return list(v)
+
+
 # ---------------------------------------------------------------------- native metadata
 def read_tokenizer_metadata(g, keys: Sequence[str] = TOKENIZER_KEYS) -> dict[str, object]:
     """Read ``keys`` (those present) from an open native GGUF handle into a dict; arrays
@@ -351,6 +534,8 @@ def read_tokenizer_metadata(g, keys: Sequence[str] = TOKENIZER_KEYS) -> dict[str
 
 
 def _read_value(g, i, lib, ffi, lenp):
+    """Value of KV ``i``: int, float, bool, str or a list of those (the native reader refuses
+    arrays of arrays)."""
     t = lib.clover_gguf_kv_type(g, i)
 
     def scalar(tt, j):

@@ -179,3 +179,282 @@ def test_metadata_errors():
         CloverTokenizer(["a"], [1], [], pre="llama3")
     with pytest.raises(ValueError, match=r"tokenizer.ggml.merges\[0\]"):
         CloverTokenizer(["a", "b", "ab"], [1, 1, 1], ["ab"])
+
+
+# ---------------------------------------------------------------------- long and odd inputs
+# Reference for the pieces CloverTokenizer.encode cuts a text into (tokenizer._segments): the
+# HF tokenizer encoding the whole text at once, wherever that succeeds.
+QWEN35 = DATA / "ggml-vocab-qwen35.gguf"
+
+
+@pytest.fixture(scope="module", params=["embedded", "qwen35", "embedded-qwen2-regex"])
+def any_tok(request):
+    """The embedded model's tokenizer, Qwen's vocabulary, and the embedded vocabulary with
+    the Qwen2 pre-tokenizer regex."""
+    import clover_gguf
+    from clover_gguf.gguf import GGUFFile
+
+    if request.param == "qwen35":
+        return CloverTokenizer.from_gguf(QWEN35)
+    with GGUFFile(clover_gguf.DEFAULT_MODEL) as f:
+        md = dict(f.metadata)
+    if request.param == "embedded-qwen2-regex":
+        md["tokenizer.ggml.pre"] = "qwen2"
+    return CloverTokenizer.from_metadata(md)
+
+
+_WHOLE: dict = {}
+
+
+def _whole(tok, text, special):
+    """Ids of ``text`` encoded in one piece by an HF tokenizer of tok's vocabulary
+    (special=False: control tokens as text)."""
+    from tokenizers import Tokenizer
+
+    hf = _WHOLE.get((id(tok), special))
+    if hf is None:
+        hf = _WHOLE[id(tok), special] = Tokenizer.from_str(tok.hf_tokenizer.to_str())
+        hf.encode_special_tokens = not special
+    return hf.encode(text, add_special_tokens=False).ids
+
+
+WS_RUNS = [" ", "\t", " \t", "\u3000", "\xa0 ", "\x0b\x0c", "\u2009\u205f"]
+BEFORE = ["", "a", "7", "!", "\n", "\r\n", "a\n  \n", " \n", "\x1c", "<|im_start|>", "<think>"]
+AFTER = ["", "a", "7", "\n", "!", " \n", "\u0301", "\x1c", "<|im_end|>", "<think>", "x<|mask|>"]
+
+
+def test_long_whitespace_runs_give_the_ids_of_one_piece(any_tok, monkeypatch):
+    """Runs at, below and above the run threshold and across chunk boundaries, after and
+    before every kind of neighbour, equal the unsplit encoding in both modes."""
+    from clover_gguf import tokenizer
+
+    monkeypatch.setattr(tokenizer, "_LONG_WS_RUN", 6)
+    monkeypatch.setattr(tokenizer, "_CHUNK_CHARS", 4)
+    texts = [b + unit * k + a for unit in WS_RUNS for k in (1, 3, 5, 6, 7, 13) for b in BEFORE for a in AFTER]
+    assert any_tok._cuttable  # no added token of these vocabularies stops the cutting
+    for special in (True, False):
+        for text in texts:
+            assert any_tok.encode(text, special) == _whole(any_tok, text, special), (repr(text), special)
+    assert any(run for t in texts for _, run in tokenizer._segments(t))  # the BPE-only path ran
+
+
+def test_default_thresholds_give_the_ids_of_one_piece(any_tok):
+    """At the real thresholds: runs of _LONG_WS_RUN - 1 .. 3 * _LONG_WS_RUN characters,
+    followed by a letter, a digit, a newline or the end of the text."""
+    from clover_gguf import tokenizer
+
+    n = tokenizer._LONG_WS_RUN
+    for k in (n - 1, n, n + 1, 3 * n):
+        for after in ("a", "7", "\n", ""):
+            text = "x\n" + " " * k + after + " y" * 3
+            assert any_tok.encode(text) == _whole(any_tok, text, True), (k, repr(after))
+    text = " ".join(TEXTS) * (3 * tokenizer._CHUNK_CHARS // len(" ".join(TEXTS)))
+    assert len(tokenizer._segments(text)) > 2
+    assert any_tok.encode(text) == _whole(any_tok, text, True)
+    assert any_tok.encode(text, special=False) == _whole(any_tok, text, False)
+
+
+FUZZ_PIECES = [" ", "  ", "\t", "\n", "\r\n", "\r", "\u3000", "\xa0", "\x0b", "\x1c", "\x85", "\u2028",
+               "\u200b", "a", "Ab", "é", "e\u0301", "\u0301", "7", "42", "\u0661", "\xbd", "!", "?!", "'s",
+               "'", "日本", "🙂", "<|im_start|>", "<think>", "<|im_end", " x", "\n\n  "]
+
+
+def test_random_texts_give_the_ids_of_one_piece(any_tok, monkeypatch):
+    """Random texts cut with small random thresholds, so that every piece boundary lands on
+    some neighbour pair."""
+    import random
+
+    from clover_gguf import tokenizer
+
+    rng = random.Random(7)
+    for _ in range(600):
+        text = "".join(rng.choice(FUZZ_PIECES) * (rng.randint(2, 9) if rng.random() < 0.3 else 1)
+                       for _ in range(rng.randint(1, 30)))
+        monkeypatch.setattr(tokenizer, "_CHUNK_CHARS", rng.randint(1, 6))
+        monkeypatch.setattr(tokenizer, "_LONG_WS_RUN", rng.randint(2, 6))
+        for special in (True, False):
+            assert any_tok.encode(text, special) == _whole(any_tok, text, special), (repr(text), special)
+
+
+def test_long_ws_runs_finds_every_long_run():
+    import random
+    import re
+
+    from clover_gguf.tokenizer import _HWS, _long_ws_runs
+
+    rng = random.Random(3)
+    runs = re.compile("[" + re.escape(_HWS) + "]+")
+    for _ in range(300):
+        text = "".join(rng.choice([" ", "\t", "\u3000", "a", "\n", "\x1c"]) * rng.randint(1, 12)
+                       for _ in range(rng.randint(0, 20)))
+        n = rng.randint(1, 15)
+        want = [m.span() for m in runs.finditer(text) if len(m.group()) >= n]
+        assert list(_long_ws_runs(text, n)) == want, (repr(text), n)
+
+
+def test_hws_is_what_the_regex_calls_horizontal_whitespace():
+    """Each _HWS character is \\s for the tokenizer's regex (a run of three before a digit
+    splits as two, then one), CR/LF are not in _HWS."""
+    from clover_gguf.tokenizer import _BYTE_ENCODER, _HWS
+
+    tok = CloverTokenizer(["a"], [1], [])
+    pre = tok.hf_tokenizer.pre_tokenizer
+
+    def bl(s):
+        return "".join(_BYTE_ENCODER[b] for b in s.encode())
+
+    for c in _HWS:
+        assert [p for p, _ in pre.pre_tokenize_str("a" + c * 3 + "1")] == [bl("a"), bl(c * 2), bl(c), "1"], repr(c)
+    assert "\r" not in _HWS and "\n" not in _HWS
+
+
+def _byte_tok(extra_added=()):
+    """A vocabulary without merges (BPE is linear): ' ', tab, newline, 'x', '!'."""
+    from clover_gguf.tokenizer import _BYTE_ENCODER
+
+    tokens = ["".join(_BYTE_ENCODER[b] for b in c.encode()) for c in (" ", "\t", "\n", "x", "!")]
+    tokens += list(extra_added)
+    return CloverTokenizer(tokens, [1] * 5 + [4] * len(extra_added), [])
+
+
+def test_whitespace_past_the_regex_limit_is_encoded():
+    """10.5M spaces (the regex engine alone panics past 10M: Oniguruma's retry limit, see the
+    next test): encode gives the BPE ids of the run."""
+    n = 10_500_000
+    assert _byte_tok().encode(" " * n + "x") == [0] * n + [3]
+
+
+def test_native_failure_is_value_error():
+    """A whitespace run the tokenizer may not cut (an added token holds a space) past the
+    regex limit: the native panic (a BaseException) becomes a ValueError starting 'text: '."""
+    tok = _byte_tok(extra_added=["x x"])
+    text = " " * 10_500_000 + "x"
+    with pytest.raises(BaseException) as e:
+        tok.hf_tokenizer.encode(text, add_special_tokens=False)
+    assert not isinstance(e.value, Exception)  # pyo3_runtime.PanicException
+    with pytest.raises(ValueError, match=r"^text: the tokenizer failed on this input \(PanicException"):
+        tok.encode(text)
+    assert tok.encode("x x x") == [5, 0, 3]
+
+
+def _longest_gap_while(fn):
+    """Run fn() in a thread; return (its seconds, the longest gap between ticks of this one)."""
+    import threading
+    import time
+
+    done = threading.Event()
+    result = []
+    th = threading.Thread(target=lambda: (result.append(fn()), done.set()))
+    gap, last = 0.0, time.perf_counter()
+    t0 = last
+    th.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    th.join()
+    return time.perf_counter() - t0, gap, result[0]
+
+
+def test_encode_lets_other_threads_run(tok):
+    """A 1 MB encode leaves the GIL to other threads: the ticking thread never waits a
+    quarter of the encode (bound: max(0.25 s, elapsed / 4); holding the GIL makes it the
+    whole encode)."""
+    text = (" ".join(TEXTS) * 10_000)[:1_000_000]
+    elapsed, gap, ids = _longest_gap_while(lambda: tok.encode(text))
+    assert tok.decode(ids) == text
+    assert gap < max(0.25, elapsed / 4), (gap, elapsed)
+
+
+def test_encode_from_several_threads(tok):
+    """special=True and special=False encodes running at once each get their own ids."""
+    import sys
+    import threading
+
+    text = TEXTS[8] * 3
+    want = {True: tok.encode(text, True), False: tok.encode(text, False)}
+    assert want[True] != want[False]
+    bad = []
+
+    def work(special):
+        for _ in range(300):
+            if tok.encode(text, special) != want[special]:
+                bad.append(special)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(k % 2 == 0,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not bad
+
+
+def test_max_token_bytes(any_tok):
+    assert any_tok.max_token_bytes == max(len(any_tok.token_bytes(i)) for i in range(any_tok.n_vocab))
+    # normal tokens count their bytes (byte-level characters one each, others their UTF-8);
+    # control tokens their UTF-8 text; unused slots and padding rows nothing
+    tok = CloverTokenizer(["ab", "\u20ac", "<|long_control|>", "[PAD123456789012]", "unused-and-long"],
+                          [1, 1, 3, 1, 5], [])
+    assert [len(tok.token_bytes(i)) for i in range(5)] == [2, 3, 16, 0, 0]
+    assert tok.max_token_bytes == 16
+    assert CloverTokenizer(["\u00e9\u00e9\u00e9", "\u20ac\u20ac"], [1, 1], []).max_token_bytes == 6
+
+
+GOOD_MD = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen35",
+           "tokenizer.ggml.tokens": ["a", "b", "ab", "<|e|>"], "tokenizer.ggml.token_type": [1, 1, 1, 3],
+           "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 3,
+           "tokenizer.ggml.padding_token_id": 3, "tokenizer.ggml.bos_token_id": 3,
+           "tokenizer.chat_template": "{{ x }}"}
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("tokenizer.ggml.tokens", [97, 98, 99, 100], "an array of strings, got an array of int"),
+    ("tokenizer.ggml.tokens", "abcd", "an array of strings, got str"),
+    ("tokenizer.ggml.tokens", ["a", None, "ab", "c"], "an array of strings, got an array of NoneType/str"),
+    ("tokenizer.ggml.merges", [1, 2], "an array of strings, got an array of int"),
+    ("tokenizer.ggml.merges", 5, "an array of strings, got int 5"),
+    ("tokenizer.ggml.token_type", ["1", "1", "1", "3"], "an array of integers, got an array of str"),
+    ("tokenizer.ggml.token_type", 1, "an array of integers, got int 1"),
+    ("tokenizer.ggml.token_type", [1.0, 1.0, 1.0, 3.0], "an array of integers, got an array of float"),
+    ("tokenizer.ggml.eos_token_id", "3", "an integer token id, got str '3'"),
+    ("tokenizer.ggml.eos_token_id", [3], "an integer token id, got an array of int"),
+    ("tokenizer.ggml.bos_token_id", True, "an integer token id, got bool True"),
+    ("tokenizer.ggml.padding_token_id", 3.0, "an integer token id, got float 3.0"),
+    ("tokenizer.ggml.pre", 35, "a string, got int 35"),
+    ("tokenizer.ggml.model", ["gpt2"], "a string, got an array of str"),
+    ("tokenizer.chat_template", ["{{ x }}"], "a string, got an array of str"),
+])
+def test_metadata_types(key, value, expected):
+    import re
+
+    assert CloverTokenizer.from_metadata(GOOD_MD).encode("ab<|e|>") == [2, 3]
+    with pytest.raises(ValueError, match=re.escape(f"{key}: expected {expected}")):
+        CloverTokenizer.from_metadata({**GOOD_MD, key: value})
+
+
+def test_metadata_types_in_a_gguf(gguf_path, tmp_path):
+    """A GGUF whose merges are an int32 array and one whose tokens are: Model and from_gguf
+    raise errors naming the key."""
+    from conftest import rewrite_gguf
+    from gguf import GGUFValueType
+
+    import clover_gguf
+
+    bad = rewrite_gguf(gguf_path, tmp_path / "merges-int.gguf",
+                       {"tokenizer.ggml.merges": ([1, 2, 3], GGUFValueType.ARRAY)})
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges: expected an array of strings, got an array of int"):
+        clover_gguf.Model(bad)
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges: expected an array of strings"):
+        CloverTokenizer.from_gguf(bad)
+    n = CloverTokenizer.from_gguf(gguf_path).n_vocab
+    bad = rewrite_gguf(gguf_path, tmp_path / "tokens-int.gguf",
+                       {"tokenizer.ggml.tokens": (list(range(n)), GGUFValueType.ARRAY)})
+    with pytest.raises(ValueError, match="tokenizer.ggml.tokens: expected an array of strings, got an array of int"):
+        CloverTokenizer.from_gguf(bad)
+    with pytest.raises((ValueError, clover_gguf.CloverError), match="tokenizer.ggml.tokens"):
+        clover_gguf.Model(bad)
