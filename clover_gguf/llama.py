@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ._ffi import CloverError
-from .model import Model
+from .model import ContextLengthExceeded, Model
 from .options import REQUEST_FIELDS
 
 __all__ = ["Clover", "ChatPrompt", "ReasoningSplitter"]
@@ -132,6 +132,15 @@ class _Holder:
         self.gen = None if not stream else (lambda: None)
         self.cancellable = cancellable
         self.cancelled = False
+
+
+def _chat_fits(fn):
+    """``fn()``, its ContextLengthExceeded (about the prompt) restated about the messages."""
+    try:
+        return fn()
+    except ContextLengthExceeded as e:
+        raise ContextLengthExceeded(f"messages (rendered by the chat template): {str(e).split(': ', 1)[-1]}") \
+            from None
 
 
 def _usage(n_prompt: int, n_completion: int) -> dict:
@@ -615,7 +624,8 @@ class Clover:
         (ContextLengthExceeded when the prompt leaves no room in the context)."""
         self._check_open()
         text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
-        return ChatPrompt(self._model.check_prompt_fits(self._model.prompt_ids(text)), think_open)
+        return ChatPrompt(_chat_fits(lambda: self._model.check_prompt_fits(self._model.prompt_ids(text))),
+                          think_open)
 
     def create_chat_completion(self, messages: Sequence[dict] | ChatPrompt, *, tools: Sequence[dict] | None = None,
                                enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
@@ -685,7 +695,7 @@ class Clover:
                         raise ValueError(f"{name}: give it to prepare_chat with the messages")
                 return self._start(messages.ids, kw), messages.think_open
             text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
-            return self._start(text, kw), think_open
+            return _chat_fits(lambda: self._start(text, kw)), think_open
 
         if stream:
             started, think_open = self._prepare(prepare)

@@ -358,7 +358,8 @@ def test_server_prompt_400(server, body, field, msg):
 def test_server_chat_and_malformed_400(server):
     status, body = _post(server, "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "x = 1\n" * 100}], "max_tokens": 4})
-    _assert_400(status, body, "prompt")
+    _assert_400(status, body, "messages")
+    assert body["error"]["code"] == "context_length_exceeded"
     status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                           "max_completion_tokens": -2})
     _assert_400(status, body, "max_tokens")

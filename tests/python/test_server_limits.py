@@ -307,3 +307,22 @@ def test_empty_api_key_is_refused_at_start(gguf_path):
     from clover_gguf.server import create_app
     with pytest.raises(ValueError, match="api_key: empty"):
         create_app(gguf_path, api_key="")
+
+
+def test_a_body_sent_too_slowly_is_408_and_frees_its_queue_place(server):
+    """A client that declares a body and never finishes it gets 408 at the request's time limit
+    (it does not keep a place in the queue)."""
+    host, port = server.rsplit("/", 1)[1].split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=HANG) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100\r\n\r\n{\"prompt\": ".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            got = sock.recv(1 << 16)
+            if not got:
+                break
+            data += got
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert TIMEOUT - 0.5 <= time.monotonic() - t0 < TIMEOUT + 30
+    assert metrics(server)["clover_requests_pending"] == 0
