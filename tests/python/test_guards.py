@@ -197,7 +197,7 @@ def test_clover_tokens_and_prompts(llm):
         llm.create_completion([], max_tokens=2)
     with pytest.raises(ValueError, match=rf"^prompt: \d+ tokens leave no room in n_ctx={N_CTX}"):
         llm.create_completion("x = 1\n" * 100, max_tokens=2)
-    with pytest.raises(ValueError, match=rf"^prompt: \d+ tokens leave no room in n_ctx={N_CTX}"):
+    with pytest.raises(ValueError, match=rf"^messages \(rendered by the chat template\): \d+ tokens leave no room in n_ctx={N_CTX}"):
         llm.create_chat_completion([{"role": "user", "content": "x = 1\n" * 100}])
     with pytest.raises(ValueError, match=r"^chat_template_kwargs: expected a dict"):
         llm.create_chat_completion([{"role": "user", "content": "a"}], chat_template_kwargs=5)
