@@ -34,31 +34,43 @@ imports torch, transformers or the native library.
 Limits. A chat template is code written by whoever made the GGUF, so every render runs under
 limits set per :class:`ChatTemplate` (``max_seconds``, ``max_chars``, ``max_depth``):
 
-- time: a ``sys.settrace`` function, on the rendering thread and only during the render,
-  reads the clock at every Python call and at every line of template code, so loops of any
-  kind (``for`` over ranges, strings or lists, macros calling themselves, filters iterating)
-  stop at ``max_seconds``;
-- size: the output, and every value the template builds, stay within ``max_chars``. Each
+- time: the deadline is checked at each item of every ``{% for %}`` loop (the code generator
+  wraps the loop's iterable), at every call the template makes (a macro calling itself), at
+  every size check, and at every line of the filters that loop in Python over a whole text
+  or list (``wordwrap``, ``urlize``, ``indent``, ``sort``, ...), through a ``sys.settrace``
+  function set only while such a filter runs. (One trace function for the whole render
+  would be simpler, but in Python 3.11 any trace function makes every frame of the thread
+  about 3x slower, traced or not.)
+- size: the output, and every value the template builds, stay within ``max_chars``; each
   operation that could build a large value is checked before it runs: ``*``, ``+``, ``%``,
   ``~``, list / tuple / dict literals, ``{{ }}`` output, macro and ``{% set %}`` buffers,
-  ``str.format`` fields, the str / bytes methods that pad or repeat (``center``, ``ljust``,
-  ``zfill``, ``expandtabs``, ``replace``, ``join``, ``translate``), the filters that do
-  (``center``, ``indent``, ``wordwrap``, ``replace``, ``format``, ``join``, ``batch``,
-  ``slice``, ``tojson(indent=...)``, ``pprint``, ...) and every filter that turns a value
-  into text. Sizes count a value shared N times N times, so nested sharing (a list holding
-  itself twice, again and again) cannot grow a small object into a huge text or comparison.
-  Integers from ``*`` and ``**`` stay under 16384 bits;
-- recursion: Python's recursion limit, reported as ``recursion too deep``;
+  ``str.format`` fields, the str / bytes methods that pad, repeat or join (``center``,
+  ``ljust``, ``zfill``, ``expandtabs``, ``replace``, ``join``, ``translate``), the filters
+  that do (``center``, ``indent``, ``wordwrap``, ``replace``, ``format``, ``join``,
+  ``batch``, ``slice``, ``tojson(indent=...)``, ``pprint``, ...) and every filter that turns
+  a value into text. A value shared N times counts N times, so nesting a value in itself
+  again and again (``[x, x]``, ``dict(a=x, b=x)``) cannot make a small object whose text or
+  comparison is huge. Integers that operators, filters and calls give the template stay
+  under 16384 bits;
+- recursion: Python's recursion limit, reported as ``recursion too deep``; a template
+  nested too deeply to compile is refused by the constructor;
 - inputs: messages, tools, documents and extra variables nest at most ``max_depth``
   containers deep, and extra variables cannot be named as :data:`RESERVED_VARIABLES`.
 
 Exceeding a limit raises ValueError naming it (``tokenizer.chat_template: rendering took
-longer than max_seconds=5``). These checks run inside the process: they bound what one
-template operation does, not the process. A single C-level operation runs to its end before
-the clock is read again (a regular expression or ``wordwrap`` over a max_chars string takes
-up to about a second), and memory is bounded per value, not in total (values the template
-keeps alive at once, e.g. one per level of a recursive macro, add up). A hard bound on memory
-and time needs a process boundary (a worker process with ``RLIMIT_AS`` that can be killed).
+longer than max_seconds=5``). These checks run inside the process; they bound each operation,
+not the process:
+
+- a single C-level operation on a max_chars value runs to its end before the clock is read
+  again (a regular-expression filter such as ``wordcount``, sorting a max-size list: a few
+  tenths of a second);
+- memory is bounded per value, not in total: values alive at once add up, e.g. a recursive
+  macro holding a new max_chars string at each level reaches several hundred MB before the
+  recursion limit stops it;
+- a flaw in jinja's sandbox or in CPython is not contained.
+
+A hard bound on memory and time needs a process boundary: render in a worker process with
+``RLIMIT_AS`` / ``RLIMIT_CPU`` that can be killed.
 """
 from __future__ import annotations
 
@@ -118,9 +130,9 @@ if _version_tuple(jinja2.__version__) < (3, 1, 6):
 # Limits
 # ---------------------------------------------------------------------------------------------
 
-#: Default wall-clock limit of one render, in seconds: the 1400-message, 350 KB Qwen3.5 prompt
-#: of the tests renders in about 0.1 s, so 5 s leaves room for a loaded machine while a stuck
-#: server slot frees itself within seconds.
+#: Default wall-clock limit of one render, in seconds: a 1400-message, 350 KB Qwen3.5 prompt
+#: renders in about 0.05 s, so 5 s leaves room for a loaded machine while a server slot held
+#: by a hostile template frees itself within seconds.
 DEFAULT_MAX_SECONDS = 5.0
 #: Default limit, in characters, of the output and of any one value a template builds: a
 #: 256K-token context is about 1 MB of text, so 4 MiB leaves room for dense scripts and JSON.
@@ -130,8 +142,8 @@ DEFAULT_MAX_DEPTH = 100
 #: Template variables that :meth:`ChatTemplate.render` sets itself, never from extra keywords.
 RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
-# Integers a template builds with * and ** stay below this size; the arithmetic stays at
-# microseconds (a count or a length needs under 64 bits).
+# Integers a template gets from operators, filters and calls stay below this size, so that
+# arithmetic on them stays at microseconds (a count or a length needs under 64 bits).
 _MAX_INT_BITS = 1 << 14
 # How many of the containers a template built last keep their measured size (see _Render.keep).
 _RECENT = 8
@@ -142,6 +154,23 @@ _local = threading.local()  # .render: the _Render running on this thread, if an
 
 class _LimitError(jinja2.exceptions.TemplateError):
     """A render went past one of its limits (the message names the limit)."""
+
+
+def _check_int_bits(bits: float, what: str) -> None:
+    if bits > _MAX_INT_BITS:
+        raise _LimitError(f"{what} is an integer of about {bits:.0f} bits, over the "
+                          f"{_MAX_INT_BITS}-bit limit")
+
+
+def _checked_result(st: "_Render", result, what: str):
+    """``result`` of an operator, filter or call, refused if it is text past max_chars or
+    an integer past _MAX_INT_BITS (``int('f' * 10**6, 16)``, ``int.from_bytes``)."""
+    if isinstance(result, (str, bytes)):
+        if len(result) > st.max_chars:
+            st.check(len(result), what)
+    elif type(result) is int and result.bit_length() > _MAX_INT_BITS:
+        _check_int_bits(result.bit_length(), what)
+    return result
 
 
 class _Render:
@@ -250,9 +279,9 @@ class _Render:
         for child in children:
             if type(child) is str:  # most leaves, measured here rather than by a call
                 size += len(child) + 8
-                continue
-            n, d, f = self.measure(child, seen)
-            size, depth, frozen = size + n + 8, max(depth, d), frozen and f
+            else:
+                n, d, f = self.measure(child, seen)
+                size, depth, frozen = size + n + 8, max(depth, d), frozen and f
             if size > self.max_chars:
                 break
         seen[key] = (size, depth + 1, frozen, value)
@@ -302,25 +331,22 @@ _PRINTF_SPEC = re.compile(r"%(?:\(([^)]*)\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
 def _percent_bound(st: _Render, fmt, values) -> int:
-    """Upper bound on ``len(fmt % values)``: the format, each argument once, each
-    ``%(key)s`` its value again, and every width and precision."""
+    """Upper bound on ``len(fmt % values)``: the format, every width and precision, and
+    the arguments: each once, or with ``%(key)s`` each key's value once per use."""
     text = fmt if isinstance(fmt, str) else fmt.decode("latin-1")
-    positional = values if isinstance(values, tuple) else (values,)
-    total = len(text) + st.size(positional)
-    star = False
-    for key, width, precision in _PRINTF_SPEC.findall(text):
-        for n in (width, precision):
-            star = star or n == "*"
-            total += _number(n)
-        if key and hasattr(values, "__getitem__") and not isinstance(values, (str, bytes, tuple)):
+    specs = _PRINTF_SPEC.findall(text)
+    total = len(text) + sum(32 + _number(w) + _number(p) for _, w, p in specs)  # 32: digits
+    if any(key for key, _, _ in specs) and isinstance(values, Mapping | jinja2.utils.Namespace):
+        for key, _, _ in specs:
             try:
                 total += st.size(values[key])
             except Exception:  # a missing key fails in the formatting itself
                 pass
-        total += 32  # a number's digits
-    if star:
+        return total
+    positional = values if isinstance(values, tuple) else (values,)
+    if any("*" in (w, p) for _, w, p in specs):  # widths taken from the arguments
         total += sum(abs(v) for v in positional if isinstance(v, int))
-    return total
+    return total + st.size(positional)
 
 
 def _number(digits: str) -> int:
@@ -348,7 +374,8 @@ def _method_bound(st: _Render, owner, name, args, kwargs) -> int:
             return n + tabs * _int(_arg(args, kwargs, 0, "tabsize", 8))
         if name == "replace" and len(args) >= 2 and all(isinstance(x, (str, bytes)) for x in args[:2]):
             old, new = args[0], args[1]
-            return n + _occurrences(owner, old, _arg(args, kwargs, 2, "count")) * max(0, len(new) - len(old))
+            count = _occurrences(owner, old, _arg(args, kwargs, 2, "count"))
+            return n + count * max(0, len(new) - len(old))
         if name == "join" and args and isinstance(args[0], list):
             return sum(len(x) for x in args[0] if isinstance(x, (str, bytes))) + n * len(args[0])
         if name == "translate" and args and isinstance(args[0], (dict, list, tuple)):
@@ -541,13 +568,19 @@ def _sum(environment, iterable, attribute=None, start=0):
 # Filters that loop in Python over a whole text or list (a second or more on a max_chars
 # input), run under _Render.traced.
 _TRACED_FILTERS = frozenset({
-    "batch", "dictsort", "groupby", "indent", "pprint", "slice", "sort", "title", "unique",
-    "urlencode", "urlize", "wordwrap", "xmlattr"})
+    "batch", "dictsort", "groupby", "indent", "pprint", "slice", "sort", "striptags", "title",
+    "unique", "urlencode", "urlize", "wordwrap", "xmlattr"})
 
 # Filters that turn their value into text (so its size is checked first).
 _STRINGIFYING = frozenset({
     "capitalize", "e", "escape", "forceescape", "lower", "safe", "string", "striptags", "title",
     "trim", "truncate", "upper", "urlencode", "urlize", "wordcount", "xmlattr", "pprint"})
+
+def _replace_bound(st: _Render, s, old, new, count) -> int:
+    """Upper bound on the size of jinja's ``replace`` filter (``str(s).replace(...)``)."""
+    text, old, new = st.text(s), st.text(old), st.text(new)
+    return len(text) + _occurrences(text, old, count) * max(0, len(new) - len(old))
+
 
 # Filters whose result can be much larger than their inputs: name -> upper bound on the size
 # of the result, from (state, the call's bound arguments).
@@ -557,8 +590,7 @@ _FILTER_BOUNDS = {
                              * (len(a["width"]) if isinstance(a["width"], str) else _int(a["width"]))),
     "wordwrap": lambda st, a: (st.size(a["s"]) * max(1, len(a["wrapstring"])
                                                      if isinstance(a["wrapstring"], str) else 1)),
-    "replace": lambda st, a: (len(st.text(a["s"])) + _occurrences(st.text(a["s"]), st.text(a["old"]), a["count"])
-                              * max(0, len(st.text(a["new"])) - len(st.text(a["old"])))),
+    "replace": lambda st, a: _replace_bound(st, a["s"], a["old"], a["new"], a["count"]),
     "format": lambda st, a: _percent_bound(st, st.text(a["value"]), a["kwargs"] or a["args"]),
     "batch": lambda st, a: (st.size(a["value"]) + (0 if a["fill_with"] is None else
                                                    _int(a["linecount"]) * (8 + st.size(a["fill_with"])))),
@@ -610,9 +642,11 @@ def _guarded_filter(env: "_TemplateEnvironment", name: str, func):
         if first is not None:
             args = (first(context), *args)
         result = _state(env).traced(func, args, kwargs) if traced else func(*args, **kwargs)
-        if isinstance(result, (str, bytes)) and len(result) > env.max_chars:
-            _state(env).check(len(result), what)
-        return result
+        if type(result) is str:  # the common case, checked here rather than by a call
+            if len(result) > env.max_chars:
+                _state(env).check(len(result), what)
+            return result
+        return _checked_result(_state(env), result, what)
 
     functools.update_wrapper(guarded, func)
     return jinja2.pass_context(guarded)
@@ -626,7 +660,7 @@ class _TemplateEnvironment(ImmutableSandboxedEnvironment):
     pad, repeat or join. The deadline is :class:`_Render`'s."""
 
     code_generator_class = _LimitedCodeGenerator
-    intercepted_binops = frozenset({"+", "*", "**", "%"})
+    intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
 
     def __init__(self, max_chars: int) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True,
@@ -686,10 +720,7 @@ class _TemplateEnvironment(ImmutableSandboxedEnvironment):
         kept = None
         if operator == "**":
             if type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
-                bits = right * math.log2(abs(left))
-                if bits > _MAX_INT_BITS:
-                    raise _LimitError(f"{what} is an integer of about {bits:.0f} bits, over the "
-                                      f"{_MAX_INT_BITS}-bit limit")
+                _check_int_bits(right * math.log2(abs(left)), what)
         elif operator == "*":
             kept = self._check_mul(st, left, right, what)
         elif operator == "+":
@@ -704,18 +735,14 @@ class _TemplateEnvironment(ImmutableSandboxedEnvironment):
         result = self.binop_table[operator](left, right)
         if kept is not None:
             st.keep(result, *kept)
-        elif isinstance(result, (str, bytes)):
-            st.check(len(result), what)
-        return result
+            return result
+        return _checked_result(st, result, what)
 
     @staticmethod
     def _check_mul(st: _Render, left, right, what: str):
         """Check ``left * right`` before it runs; (size, depth, frozen) of a list or tuple result."""
         if type(left) is int and type(right) is int:
-            bits = left.bit_length() + right.bit_length()
-            if bits > _MAX_INT_BITS:
-                raise _LimitError(f"{what} is an integer of about {bits} bits, over the "
-                                  f"{_MAX_INT_BITS}-bit limit")
+            _check_int_bits(left.bit_length() + right.bit_length(), what)
             return None
         seq, n = (left, right) if isinstance(right, int) else (right, left)
         if not isinstance(n, int) or not isinstance(seq, (str, bytes, list, tuple)):
@@ -738,12 +765,9 @@ class _TemplateEnvironment(ImmutableSandboxedEnvironment):
                 args = (list(args[0]),)  # measured, then joined
             st.check(_method_bound(st, owner, name, args, kwargs), f"the result of {name}()")
         result = super().call(__context, __obj, *args, **kwargs)
-        if isinstance(result, (str, bytes)):
-            if len(result) > st.max_chars:
-                st.check(len(result), "the result of a call")
-        elif type(result) in (list, tuple, dict):  # dict(a=x, b=x), fromkeys(keys, x): shared x
-            st.built(result, f"the result of {getattr(__obj, '__name__', 'a call')}()")
-        return result
+        if type(result) in (list, tuple, dict):  # dict(a=x, b=x), fromkeys(keys, x): shared x
+            return st.built(result, f"the result of {getattr(__obj, '__name__', 'a call')}()")
+        return _checked_result(st, result, "the result of a call")
 
     def wrap_str_format(self, value):
         """jinja's sandboxed ``str.format`` / ``format_map`` (as in SandboxedEnvironment),
@@ -787,7 +811,7 @@ class _TemplateEnvironment(ImmutableSandboxedEnvironment):
             return encoder.encode(x)
         pad = len(indent) if isinstance(indent, str) else _int(indent)
         st.check(size + pad * max(depth, 1), what)  # the longest line prefix is pad * depth
-        return st.joined(encoder.iterencode(x), what)
+        return st.traced(st.joined, (encoder.iterencode(x), what), {})  # Python's encoder
 
     def _pprint(self, value):
         """``pprint.pformat(value)`` (jinja's ``pprint``), written to a bounded stream."""
@@ -956,6 +980,8 @@ class ChatTemplate:
             code = env.compile(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"{CHAT_TEMPLATE_KEY}: syntax error at line {e.lineno}: {e.message}") from e
+        except (RecursionError, SyntaxError) as e:  # Python's own limits on nesting
+            raise ValueError(f"{CHAT_TEMPLATE_KEY}: nested too deeply to compile ({e})") from e
         self._template = env.template_class.from_code(env, code, env.make_globals(None))
         self.source = source
         self.special_tokens = dict(special_tokens or {})

@@ -252,6 +252,24 @@ SMALL = {
                    {"n": np.int64(7), "f": np.float32(0.5), "flag": np.bool_(False),
                     "arr": np.zeros(2), "tup": (1, "x")}),
     "undefined_var": ("[{{ nothing }}][{{ messages[0].missing }}]", {}),
+    # what the limits check: loops (and their loop variables), operators, literals, filters
+    "loop_variables": ("{% for m in messages if m.role != 'system' %}{{ loop.index }}/{{ loop.length }}/"
+                       "{{ loop.revindex }}/{{ loop.last }}/{{ loop.previtem.role if loop.previtem }};"
+                       "{% else %}none{% endfor %}{% for k, v in {'b': 1, 'a': 2} | dictsort %}{{ k }}{{ v }}"
+                       "{% endfor %}{% for x in [1, [2, 3]] recursive %}{% if x is iterable %}{{ loop(x) }}"
+                       "{% else %}{{ x }}{% endif %}{% endfor %}", {}),
+    "operators_literals": ("{{ [1, 'a'] ~ (2, 3) ~ {'k': none} }} {{ '%s-%05d' % ('x', 42) }} "
+                           "{{ '%(a)s%(a)s' % {'a': 'y'} }} {{ '{:>5}|{}'.format('a', 1.5) }} {{ 'ab' * 3 }} "
+                           "{{ [1] + [2] }} {{ 7 // 2 }} {{ 7 - 9 }} {{ 7 / 2 }} {{ 7 % 3 }} {{ 2 ** 10 }} "
+                           "{{ 3 * [0] }} {{ dict(a=[1]) }} {{ dict.fromkeys('ab', 0) }}", {}),
+    "filters": ("{{ 'x' | center(7) }}|{{ 'a\nb' | indent(2, true) }}|{{ 'p q r' | wordwrap(3) }}|"
+                "{{ ' '.join(['a', 'b']) }}|{{ messages | map(attribute='role') | join(',') }}|"
+                "{{ [3, 1, 2] | sort | list }}|{{ [[1], [2]] | sum(start=[]) }}|{{ [1, 2] | sum }}|"
+                "{{ 'a-b' | replace('-', '+') }}|{{ '%s!' | format('hi') }}|"
+                "{{ [1, 2, 3] | batch(2, 0) | list }}|"
+                "{{ [1, 2, 3] | slice(2) | list }}|{{ 'ab'.ljust(4, '.') }}|{{ 'a\tb'.expandtabs(4) }}|"
+                "{{ 'Ab Cd' | title }}|{{ ('ff' | int(base=16)) }}|"
+                "{{ {'b': [1, {'c': 2}]} | tojson(indent=2) }}", {}),
 }
 SMALL_MESSAGES = [
     {"role": "system", "content": "sys"},
@@ -431,7 +449,8 @@ LOOPS = {
     "nested_range": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "over_string": "{% set s = 'ab' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
     "over_list": "{% set l = range(100000) | list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}",
-    "macro_calls": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "macro_calls": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+                   "{{ f(60) }}",
     "recursive_loop": "{% for x in [1, 1] recursive %}{% if loop.depth < 60 %}{{ loop([1, 1]) }}{% endif %}"
                       "{% endfor %}",
     # one filter call looping in Python over a 4 MB text (about 2 s when not interrupted)
@@ -508,14 +527,30 @@ def test_amplifiers_refused_before_allocating(name):
     assert peak < 20 << 20  # each would allocate 100 MB or more if it ran
 
 
-def test_integers_stay_small():
-    for template in ("{{ 7 ** 100000000 }}",
-                     "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
-                     "{% endfor %}"):
-        with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: the result of '\*\*?' is "
-                                             r"an integer of about \d+ bits, over the 16384-bit limit$"):
-            ChatTemplate(template, max_seconds=5).render(USER)
+INTEGERS = {  # each takes seconds to minutes unchecked, or makes later arithmetic quadratic
+    "power": "{{ 7 ** 100000000 }}",
+    "squaring": "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+                "{% endfor %}",
+    "doubling": "{% set ns = namespace(x=3) %}{% for i in range(20000) %}{% set ns.x = ns.x + ns.x %}"
+                "{% endfor %}",
+    "int_filter_base16": "{% set x = ('f' * 1000000) | int(base=16) %}{{ x // (x // 3) }}",
+    "from_bytes": "{% set x = (1).from_bytes('x'.encode() * 1000000, 'big') %}{{ x % (x // 7) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(INTEGERS))
+def test_integers_stay_small(name):
+    with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: the result of .* is an integer "
+                                         r"of about \d+ bits, over the 16384-bit limit$"):
+        ChatTemplate(INTEGERS[name], max_seconds=5).render(USER)
     assert ChatTemplate("{{ 2 ** 64 * 3 }}").render(USER) == str(2 ** 64 * 3)
+
+
+def test_templates_nested_too_deeply_to_compile():
+    for template in ("{{ " + "[" * 3000 + "]" * 3000 + " }}",
+                     "{% for a in b %}" * 25 + "{% endfor %}" * 25):
+        with pytest.raises(ValueError, match=r"^tokenizer\.chat_template: nested too deeply to compile"):
+            ChatTemplate(template)
 
 
 SHARED = {  # values holding one value twice, nested: 2**100 references in a few KB
@@ -523,13 +558,13 @@ SHARED = {  # values holding one value twice, nested: 2**100 references in a few
                     "{% endfor %}{{ ns.v }}",
     "compare": "{% set ns = namespace(a=['x'], b=['x']) %}{% for i in range(100) %}"
                "{% set ns.a, ns.b = [ns.a, ns.b], [ns.b, ns.a] %}{% endfor %}{{ ns.a == ns.b }}",
-    "dict_global": "{% set ns = namespace(v={}) %}{% for i in range(100) %}{% set ns.v = dict(a=ns.v, b=ns.v) %}"
-                   "{% endfor %}{{ ns.v | length }}",
-    "fromkeys": "{% set ns = namespace(v={}) %}{% for i in range(100) %}{% set ns.v = dict.fromkeys('ab', ns.v) %}"
-                "{% endfor %}{{ ns.v | tojson }}",
-    "namespaces_linked_later": "{% set a = namespace(v=0) %}{% set ns = namespace(n=a) %}{% for i in range(100) %}"
-                               "{% set b = namespace(v=0) %}{% set cur = ns.n %}{% set cur.v = [b, b] %}"
-                               "{% set ns.n = b %}{% endfor %}{{ a }}",
+    "dict_global": "{% set ns = namespace(v={}) %}{% for i in range(100) %}"
+                   "{% set ns.v = dict(a=ns.v, b=ns.v) %}{% endfor %}{{ ns.v | length }}",
+    "fromkeys": "{% set ns = namespace(v={}) %}{% for i in range(100) %}"
+                "{% set ns.v = dict.fromkeys('ab', ns.v) %}{% endfor %}{{ ns.v | tojson }}",
+    "namespaces_linked_later": "{% set a = namespace(v=0) %}{% set ns = namespace(n=a) %}"
+                               "{% for i in range(100) %}{% set b = namespace(v=0) %}{% set cur = ns.n %}"
+                               "{% set cur.v = [b, b] %}{% set ns.n = b %}{% endfor %}{{ a }}",
 }
 
 
@@ -583,7 +618,7 @@ def test_limits_are_configurable():
     t = ChatTemplate("{{ 'x' * n }}{{ v | length }}", max_chars=100, max_seconds=3, max_depth=3)
     assert (t.max_seconds, t.max_chars, t.max_depth) == (3, 100, 3)
     assert t.render(USER, n=99, v=[[[1]]]) == "x" * 99 + "1"
-    with pytest.raises(ValueError, match=r"the result of '\*' is longer than max_chars=100 \(about 101 chars\)"):
+    with pytest.raises(ValueError, match=r"the result of '\*' is longer than max_chars=100 \(about 101 "):
         t.render(USER, n=101, v=[])
     with pytest.raises(ValueError, match=r"^v: nested deeper than 3 levels$"):
         t.render(USER, n=1, v=[[[[1]]]])
