@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ._ffi import CloverError
+from .chat import check_template_kwargs
 from .model import ContextLengthExceeded, Model
 from .options import REQUEST_FIELDS
 
@@ -608,6 +609,7 @@ class Clover:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs: expected a dict, got {type(chat_template_kwargs).__name__}")
         extra = dict(chat_template_kwargs or {})
+        check_template_kwargs(extra)  # messages, tools, ... come from the call's own arguments
         if enable_thinking is not None:
             extra["enable_thinking"] = bool(enable_thinking)
         full = self._model.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **extra)
