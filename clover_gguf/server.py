@@ -21,8 +21,9 @@ key 401 (``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open, 
 One slot: the single :class:`Clover` object runs one generation at a time. A request is read,
 parsed, rendered (chat template) and tokenized outside the slot, in a worker thread, then waits
 in a FIFO queue (``clover_requests_queued``); past ``max_queue`` waiting requests a new one gets
-503 with ``Retry-After``. A request older than ``timeout`` seconds is ended: 503 while it waits,
-504 (or an error event in a stream) once it generates, its generation cancelled. A client that
+503 with ``Retry-After``. A request older than ``timeout`` seconds is ended: 408 while its body
+is still arriving, 503 while it waits, 504 (or an error event in a stream) once it generates,
+its generation cancelled. A client that
 disconnects (mid-stream or while a non-streamed answer is computed) gets its generation cancelled
 with :meth:`Clover.cancel`, which stops the forward pass in progress before its next layer, so
 the slot is free for the next request within one forward.
@@ -102,6 +103,7 @@ def default_max_body(n_ctx: int) -> int:
     """The default request-body limit in bytes for a context of ``n_ctx`` tokens."""
     return max(MIN_MAX_BODY, BODY_BYTES_PER_TOKEN * int(n_ctx))
 
+
 # Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours): the
 # generation options, and logprobs, which Clover refuses by name.
 _COMMON = REQUEST_FIELDS + ("logprobs",)
@@ -160,10 +162,14 @@ class _Job:
         self.deadline = deadline  # loop.time() past which the request is ended (inf: none)
 
     def remaining(self) -> float | None:
-        """Seconds left before the deadline (None: no limit)."""
-        if self.deadline == float("inf"):
-            return None
-        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+        return _seconds_left(self.deadline)
+
+
+def _seconds_left(deadline: float) -> float | None:
+    """Seconds left before ``deadline`` (event-loop time; inf: None, no limit)."""
+    if deadline == float("inf"):
+        return None
+    return max(0.0, deadline - asyncio.get_running_loop().time())
 
 
 class _State:
@@ -562,9 +568,8 @@ async def _wait_disconnect(request: Request) -> None:
 async def _read_in_time(st: _State, reading, deadline: float):
     """Await ``reading`` (the request body) until ``deadline``: a client that sends its body too
     slowly gets 408 rather than keeping a queue place."""
-    left = None if deadline == float("inf") else max(0.0, deadline - asyncio.get_running_loop().time())
     try:
-        return await asyncio.wait_for(reading, left)
+        return await asyncio.wait_for(reading, _seconds_left(deadline))
     except asyncio.TimeoutError:
         raise _ApiError(408, f"request body: not received within the server's time limit of {st.timeout:g} s "
                         "(timeout)", param=None, code="timeout") from None
