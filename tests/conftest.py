@@ -9,7 +9,8 @@
   ``clover_moe`` file, ``qwen35moe``, or with ``split`` the trunk with its sidecar
   ``<stem>.diffusion.gguf`` beside it), cached per argument set.
 - ``rewrite_gguf(src, dst, kv, tensor_fn)``: a copy of a GGUF with KV values or tensors changed
-  (malformed-input and non-finite tests); ``nan_model``: the tiny f32 model with a NaN in blk.2.
+  (malformed-input and non-finite tests); ``engine_load_error(path)``: the native loader's message
+  ('' when it loads); ``nan_model``: the tiny f32 model with a NaN in blk.2.
 - ``make_hf_ckpt(**opts) -> pathlib.Path``: session-scoped factory of tiny
   ``Qwen3_5MoeForCausalLM`` checkpoints written by transformers' own ``save_pretrained``
   (sharded, index, transformers' config.json; every parameter random with make_checkpoint's
@@ -117,6 +118,18 @@ def make_hf_ckpt(tmp_path_factory):
         return cache[key]
 
     return _make
+
+
+def engine_load_error(path) -> str:
+    """The native loader's message for ``path`` (clover_model_load, no tokenizer): '' when it loads."""
+    from clover_gguf._ffi import err_buf, ffi, lib
+
+    err = err_buf()
+    m = lib.clover_model_load(str(path).encode(), err, len(err))
+    if m != ffi.NULL:
+        lib.clover_model_free(m)
+        return ""
+    return ffi.string(err).decode()
 
 
 def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, kv: dict | None = None, tensor_fn=None) -> pathlib.Path:

@@ -33,7 +33,7 @@ import pytest
 
 import clover_gguf
 from clover_gguf._ffi import ERR_SIZE, err_buf, ffi, lib
-from conftest import rewrite_gguf
+from conftest import engine_load_error, rewrite_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "fuzz" / "corpus"
@@ -162,22 +162,13 @@ def test_corpus_file_is_refused_with_a_message(path):
 
 
 # ---------------------------------------------------------------------------- model level
-def _load_error(path) -> str:
-    err = err_buf()
-    m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
-    if m != ffi.NULL:
-        lib.clover_model_free(m)
-        return ""
-    return ffi.string(err).decode()
-
-
 def test_model_level_validation(make_gguf, tmp_path):
     """Hyperparameters checked against each other, the tensor shapes and limits before any
     allocation; special token ids against the vocabulary; each error names the key."""
     from gguf import GGUFValueType as VT
 
     src = make_gguf("f32")
-    assert _load_error(src) == ""
+    assert engine_load_error(src) == ""
     cases = {
         "clover_moe.block_count": (100000, VT.UINT32, "block_count"),
         "clover_moe.expert_used_count": (9, VT.UINT32, "expert_used_count > expert_count"),
@@ -193,14 +184,14 @@ def test_model_level_validation(make_gguf, tmp_path):
         "clover_moe.rope.dimension_count": (1000, VT.UINT32, "rope.dimension_count"),
     }
     for i, (key, (v, t, want)) in enumerate(cases.items()):
-        msg = _load_error(rewrite_gguf(src, tmp_path / f"m{i}.gguf", {key: (v, t)}))
+        msg = engine_load_error(rewrite_gguf(src, tmp_path / f"m{i}.gguf", {key: (v, t)}))
         assert want in msg, (key, msg)
     # a tensor of the wrong shape is named
     from gguf import GGUFReader
     r = GGUFReader(str(src))
     dims = [int(x) for x in next(t for t in r.tensors if t.name == "blk.0.attn_norm.weight").shape]
     assert dims
-    msg = _load_error(rewrite_gguf(src, tmp_path / "shape.gguf", tensor_fn=lambda n, a: a[:-1]
+    msg = engine_load_error(rewrite_gguf(src, tmp_path / "shape.gguf", tensor_fn=lambda n, a: a[:-1]
                                if n == "blk.0.attn_norm.weight" else a))
     assert "blk.0.attn_norm.weight" in msg and "shape" in msg, msg
 

@@ -28,7 +28,7 @@ from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 import clover_gguf
 from clover_gguf import CloverError, Model
 from clover_gguf._ffi import ERR_SIZE, err_buf, ffi, lib
-from conftest import rewrite_gguf
+from conftest import engine_load_error, rewrite_gguf
 
 EMBEDDED = pathlib.Path(clover_gguf.DEFAULT_MODEL)
 N_LAYER = 4          # the embedded model's block_count (layers 0-2 Gated DeltaNet, 3 attention)
@@ -69,16 +69,6 @@ def _refused(path, pattern: str, **kw) -> str:
     with pytest.raises(CloverError, match=pattern) as e:
         Model(str(path), n_ctx=32, n_threads=1, **kw)
     return str(e.value)
-
-
-def _engine_load_error(path) -> str:
-    """The engine's own load (no tokenizer): '' when it loads."""
-    err = err_buf()
-    m = lib.clover_model_load(str(path).encode(), err, ERR_SIZE)
-    if m != ffi.NULL:
-        lib.clover_model_free(m)
-        return ""
-    return ffi.string(err).decode()
 
 
 def _tokens(path) -> list:
@@ -160,7 +150,7 @@ def test_nextn_layers_are_accepted(mtp_file, tmp_path):
                                                          np.zeros((V, H), np.float32)),
                                                         ("blk.4.nextn.embed_tokens.weight",
                                                          np.zeros((V, H), np.float32))])
-    assert _engine_load_error(more) == ""
+    assert engine_load_error(more) == ""
 
 
 def test_mtp_block_tensors_are_checked(mtp_file, tmp_path):
@@ -205,7 +195,7 @@ def test_tokens_must_match_the_embedding_rows(tmp_path, n):
     bad = rewrite_gguf(EMBEDDED, tmp_path / "tok.gguf", {"tokenizer.ggml.tokens": (toks, VT.ARRAY)})
     want = rf"key tokenizer\.ggml\.tokens: {n} entries, but token_embd\.weight has {N_VOCAB} rows \(n_vocab\)"
     _refused(bad, want)
-    assert re.search(want, _engine_load_error(bad))
+    assert re.search(want, engine_load_error(bad))
 
 
 @pytest.mark.parametrize("value,vtype", [("abc", VT.STRING), ([1] * N_VOCAB, VT.ARRAY)])
@@ -218,4 +208,4 @@ def test_a_file_without_tokens_loads_in_the_engine(tmp_path):
     """No tokenizer.ggml.tokens: the engine loads the model (token ids only; the Python Model
     needs the tokenizer and says so)."""
     bare = rewrite_gguf(EMBEDDED, tmp_path / "bare.gguf", {"tokenizer.ggml.tokens": (None, None)})
-    assert _engine_load_error(bare) == ""
+    assert engine_load_error(bare) == ""
