@@ -363,6 +363,35 @@ def test_sandbox_refusals_are_value_errors(template):
         ChatTemplate(template).render([{"role": "user", "content": "x"}])
 
 
+TEMPLATE_ERRORS = {  # name -> (a template raising it while rendering, the message it gives)
+    "ZeroDivisionError": ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    "TypeError": ("{{ [1, 'a'] | sort }}",
+                  "TypeError: '<' not supported between instances of 'str' and 'int'"),
+    "OverflowError": ("{% for i in range(100001) %}{% endfor %}",
+                      "OverflowError: Range too big. The sandbox blocks ranges larger than "
+                      "MAX_RANGE (100000)."),
+    "KeyError": ("{{ '%(a)s' % {} }}", "KeyError: 'a'"),
+    "AttributeError": ("{{ [1] | dictsort }}",
+                       "AttributeError: 'list' object has no attribute 'items'"),
+    "IndexError": ("{{ '{0}'.format() }}", "IndexError: tuple index out of range"),
+    "ValueError": ("{{ 'abc'.index('z') }}", "ValueError: substring not found"),
+    "LookupError": ("{{ 'x'.encode('nope') }}", "LookupError: unknown encoding: nope"),
+}
+
+
+@pytest.mark.parametrize("name", list(TEMPLATE_ERRORS))
+def test_exceptions_while_rendering_are_value_errors(name):
+    template, message = TEMPLATE_ERRORS[name]
+    t = ChatTemplate(template)
+    with pytest.raises(ValueError) as info:
+        t.render([{"role": "user", "content": "x"}])
+    assert str(info.value) == f"tokenizer.chat_template: {message}"
+    assert type(info.value.__cause__).__name__ == name
+    # the caller's own errors are checked first and keep naming the argument
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.role: missing$"):
+        t.render([{"role": "user"}, {"content": "x"}])
+
+
 def test_strftime_now():
     t = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}")
     before = datetime.date.today().isoformat()
