@@ -36,8 +36,9 @@ not wait). Meanwhile a monitor polls ``/health`` every 0.5 s and samples the ser
 every 10 s.
 
 The run passes when there is no unexpected error, every /health answer came (200) in under
-1 s, the server's RSS after the load (idle) is at most 1.10 x its RSS after the reference
-request, /metrics shows no active, queued or pending request afterwards (no stuck slot), and
+1 s, the server's RSS after the load (idle) is at most 1.10 x its RSS before it (idle, after
+``--warmup`` seconds of the same load, which grow the thread pools and allocator arenas once;
+the summary also gives the RSS right after the reference request), /metrics shows no active, queued or pending request afterwards (no stuck slot), and
 the reference request answers the same text after the load. Prints one JSON summary (statuses
 per kind); exit code 1 if a check failed. Only the standard library is used on the client side.
 
@@ -641,16 +642,22 @@ def _served(m: dict) -> dict:
 
 def load_test(model: str, clients: int = 8, duration: float = 10.0, n_ctx: int = 512, threads: int = 1,
               seed: int = 0, log_path: str | None = None, max_body: int = MAX_BODY, max_queue: int = MAX_QUEUE,
-              timeout: float = TIMEOUT, prefix_reuse: bool = True) -> dict:
+              timeout: float = TIMEOUT, prefix_reuse: bool = True, warmup: float = 0.0) -> dict:
     """Start a server, run the load, check it afterwards; the JSON summary (``checks``: each
-    check and whether it held; ``passed``: all held; ``rss_*_mb``: the server's RSS after the
-    reference request and after the load, idle)."""
+    check and whether it held; ``passed``: all held; ``rss_start_mb``: the server's RSS after
+    the reference request; ``rss_before_mb``: after ``warmup`` seconds of the same load, idle,
+    which have grown the thread pools and allocator arenas once; ``rss_after_mb``: after the
+    load, idle; the RSS check compares the last two)."""
     proc, base = start_server(model, n_ctx=n_ctx, threads=threads, log_path=log_path, max_body=max_body,
                               max_queue=max_queue, request_timeout=timeout, prefix_reuse=prefix_reuse)
     try:
         reference = reference_text(base)
-        rss_before = rss_mb(proc.pid)
+        rss_start = rss_mb(proc.pid)
         t = Target(base, reference, n_ctx, max_body, (timeout or 600.0) + CLIENT_GRACE)
+        if warmup > 0:
+            run_load(t, clients, warmup, seed=seed + 1, pid=proc.pid)
+            wait_idle(base)
+        rss_before = rss_mb(proc.pid)
         load = run_load(t, clients, duration, seed=seed, pid=proc.pid)
         wait_idle(base)
         after = reference_text(base)
@@ -665,6 +672,7 @@ def load_test(model: str, clients: int = 8, duration: float = 10.0, n_ctx: int =
                "pending_after": int(m.get("clover_requests_pending", -1)),
                "reference_identical_after": after == reference,
                "server_alive": proc.poll() is None,
+               "warmup_s": warmup, "rss_start_mb": round(rss_start, 1),
                "rss_before_mb": round(rss_before, 1), "rss_after_mb": round(rss_after, 1),
                "rss_ratio": round(rss_after / rss_before, 3)}
         out["checks"] = {
@@ -693,6 +701,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=TIMEOUT,
                     help=f"server's --timeout in seconds ({TIMEOUT:g}: long jobs end)")
     ap.add_argument("--no-prefix-reuse", action="store_true", help="server's --no-prefix-reuse")
+    ap.add_argument("--warmup", type=float, default=20.0,
+                    help="seconds of the same load before RSS is read for the RSS check (20)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the clients' choices (0)")
     ap.add_argument("--log", default=None, help="write the server's log to this file")
     a = ap.parse_args(argv)
@@ -702,7 +712,8 @@ def main(argv=None) -> int:
 
         a.model = DEFAULT_MODEL
     out = load_test(a.model, a.clients, a.duration, a.ctx_size, a.threads, a.seed, a.log, max_body=a.max_body,
-                    max_queue=a.max_queue, timeout=a.timeout, prefix_reuse=not a.no_prefix_reuse)
+                    max_queue=a.max_queue, timeout=a.timeout, prefix_reuse=not a.no_prefix_reuse,
+                    warmup=a.warmup)
     print(json.dumps(out, indent=1))
     return 0 if out["passed"] else 1
 
