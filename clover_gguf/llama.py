@@ -25,6 +25,7 @@ engine's defaults (greedy decoding, the GGUF's presence / repetition penalties; 
 """
 from __future__ import annotations
 
+import json
 import secrets
 import sys
 import threading
@@ -37,6 +38,7 @@ from typing import Any, Iterator, Sequence
 from ._ffi import CloverError
 from .chat import check_template_kwargs
 from .model import ContextLengthExceeded, Model
+from .tool_calls import ToolCallParser
 from .options import REQUEST_FIELDS
 
 __all__ = ["Clover", "ChatPrompt", "ReasoningSplitter"]
@@ -114,10 +116,50 @@ class ReasoningSplitter:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A chat rendered and tokenized ahead of its call (:meth:`Clover.prepare_chat`): the prompt's
-    token ids and whether its generation header left a ``<think>`` section open."""
+    token ids, whether its generation header left a ``<think>`` section open, and the tools it
+    declares (the answer's tool calls are parsed against them)."""
 
     ids: list[int]
     think_open: bool
+    tools: list | None = None
+
+
+def _template_messages(messages):
+    """``messages`` with each assistant tool call's ``function.arguments`` given as a JSON string
+    (OpenAI's form, which clients send back) turned into the object chat templates iterate over
+    (Qwen3.5's template reads ``arguments|items``); anything else as given."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                           and isinstance(c["function"].get("arguments"), str) for c in calls):
+            m = {**m, "tool_calls": [_parsed_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _parsed_arguments(call):
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(f["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the string
+    return {**call, "function": {**f, "arguments": args}} if isinstance(args, dict) else call
+
+
+def _tool_parser(tools, tool_choice) -> ToolCallParser | None:
+    """The parser of the answer's tool calls for ``tool_choice`` (None or "auto": parse when tools
+    are declared; "none": never); ValueError for the choices that need constrained decoding."""
+    if tool_choice is None or tool_choice == "auto":
+        return ToolCallParser(tools) if tools else None
+    if tool_choice == "none":
+        return None
+    raise ValueError(f"tool_choice: {tool_choice!r} is not supported by this runtime (only \"auto\" and "
+                     "\"none\": forcing a call needs constrained decoding)")
 
 
 class _Holder:
@@ -612,6 +654,7 @@ class Clover:
         check_template_kwargs(extra)  # messages, tools, ... come from the call's own arguments
         if enable_thinking is not None:
             extra["enable_thinking"] = bool(enable_thinking)
+        messages = _template_messages(messages)
         full = self._model.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **extra)
         base = self._model.apply_chat_template(messages, add_generation_prompt=False, tools=tools, **extra)
         header = full[len(base):] if full.startswith(base) else full
@@ -627,10 +670,10 @@ class Clover:
         self._check_open()
         text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
         return ChatPrompt(_chat_fits(lambda: self._model.check_prompt_fits(self._model.prompt_ids(text))),
-                          think_open)
+                          think_open, list(tools) if tools else None)
 
     def create_chat_completion(self, messages: Sequence[dict] | ChatPrompt, *, tools: Sequence[dict] | None = None,
-                               enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
+                               tool_choice: str | dict | None = None, enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
                                max_tokens: int | None = None, temperature: float | None = None,
                                top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
                                stop: str | Sequence[str] | None = None, seed: int | None = None,
@@ -662,6 +705,17 @@ class Clover:
         ``<|im_end|>``). The other arguments are those of :meth:`create_completion`.
         ``messages`` may be a :class:`ChatPrompt` from :meth:`prepare_chat` (then ``tools``,
         ``enable_thinking`` and ``chat_template_kwargs`` went there and must be None here).
+
+        Tool calls: with ``tools`` declared and ``tool_choice`` None or ``"auto"``, the calls the
+        answer writes in the template's markup (Qwen3.5's ``<tool_call><function=NAME>...`` or the
+        JSON-in-``<tool_call>`` form; :mod:`clover_gguf.tool_calls`) become ``message.tool_calls``
+        (OpenAI-shaped, arguments typed by the tool's schema; ``content`` None when only calls
+        remain) and ``finish_reason`` ``"tool_calls"``; streamed, each call comes whole as one
+        ``delta.tool_calls`` chunk once its markup closes, and no markup reaches ``delta.content``.
+        A call to an undeclared tool or without a required parameter stays text. ``"none"``
+        leaves the markup as text; ``"required"`` and named functions raise ValueError (they need
+        constrained decoding). Assistant messages' ``tool_calls`` may carry ``arguments`` as a
+        JSON string (OpenAI's form): the template gets the object.
         """
         if logprobs not in (None, False):
             raise ValueError("logprobs: not supported by this runtime")
@@ -676,9 +730,26 @@ class Clover:
         def chunk(delta, finish=None):
             return {**meta, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
+        declared = messages.tools if isinstance(messages, ChatPrompt) else tools
+        parser = _tool_parser(declared, tool_choice)
+        calls: list[dict] = []
+
         def deltas(parts):
             for kind, text in parts:
-                yield chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text})
+                if kind == "reasoning":
+                    yield chunk({"reasoning_content": text})
+                elif parser is None:
+                    yield chunk({"content": text})
+                else:
+                    yield from tool_deltas(parser.push(text))
+
+        def tool_deltas(events):
+            for kind, item in events:
+                if kind == "content":
+                    yield chunk({"content": item})
+                else:
+                    calls.append(item)
+                    yield chunk({"tool_calls": [{"index": len(calls) - 1, **item}]})
 
         def inner(holder, started, think_open):
             split = ReasoningSplitter(think_open)
@@ -686,7 +757,11 @@ class Clover:
             for piece in self._pieces(holder, started):
                 yield from deltas(split.push(piece))
             yield from deltas(split.flush())
+            if parser is not None:
+                yield from tool_deltas(parser.flush())
             finish, usage, timings = self._finish(end_ids)
+            if calls and finish == "stop":
+                finish = "tool_calls"
             return [{**chunk({}, finish), "usage": usage, "timings": timings}]
 
         def prepare():
@@ -706,8 +781,10 @@ class Clover:
         last = chunks[-1]
         content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks)
-        message: dict[str, Any] = {"role": "assistant", "content": content,
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
                                    "reasoning_content": reasoning or None}
+        if calls:
+            message["tool_calls"] = calls
         return {**meta, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": last["choices"][0]["finish_reason"]}],

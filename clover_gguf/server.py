@@ -108,7 +108,7 @@ def default_max_body(n_ctx: int) -> int:
 # generation options, and logprobs, which Clover refuses by name.
 _COMMON = REQUEST_FIELDS + ("logprobs",)
 _COMPLETION = _COMMON + ("echo", "suffix")
-_CHAT = _COMMON + ("tools", "enable_thinking", "chat_template_kwargs")
+_CHAT = _COMMON + ("tools", "tool_choice", "enable_thinking", "chat_template_kwargs")
 
 
 class _ApiError(Exception):

@@ -304,3 +304,22 @@ def test_cli_imports_no_fastapi_no_torch():
     env = dict(os.environ, PYTHONPATH=str(_ROOT))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG)
     assert r.returncode == 0, r.stderr
+
+
+def test_tools_history_and_tool_choice(client):
+    """A tool round trip's history (assistant tool_calls with JSON-string arguments, a tool
+    result) renders and answers; tool_choice values that need constrained decoding are a 400."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+               {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+    r = client.chat.completions.create(model=_model_id(client), messages=history, tools=tools, max_tokens=4,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=_model_id(client), messages=history, tools=tools, max_tokens=4,
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tool_choice", e.value.body
