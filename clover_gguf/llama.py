@@ -40,6 +40,7 @@ from .chat import check_template_kwargs
 from .model import ContextLengthExceeded, Model
 from .tool_calls import ToolCallParser
 from .options import REQUEST_FIELDS
+from .stops import partial_suffix
 
 __all__ = ["Clover", "ChatPrompt", "ReasoningSplitter"]
 
@@ -93,12 +94,7 @@ class ReasoningSplitter:
                 self.in_think = not self.in_think
                 self._ws, self._lead = "", True
                 continue
-            keep = 0  # longest suffix that is a proper prefix of the tag
-            for k in range(min(len(tag) - 1, len(self._buf)), 0, -1):
-                if self._buf.endswith(tag[:k]):
-                    keep = k
-                    break
-            cut = len(self._buf) - keep
+            cut = len(self._buf) - partial_suffix(self._buf, tag)
             if cut:
                 self._emit(self._buf[:cut], out)
                 self._buf = self._buf[cut:]

@@ -24,6 +24,15 @@ __all__ = ["MAX_STOP_STRINGS", "check_stop", "StopFilter"]
 MAX_STOP_STRINGS = 16
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: the text a
+    stream holds back because it may still become ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
 def check_stop(stop) -> list[str]:
     """Validate ``stop``: None, a non-empty str, or a list/tuple of at most
     :data:`MAX_STOP_STRINGS` non-empty str. Returns the list of stop strings (duplicates
@@ -89,14 +98,7 @@ class StopFilter:
 
     def _held(self) -> int:
         """Length of the longest suffix of the pending text that is a proper prefix of a stop."""
-        buf = self._buf
-        h = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), h, -1):
-                if buf.endswith(s[:k]):
-                    h = k
-                    break
-        return h
+        return max((partial_suffix(self._buf, s) for s in self.stops), default=0)
 
     def take(self) -> str:
         if self.matched is not None:

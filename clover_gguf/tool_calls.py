@@ -29,6 +29,8 @@ import re
 import secrets
 from typing import Any
 
+from .stops import partial_suffix
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNC, _FUNC_END = "<function=", "</function>"
 _PARAM, _PARAM_END = "<parameter=", "</parameter>"
@@ -39,14 +41,6 @@ _MISSING = object()  # a value that does not convert to a type
 def new_call_id() -> str:
     """An OpenAI-style tool call id: ``call_`` and 24 random hex digits."""
     return "call_" + secrets.token_hex(12)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _tool_table(tools: list[dict] | None) -> dict[str, dict]:
@@ -289,7 +283,7 @@ class ToolCallParser:
                     self._content(self._buf[:i], out)
                     self._buf, self._in_call = self._buf[i + len(OPEN):], True
                     continue
-                cut = len(self._buf) - (0 if final else _partial_suffix(self._buf, OPEN))
+                cut = len(self._buf) - (0 if final else partial_suffix(self._buf, OPEN))
                 self._content(self._buf[:cut], out)
                 self._buf = self._buf[cut:]
                 return out
@@ -298,7 +292,7 @@ class ToolCallParser:
                 self._close(j, out)
                 continue
             if not self._sure:
-                head = self._buf[:len(self._buf) - _partial_suffix(self._buf, CLOSE)]
+                head = self._buf[:len(self._buf) - partial_suffix(self._buf, CLOSE)]
                 verdict = _viability(head, self._tools)
                 if verdict == "no":
                     self._abandon(out)
