@@ -147,6 +147,18 @@ def _parsed_arguments(call):
     return {**call, "function": {**f, "arguments": args}} if isinstance(args, dict) else call
 
 
+def _check_unconstrained(response_format, grammar) -> None:
+    """Refuse by name the options that need constrained decoding (not implemented), rather than
+    answer unconstrained text to a caller that asked for JSON: ``response_format`` other than
+    ``{"type": "text"}`` and llama.cpp's ``grammar``."""
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise ValueError(f"response_format: {kind!r} is not supported by this runtime (constrained decoding is "
+                         "not implemented; only {\"type\": \"text\"})")
+    if grammar is not None:
+        raise ValueError("grammar: not supported by this runtime (constrained decoding is not implemented)")
+
+
 def _tool_parser(tools, tool_choice) -> ToolCallParser | None:
     """The parser of the answer's tool calls for ``tool_choice`` (None or "auto": parse when tools
     are declared; "none": never); ValueError for the choices that need constrained decoding."""
@@ -567,6 +579,7 @@ class Clover:
                           seed: int | None = None, presence_penalty: float | None = None,
                           frequency_penalty: float | None = None, repeat_penalty: float | None = None,
                           logit_bias: dict | None = None, logprobs: int | None = None,
+                          response_format: dict | None = None, grammar: str | None = None,
                           stream: bool = False, model: str | None = None, mode: str | None = None,
                           block_size: int | None = None, threshold: float | None = None,
                           coreset_top_p: float | None = None):
@@ -590,7 +603,8 @@ class Clover:
         may be str as in OpenAI's JSON), ``stop``, ``seed``: as :meth:`Model.generate
         <clover_gguf.model.Model.generate>`; None = the engine default (greedy, GGUF penalties).
         ``mode``, ``block_size``, ``threshold``, ``coreset_top_p``: None = the constructor's.
-        ``echo``: prepend the prompt text. ``suffix`` and ``logprobs`` are not supported (a
+        ``echo``: prepend the prompt text. ``suffix``, ``logprobs``, ``grammar`` and a
+        ``response_format`` other than ``{"type": "text"}`` are not supported (a
         value other than None raises ValueError). ``model``: the name written in the
         response (default: ``model_path``).
 
@@ -601,6 +615,7 @@ class Clover:
             raise ValueError("suffix: not supported (no fill-in-the-middle)")
         if logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported by this runtime")
+        _check_unconstrained(response_format, grammar)
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
@@ -675,7 +690,8 @@ class Clover:
                                stop: str | Sequence[str] | None = None, seed: int | None = None,
                                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                                repeat_penalty: float | None = None, logit_bias: dict | None = None,
-                               logprobs: bool | None = None, stream: bool = False, model: str | None = None,
+                               logprobs: bool | None = None, response_format: dict | None = None,
+                               grammar: str | None = None, stream: bool = False, model: str | None = None,
                                mode: str | None = None, block_size: int | None = None,
                                threshold: float | None = None, coreset_top_p: float | None = None):
         """Answer ``messages`` (OpenAI chat messages) as ``/v1/chat/completions`` /
@@ -715,6 +731,7 @@ class Clover:
         """
         if logprobs not in (None, False):
             raise ValueError("logprobs: not supported by this runtime")
+        _check_unconstrained(response_format, grammar)
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,

@@ -106,7 +106,7 @@ def default_max_body(n_ctx: int) -> int:
 
 # Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours): the
 # generation options, and logprobs, which Clover refuses by name.
-_COMMON = REQUEST_FIELDS + ("logprobs",)
+_COMMON = REQUEST_FIELDS + ("logprobs", "response_format", "grammar")
 _COMPLETION = _COMMON + ("echo", "suffix")
 _CHAT = _COMMON + ("tools", "tool_choice", "enable_thinking", "chat_template_kwargs")
 

@@ -118,3 +118,15 @@ def test_a_round_trip_renders_openai_shaped_history(llm):
     assert "sunny, 21 C" in text and "Paris" in text
     r = llm.create_chat_completion(prompt, max_tokens=4)
     assert r["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
+                                         ("response_format", {"type": "json_schema", "json_schema": {}}),
+                                         ("grammar", "root ::= \"a\"")])
+def test_constrained_output_options_are_refused_by_name(llm, field, value):
+    """Not implemented: refused by name, never answered with unconstrained text."""
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        _chat(llm, **{field: value})
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        llm.create_completion("x", max_tokens=2, **{field: value})
+    assert _chat(llm, response_format={"type": "text"})["choices"][0]["finish_reason"] == "stop"

@@ -323,3 +323,10 @@ def test_tools_history_and_tool_choice(client):
         client.chat.completions.create(model=_model_id(client), messages=history, tools=tools, max_tokens=4,
                                        tool_choice="required")
     assert e.value.body["param"] == "tool_choice", e.value.body
+
+
+def test_response_format_json_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=_model_id(client), messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format", e.value.body
