@@ -20,6 +20,7 @@ import numpy as np
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 from .chat import ChatTemplate
+from .grammar import Constraint, compile_grammar, grammar_source, ll_tokenizer
 from .options import GenerateOptions
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
@@ -466,10 +467,25 @@ class Model:
             keep[k] = t
         p.end_ids = keep
         p.n_end_ids = len(ends)
-        keep = (keep, self._set_sampling(p, o))
+        if o.logprobs is not None:
+            p.logprobs = _as_int("logprobs", o.logprobs)
+        keep = (keep, self._set_sampling(p, o), self._constraint(p, o, ends))
         if lib.clover_gen_params_check(self._ctx, p, err, len(err)) != 0:  # every value, by name
             raise ValueError(ffi.string(err).decode("utf-8", "replace"))
         return p, keep, mode, ends
+
+    def _constraint(self, p, o: GenerateOptions, ends) -> Constraint | None:
+        """Point ``p`` at the constraint of ``o.grammar`` / ``o.json_schema`` (None: none), compiled
+        over the tokenizer with ``ends`` as its end tokens; ValueError naming the field that does
+        not compile."""
+        if o.grammar is None and o.json_schema is None:
+            return None
+        field, source = grammar_source(o.grammar, o.json_schema)
+        tk = ll_tokenizer(self.tokenizer, self.n_vocab, ends)
+        compile_grammar(field, source, tk)
+        cons = Constraint(source, tk, self.n_vocab)
+        p.constraint = cons.c
+        return cons
 
     def _set_sampling(self, p, o: GenerateOptions):
         """Set the spec 5.3-5.4 fields of ``p`` (converted; the engine checks their values); None
@@ -523,13 +539,14 @@ class Model:
         n = lib.clover_decoder_block(d, bt, bf, cap)
         return ([int(bt[k]) for k in range(n)], [bool(bf[k]) for k in range(n)]) if n else None
 
-    def _steps(self, prompt_ids, p, mode, on_step=None) -> Iterator[list[int]]:
+    def _steps(self, prompt_ids, p, mode, on_step=None) -> Iterator[tuple[list[int], list | None]]:
         """:meth:`_decode` holding the call lock except while a step's tokens are handed out."""
         with self._lock:
             yield from self._decode(prompt_ids, p, mode, on_step)
 
-    def _decode(self, prompt_ids, p, mode, on_step=None) -> Iterator[list[int]]:
-        """Run the native decoder; yield each step's newly final tokens; set last_stats.
+    def _decode(self, prompt_ids, p, mode, on_step=None) -> Iterator[tuple[list[int], list | None]]:
+        """Run the native decoder; yield each step's newly final tokens and, with ``p.logprobs``
+        >= 0, their :meth:`_logprobs` (else None); set last_stats.
         A :meth:`cancel` (or an aborted forward) ends it early with ``finish_reason``
         ``"cancelled"``; the tokens final by then stay in the stats."""
         n = len(prompt_ids)
@@ -560,6 +577,7 @@ class Model:
             cap = max(int(p.block_size), 1)  # a step yields at most one block
             out = ffi.new("int32_t[]", cap)
             n_out = ffi.new("int32_t *")
+            lp_bufs = self._logprob_buffers(cap, int(p.logprobs))
             tokens: list[int] = []
             cancelled = False
             try:
@@ -579,11 +597,12 @@ class Model:
                         raise_error(err, "generate")
                     new = [int(out[k]) for k in range(n_out[0])]
                     tokens.extend(new)
+                    lps = self._logprobs(d, lp_bufs, cap, len(new)) if lp_bufs else None
                     if on_step is not None:
                         on_step(new, self._block_state(d, cap))
                     if new:
                         with self._unlocked():
-                            yield new
+                            yield new, lps
                     if rc == 0:
                         break
             finally:
@@ -605,6 +624,24 @@ class Model:
             with self._cancel_lock:
                 if self._running is run:
                     self._running = None
+
+    @staticmethod
+    def _logprob_buffers(cap: int, n_top: int):
+        """clover_decoder_logprobs' arrays for steps of up to ``cap`` tokens (None: logprobs off)."""
+        if n_top < 0:
+            return None
+        return ffi.new("float[]", cap), ffi.new("int32_t[]", max(cap * n_top, 1)), \
+            ffi.new("float[]", max(cap * n_top, 1)), n_top
+
+    @staticmethod
+    def _logprobs(d, bufs, cap: int, n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The last step's ``n`` tokens' (logprob, [(id, logprob) of the most likely ids]) (clover.h
+        clover_decoder_logprobs)."""
+        lp, ids, top, k = bufs
+        got = lib.clover_decoder_logprobs(d, lp, ids, top, cap)
+        if got != n:
+            raise CloverError(f"logprobs: the decoder recorded {got} tokens for a step of {n}")
+        return [(float(lp[i]), [(int(ids[i * k + q]), float(top[i * k + q])) for q in range(k)]) for i in range(n)]
 
     def _reuse_prefix(self, ids, cached, limit, err) -> tuple[int, int]:
         """Prefix reuse (``prefix_reuse=True``): put the caches in the state of a prefix of ``ids``
@@ -746,9 +783,14 @@ class Model:
         stops = check_stop(o.stop)
         p, keep, mode, ends = self._params(o, end_ids)
         out: list[int] = []
-        for _, new in self._run(ids, p, keep, mode, set(ends), stops, text=bool(stops)):
+        lps: list = []
+        for _, new, lp in self._run(ids, p, keep, mode, set(ends), stops, text=bool(stops)):
             out.extend(new)
-        return out, dict(self.last_stats)
+            lps.extend(lp or ())
+        stats = dict(self.last_stats)
+        if o.logprobs is not None:
+            stats["logprobs"] = lps
+        return out, stats
 
     @_locked
     def generate_stream(self, prompt, on_step=None, **options) -> Iterator[str]:
@@ -771,16 +813,30 @@ class Model:
         return self._stream(ids, p, keep, mode, set(ends), stops, on_step)
 
     def _stream(self, ids, p, keep, mode, ends, stops=(), on_step=None) -> Iterator[str]:
-        for piece, _ in self._run(ids, p, keep, mode, ends, stops, on_step=on_step):
+        for piece, _, _ in self._run(ids, p, keep, mode, ends, stops, on_step=on_step):
             if piece:
                 yield piece
 
-    def _run(self, ids, p, keep, mode, ends, stops, text=True, on_step=None) -> Iterator[tuple[str, list[int]]]:
+    @_locked
+    def generate_pieces(self, prompt, **options) -> Iterator[tuple[str, list[int], list | None]]:
+        """Like :meth:`generate_stream`, yielding ``(piece, tokens, logprobs)`` per decoder step:
+        the text piece ("" when text is held back), the step's tokens (end tokens included) and,
+        with the ``logprobs`` option (N >= 0), per token ``(logprob, [(id, logprob)] * N)`` (clover.h
+        clover_decoder_logprobs), else None."""
+        ids = self.check_prompt_fits(self.prompt_ids(prompt))
+        o = GenerateOptions.of(options)
+        stops = check_stop(o.stop)
+        p, keep, mode, ends = self._params(o)
+        return self._run(ids, p, keep, mode, set(ends), stops)
+
+    def _run(self, ids, p, keep, mode, ends, stops, text=True, on_step=None) -> Iterator[tuple[str, list[int], list | None]]:
         """Drive :meth:`_steps` and apply the stop strings (see :mod:`clover_gguf.stops`).
 
-        Yields ``(piece, tokens)`` per decoder step (``piece`` is "" when ``text`` is False
-        and there are no stops) and a last ``(tail, tokens)`` for text held back until the
-        end (and, on a stop string, the tokens of the step that completed it).
+        Yields ``(piece, tokens, logprobs)`` per decoder step (``piece`` is "" when ``text`` is
+        False and there are no stops; ``logprobs`` as :meth:`generate_pieces`) and a last
+        ``(tail, tokens, logprobs)`` for text held back until the end (and, on a stop string, the
+        tokens of the step that completed it). A constraint's failure is raised as a CloverError
+        with the grammar's message.
         On a stop string the decoder is freed at once (no further blocks or tokens) and
         ``tokens`` end with the token that completed it. Afterwards :attr:`last_stats` has
         ``stop_string`` (the matched string or None); on a match ``finish_reason`` is
@@ -790,9 +846,10 @@ class Model:
         kept: list[int] = []
         before = self.last_stats
         steps = self._steps(ids, p, mode, on_step)
-        tail, tail_ids = "", []
+        tail, tail_ids, tail_lps = "", [], None
+        cons = keep[2]
         try:
-            for new in steps:
+            for new, lps in steps:
                 if filt is None:
                     piece = det.add([t for t in new if t not in ends]) if det is not None else ""
                 else:
@@ -800,19 +857,24 @@ class Model:
                     for k, t in enumerate(new):
                         if t not in ends and filt.push(det.add([t])):
                             new = new[:k + 1]
+                            lps = lps[:k + 1] if lps is not None else None
                             break
                     piece = filt.take()
                 kept.extend(new)
                 if filt is not None and filt.matched is not None:
-                    tail, tail_ids = piece, new  # handed out once the decoder is freed
+                    tail, tail_ids, tail_lps = piece, new, lps  # handed out once the decoder is freed
                     break
-                yield piece, new
+                yield piece, new, lps
             else:
                 if det is not None:
                     tail = det.flush()
                 if filt is not None:
                     filt.push(tail)
                     tail = filt.flush()
+        except CloverError as e:
+            if cons is not None and cons.error:
+                raise CloverError(f"{e} ({cons.error})") from None
+            raise
         finally:
             steps.close()  # frees the decoder now when a stop string ended generation
             st = self.last_stats
@@ -823,7 +885,7 @@ class Model:
                     st["finish_reason"] = "stop"
                     st["tokens"] = list(kept)
         if tail or tail_ids:
-            yield tail, tail_ids
+            yield tail, tail_ids, tail_lps
         del keep  # the end-id and bias arrays must live as long as the decoder
 
     @_locked

@@ -111,6 +111,15 @@ class GenerateOptions:
     threshold: float | None = _opt(None, ("--threshold",), "diffusion confidence threshold (GGUF default)", float)
     coreset_top_p: float | None = _opt(None, ("--coreset-top-p",), "MoE block coreset top-p (GGUF default)",
                                        float)
+    # constrained decoding (docs/structured-output.md); Clover and the server take OpenAI's
+    # response_format and llama.cpp's grammar and give these
+    grammar: str | None = _opt(None, ("--grammar",), "constrain the output to a GBNF grammar (or a Lark grammar "
+                               "starting with %%llguidance)", request=False)
+    json_schema: dict | str | None = _opt(None, ("-j", "--json-schema"), "constrain the output to JSON valid "
+                                          "against this schema (JSON text; {} = any JSON)", request=False)
+    # per generated token: its log-probability and this many most likely alternatives (0-20;
+    # None = off); no flag: Clover and the server give it from OpenAI's logprobs / top_logprobs
+    logprobs: int | None = _opt(None, (), "", request=False)
 
     @classmethod
     def of(cls, kwargs: dict) -> "GenerateOptions":
@@ -131,6 +140,8 @@ def add_cli_args(p: argparse.ArgumentParser, names: Sequence[str] = tuple(FIELDS
     """Add the flags of the options ``names`` to ``p`` (``-n`` defaults to ``n_default``)."""
     for name in names:
         f = FIELDS[name]
+        if not f.metadata["flags"]:
+            continue
         default = n_default if name == "max_tokens" else f.default
         meta = f.metadata
         kw = dict(meta["cli"], help=meta["help"], default=default, dest=name)
@@ -144,7 +155,7 @@ def add_cli_args(p: argparse.ArgumentParser, names: Sequence[str] = tuple(FIELDS
 def from_cli(a: argparse.Namespace, names: Sequence[str] = tuple(FIELDS)) -> dict:
     """The keyword arguments of the options ``names`` from :func:`add_cli_args`'s flags; -n -1
     becomes ``max_tokens=None`` (until an end token or the context is full)."""
-    kw = {name: getattr(a, name) for name in names}
+    kw = {name: getattr(a, name) for name in names if FIELDS[name].metadata["flags"]}
     if "max_tokens" in kw and kw["max_tokens"] <= 0:
         kw["max_tokens"] = None
     if kw.get("logit_bias") is not None:

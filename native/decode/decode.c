@@ -19,6 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A token's log-probability and its most likely alternatives (clover_decoder_logprobs). */
+typedef struct {
+    float lp;
+    int32_t id[CLOVER_MAX_LOGPROBS];
+    float top[CLOVER_MAX_LOGPROBS];
+} lp_rec;
+
 struct clover_decoder {
     clover_context *c;
     clover_gen_params p;
@@ -68,6 +75,11 @@ struct clover_decoder {
      * logits, or causal for prefill_next) */
     int sel_total;
     double *gtotal, next_total;
+    uint32_t *allowed; /* [(n_vocab + 31) / 32] the constraint's mask (p.constraint) */
+    /* logprobs (p.logprobs >= 0): the last step's tokens' (rec, n_rec), the diffusion block's slots'
+     * (slot_rec [block_size]) and spec's seed token's (seed_rec) */
+    lp_rec *rec, *slot_rec, seed_rec;
+    int32_t n_rec;
 };
 
 /* Id of the vocabulary entry equal to s (tokenizer.ggml.tokens), or -1. */
@@ -106,6 +118,8 @@ void clover_gen_params_default(const clover_model *m, clover_gen_params *p) {
     p->eos_bias_start = m ? m->hp.eos_bias_start : 8192;
     p->bias_slope = m ? m->hp.bias_slope : 0.01f;
     p->bias_max = m ? m->hp.bias_max : 10.0f;
+    p->constraint = NULL;
+    p->logprobs = -1;
 }
 
 int clover_model_check_mode(const clover_model *m, int32_t mode, char *err, size_t err_size) {
@@ -141,6 +155,10 @@ int clover_gen_params_check(const clover_context *c, const clover_gen_params *p,
         if (p->end_ids[i] < 0 || p->end_ids[i] >= hp->n_vocab)
             return clover_set_err(err, n, CLOVER_E_ARG, "end_ids[%d]: id %d outside [0, %d)", i, p->end_ids[i],
                                   hp->n_vocab);
+    if (p->logprobs < -1 || p->logprobs > CLOVER_MAX_LOGPROBS)
+        return clover_set_err(err, n, CLOVER_E_ARG, "logprobs: %d outside [-1, %d]", p->logprobs, CLOVER_MAX_LOGPROBS);
+    if (p->constraint && (!p->constraint->mask || !p->constraint->accept || !p->constraint->rollback))
+        return clover_set_err(err, n, CLOVER_E_ARG, "constraint: mask, accept and rollback must all be set");
     return CLOVER_OK;
 }
 
@@ -149,7 +167,7 @@ void clover_decoder_free(clover_decoder *d) {
     free(d->end_ids), free(d->causal), free(d->logits), free(d->block), free(d->filled);
     free(d->conf), free(d->cand), free(d->nexp), free(d->scratch), free(d->need);
     free(d->proc), free(d->bias_ids), free(d->bias_values), free(d->ops), free(d->gops), free(d->gstart);
-    free(d->tops), free(d->gpre), free(d->gtotal), free(d->tail);
+    free(d->tops), free(d->gpre), free(d->gtotal), free(d->tail), free(d->allowed), free(d->rec), free(d->slot_rec);
     clover_history_free(&d->hist);
     free(d);
 }
@@ -222,8 +240,13 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     d->draft_k = p->mode == CLOVER_MODE_SPEC && d->sel_k >= 0 && !d->sel_total && want <= CLOVER_CUDA_TOP_K_MAX
                      ? (int32_t)(want < ids ? want : ids)
                      : 0;
+    if (p->constraint || p->logprobs >= 0) d->sel_k = -1, d->sel_total = 0, d->draft_k = 0; /* rows to the host */
     d->tops_k = d->sel_k > d->draft_k ? d->sel_k : d->draft_k;
     if (d->tops_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->tops_k)))) goto nomem;
+    if (p->constraint && !(d->allowed = malloc(sizeof(uint32_t) * (size_t)((V + 31) / 32)))) goto nomem;
+    if (p->logprobs >= 0 && (!(d->rec = malloc(sizeof(lp_rec) * (size_t)B)) ||
+                             !(d->slot_rec = malloc(sizeof(lp_rec) * (size_t)B))))
+        goto nomem;
     if (p->n_reuse != 0 && (p->n_reuse < 0 || p->n_reuse != c->n_past || p->n_reuse >= n_prompt)) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_reuse: %d must be 0 or the %d cached tokens (< n_prompt %d)",
                        p->n_reuse, c->n_past, n_prompt);
@@ -297,13 +320,69 @@ static void slot_pop(clover_decoder *d, const int32_t *pend, const unsigned char
         if (!on || on[k]) clover_history_pop(&d->hist, pend[k]);
 }
 
+/* allowed (NULL = all): the constraint's mask (constraint_mask); the other ids are never drawn. */
 static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const int32_t *pend,
-                           const unsigned char *on, int32_t n_pend, float *conf) {
+                           const unsigned char *on, int32_t n_pend, const uint32_t *allowed, float *conf) {
     clover_history *h = &d->hist;
     const int think = slot_push(d, j, pend, on, n_pend);
     clover_process_logits(row, d->proc, h->n_vocab, &d->sp, h, d->st.n_generated + j, think, d->ops);
     slot_pop(d, pend, on, n_pend);
+    if (allowed)
+        for (int32_t t = 0; t < h->n_vocab; t++)
+            if (!(allowed[t >> 5] >> (t & 31) & 1u)) d->proc[t] = -INFINITY;
     return clover_sample(d->proc, h->n_vocab, &d->sp, &d->rng, conf, d->scratch, NULL);
+}
+
+/* The constraint's mask for the next token into d->allowed, without ids past the vocabulary or
+ * the mask token; an error when the constraint fails or allows no id. */
+static int constraint_mask(clover_decoder *d, char *err, size_t err_size) {
+    const clover_constraint *k = d->p.constraint;
+    const int32_t V = d->c->m->hp.n_vocab, W = (V + 31) / 32, mask = d->c->m->hp.mask_token_id;
+    memset(d->allowed, 0, sizeof(uint32_t) * (size_t)W);
+    if (k->mask(k->user, d->allowed))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: computing the allowed tokens failed");
+    if (V % 32) d->allowed[W - 1] &= (1u << (V % 32)) - 1u;
+    if (mask >= 0 && mask < V) d->allowed[mask >> 5] &= ~(1u << (mask & 31));
+    for (int32_t w = 0; w < W; w++)
+        if (d->allowed[w]) return CLOVER_OK;
+    return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: no token is allowed next");
+}
+
+static int constraint_accept(clover_decoder *d, int32_t t, char *err, size_t err_size) {
+    const clover_constraint *k = d->p.constraint;
+    if (k->accept(k->user, t))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: token %d was refused", t);
+    return CLOVER_OK;
+}
+
+static int constraint_rollback(clover_decoder *d, int32_t n, char *err, size_t err_size) {
+    const clover_constraint *k = d->p.constraint;
+    if (n > 0 && k->rollback(k->user, n))
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: rolling back %d tokens failed", n);
+    return CLOVER_OK;
+}
+
+/* The logprobs record of token t chosen from the raw logits row z (clover_decoder_logprobs):
+ * log-softmax over the ids other than the mask token, and the p.logprobs most likely ids (by
+ * logit, ties by lower id). */
+static void lp_make(const clover_decoder *d, const float *z, int32_t t, lp_rec *r) {
+    const int32_t V = d->c->m->hp.n_vocab, mask = d->c->m->hp.mask_token_id, n = d->p.logprobs;
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < V; i++)
+        if (i != mask && z[i] > mx) mx = z[i];
+    double s = 0.0;
+    for (int32_t i = 0; i < V; i++)
+        if (i != mask) s += exp((double)z[i] - (double)mx);
+    const double lse = (double)mx + log(s);
+    r->lp = (float)((double)z[t] - lse);
+    int32_t k = 0;
+    for (int32_t i = 0; i < V && n > 0; i++) {
+        if (i == mask || (k == n && !(z[i] > z[r->id[k - 1]]))) continue;
+        int32_t q = k < n ? k++ : k - 1; /* insert i, dropping the last when full */
+        while (q > 0 && z[i] > z[r->id[q - 1]]) r->id[q] = r->id[q - 1], q--;
+        r->id[q] = i;
+    }
+    for (int32_t q = 0; q < k; q++) r->top[q] = (float)((double)z[r->id[q]] - lse);
 }
 
 /* Append to gops (grown as needed) the spec 5.4 edits sample_slot would apply to slot j with
@@ -391,12 +470,31 @@ static int32_t next_token(clover_decoder *d) {
     float conf;
     const int have = d->have_next;
     d->have_next = 0;
-    if (!have) return sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    if (!have) return sample_slot(d, d->causal, 0, NULL, NULL, 0, NULL, &conf);
     return d->sel_k ? draw_cands(d, d->tops, d->next_total, d->causal, &conf) : d->next_tok;
 }
 
+/* next_token, from the constraint's allowed ids and accepted by it when there is one; its
+ * logprobs record into rec (may be NULL). */
+static int choose_next(clover_decoder *d, int32_t *t, lp_rec *rec, char *err, size_t err_size) {
+    if (d->p.constraint) {
+        float conf;
+        int rc = constraint_mask(d, err, err_size);
+        if (rc) return rc;
+        *t = sample_slot(d, d->causal, 0, NULL, NULL, 0, d->allowed, &conf);
+        rc = constraint_accept(d, *t, err, err_size);
+        if (rc) return rc;
+    } else {
+        *t = next_token(d);
+    }
+    if (rec) lp_make(d, d->causal, *t, rec);
+    return CLOVER_OK;
+}
+
 static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, size_t err_size) {
-    int32_t t = next_token(d);
+    int32_t t;
+    int rc = choose_next(d, &t, d->rec, err, err_size);
+    if (rc) return rc;
     *n_out = emit(d, &t, 1, out);
     if (is_end(d, t) && *n_out == 1) {
         d->done = 1;
@@ -408,7 +506,7 @@ static int step_ar(clover_decoder *d, int32_t *out, int32_t *n_out, char *err, s
         d->st.finish_reason = CLOVER_FINISH_LENGTH;
         return 0;
     }
-    int rc = prefill_next(d, &t, 1, err, err_size);
+    rc = prefill_next(d, &t, 1, err, err_size);
     if (rc) return rc;
     d->st.n_forward_decode++;
     return 1;
@@ -429,7 +527,7 @@ static void count_experts(clover_decoder *d) {
 /* Start a diffusion block (spec 5.2): the prompt's tail in the first aligned block's leading
  * slots (fixed), the other slots masked; with shift_logits a block without fixed slots takes
  * slot 0 from the causal prediction of the last committed row (spec 3.5). */
-static void start_block(clover_decoder *d) {
+static int start_block(clover_decoder *d, char *err, size_t err_size) {
     const clover_hparams *hp = &d->c->m->hp;
     const int32_t B = d->p.block_size, nf = d->n_tail;
     for (int32_t j = 0; j < B; j++) {
@@ -441,10 +539,39 @@ static void start_block(clover_decoder *d) {
     d->n_masked = B - nf;
     d->in_block = 1;
     if (hp->shift_logits && nf == 0) {
-        d->block[0] = next_token(d);
+        int rc = choose_next(d, &d->block[0], d->slot_rec, err, err_size);
+        if (rc) return rc;
         d->filled[0] = 1;
         d->n_masked--;
     }
+    return CLOVER_OK;
+}
+
+/* denoise's fill under a constraint (docs/structured-output.md): from the first masked slot on,
+ * in order, each slot drawn from its row restricted to the constraint's allowed ids and accepted
+ * by it; the first always, each next while its confidence clears the threshold, none after an end
+ * token. */
+static int fill_in_order(clover_decoder *d, char *err, size_t err_size) {
+    const clover_hparams *hp = &d->c->m->hp;
+    const int32_t B = d->p.block_size, V = hp->n_vocab, shift = hp->shift_logits, nf = d->n_fixed;
+    int32_t j = 0, n_fill = 0;
+    while (j < B && d->filled[j]) j++;
+    for (; j < B; j++) {
+        const int64_t r = shift ? j - 1 : j; /* the row predicting slot j */
+        float conf;
+        int rc = constraint_mask(d, err, err_size);
+        if (rc) return rc;
+        const int32_t t = sample_slot(d, d->logits + r * V, j - nf, d->block + nf, d->filled + nf, B - nf, d->allowed,
+                                      &conf);
+        if (n_fill > 0 && !(conf > d->p.threshold)) break;
+        rc = constraint_accept(d, t, err, err_size);
+        if (rc) return rc;
+        d->block[j] = t, d->filled[j] = 1, n_fill++;
+        if (d->slot_rec) lp_make(d, d->logits + r * V, t, &d->slot_rec[j]);
+        if (is_end(d, t)) break;
+    }
+    d->n_masked -= n_fill;
+    return CLOVER_OK;
 }
 
 /* One denoising pass over the current block (spec 5.2): the LM head only on the rows that
@@ -463,12 +590,14 @@ static int denoise(clover_decoder *d, char *err, size_t err_size) {
     if (rc) return rc;
     d->st.n_forward_denoise++;
     count_experts(d);
+    if (d->p.constraint) return fill_in_order(d, err, err_size);
     int32_t best = -1, n_fill = 0;
     for (int32_t j = 0; j < B; j++) {
         if (d->filled[j]) continue;
         const int64_t r = shift ? j - 1 : j; /* the row predicting slot j */
         if (!on_gpu)
-            d->cand[j] = sample_slot(d, d->logits + r * V, j - nf, d->block + nf, d->filled + nf, B - nf, &d->conf[j]);
+            d->cand[j] = sample_slot(d, d->logits + r * V, j - nf, d->block + nf, d->filled + nf, B - nf, NULL,
+                                     &d->conf[j]);
         else if (d->sel_k) d->cand[j] = top_draw(d, r, &d->conf[j]);
         if (best < 0 || d->conf[j] > d->conf[best]) best = j;
     }
@@ -484,6 +613,8 @@ static int denoise(clover_decoder *d, char *err, size_t err_size) {
         d->filled[best] = 1;
         n_fill = 1;
     }
+    for (int32_t j = shift; j < B && d->slot_rec; j++) /* the logprobs of the slots just filled */
+        if (d->filled[j] && d->need[j - shift]) lp_make(d, d->logits + (int64_t)(j - shift) * V, d->block[j], &d->slot_rec[j]);
     d->n_masked -= n_fill;
     return CLOVER_OK;
 }
@@ -503,6 +634,8 @@ static int32_t stream_block(clover_decoder *d, int32_t *out) {
         d->st.finish_reason = CLOVER_FINISH_LENGTH;
     }
     memcpy(out, d->block + d->n_streamed, sizeof(int32_t) * (size_t)n);
+    if (d->rec) memcpy(d->rec + d->n_rec, d->slot_rec + d->n_streamed, sizeof(lp_rec) * (size_t)n);
+    d->n_rec += n;
     d->n_streamed += n;
     if (e >= 0 && d->n_streamed == e + 1) {
         d->done = 1;
@@ -522,7 +655,8 @@ static int step_diffusion(clover_decoder *d, int32_t *out, int32_t *n_out, char 
             d->st.finish_reason = CLOVER_FINISH_LENGTH;
             return 0;
         }
-        start_block(d);
+        int rc = start_block(d, err, err_size);
+        if (rc) return rc;
     }
     *n_out = stream_block(d, out); /* slot 0 may already be final, or end the generation */
     if (!d->done && d->n_masked > 0) {
@@ -626,12 +760,21 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         return 0;
     }
     float conf;
-    d->block[0] = d->have_seed ? d->seed_tok : sample_slot(d, d->causal, 0, NULL, NULL, 0, &conf);
+    int rc = CLOVER_OK;
+    const uint32_t *allowed = d->p.constraint ? d->allowed : NULL;
+    if (d->have_seed) { /* chosen by the last verify (from the constraint's allowed ids) */
+        d->block[0] = d->seed_tok;
+        if (d->rec) d->rec[0] = d->seed_rec;
+        if (allowed) rc = constraint_accept(d, d->block[0], err, err_size);
+    } else {
+        rc = choose_next(d, &d->block[0], d->rec, err, err_size);
+    }
+    if (rc) return rc;
     d->have_seed = 0;
     if (B == 1 || is_end(d, d->block[0])) { /* nothing to draft: one ar step */
         *n_out = emit_until_end(d, d->block, 1, out);
         if (d->done) return 0;
-        int rc = clover_prefill(c, d->block, 1, d->causal, 0, err, err_size);
+        rc = clover_prefill(c, d->block, 1, d->causal, 0, err, err_size);
         if (rc) return rc;
         d->st.n_forward_decode++;
         return 1;
@@ -648,7 +791,6 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
                            d->st.n_generated + B - 1 > sp->think_close_bias_start,
               draft_gpu = gpu && !think_ramp && (!pens || (lowering && d->draft_k > 0));
     const int32_t k = pens ? d->draft_k : d->sel_k; /* draft_gpu: candidates a row */
-    int rc = CLOVER_OK;
     const int32_t sh = hp->shift_logits; /* slot j is predicted by row j - sh (spec 3.5) */
     if (draft_gpu) { /* with penalties, the history's edits only */
         int64_t n_ops = 0;
@@ -674,10 +816,18 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     if (rc) return rc;
     d->st.n_forward_draft++;
     count_experts(d);
-    for (int32_t j = 1; j < B && (!draft_gpu || k); j++)
-        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - sh) * V, j, d->block, NULL, j, &conf)
+    int32_t n_told = 0; /* drafted tokens the constraint accepted */
+    for (int32_t j = 1; j < B && (!draft_gpu || k); j++) {
+        if (allowed && (rc = constraint_mask(d, err, err_size))) return rc;
+        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - sh) * V, j, d->block, NULL, j, allowed, &conf)
                       : pens     ? draft_pick(d, j)
                                  : top_draw(d, j - sh, &conf);
+        if (allowed && is_end(d, d->block[j])) B = j + 1; /* the draft ends at an end token (never told: an
+                                                            end token stops the grammar for good) */
+        else if (allowed && (rc = constraint_accept(d, d->block[j], err, err_size))) return rc;
+        else n_told += allowed != NULL;
+    }
+    if (allowed && (rc = constraint_rollback(d, n_told, err, err_size))) return rc; /* to after the seed */
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
     if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known at this point */
@@ -700,15 +850,20 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     d->st.n_forward_verify++;
     int32_t acc = 0, next = -1;
     for (int32_t i = 0; i < B; i++) {
+        if (i > 0 && is_end(d, d->block[i])) break; /* accepted up to an end token: nothing follows */
         /* a_i predicts slot i + 1 after block[0..i] (spec 5.4 history as ar would have it) */
-        const int32_t a = !gpu || B > CLOVER_SELECT_MAX_ROWS
-                              ? sample_slot(d, d->logits + (int64_t)i * V, i + 1, d->block, NULL, i + 1, &conf)
-                          : d->sel_k ? top_draw(d, i, &conf)
-                                     : d->cand[i];
+        if (allowed && (rc = constraint_mask(d, err, err_size))) return rc;
+        const float *row = d->logits + (int64_t)i * V;
+        const int32_t a = !gpu || B > CLOVER_SELECT_MAX_ROWS ? sample_slot(d, row, i + 1, d->block, NULL, i + 1, allowed, &conf)
+                          : d->sel_k                         ? top_draw(d, i, &conf)
+                                                             : d->cand[i];
         if (i + 1 < B && d->block[i + 1] == a) {
+            if (allowed && (rc = constraint_accept(d, a, err, err_size))) return rc;
+            if (d->rec) lp_make(d, row, a, &d->rec[i + 1]);
             acc++;
             continue;
         }
+        if (d->rec) lp_make(d, row, a, &d->seed_rec);
         next = a;
         break;
     }
@@ -727,6 +882,7 @@ int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n
                         size_t err_size) {
     if (!d || !out || !n_out) return clover_set_err(err, err_size, CLOVER_E_ARG, "decoder, out or n_out is NULL");
     *n_out = 0;
+    d->n_rec = 0;
     if (d->done) return 0;
     int32_t need = d->p.mode == CLOVER_MODE_AR ? 1 : d->p.block_size;
     if (cap < need) return clover_set_err(err, err_size, CLOVER_E_ARG, "cap: %d < %d tokens per step", cap, need);
@@ -734,7 +890,23 @@ int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n
              : d->p.mode == CLOVER_MODE_SPEC ? step_spec(d, out, n_out, err, err_size)
                                              : step_diffusion(d, out, n_out, err, err_size);
     if (rc < 0) d->done = 1;
+    if (d->p.mode != CLOVER_MODE_DIFFUSION) d->n_rec = *n_out; /* rec[k]: out[k]'s (diffusion: stream_block) */
     return rc;
+}
+
+int32_t clover_decoder_logprobs(const clover_decoder *d, float *logprob, int32_t *top_ids, float *top_logprobs,
+                                int32_t cap) {
+    if (!d || !d->rec || !logprob || d->n_rec > cap) return 0;
+    const int32_t n = d->p.logprobs;
+    if (n > 0 && (!top_ids || !top_logprobs)) return 0;
+    for (int32_t k = 0; k < d->n_rec; k++) {
+        logprob[k] = d->rec[k].lp;
+        for (int32_t i = 0; i < n; i++) {
+            top_ids[(int64_t)k * n + i] = d->rec[k].id[i];
+            top_logprobs[(int64_t)k * n + i] = d->rec[k].top[i];
+        }
+    }
+    return d->n_rec;
 }
 
 int32_t clover_decoder_block(const clover_decoder *d, int32_t *tokens, uint8_t *filled, int32_t cap) {

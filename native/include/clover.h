@@ -324,6 +324,19 @@ enum { CLOVER_MODE_AR = 0, CLOVER_MODE_DIFFUSION = 1, CLOVER_MODE_SPEC = 2 };
  * last bucket counts CLOVER_ACCEPT_HIST - 1 or more. */
 #define CLOVER_ACCEPT_HIST 65
 enum { CLOVER_FINISH_NONE = 0, CLOVER_FINISH_STOP = 1, CLOVER_FINISH_LENGTH = 2 };
+/* Most alternatives clover_gen_params.logprobs may ask for (OpenAI's top_logprobs bound). */
+#define CLOVER_MAX_LOGPROBS 20
+
+/* Constrained decoding (structured output): the caller's grammar, told every token the decoder
+ * makes final, in order. mask fills allowed[(n_vocab + 31) / 32] (bit t % 32 of word t / 32 set:
+ * token t may follow the tokens accepted so far); accept takes the next token; rollback forgets
+ * the last n accepted. Each returns 0, or nonzero to end the generation with an error. */
+typedef struct {
+    void *user;
+    int (*mask)(void *user, uint32_t *allowed);
+    int (*accept)(void *user, int32_t token);
+    int (*rollback)(void *user, int32_t n);
+} clover_constraint;
 
 typedef struct {
     int32_t mode;            /* CLOVER_MODE_* */
@@ -370,6 +383,14 @@ typedef struct {
     int32_t penalty_scope;   /* CLOVER_PENALTY_RESPONSE: the repetition penalty counts generated
                                 tokens only; CLOVER_PENALTY_ALL: the prompt's too (spec 5.4);
                                 default: the GGUF's */
+    /* Constrained decoding (NULL = none; decoding rules: docs/structured-output.md): ar and spec
+     * choose every token from the constraint's allowed ones (spec's draft too, so the output is
+     * constrained ar's); diffusion fills a block's slots left to right, each from the allowed
+     * ones, several per pass while contiguous and above the threshold. */
+    const clover_constraint *constraint;
+    int32_t logprobs;        /* -1 = off (default); 0..CLOVER_MAX_LOGPROBS: record each emitted
+                                token's log-probability and that many most likely alternatives
+                                (clover_decoder_logprobs) */
 } clover_gen_params;
 
 /* CLOVER_OK when m can decode in mode (CLOVER_MODE_*), else CLOVER_E_ARG with the reason in err:
@@ -381,7 +402,8 @@ CLOVER_API int clover_model_check_mode(const clover_model *m, int32_t mode, char
  * max_tokens > 0, the sampling fields (temperature finite >= 0, top_k >= 0, top_p in (0, 1],
  * min_p in [0, 1], finite penalties with repetition_penalty > 0, logit_bias ids in [0, n_vocab)
  * with finite values, ramps >= 0), block_size > 0 (a block that does not fit the context ends
- * the generation), threshold and coreset_top_p in (0, 1], end_ids in [0, n_vocab). */
+ * the generation), threshold and coreset_top_p in (0, 1], end_ids in [0, n_vocab), logprobs in
+ * [-1, CLOVER_MAX_LOGPROBS], a constraint with its three functions. */
 CLOVER_API int clover_gen_params_check(const clover_context *c, const clover_gen_params *p, char *err,
                                        size_t err_size);
 
@@ -431,6 +453,15 @@ CLOVER_API clover_decoder *clover_decoder_new(clover_context *c, const clover_ge
 CLOVER_API int clover_decoder_step(clover_decoder *d, int32_t *out, int32_t cap, int32_t *n_out,
                                    char *err, size_t err_size);
 CLOVER_API void clover_decoder_stats(const clover_decoder *d, clover_stats *out);
+/* Log-probabilities of the tokens the last clover_decoder_step wrote (p.logprobs >= 0): for its
+ * k-th token, logprob[k] and the n = p.logprobs most likely ids and their log-probabilities at
+ * top_ids[k * n + i], top_logprobs[k * n + i], most likely first. Each is a log-softmax of the raw
+ * logits row that chose the token (ar: the decode step's, spec: the verify's, diffusion: the
+ * denoising pass's that filled the slot), over the ids other than the mask token, before
+ * penalties, biases, the constraint and temperature. Returns that token count when cap covers it
+ * (cap >= it; top arrays cap * n), else 0; 0 when logprobs are off. */
+CLOVER_API int32_t clover_decoder_logprobs(const clover_decoder *d, float *logprob, int32_t *top_ids,
+                                           float *top_logprobs, int32_t cap);
 /* The diffusion block being denoised, for display: copies its block_size slots to tokens and
  * filled (1 = final, 0 = still the mask token) when cap >= block_size and returns block_size;
  * returns 0 between blocks and in the other modes. */
