@@ -38,7 +38,8 @@ from typing import Any, Iterator, Sequence
 from ._ffi import CloverError
 from .chat import check_template_kwargs
 from .model import ContextLengthExceeded, Model
-from .tool_calls import ToolCallParser
+from .grammar import JSON_LAYOUT
+from .tool_calls import ToolCallParser, forced_tools, tool_call_grammar
 from .options import REQUEST_FIELDS
 from .stops import partial_suffix
 
@@ -147,27 +148,83 @@ def _parsed_arguments(call):
     return {**call, "function": {**f, "arguments": args}} if isinstance(args, dict) else call
 
 
-def _check_unconstrained(response_format, grammar) -> None:
-    """Refuse by name the options that need constrained decoding (not implemented), rather than
-    answer unconstrained text to a caller that asked for JSON: ``response_format`` other than
-    ``{"type": "text"}`` and llama.cpp's ``grammar``."""
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        raise ValueError(f"response_format: {kind!r} is not supported by this runtime (constrained decoding is "
-                         "not implemented; only {\"type\": \"text\"})")
+def _constraint(response_format, grammar) -> dict:
+    """The Model options (``json_schema`` / ``grammar``, :mod:`clover_gguf.grammar`) of OpenAI's
+    ``response_format`` (``{"type": "text"}``, ``{"type": "json_object"}`` with llama-cpp-python's
+    optional ``schema``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``) and llama.cpp's
+    ``grammar``; ValueError naming the field."""
+    if grammar is not None and response_format not in (None, {"type": "text"}):
+        raise ValueError("grammar: give grammar or response_format, not both")
     if grammar is not None:
-        raise ValueError("grammar: not supported by this runtime (constrained decoding is not implemented)")
+        return {"grammar": grammar}
+    if response_format is None:
+        return {}
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        schema = response_format.get("schema")
+        return {"json_schema": {"type": "object"} if schema is None else schema}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format.json_schema: expected {\"name\": ..., \"schema\": {...}}")
+        return {"json_schema": spec["schema"]}
+    raise ValueError(f"response_format: expected type \"text\", \"json_object\" or \"json_schema\", got "
+                     f"{response_format!r}")
 
 
-def _tool_parser(tools, tool_choice) -> ToolCallParser | None:
-    """The parser of the answer's tool calls for ``tool_choice`` (None or "auto": parse when tools
-    are declared; "none": never); ValueError for the choices that need constrained decoding."""
-    if tool_choice is None or tool_choice == "auto":
-        return ToolCallParser(tools) if tools else None
-    if tool_choice == "none":
+def constrains(response_format=None, grammar=None, tool_choice=None) -> bool:
+    """Whether a chat call with these arguments constrains its answer (so its prompt is rendered
+    with thinking off: :meth:`Clover.prepare_chat`'s ``constrained``)."""
+    return grammar is not None or response_format not in (None, {"type": "text"}) \
+        or tool_choice not in (None, "auto", "none")
+
+
+def _field_error(e: ValueError, names: dict) -> ValueError:
+    """``e`` with its leading field name renamed by ``names`` (the Model option -> the caller's)."""
+    msg = str(e)
+    for inner, outer in names.items():
+        if msg.startswith(inner + ":"):
+            return type(e)(outer + msg[len(inner):])
+    return e
+
+
+def _check_logprobs(name: str, n) -> int | None:
+    """The number of alternatives ``n`` asks for (None: off); ValueError naming ``name``."""
+    if n is None or n is False:
         return None
-    raise ValueError(f"tool_choice: {tool_choice!r} is not supported by this runtime (only \"auto\" and "
-                     "\"none\": forcing a call needs constrained decoding)")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 20:
+        raise ValueError(f"{name}: expected an integer in [0, 20], got {n!r}")
+    return n
+
+
+def _token_text(tk, i: int) -> tuple[str, list[int]]:
+    b = tk.token_bytes(i)
+    return b.decode("utf-8", "replace"), list(b)
+
+
+def _completion_logprobs(tk, entries, offset: int) -> dict:
+    """OpenAI's completion ``logprobs`` of ``entries`` ((id, logprob, [(id, logprob)])), the first
+    token's text starting at ``offset`` in the answer."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp, top in entries:
+        text = _token_text(tk, t)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({_token_text(tk, i)[0]: v for i, v in top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(tk, entries) -> dict:
+    """OpenAI's chat ``logprobs`` of ``entries`` ((id, logprob, [(id, logprob)]))."""
+    def item(t, lp):
+        text, b = _token_text(tk, t)
+        return {"token": text, "logprob": lp, "bytes": b}
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries],
+            "refusal": None}
 
 
 class _Holder:
@@ -458,26 +515,32 @@ class Clover:
             self._model.check_generate_args(**self._gen_kwargs(1, max_tokens=max_tokens, **kw))
         self._prepare(check)
 
-    def _start(self, prompt, kw: dict) -> tuple[Iterator[str], int, str]:
-        """Validate and tokenize (under the lock): (a Model text stream not yet started,
-        prompt tokens, mode)."""
+    def _start(self, prompt, kw: dict, extra: dict | None = None) -> tuple[Iterator, int, str]:
+        """Validate and tokenize (under the lock): (a Model piece stream not yet started,
+        prompt tokens, mode). ``extra``: Model options beyond :meth:`_gen_kwargs`' (``grammar``,
+        ``json_schema``, ``logprobs``)."""
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
         ids = self._model.prompt_ids(prompt)
-        kw = self._gen_kwargs(len(ids), **kw)
-        return self._model.generate_stream(ids, **kw), len(ids), kw["mode"]
+        kw = {**self._gen_kwargs(len(ids), **kw), **(extra or {})}
+        return self._model.generate_pieces(ids, **kw), len(ids), kw["mode"]
 
-    def _pieces(self, holder: _Holder, started) -> Iterator[str]:
-        """The text pieces of a generation (``started``: :meth:`_start`'s result), honouring a
-        cancel() that came before the generation started (no prefill then) or in the moment
-        before the Model registered it (it is repeated at the next piece)."""
+    def _pieces(self, holder: _Holder, started) -> Iterator[tuple[str, list]]:
+        """``(text piece, logprob entries)`` of a generation's steps (``started``: :meth:`_start`'s
+        result; entries ``(id, logprob, [(id, logprob)])`` of its tokens other than end tokens,
+        empty without logprobs), honouring a cancel() that came before the generation started (no
+        prefill then) or in the moment before the Model registered it (it is repeated at the next
+        piece)."""
         pieces, n_prompt, mode = started
+        ends = set(self._model.end_ids)
         try:
             if holder.cancelled:
                 self._model.record_cancelled(n_prompt, mode)
                 return
-            for piece in pieces:
-                yield piece
+            for piece, tokens, lps in pieces:
+                entries = [(t, lp, top) for t, (lp, top) in zip(tokens, lps) if t not in ends] if lps else []
+                if piece or entries:
+                    yield piece, entries
                 if holder.cancelled:
                     self._model.cancel()
         finally:
@@ -603,19 +666,22 @@ class Clover:
         may be str as in OpenAI's JSON), ``stop``, ``seed``: as :meth:`Model.generate
         <clover_gguf.model.Model.generate>`; None = the engine default (greedy, GGUF penalties).
         ``mode``, ``block_size``, ``threshold``, ``coreset_top_p``: None = the constructor's.
-        ``echo``: prepend the prompt text. ``suffix``, ``logprobs``, ``grammar`` and a
-        ``response_format`` other than ``{"type": "text"}`` are not supported (a
-        value other than None raises ValueError). ``model``: the name written in the
-        response (default: ``model_path``).
+        ``echo``: prepend the prompt text. ``suffix`` is not supported (a value other than None
+        raises ValueError). ``model``: the name written in the response (default: ``model_path``).
+        ``logprobs`` N (0-20): each choice (each chunk) carries OpenAI's ``logprobs``
+        (``tokens``, ``token_logprobs``, ``top_logprobs`` with the N most likely, ``text_offset``),
+        from the row that chose each token (clover.h ``clover_decoder_logprobs``).
+        ``response_format`` (``json_object``, ``json_schema``) or ``grammar`` (GBNF, or Lark
+        starting with ``%llguidance``): constrained decoding, the output valid by construction
+        unless ``max_tokens`` cuts it (docs/structured-output.md).
 
         Raises ValueError for a bad argument (naming it, at call time also for streams),
         CloverError for an engine error or a closed object.
         """
         if suffix is not None:
             raise ValueError("suffix: not supported (no fill-in-the-middle)")
-        if logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported by this runtime")
-        _check_unconstrained(response_format, grammar)
+        n_top = _check_logprobs("logprobs", logprobs)
+        extra = {**_constraint(response_format, grammar), "logprobs": n_top}
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
@@ -624,19 +690,26 @@ class Clover:
                 "model": model if model is not None else self.model_path}
         end_ids = list(self._model.end_ids)
 
-        def chunk(text, finish=None):
-            return {**meta, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+        tk = self._model.tokenizer
+
+        def chunk(text, finish=None, logprobs=None):
+            return {**meta, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
 
         def inner(holder, started, echo_text):
             if echo_text:
                 yield chunk(echo_text)
-            for piece in self._pieces(holder, started):
-                yield chunk(piece)
+            offset = len(echo_text)
+            for piece, entries in self._pieces(holder, started):
+                yield chunk(piece, logprobs=_completion_logprobs(tk, entries, offset) if n_top is not None else None)
+                offset += len(piece)
             finish, usage, timings = self._finish(end_ids)
             return [{**chunk("", finish), "usage": usage, "timings": timings}]
 
         def prepare():
-            started = self._start(prompt, kw)
+            try:
+                started = self._start(prompt, kw, extra)
+            except ValueError as e:
+                raise _field_error(e, {"json_schema": "response_format"}) from None
             echo_text = ""
             if echo:
                 echo_text = prompt if isinstance(prompt, str) else self._model.detokenize(prompt)
@@ -648,7 +721,11 @@ class Clover:
         chunks = self._run_locked(lambda holder: inner(holder, *prepare()))
         last = chunks[-1]
         text = "".join(c["choices"][0]["text"] for c in chunks)
-        return {**meta, "choices": [{"text": text, "index": 0, "logprobs": None,
+        lps = None
+        if n_top is not None:  # the chunks' logprobs joined (text_offset already counts from the start)
+            lps = {k: [v for c in chunks if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"][k]]
+                   for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        return {**meta, "choices": [{"text": text, "index": 0, "logprobs": lps,
                                      "finish_reason": last["choices"][0]["finish_reason"]}],
                 "usage": last["usage"], "timings": last["timings"]}
 
@@ -657,14 +734,21 @@ class Clover:
         return self.create_completion(prompt, **kwargs)
 
     # ------------------------------------------------------------------ chat
-    def _chat_prompt(self, messages, tools, enable_thinking, chat_template_kwargs) -> tuple[str, bool]:
-        """(prompt text, whether its generation header left a <think> section open)."""
+    def _chat_prompt(self, messages, tools, enable_thinking, chat_template_kwargs,
+                     constrained: bool = False) -> tuple[str, bool]:
+        """(prompt text, whether its generation header left a <think> section open). A
+        ``constrained`` answer (docs/structured-output.md) is rendered with thinking off."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs: expected a dict, got {type(chat_template_kwargs).__name__}")
         extra = dict(chat_template_kwargs or {})
         check_template_kwargs(extra)  # messages, tools, ... come from the call's own arguments
         if enable_thinking is not None:
             extra["enable_thinking"] = bool(enable_thinking)
+        if constrained:
+            if extra.get("enable_thinking"):
+                raise ValueError("enable_thinking: constrained output (response_format, grammar or a forced "
+                                 "tool_choice) is generated with thinking off")
+            extra["enable_thinking"] = False
         messages = _template_messages(messages)
         full = self._model.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **extra)
         base = self._model.apply_chat_template(messages, add_generation_prompt=False, tools=tools, **extra)
@@ -672,25 +756,30 @@ class Clover:
         return full, header.rfind(_THINK_OPEN) > header.rfind(_THINK_CLOSE)
 
     def prepare_chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
-                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> ChatPrompt:
+                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
+                     constrained: bool = False) -> ChatPrompt:
         """Render ``messages`` with the chat template and tokenize them, without the call lock
         (safe while another thread generates): the result, given as ``messages`` to
         :meth:`create_chat_completion`, skips that work there. A server prepares requests this way
-        while the slot is busy. Raises ValueError as :meth:`create_chat_completion` would
-        (ContextLengthExceeded when the prompt leaves no room in the context)."""
+        while the slot is busy. ``constrained``: the call will constrain the answer (then thinking
+        is off, see :meth:`create_chat_completion`). Raises ValueError as
+        :meth:`create_chat_completion` would (ContextLengthExceeded when the prompt leaves no room
+        in the context)."""
         self._check_open()
-        text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
+        text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs, constrained)
         return ChatPrompt(_chat_fits(lambda: self._model.check_prompt_fits(self._model.prompt_ids(text))),
                           think_open, list(tools) if tools else None)
 
     def create_chat_completion(self, messages: Sequence[dict] | ChatPrompt, *, tools: Sequence[dict] | None = None,
-                               tool_choice: str | dict | None = None, enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
+                               tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                               enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
                                max_tokens: int | None = None, temperature: float | None = None,
                                top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
                                stop: str | Sequence[str] | None = None, seed: int | None = None,
                                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                                repeat_penalty: float | None = None, logit_bias: dict | None = None,
-                               logprobs: bool | None = None, response_format: dict | None = None,
+                               logprobs: bool | None = None, top_logprobs: int | None = None,
+                               response_format: dict | None = None,
                                grammar: str | None = None, stream: bool = False, model: str | None = None,
                                mode: str | None = None, block_size: int | None = None,
                                threshold: float | None = None, coreset_top_p: float | None = None):
@@ -725,13 +814,30 @@ class Clover:
         remain) and ``finish_reason`` ``"tool_calls"``; streamed, each call comes whole as one
         ``delta.tool_calls`` chunk once its markup closes, and no markup reaches ``delta.content``.
         A call to an undeclared tool or without a required parameter stays text. ``"none"``
-        leaves the markup as text; ``"required"`` and named functions raise ValueError (they need
-        constrained decoding). Assistant messages' ``tool_calls`` may carry ``arguments`` as a
-        JSON string (OpenAI's form): the template gets the object.
+        leaves the markup as text; ``"required"`` and a named function (``{"type": "function",
+        "function": {"name": ...}}``) are enforced by constrained decoding in the template's call
+        form: one call, or one or more with ``parallel_tool_calls`` True (default False, as
+        llama-server). Assistant messages' ``tool_calls`` may carry
+        ``arguments`` as a JSON string (OpenAI's form): the template gets the object.
+
+        ``response_format`` and ``grammar`` as :meth:`create_completion`. A constrained answer
+        (those, or a forced ``tool_choice``) is generated with thinking off (``enable_thinking``
+        True is refused). ``logprobs`` True with ``top_logprobs`` N (0-20): OpenAI's
+        ``logprobs.content`` per token (reasoning tokens included), per chunk when streamed.
         """
-        if logprobs not in (None, False):
-            raise ValueError("logprobs: not supported by this runtime")
-        _check_unconstrained(response_format, grammar)
+        n_top = (0 if top_logprobs is None else _check_logprobs("top_logprobs", top_logprobs)) if logprobs else None
+        if top_logprobs is not None and not logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        declared = messages.tools if isinstance(messages, ChatPrompt) else tools
+        forced = forced_tools(declared, tool_choice)
+        extra = _constraint(response_format, grammar)
+        if forced is not None:
+            if extra:
+                raise ValueError("tool_choice: a forced tool call cannot be combined with response_format or grammar")
+            xml = "<function=" in (getattr(self._model.tokenizer, "chat_template", None) or "")
+            extra = {"grammar": tool_call_grammar(forced, xml, bool(parallel_tool_calls), JSON_LAYOUT)}
+        constrained = bool(extra)
+        extra["logprobs"] = n_top
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
@@ -740,11 +846,12 @@ class Clover:
                 "created": int(time.time()), "model": model if model is not None else self.model_path}
         end_ids = list(self._model.end_ids)
 
+        tk = self._model.tokenizer
+
         def chunk(delta, finish=None):
             return {**meta, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        declared = messages.tools if isinstance(messages, ChatPrompt) else tools
-        parser = _tool_parser(declared, tool_choice)
+        parser = ToolCallParser(declared) if declared and tool_choice != "none" else None
         calls: list[dict] = []
 
         def deltas(parts):
@@ -766,16 +873,32 @@ class Clover:
 
         def inner(holder, started, think_open):
             split = ReasoningSplitter(think_open)
+            pending: list = []  # logprob entries not yet carried by a chunk
+
+            def carry(chunks):
+                for c in chunks:
+                    if pending:
+                        c["choices"][0]["logprobs"] = _chat_logprobs(tk, pending)
+                        pending.clear()
+                    yield c
             yield chunk({"role": "assistant", "content": ""})
-            for piece in self._pieces(holder, started):
-                yield from deltas(split.push(piece))
-            yield from deltas(split.flush())
+            for piece, entries in self._pieces(holder, started):
+                pending.extend(entries)
+                yield from carry(deltas(split.push(piece)))
+            yield from carry(deltas(split.flush()))
             if parser is not None:
-                yield from tool_deltas(parser.flush())
+                yield from carry(tool_deltas(parser.flush()))
             finish, usage, timings = self._finish(end_ids)
             if calls and finish == "stop":
                 finish = "tool_calls"
-            return [{**chunk({}, finish), "usage": usage, "timings": timings}]
+            return list(carry([{**chunk({}, finish), "usage": usage, "timings": timings}]))
+
+        def start(ids):
+            try:
+                return self._start(ids, kw, extra)
+            except ValueError as e:
+                raise _field_error(e, {"json_schema": "response_format",
+                                       "grammar": "tool_choice" if forced is not None else "grammar"}) from None
 
         def prepare():
             if isinstance(messages, ChatPrompt):
@@ -783,9 +906,12 @@ class Clover:
                                 ("chat_template_kwargs", chat_template_kwargs)):
                     if v is not None:
                         raise ValueError(f"{name}: give it to prepare_chat with the messages")
-                return self._start(messages.ids, kw), messages.think_open
-            text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs)
-            return _chat_fits(lambda: self._start(text, kw)), think_open
+                if constrained and messages.think_open:
+                    raise ValueError("messages: constrained output needs the prompt prepared with constrained=True "
+                                     "(thinking off)")
+                return start(messages.ids), messages.think_open
+            text, think_open = self._chat_prompt(messages, tools, enable_thinking, chat_template_kwargs, constrained)
+            return _chat_fits(lambda: start(text)), think_open
 
         if stream:
             started, think_open = self._prepare(prepare)
@@ -798,7 +924,11 @@ class Clover:
                                    "reasoning_content": reasoning or None}
         if calls:
             message["tool_calls"] = calls
+        lps = None
+        if n_top is not None:
+            lps = {"content": [e for c in chunks if c["choices"][0]["logprobs"]
+                               for e in c["choices"][0]["logprobs"]["content"]], "refusal": None}
         return {**meta, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message, "logprobs": lps,
                              "finish_reason": last["choices"][0]["finish_reason"]}],
                 "usage": last["usage"], "timings": last["timings"]}

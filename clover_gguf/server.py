@@ -56,6 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .llama import constrains
 from .model import ContextLengthExceeded
 from .options import REQUEST_FIELDS
 
@@ -104,11 +105,10 @@ def default_max_body(n_ctx: int) -> int:
     return max(MIN_MAX_BODY, BODY_BYTES_PER_TOKEN * int(n_ctx))
 
 
-# Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours): the
-# generation options, and logprobs, which Clover refuses by name.
+# Request fields passed through unchanged, per endpoint (OpenAI's, llama.cpp's, ours).
 _COMMON = REQUEST_FIELDS + ("logprobs", "response_format", "grammar")
 _COMPLETION = _COMMON + ("echo", "suffix")
-_CHAT = _COMMON + ("tools", "tool_choice", "enable_thinking", "chat_template_kwargs")
+_CHAT = _COMMON + ("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "enable_thinking", "chat_template_kwargs")
 
 
 class _ApiError(Exception):
@@ -542,7 +542,8 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
     def prepare_chat(kw: dict) -> dict:
         kw["messages"] = st.clover.prepare_chat(
             kw.pop("messages"), tools=kw.pop("tools", None), enable_thinking=kw.pop("enable_thinking", None),
-            chat_template_kwargs=kw.pop("chat_template_kwargs", None))
+            chat_template_kwargs=kw.pop("chat_template_kwargs", None),
+            constrained=constrains(kw.get("response_format"), kw.get("grammar"), kw.get("tool_choice")))
         return kw
 
     @app.post("/v1/completions")

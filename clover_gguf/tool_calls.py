@@ -319,3 +319,84 @@ class ToolCallParser:
             out.append(("content", self._ws))
         self._reset()
         return out
+
+
+def forced_tools(tools: list[dict] | None, tool_choice) -> dict[str, dict] | None:
+    """``{name: parameters schema}`` of the tools ``tool_choice`` forces a call to (``"required"``:
+    every declared tool; ``{"type": "function", "function": {"name": NAME}}``: that one), None
+    for ``"auto"``, ``"none"`` and None; ValueError naming the field otherwise."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    table = _tool_table(tools)
+    if tool_choice == "required":
+        if not table:
+            raise ValueError("tool_choice: \"required\" needs tools")
+        return table
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
+        raise ValueError(f"tool_choice: expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+    if name not in table:
+        raise ValueError(f"tool_choice: function {name!r} is not among the declared tools")
+    return {name: table[name]}
+
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # a Lark string literal: JSON's escapes
+
+
+def _json_rule(schema: Any, layout: dict) -> str:
+    """An inline ``%json`` of ``schema`` with the output ``layout`` (grammar.JSON_LAYOUT)."""
+    schema = dict(schema) if isinstance(schema, dict) else {}
+    schema.setdefault("x-guidance", layout)
+    return "%json " + json.dumps(schema)
+
+
+def _xml_value(schema: Any, layout: dict, lengths: set) -> str:
+    """The grammar of an XML-form parameter's value followed by its closing markup: free text for
+    a string (or untyped) parameter (at most ``maxLength`` characters: rule ``text_N``, N added to
+    ``lengths``), its literals for a string enum, else JSON of the schema (what
+    :func:`convert_parameter` reads back)."""
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(_lark_str(e) for e in enum) + ") \"\\n</parameter>\\n\""
+    types = _schema_types(schema)
+    if not types or "string" in types:
+        n = schema.get("maxLength") if isinstance(schema, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+            lengths.add(n)
+            return f"text_{n}"
+        return "free_text"
+    return _json_rule(schema, layout) + " \"\\n</parameter>\\n\""
+
+
+def tool_call_grammar(tools: dict[str, dict], xml: bool, several: bool, layout: dict) -> str:
+    """A Lark grammar (llguidance's, grammar.grammar_source) of the answer that calls one of
+    ``tools`` (``{name: parameters schema}``, :func:`forced_tools`), or one or more calls when
+    ``several``: in the XML form of the Qwen3.5 template when ``xml`` (each parameter the schema
+    declares in its order, the required ones always, each value as :func:`_xml_value`), else the
+    JSON form with ``arguments`` valid against the schema. JSON is laid out as ``layout``."""
+    lengths: set[int] = set()
+    lines = ["%llguidance {}", "start: call" + (" (\"\\n\" call)*" if several else ""),
+             "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+    for i, (name, schema) in enumerate(tools.items()):
+        if not xml:
+            args = {"type": "object", "additionalProperties": False, **schema}  # no undeclared arguments
+            body = {"type": "object", "properties": {"name": {"const": name}, "arguments": args},
+                    "required": ["name", "arguments"], "additionalProperties": False}
+            lines.append(f"call_{i}: \"<tool_call>\\n\" {_json_rule(body, layout)} \"\\n</tool_call>\"")
+            continue
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        params = []
+        for k, (pname, pschema) in enumerate(props.items()):
+            lines.append(f"p_{i}_{k}: {_lark_str(_PARAM + pname + '>' + chr(10))} {_xml_value(pschema, layout, lengths)}")
+            params.append(f"p_{i}_{k}" + ("" if pname in required else "?"))
+        lines.append(f"call_{i}: {_lark_str(OPEN + chr(10) + _FUNC + name + '>' + chr(10))} {' '.join(params)} "
+                     f"{_lark_str(_FUNC_END + chr(10) + CLOSE)}")
+    if xml:  # a string value: any text (at most n characters) up to its closing markup
+        lines.append("free_text[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+        for n in sorted(lengths):
+            lines.append(f"text_{n}[lazy]: /(?s:.{{0,{n}}})\\n<\\/parameter>\\n/")
+    return "\n".join(lines) + "\n"

@@ -42,7 +42,7 @@ def _answer(monkeypatch, llm, text, pieces=7):
         for _ in real(holder, started):
             pass
         step = max(1, len(text) // pieces)
-        yield from (text[k:k + step] for k in range(0, len(text), step))
+        yield from ((text[k:k + step], []) for k in range(0, len(text), step))
 
     monkeypatch.setattr(llm, "_pieces", fake)
 
@@ -99,10 +99,11 @@ def test_tool_choice_none_and_undeclared_tools_leave_text(monkeypatch, llm):
     assert "tool_calls" not in r["choices"][0]["message"]
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}, "any"])
-def test_forced_tool_choices_are_refused_by_name(llm, choice):
+@pytest.mark.parametrize("tools,choice", [(TOOLS, "any"), (TOOLS, {"type": "function", "function": {"name": "nope"}}),
+                                          (TOOLS, {"type": "function"}), (None, "required")])
+def test_bad_tool_choices_are_refused_by_name(llm, tools, choice):
     with pytest.raises(ValueError, match="^tool_choice: "):
-        _chat(llm, tools=TOOLS, tool_choice=choice)
+        _chat(llm, tools=tools, tool_choice=choice)
 
 
 def test_a_round_trip_renders_openai_shaped_history(llm):
@@ -120,13 +121,16 @@ def test_a_round_trip_renders_openai_shaped_history(llm):
     assert r["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "xml"}),
                                          ("response_format", {"type": "json_schema", "json_schema": {}}),
-                                         ("grammar", "root ::= \"a\"")])
-def test_constrained_output_options_are_refused_by_name(llm, field, value):
-    """Not implemented: refused by name, never answered with unconstrained text."""
-    with pytest.raises(ValueError, match=f"^{field}: "):
-        _chat(llm, **{field: value})
-    with pytest.raises(ValueError, match=f"^{field}: "):
+                                         ("response_format", {"type": "json_schema",
+                                                              "json_schema": {"schema": {"type": "frob"}}}),
+                                         ("grammar", "root ::= (\"a\""), ("grammar", 7)])
+def test_bad_constraints_are_refused_by_name(field, value, llm):
+    """A response_format or grammar that does not parse or compile: a ValueError naming the field,
+    never an unconstrained answer."""
+    with pytest.raises(ValueError, match=f"^{field}[.:]"):
+        llm.create_chat_completion(MSGS, max_tokens=2, **{field: value})
+    with pytest.raises(ValueError, match=f"^{field}[.:]"):
         llm.create_completion("x", max_tokens=2, **{field: value})
     assert _chat(llm, response_format={"type": "text"})["choices"][0]["finish_reason"] == "stop"

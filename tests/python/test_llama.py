@@ -136,7 +136,7 @@ def test_openai_parameter_names_map_onto_model(llm, ref):
 @pytest.mark.parametrize("kw, field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": "x"}, "max_tokens"),
     ({"stop": [""]}, r"stop\[0\]"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"mode": "foo"}, "mode"),
-    ({"suffix": "x"}, "suffix"), ({"logprobs": 3}, "logprobs"), ({"threshold": 2.0}, "threshold"),
+    ({"suffix": "x"}, "suffix"), ({"logprobs": 21}, "logprobs"), ({"threshold": 2.0}, "threshold"),
 ])
 def test_bad_arguments_raise_at_call_time(llm, kw, field):
     with pytest.raises(ValueError, match=field):
@@ -211,13 +211,13 @@ def _fake_generation(monkeypatch, llm, pieces, seen):
         seen.append(list(ids))
 
         def gen():
-            yield from pieces
+            yield from ((piece, [], None) for piece in pieces)
             m.last_stats = {"n_prompt": len(ids), "tokens": m.tokenize("".join(pieces)), "seconds": 0.5,
                             "prefill_seconds": 0.1, "finish_reason": "stop", "n_forward": 3,
                             "n_forward_prefill": 1, "tokens_per_forward": 1.0, "mode": kw["mode"]}
         return gen()
 
-    monkeypatch.setattr(m, "generate_stream", fake_stream)
+    monkeypatch.setattr(m, "generate_pieces", fake_stream)
 
 
 @pytest.mark.parametrize("enable_thinking, pieces, reasoning, content, prompt_end", [

@@ -165,7 +165,7 @@ def test_diffusion_streams_final_tokens_before_the_block_ends(model):
     (threshold 1.0), blocks of 8 arrive in several pieces, and the pieces concatenate to the
     block-at-once result of the same decoding (the tokens are those of full blocks, in order)."""
     p, _, mode, _ = model._params(GenerateOptions(max_tokens=24, mode="diffusion", block_size=8, threshold=1.0), [])
-    steps = list(model._steps(model.tokenize(PROMPT), p, mode))
+    steps = [new for new, _ in model._steps(model.tokenize(PROMPT), p, mode)]
     st = model.last_stats
     assert sum(len(x) for x in steps) == st["n_generated"] == 24
     assert st["n_blocks"] == 3 and len(steps) > st["n_blocks"]  # pieces smaller than blocks

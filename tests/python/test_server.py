@@ -321,12 +321,13 @@ def test_tools_history_and_tool_choice(client):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=_model_id(client), messages=history, tools=tools, max_tokens=4,
-                                       tool_choice="required")
+                                       tool_choice={"type": "function", "function": {"name": "undeclared"}})
     assert e.value.body["param"] == "tool_choice", e.value.body
 
 
-def test_response_format_json_is_a_400_naming_it(client):
+def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=_model_id(client), messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, response_format={"type": "json_object"})
+                                       max_tokens=4, response_format=bad)
     assert e.value.body["param"] == "response_format", e.value.body
