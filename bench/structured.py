@@ -40,28 +40,30 @@ class _Timer:
     """Wall time spent in the constraint's callbacks (llguidance's mask and accept)."""
 
     def __init__(self) -> None:
-        self.mask_s = self.accept_s = 0.0
-        self.n_mask = self.n_accept = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = {"mask": 0.0, "accept": 0.0}
+        self.calls = {"mask": 0, "accept": 0}
 
     def install(self) -> None:
-        mask, accept = grammar.Constraint._mask, grammar.Constraint._accept
+        for name in self.seconds:
+            self._wrap(name)
 
-        def timed_mask(c, user, allowed):
+    def _wrap(self, name: str) -> None:
+        fn = getattr(grammar.Constraint, "_" + name)
+
+        def timed(c, user, arg):
             t = time.perf_counter()
             try:
-                return mask(c, user, allowed)
+                return fn(c, user, arg)
             finally:
-                self.mask_s += time.perf_counter() - t
-                self.n_mask += 1
+                self.seconds[name] += time.perf_counter() - t
+                self.calls[name] += 1
+        setattr(grammar.Constraint, "_" + name, timed)
 
-        def timed_accept(c, user, token):
-            t = time.perf_counter()
-            try:
-                return accept(c, user, token)
-            finally:
-                self.accept_s += time.perf_counter() - t
-                self.n_accept += 1
-        grammar.Constraint._mask, grammar.Constraint._accept = timed_mask, timed_accept
+    def ms(self, name: str) -> float:
+        return 1e3 * self.seconds[name] / max(self.calls[name], 1)
 
 
 def _run(m: Model, mode: str, prompts, n: int, block_size: int | None, schema) -> dict:
@@ -110,12 +112,11 @@ def main(argv=None) -> int:
     _run(m, modes[0], prompts[:1], 8, a.block_size, SCHEMA)  # warm-up (grammar compile paths, caches)
     for mode in modes:
         free = _run(m, mode, prompts, a.n_gen, a.block_size, None)
-        timer.__init__()
+        timer.reset()
         con = _run(m, mode, prompts, a.n_gen, a.block_size, SCHEMA)
         fs, cs = free["tokens"] / free["seconds"], con["tokens"] / con["seconds"]
-        row = {"free": free, "schema": con, "mask_ms": 1e3 * timer.mask_s / max(timer.n_mask, 1),
-               "accept_ms": 1e3 * timer.accept_s / max(timer.n_accept, 1),
-               "masks_per_token": timer.n_mask / max(con["tokens"], 1)}
+        row = {"free": free, "schema": con, "mask_ms": timer.ms("mask"), "accept_ms": timer.ms("accept"),
+               "masks_per_token": timer.calls["mask"] / max(con["tokens"], 1)}
         raw[mode] = row
         print(f"| {mode} | {fs:.1f} | {free['tokens'] / free['forwards']:.2f} | {cs:.1f} | "
               f"{con['tokens'] / con['forwards']:.2f} | {cs / fs:.2f} | {con['valid']}/{len(prompts)} | "
