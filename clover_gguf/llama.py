@@ -811,8 +811,9 @@ class Clover:
         answer writes in the template's markup (Qwen3.5's ``<tool_call><function=NAME>...`` or the
         JSON-in-``<tool_call>`` form; :mod:`clover_gguf.tool_calls`) become ``message.tool_calls``
         (OpenAI-shaped, arguments typed by the tool's schema; ``content`` None when only calls
-        remain) and ``finish_reason`` ``"tool_calls"``; streamed, each call comes whole as one
-        ``delta.tool_calls`` chunk once its markup closes, and no markup reaches ``delta.content``.
+        remain) and ``finish_reason`` ``"tool_calls"``; streamed, once a call's markup closes, one
+        ``delta.tool_calls`` chunk brings its index, id, type and name (``arguments`` "") and the
+        next its ``arguments``, as OpenAI streams calls; no markup reaches ``delta.content``.
         A call to an undeclared tool or without a required parameter stays text. ``"none"``
         leaves the markup as text; ``"required"`` and a named function (``{"type": "function",
         "function": {"name": ...}}``) are enforced by constrained decoding in the template's call
@@ -867,9 +868,12 @@ class Clover:
             for kind, item in events:
                 if kind == "content":
                     yield chunk({"content": item})
-                else:
+                else:  # as OpenAI streams a call: index, id, type and name, then the arguments
                     calls.append(item)
-                    yield chunk({"tool_calls": [{"index": len(calls) - 1, **item}]})
+                    head = {**item, "function": {"name": item["function"]["name"], "arguments": ""}}
+                    yield chunk({"tool_calls": [{"index": len(calls) - 1, **head}]})
+                    yield chunk({"tool_calls": [{"index": len(calls) - 1,
+                                                 "function": {"arguments": item["function"]["arguments"]}}]})
 
         def inner(holder, started, think_open):
             split = ReasoningSplitter(think_open)

@@ -48,13 +48,21 @@ def _answer(monkeypatch, llm, text, pieces=7):
 
 
 def _stream(llm, **kw):
+    """(content, calls assembled from their deltas as an OpenAI client does, finish_reason); each
+    call's first delta carries index, id, type and name, the later ones argument text only."""
     content, calls, finish = "", [], None
     for c in _chat(llm, stream=True, **kw):
         d = c["choices"][0]["delta"]
         content += d.get("content") or ""
         for tc in d.get("tool_calls") or []:
             assert "<tool_call>" not in content
-            calls.append(tc)
+            if tc["index"] == len(calls):
+                assert tc["id"].startswith("call_") and tc["type"] == "function" and tc["function"]["name"]
+                calls.append({"index": tc["index"], "id": tc["id"], "type": tc["type"],
+                              "function": {"name": tc["function"]["name"], "arguments": ""}})
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+            calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
         finish = c["choices"][0]["finish_reason"] or finish
     return content, calls, finish
 
