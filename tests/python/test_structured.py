@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from clover_gguf import Clover
+from clover_gguf._ffi import CloverError, ffi
 from clover_gguf.model import Model
 
 MODES = ("ar", "spec", "diffusion")
@@ -196,3 +197,71 @@ def test_clover_shapes(make_gguf):
             c.create_chat_completion(msgs, top_logprobs=2)
         with pytest.raises(ValueError, match="^enable_thinking: "):
             c.create_chat_completion(msgs, enable_thinking=True, response_format={"type": "json_object"})
+
+
+class _Forced:
+    """A clover_constraint written here (not llguidance): it allows exactly ``seq[pos]`` next (the
+    sequence repeats), accept checks and advances pos, rollback moves it back. ``fail``: the mask reports a failure;
+    ``empty``: it allows nothing."""
+
+    def __init__(self, seq, fail=False, empty=False):
+        self.seq, self.pos, self.fail, self.empty, self.log = list(seq), 0, fail, empty, []
+        self.cbs = (ffi.callback("int(void *, uint32_t *)", self._mask),
+                    ffi.callback("int(void *, int32_t)", self._accept),
+                    ffi.callback("int(void *, int32_t)", self._rollback))
+        self.c = ffi.new("clover_constraint *")
+        self.c.mask, self.c.accept, self.c.rollback = self.cbs
+
+    def _mask(self, _u, allowed):
+        if self.fail:
+            return 1
+        if not self.empty:
+            t = self.seq[self.pos % len(self.seq)]
+            allowed[t >> 5] |= 1 << (t & 31)
+        return 0
+
+    def _accept(self, _u, t):
+        self.log.append(("accept", t))
+        if t != self.seq[self.pos % len(self.seq)]:
+            return 1
+        self.pos += 1
+        return 0
+
+    def _rollback(self, _u, n):
+        self.log.append(("rollback", n))
+        self.pos -= n
+        return 0 if self.pos >= 0 else 1
+
+
+def _forced_run(m, cons, mode, n):
+    from clover_gguf.options import GenerateOptions
+
+    p, keep, mode, ends = m._params(GenerateOptions(max_tokens=n, mode=mode, block_size=BLOCK, threshold=0.5), [])
+    p.constraint = cons.c
+    return [t for _, new, _ in m._run(m.tokenize("Hello there"), p, keep, mode, set(ends), (), text=False)
+            for t in new]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_engine_follows_any_constraint_and_rolls_it_back(f32_model, mode):
+    """A constraint that allows one token at a time (a fixed random sequence) is followed exactly
+    in every mode; spec rolls it back after each draft. It is told every final token in order (and
+    in spec and diffusion possibly a few past max_tokens, in the last verify or block, which the
+    output then cuts)."""
+    rng = np.random.default_rng(7)
+    mask_id = f32_model.hparams.get("mask_token_id")
+    seq = [int(t) for t in rng.integers(0, f32_model.n_vocab, 40) if t != mask_id][:30]
+    cons = _Forced(seq)
+    assert _forced_run(f32_model, cons, mode, len(seq)) == seq
+    assert cons.pos >= len(seq)
+    assert (mode == "spec") == any(kind == "rollback" for kind, _ in cons.log)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failing_or_empty_constraint_is_an_error_naming_it(f32_model, mode):
+    for cons, msg in ((_Forced([5], fail=True), "computing the allowed tokens failed"),
+                      (_Forced([5], empty=True), "no token is allowed next")):
+        with pytest.raises(CloverError, match=f"constraint: {msg}"):
+            _forced_run(f32_model, cons, mode, 8)
+    ids, _ = _gen(f32_model, f32_model.tokenize("x"), mode=mode, max_tokens=4)  # the model stays usable
+    assert ids
