@@ -9,6 +9,7 @@
  * slots are never remasked), not only whole blocks.
  */
 #include "core/errors.h"
+#include "decode/guide.h"
 #include "decode/sampler.h"
 #include "model/checkpoint.h"
 #include "model/forward.h"
@@ -18,13 +19,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* A token's log-probability and its most likely alternatives (clover_decoder_logprobs). */
-typedef struct {
-    float lp;
-    int32_t id[CLOVER_MAX_LOGPROBS];
-    float top[CLOVER_MAX_LOGPROBS];
-} lp_rec;
 
 struct clover_decoder {
     clover_context *c;
@@ -78,7 +72,7 @@ struct clover_decoder {
     uint32_t *allowed; /* [(n_vocab + 31) / 32] the constraint's mask (p.constraint) */
     /* logprobs (p.logprobs >= 0): the last step's tokens' (rec, n_rec), the diffusion block's slots'
      * (slot_rec [block_size]) and spec's seed token's (seed_rec) */
-    lp_rec *rec, *slot_rec, seed_rec;
+    clover_lp_rec *rec, *slot_rec, seed_rec;
     int32_t n_rec;
 };
 
@@ -244,8 +238,8 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     d->tops_k = d->sel_k > d->draft_k ? d->sel_k : d->draft_k;
     if (d->tops_k > 0 && !(d->tops = malloc(sizeof(clover_cand) * (size_t)(B * d->tops_k)))) goto nomem;
     if (p->constraint && !(d->allowed = malloc(sizeof(uint32_t) * (size_t)((V + 31) / 32)))) goto nomem;
-    if (p->logprobs >= 0 && (!(d->rec = malloc(sizeof(lp_rec) * (size_t)B)) ||
-                             !(d->slot_rec = malloc(sizeof(lp_rec) * (size_t)B))))
+    if (p->logprobs >= 0 && (!(d->rec = malloc(sizeof(clover_lp_rec) * (size_t)B)) ||
+                             !(d->slot_rec = malloc(sizeof(clover_lp_rec) * (size_t)B))))
         goto nomem;
     if (p->n_reuse != 0 && (p->n_reuse < 0 || p->n_reuse != c->n_past || p->n_reuse >= n_prompt)) {
         clover_set_err(err, err_size, CLOVER_E_ARG, "n_reuse: %d must be 0 or the %d cached tokens (< n_prompt %d)",
@@ -327,62 +321,23 @@ static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const
     const int think = slot_push(d, j, pend, on, n_pend);
     clover_process_logits(row, d->proc, h->n_vocab, &d->sp, h, d->st.n_generated + j, think, d->ops);
     slot_pop(d, pend, on, n_pend);
-    if (allowed)
-        for (int32_t t = 0; t < h->n_vocab; t++)
-            if (!(allowed[t >> 5] >> (t & 31) & 1u)) d->proc[t] = -INFINITY;
+    if (allowed) clover_guide_apply(d->proc, h->n_vocab, allowed);
     return clover_sample(d->proc, h->n_vocab, &d->sp, &d->rng, conf, d->scratch, NULL);
 }
 
-/* The constraint's mask for the next token into d->allowed, without ids past the vocabulary or
- * the mask token; an error when the constraint fails or allows no id. */
+/* The constraint's allowed next tokens into d->allowed; its accept and rollback (decode/guide.c). */
 static int constraint_mask(clover_decoder *d, char *err, size_t err_size) {
-    const clover_constraint *k = d->p.constraint;
-    const int32_t V = d->c->m->hp.n_vocab, W = (V + 31) / 32, mask = d->c->m->hp.mask_token_id;
-    memset(d->allowed, 0, sizeof(uint32_t) * (size_t)W);
-    if (k->mask(k->user, d->allowed))
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: computing the allowed tokens failed");
-    if (V % 32) d->allowed[W - 1] &= (1u << (V % 32)) - 1u;
-    if (mask >= 0 && mask < V) d->allowed[mask >> 5] &= ~(1u << (mask & 31));
-    for (int32_t w = 0; w < W; w++)
-        if (d->allowed[w]) return CLOVER_OK;
-    return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: no token is allowed next");
+    const clover_hparams *hp = &d->c->m->hp;
+    return clover_guide_mask(d->p.constraint, d->allowed, hp->n_vocab, hp->mask_token_id, err, err_size);
 }
 
 static int constraint_accept(clover_decoder *d, int32_t t, char *err, size_t err_size) {
-    const clover_constraint *k = d->p.constraint;
-    if (k->accept(k->user, t))
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: token %d was refused", t);
-    return CLOVER_OK;
+    return clover_guide_accept(d->p.constraint, t, err, err_size);
 }
 
-static int constraint_rollback(clover_decoder *d, int32_t n, char *err, size_t err_size) {
-    const clover_constraint *k = d->p.constraint;
-    if (n > 0 && k->rollback(k->user, n))
-        return clover_set_err(err, err_size, CLOVER_E_ARG, "constraint: rolling back %d tokens failed", n);
-    return CLOVER_OK;
-}
-
-/* The logprobs record of token t chosen from the raw logits row z (clover_decoder_logprobs):
- * log-softmax over the ids other than the mask token, and the p.logprobs most likely ids (by
- * logit, ties by lower id). */
-static void lp_make(const clover_decoder *d, const float *z, int32_t t, lp_rec *r) {
-    const int32_t V = d->c->m->hp.n_vocab, mask = d->c->m->hp.mask_token_id, n = d->p.logprobs;
-    float mx = -INFINITY;
-    for (int32_t i = 0; i < V; i++)
-        if (i != mask && z[i] > mx) mx = z[i];
-    double s = 0.0;
-    for (int32_t i = 0; i < V; i++)
-        if (i != mask) s += exp((double)z[i] - (double)mx);
-    const double lse = (double)mx + log(s);
-    r->lp = (float)((double)z[t] - lse);
-    int32_t k = 0;
-    for (int32_t i = 0; i < V && n > 0; i++) {
-        if (i == mask || (k == n && !(z[i] > z[r->id[k - 1]]))) continue;
-        int32_t q = k < n ? k++ : k - 1; /* insert i, dropping the last when full */
-        while (q > 0 && z[i] > z[r->id[q - 1]]) r->id[q] = r->id[q - 1], q--;
-        r->id[q] = i;
-    }
-    for (int32_t q = 0; q < k; q++) r->top[q] = (float)((double)z[r->id[q]] - lse);
+/* The logprobs record of token t chosen from the raw logits row z (clover_decoder_logprobs). */
+static void lp_make(const clover_decoder *d, const float *z, int32_t t, clover_lp_rec *r) {
+    clover_guide_logprobs(z, d->c->m->hp.n_vocab, d->c->m->hp.mask_token_id, t, d->p.logprobs, r);
 }
 
 /* Append to gops (grown as needed) the spec 5.4 edits sample_slot would apply to slot j with
@@ -476,7 +431,7 @@ static int32_t next_token(clover_decoder *d) {
 
 /* next_token, from the constraint's allowed ids and accepted by it when there is one; its
  * logprobs record into rec (may be NULL). */
-static int choose_next(clover_decoder *d, int32_t *t, lp_rec *rec, char *err, size_t err_size) {
+static int choose_next(clover_decoder *d, int32_t *t, clover_lp_rec *rec, char *err, size_t err_size) {
     if (d->p.constraint) {
         float conf;
         int rc = constraint_mask(d, err, err_size);
@@ -634,7 +589,7 @@ static int32_t stream_block(clover_decoder *d, int32_t *out) {
         d->st.finish_reason = CLOVER_FINISH_LENGTH;
     }
     memcpy(out, d->block + d->n_streamed, sizeof(int32_t) * (size_t)n);
-    if (d->rec) memcpy(d->rec + d->n_rec, d->slot_rec + d->n_streamed, sizeof(lp_rec) * (size_t)n);
+    if (d->rec) memcpy(d->rec + d->n_rec, d->slot_rec + d->n_streamed, sizeof(clover_lp_rec) * (size_t)n);
     d->n_rec += n;
     d->n_streamed += n;
     if (e >= 0 && d->n_streamed == e + 1) {
@@ -827,7 +782,7 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         else if (allowed && (rc = constraint_accept(d, d->block[j], err, err_size))) return rc;
         else n_told += allowed != NULL;
     }
-    if (allowed && (rc = constraint_rollback(d, n_told, err, err_size))) return rc; /* to after the seed */
+    if (allowed && (rc = clover_guide_rollback(d->p.constraint, n_told, err, err_size))) return rc; /* to after the seed */
     rc = clover_context_checkpoint(c, B, err, err_size);
     if (rc) return rc;
     if (gpu && B <= CLOVER_SELECT_MAX_ROWS) { /* a_i's edits: after block[0..i], known at this point */
