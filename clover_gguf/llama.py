@@ -650,7 +650,7 @@ class Clover:
         token ids) as OpenAI's ``/v1/completions`` / llama-cpp-python's ``create_completion``.
 
         Returns ``{"id", "object": "text_completion", "created", "model", "choices": [{"text",
-        "index", "logprobs": None, "finish_reason"}], "usage": {"prompt_tokens",
+        "index", "logprobs", "finish_reason"}], "usage": {"prompt_tokens",
         "completion_tokens", "total_tokens"}, "timings": {...}}``; with ``stream=True`` an
         iterator of chunks of the same shape, each ``choices[0]["text"]`` a piece of final
         text (``finish_reason`` None), the last one with ``text`` "" and the
@@ -793,7 +793,7 @@ class Clover:
         template thinks unless told ``False``); True / False is passed to the template.
 
         Returns ``{"id", "object": "chat.completion", "created", "model", "choices": [{"index",
-        "message": {"role": "assistant", "content", "reasoning_content"}, "logprobs": None,
+        "message": {"role": "assistant", "content", "reasoning_content"}, "logprobs",
         "finish_reason"}], "usage", "timings"}``: ``reasoning_content`` is the text inside
         ``<think>...</think>`` of the answer (also when the template's generation header already
         opened ``<think>``), None if there is none; ``content`` the rest (see
