@@ -4,8 +4,8 @@ for the allowed tokens before each choice and reports each token it makes final.
 
 A grammar is given as one of llguidance's inputs: a JSON schema, a GBNF grammar (llama.cpp's
 ``grammar``) or a Lark grammar (text starting with ``%llguidance``, as vLLM and SGLang take
-it). :func:`compile_grammar` validates it against the tokenizer (a ValueError naming the field
-when llguidance cannot compile it); :class:`Constraint` is one generation's matcher.
+it). :class:`Constraint` is one generation's matcher, compiled over the tokenizer (a ValueError
+naming the field when llguidance cannot compile it).
 """
 from __future__ import annotations
 
@@ -70,30 +70,17 @@ def _from(field, fn, *args) -> str:
         raise ValueError(f"{field}: {e}") from None
 
 
-def compile_grammar(field: str, source: str, tokenizer) -> None:
-    """Check that llguidance compiles ``source`` over ``tokenizer`` (an LLTokenizer); ValueError
-    naming ``field`` otherwise."""
-    import llguidance
-
-    try:
-        err = llguidance.LLMatcher.validate_grammar(source, tokenizer)
-    except Exception as e:
-        err = str(e)
-    if err:
-        raise ValueError(f"{field}: the grammar does not compile: {err.strip()}")
-
-
 class Constraint:
     """One generation's grammar state (an llguidance matcher) as the engine's ``clover_constraint``:
     :attr:`c` points to the struct; it lives as long as this object. A failure inside a callback
     is kept in :attr:`error` (the engine then stops with a "constraint: ..." error)."""
 
-    def __init__(self, source: str, tokenizer, n_vocab: int) -> None:
+    def __init__(self, field: str, source: str, tokenizer, n_vocab: int) -> None:
         import llguidance
 
         self.matcher = llguidance.LLMatcher(tokenizer, source)
-        if self.matcher.is_error():
-            raise ValueError(f"grammar: {self.matcher.get_error()}")
+        if self.matcher.is_error():  # the grammar did not compile; ``field`` names it
+            raise ValueError(f"{field}: the grammar does not compile: {self.matcher.get_error().strip()}")
         self.error: str | None = None
         self._nbytes = (n_vocab + 31) // 32 * 4
         self._callbacks = (ffi.callback("int(void *, uint32_t *)", self._mask, error=1),

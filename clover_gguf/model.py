@@ -20,7 +20,7 @@ import numpy as np
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 from .chat import ChatTemplate
-from .grammar import Constraint, compile_grammar, grammar_source, ll_tokenizer
+from .grammar import Constraint, grammar_source, ll_tokenizer
 from .options import GenerateOptions
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
@@ -481,9 +481,7 @@ class Model:
         if o.grammar is None and o.json_schema is None:
             return None
         field, source = grammar_source(o.grammar, o.json_schema)
-        tk = ll_tokenizer(self.tokenizer, self.n_vocab, ends)
-        compile_grammar(field, source, tk)
-        cons = Constraint(source, tk, self.n_vocab)
+        cons = Constraint(field, source, ll_tokenizer(self.tokenizer, self.n_vocab, ends), self.n_vocab)
         p.constraint = cons.c
         return cons
 
