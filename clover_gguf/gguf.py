@@ -32,6 +32,45 @@ _UNSIGNED_TYPES = (lib.CLOVER_GGUF_UINT8, lib.CLOVER_GGUF_UINT16, lib.CLOVER_GGU
                    lib.CLOVER_GGUF_UINT64)
 
 
+def read_metadata(g, arrays: bool = True) -> dict[str, Any]:
+    """The key-value metadata of the native GGUF handle ``g`` (a ``clover_gguf *``), in file
+    order: numbers, bools and strings as Python values, arrays as lists (left out with
+    ``arrays=False``)."""
+    lenp = ffi.new("size_t *")
+    out: dict[str, Any] = {}
+    for i in range(lib.clover_gguf_n_kv(g)):
+        key = ffi.string(lib.clover_gguf_key(g, i)).decode("utf-8", "replace")
+        t = lib.clover_gguf_kv_type(g, i)
+        if t != lib.CLOVER_GGUF_ARRAY:
+            out[key] = _read_values(g, i, t, 1, lenp)[0]
+        elif arrays:
+            out[key] = _read_values(g, i, lib.clover_gguf_arr_type(g, i), lib.clover_gguf_arr_n(g, i), lenp)
+    return out
+
+
+def _read_values(g, i: int, t: int, n: int, lenp) -> list:
+    # Bind the per-element callables once: a 250k-entry vocabulary is one call each.
+    if t == lib.CLOVER_GGUF_STRING:
+        get, unpack = lib.clover_gguf_get_str, ffi.unpack
+        if n > 1:
+            # native/core/gguf.c stores the strings of one KV back to back, each NUL-terminated:
+            # read them in one copy and split, unless a string holds a NUL itself.
+            first = get(g, i, 0, ffi.NULL)
+            last = get(g, i, n - 1, lenp)
+            parts = unpack(ffi.cast("char *", first), (last - first) + lenp[0]).split(b"\0")
+            if len(parts) == n:
+                return [s.decode("utf-8", "replace") for s in parts]
+        return [unpack(get(g, i, j, lenp), lenp[0]).decode("utf-8", "replace") for j in range(n)]
+    if t in _FLOAT_TYPES:
+        get = lib.clover_gguf_get_f64
+        return [get(g, i, j) for j in range(n)]
+    if t == lib.CLOVER_GGUF_BOOL:
+        get = lib.clover_gguf_get_i64
+        return [get(g, i, j) != 0 for j in range(n)]
+    get = lib.clover_gguf_get_u64 if t in _UNSIGNED_TYPES else lib.clover_gguf_get_i64
+    return [get(g, i, j) for j in range(n)]
+
+
 class GGUFFile:
     """A validated, memory-mapped GGUF file.
 
@@ -59,7 +98,7 @@ class GGUFFile:
             raise_error(err)
         self._g = ffi.gc(g, lib.clover_gguf_close)
         self.version = int(lib.clover_gguf_version(g))
-        self.metadata = self._read_metadata()
+        self.metadata = read_metadata(g)
         self.tensors = self._read_tensors()
         self._by_name = {t["name"]: i for i, t in enumerate(self.tensors)}
 
@@ -68,43 +107,6 @@ class GGUFFile:
         if self._g is None:
             raise CloverError(f"{self.path}: GGUF file is closed")
         return self._g
-
-    def _read_metadata(self) -> dict[str, Any]:
-        g = self._g
-        lenp = ffi.new("size_t *")
-        out: dict[str, Any] = {}
-        for i in range(lib.clover_gguf_n_kv(g)):
-            key = ffi.string(lib.clover_gguf_key(g, i)).decode("utf-8", "replace")
-            t = lib.clover_gguf_kv_type(g, i)
-            if t == lib.CLOVER_GGUF_ARRAY:
-                out[key] = self._read_values(i, lib.clover_gguf_arr_type(g, i),
-                                             lib.clover_gguf_arr_n(g, i), lenp)
-            else:
-                out[key] = self._read_values(i, t, 1, lenp)[0]
-        return out
-
-    def _read_values(self, i: int, t: int, n: int, lenp) -> list:
-        # Bind the per-element callables once: a 250k-entry vocabulary is one call each.
-        g = self._g
-        if t == lib.CLOVER_GGUF_STRING:
-            get, unpack = lib.clover_gguf_get_str, ffi.unpack
-            if n > 1:
-                # native/core/gguf.c stores the strings of one KV back to back, each NUL-terminated:
-                # read them in one copy and split, unless a string holds a NUL itself.
-                first = get(g, i, 0, ffi.NULL)
-                last = get(g, i, n - 1, lenp)
-                parts = unpack(ffi.cast("char *", first), (last - first) + lenp[0]).split(b"\0")
-                if len(parts) == n:
-                    return [s.decode("utf-8", "replace") for s in parts]
-            return [unpack(get(g, i, j, lenp), lenp[0]).decode("utf-8", "replace") for j in range(n)]
-        if t in _FLOAT_TYPES:
-            get = lib.clover_gguf_get_f64
-            return [get(g, i, j) for j in range(n)]
-        if t == lib.CLOVER_GGUF_BOOL:
-            get = lib.clover_gguf_get_i64
-            return [get(g, i, j) != 0 for j in range(n)]
-        get = lib.clover_gguf_get_u64 if t in _UNSIGNED_TYPES else lib.clover_gguf_get_i64
-        return [get(g, i, j) for j in range(n)]
 
     def _read_tensors(self) -> list[dict[str, Any]]:
         g = self._g

@@ -25,7 +25,10 @@ engine's defaults (greedy decoding, the GGUF's presence / repetition penalties; 
 """
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
+import pathlib
 import secrets
 import sys
 import threading
@@ -35,6 +38,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from . import compat
 from ._ffi import CloverError
 from .chat import check_template_kwargs
 from .model import ContextLengthExceeded, Model
@@ -174,6 +178,21 @@ def _constraint(response_format, grammar) -> dict:
                      f"{response_format!r}")
 
 
+def _legacy_functions(functions, function_call, tools, tool_choice) -> tuple:
+    """OpenAI's ``functions`` / ``function_call`` as ``tools`` / ``tool_choice``."""
+    if tools is not None or tool_choice is not None:
+        raise ValueError("functions: give tools/tool_choice or functions/function_call, not both")
+    if functions is not None and (not isinstance(functions, (list, tuple))
+                                  or not all(isinstance(f, dict) for f in functions)):
+        raise ValueError("functions: expected a list of function objects")
+    tools = None if functions is None else [{"type": "function", "function": f} for f in functions]
+    if function_call is None or function_call in ("none", "auto"):
+        return tools, function_call
+    if isinstance(function_call, dict) and isinstance(function_call.get("name"), str):
+        return tools, {"type": "function", "function": {"name": function_call["name"]}}
+    raise ValueError(f'function_call: expected "none", "auto" or {{"name": ...}}, got {function_call!r}')
+
+
 def constrains(response_format=None, grammar=None, tool_choice=None) -> bool:
     """Whether a chat call with these arguments constrains its answer (so its prompt is rendered
     with thinking off: :meth:`Clover.prepare_chat`'s ``constrained``)."""
@@ -256,13 +275,90 @@ def _usage(n_prompt: int, n_completion: int) -> dict:
             "total_tokens": n_prompt + n_completion}
 
 
+RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's LLAMA_DEFAULT_SEED asks for a random seed
+
+
+def _hub_cache(cache_dir) -> pathlib.Path:
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir)
+    if os.environ.get("HF_HUB_CACHE"):
+        return pathlib.Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return pathlib.Path(home) / "hub"
+
+
+def find_pretrained(repo_id: str, filename: str | None, local_dir=None, cache_dir=None) -> str:
+    """The one GGUF matching the glob ``filename`` (against the path relative to the directory,
+    or the file name) in the directory ``repo_id``, ``local_dir``, or the newest Hugging Face cache
+    snapshot of ``repo_id`` (see :meth:`Clover.from_pretrained`)."""
+    if not isinstance(repo_id, str) or not repo_id:
+        raise ValueError(f"repo_id: expected a directory or a repository id, got {repo_id!r}")
+    pattern = filename or "*.gguf"
+    roots = [pathlib.Path(d) for d in (repo_id, local_dir) if d is not None and os.path.isdir(d)]
+    if not roots and "/" in repo_id:
+        snapshots = (_hub_cache(cache_dir) / ("models--" + repo_id.replace("/", "--")) / "snapshots").glob("*")
+        roots = sorted(snapshots, key=lambda d: d.stat().st_mtime)[-1:]  # the newest snapshot
+    if not roots:
+        raise ValueError(f"repo_id: {repo_id!r} is neither a directory nor a repository in the Hugging Face cache "
+                         f"({_hub_cache(cache_dir)}); clover-gguf does not download models")
+    found = sorted({str(p) for root in roots for p in root.rglob("*.gguf")
+                    if not p.name.endswith(".diffusion.gguf")
+                    and (fnmatch.fnmatch(p.name, pattern) or fnmatch.fnmatch(str(p.relative_to(root)), pattern))})
+    if len(found) != 1:
+        what = "no GGUF" if not found else f"{len(found)} GGUFs ({', '.join(found)})"
+        raise ValueError(f"filename: {what} match {pattern!r} in {', '.join(str(r) for r in roots)}")
+    return found[0]
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed < 2**64:
+        raise ValueError(f"seed: expected -1 or an integer in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def _kv_str(v) -> str:
+    """A GGUF scalar as llama.cpp's gguf_kv_to_str writes it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return f"{v:f}" if isinstance(v, float) else str(v)
+
+
+class CloverTokenizerView:
+    """llama-cpp-python's ``LlamaTokenizer`` over a :class:`Clover`: ``tokenize(bytes)``,
+    ``detokenize(ids) -> bytes``, ``encode(str)``, ``decode(ids) -> str``."""
+
+    def __init__(self, llama: "Clover") -> None:
+        self._llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        return self._llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+
 class Clover:
     """A Clover (or Qwen3.5/3.6-MoE parent) GGUF with a llama-cpp-python-style API.
 
     Args:
-        model_path: the GGUF file.
-        n_ctx: context length in tokens (prompt + generated + one diffusion block), > 0.
+        model_path: the GGUF file; None = the small Clover inside the package
+            (:data:`clover_gguf.DEFAULT_MODEL`).
+        n_ctx: context length in tokens (prompt + generated + one diffusion block); 0 = the
+            model's training context (``n_ctx_train``), as llama-cpp-python.
         n_threads: CPU threads; None or 0 = the physical cores.
+        n_batch, n_ubatch, n_threads_batch, use_mmap, use_mlock, flash_attn: llama-cpp-python's,
+            with the meaning :class:`~clover_gguf.model.Model` gives them.
+        **llama_cpp_args: llama-cpp-python's other constructor arguments (``chat_format``,
+            ``logits_all``, ``lora_path``, the RoPE overrides, ...) are accepted; a value other
+            than llama-cpp-python's default has no effect here and raises one ``UserWarning``
+            saying why (:data:`clover_gguf.compat.INIT`, docs/python.md).
         n_gpu_layers: layers whose weight products run on the GPU (-1: all, and the output
             projection), as llama-cpp-python's; needs a CUDA build and a GPU, else a
             ``UserWarning`` naming the reason and the CPU (:class:`~clover_gguf.model.Model`).
@@ -272,8 +368,8 @@ class Clover:
             the memory, llama.cpp's default; see :class:`~clover_gguf.model.Model`); ggml type ids
             0 and 1 as llama-cpp-python's also work.
         seed: default sampling seed of calls without ``seed`` (it only matters at
-            ``temperature > 0``); -1 draws a fresh random seed for every call (llama.cpp's
-            "random seed").
+            ``temperature > 0``); -1 or 0xFFFFFFFF (llama.cpp's ``LLAMA_DEFAULT_SEED``) draws a
+            fresh random seed for every call.
         verbose: print a load line and, after every call, a timings line to stderr.
         mode: ``"diffusion"`` (the default for Clover files with the block tensors), ``"ar"``
             (the default, and the only mode, for qwen35moe files and clover_moe trunks without
@@ -300,28 +396,37 @@ class Clover:
     ``RuntimeError`` instead of waiting for it forever.
     """
 
-    def __init__(self, model_path, *, n_ctx: int = 4096, n_threads: int | None = None,
+    def __init__(self, model_path=None, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
-                 type_k: str | int = "f32", type_v: str | int = "f32", seed: int = 0, verbose: bool = False,
-                 mode: str | None = None, block_size: int | None = None,
+                 type_k: str | int | None = "f32", type_v: str | int | None = "f32", seed: int = 0,
+                 verbose: bool = False, mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
-                 prefix_reuse: bool = True, plan_callback=None, diffusion_path=None) -> None:
+                 prefix_reuse: bool = True, plan_callback=None, diffusion_path=None,
+                 n_batch: int = 512, n_ubatch: int = 512, n_threads_batch: int | None = None,
+                 use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
+                 **llama_cpp_args) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
         self._state = threading.Lock()  # guards _closed
         self._lock = threading.Lock()   # the call lock
         self._holder: _Holder | None = None
+        unknown = sorted(set(llama_cpp_args) - set(compat.INIT))
+        if unknown:
+            raise TypeError(f"Clover() got an unexpected keyword argument {unknown[0]!r}")
+        compat.warn_ignored(compat.INIT, llama_cpp_args)
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int):
             raise ValueError(f"n_gpu_layers: expected an integer, got {n_gpu_layers!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed < 2**64:
-            raise ValueError(f"seed: expected -1 or an integer in [0, 2**64), got {seed!r}")
+        if model_path is None:
+            from . import DEFAULT_MODEL
+            model_path = DEFAULT_MODEL
         self.model_path = str(model_path)
         self.n_gpu_layers = n_gpu_layers
-        self.seed = seed
+        self.seed = _check_seed(seed)
         self.verbose = bool(verbose)
         t0 = time.perf_counter()
         self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse,
                             n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpu_budget=gpu_budget,
-                            type_k=type_k, type_v=type_v, plan_callback=plan_callback,
+                            type_k="f32" if type_k is None else type_k,
+                            type_v="f32" if type_v is None else type_v, plan_callback=plan_callback,
                             diffusion_path=diffusion_path)
         try:
             self.mode = mode if mode is not None else ("diffusion" if self._model.has_block else "ar")
@@ -374,6 +479,18 @@ class Clover:
             self.close()
         except Exception:
             pass
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = "*.gguf", additional_files=None,
+                        local_dir=None, local_dir_use_symlinks="auto", cache_dir=None, **kwargs) -> "Clover":
+        """llama-cpp-python's ``from_pretrained`` without the download: the GGUF matching the glob
+        ``filename`` in the directory ``repo_id``, in ``local_dir``, or in the Hugging Face cache's
+        snapshot of the repository ``repo_id`` (``cache_dir``, else ``$HF_HUB_CACHE``, else
+        ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``). Diffusion sidecars
+        (``*.diffusion.gguf``) are found beside their trunk, never chosen. ``kwargs`` go to the
+        constructor. Raises ValueError when no file or several files match, naming them."""
+        path = find_pretrained(repo_id, filename, local_dir, cache_dir)
+        return cls(model_path=path, **kwargs)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"n_ctx={self._model.n_ctx}, mode={self.mode!r}"
@@ -451,6 +568,33 @@ class Clover:
     def token_eos(self) -> int | None:
         return self._model.tokenizer.eos_token_id
 
+    def token_bos(self) -> int | None:
+        """The GGUF's ``tokenizer.ggml.bos_token_id`` (Qwen vocabularies add none to prompts)."""
+        return self._model.tokenizer.bos_token_id
+
+    def token_nl(self) -> int:
+        """The id of the token for "\\n"."""
+        return self._model.tokenize("\n", special=False)[0]
+
+    def n_embd(self) -> int:
+        return int(self._model.hparams["n_embd"])
+
+    def set_seed(self, seed: int) -> None:
+        """The default seed of later calls without ``seed`` (as the constructor's)."""
+        self.seed = _check_seed(seed)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's scalar metadata as strings, as llama-cpp-python's ``metadata`` (llama.cpp's
+        ``gguf_kv_to_str``: arrays left out, floats as C's ``%f``, bools ``true``/``false``)."""
+        self._check_open()
+        return {k: _kv_str(v) for k, v in self._prepare(self._model.metadata).items()}
+
+    def tokenizer(self) -> "CloverTokenizerView":
+        """llama-cpp-python's ``LlamaTokenizer`` for this model (``tokenize``, ``detokenize``,
+        ``encode``, ``decode``)."""
+        return CloverTokenizerView(self)
+
     # ------------------------------------------------------------------ tokens
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text`` (bytes as UTF-8, or str), as llama-cpp-python's ``tokenize``:
@@ -479,13 +623,11 @@ class Clover:
                     presence_penalty, frequency_penalty, repeat_penalty, logit_bias, stop, mode,
                     block_size, threshold, coreset_top_p) -> dict:
         is_int = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
-        if is_int and max_tokens < 0:  # OpenAI refuses it too; None or 0 is the "no limit"
-            raise ValueError(f"max_tokens: {max_tokens} must be >= 0 (0 or None = until the context is full)")
-        if max_tokens is None or (is_int and max_tokens == 0):
+        if max_tokens is None or (is_int and max_tokens <= 0):  # llama-cpp-python's "no limit"
             max_tokens = max(1, self._model.n_ctx - n_prompt_max)  # until the context is full
         if seed is None:
             seed = self.seed
-        if seed == -1:
+        if seed in RANDOM_SEEDS:
             seed = secrets.randbits(63)
         return dict(max_tokens=max_tokens,
                     mode=self.mode if mode is None else mode,
@@ -645,7 +787,10 @@ class Clover:
                           response_format: dict | None = None, grammar: str | None = None,
                           stream: bool = False, model: str | None = None, mode: str | None = None,
                           block_size: int | None = None, threshold: float | None = None,
-                          coreset_top_p: float | None = None):
+                          coreset_top_p: float | None = None,
+                          typical_p: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, stopping_criteria=None,
+                          logits_processor=None):
         """Complete ``prompt`` (a str, tokenized with control tokens recognised, or a list of
         token ids) as OpenAI's ``/v1/completions`` / llama-cpp-python's ``create_completion``.
 
@@ -659,8 +804,8 @@ class Clover:
 
         ``finish_reason``: ``"stop"`` (an end token or a ``stop`` string), ``"length"``
         (``max_tokens`` or the context) or ``"cancelled"`` (:meth:`cancel`).
-        ``max_tokens``: default 16 as llama-cpp-python; None or 0 = until the context is full
-        (a negative value raises ValueError, as OpenAI refuses it).
+        ``max_tokens``: default 16 as llama-cpp-python; None, 0 or a negative value (-1) = until
+        the context is full.
         ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``presence_penalty``,
         ``frequency_penalty``, ``repeat_penalty``, ``logit_bias`` (``{token id: bias}``, keys
         may be str as in OpenAI's JSON), ``stop``, ``seed``: as :meth:`Model.generate
@@ -675,9 +820,16 @@ class Clover:
         starting with ``%llguidance``): constrained decoding, the output valid by construction
         unless ``max_tokens`` cuts it (docs/structured-output.md).
 
+        ``typical_p``, ``tfs_z``, ``mirostat_*``, ``stopping_criteria``, ``logits_processor``:
+        llama-cpp-python's, accepted; a value other than its default has no effect and raises one
+        ``UserWarning`` saying why (:data:`clover_gguf.compat.CALL`).
+
         Raises ValueError for a bad argument (naming it, at call time also for streams),
         CloverError for an engine error or a closed object.
         """
+        compat.warn_ignored(compat.CALL, dict(
+            typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta, stopping_criteria=stopping_criteria, logits_processor=logits_processor))
         if suffix is not None:
             raise ValueError("suffix: not supported (no fill-in-the-middle)")
         n_top = _check_logprobs("logprobs", logprobs)
@@ -782,7 +934,10 @@ class Clover:
                                response_format: dict | None = None,
                                grammar: str | None = None, stream: bool = False, model: str | None = None,
                                mode: str | None = None, block_size: int | None = None,
-                               threshold: float | None = None, coreset_top_p: float | None = None):
+                               threshold: float | None = None, coreset_top_p: float | None = None,
+                               functions: Sequence[dict] | None = None, function_call: str | dict | None = None,
+                               typical_p: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                               mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None):
         """Answer ``messages`` (OpenAI chat messages) as ``/v1/chat/completions`` /
         llama-cpp-python's ``create_chat_completion``.
 
@@ -825,7 +980,16 @@ class Clover:
         (those, or a forced ``tool_choice``) is generated with thinking off (``enable_thinking``
         True is refused). ``logprobs`` True with ``top_logprobs`` N (0-20): OpenAI's
         ``logprobs.content`` per token (reasoning tokens included), per chunk when streamed.
+
+        ``functions`` / ``function_call``: OpenAI's older form of ``tools`` / ``tool_choice``,
+        translated to them (the answer carries ``tool_calls``). ``typical_p``, ``tfs_z``,
+        ``mirostat_*``, ``logits_processor``: as :meth:`create_completion`.
         """
+        compat.warn_ignored(compat.CALL, dict(
+            typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta, logits_processor=logits_processor))
+        if functions is not None or function_call is not None:
+            tools, tool_choice = _legacy_functions(functions, function_call, tools, tool_choice)
         n_top = (0 if top_logprobs is None else _check_logprobs("top_logprobs", top_logprobs)) if logprobs else None
         if top_logprobs is not None and not logprobs:
             raise ValueError("top_logprobs: needs logprobs true")

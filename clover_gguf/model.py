@@ -20,6 +20,7 @@ import numpy as np
 
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 from .chat import ChatTemplate
+from .gguf import read_metadata
 from .grammar import Constraint, grammar_source, ll_tokenizer
 from .options import GenerateOptions
 from .stops import StopFilter, check_stop
@@ -127,11 +128,13 @@ class Model:
     """A loaded GGUF model (arch ``clover_moe`` or ``qwen35moe``) with one decoding context.
 
     Args:
-        path: GGUF file.
+        path: GGUF file; None = the small Clover inside the package
+            (:data:`clover_gguf.DEFAULT_MODEL`).
         diffusion_path: the diffusion sidecar holding Clover's block tensors for a ``clover_moe``
             trunk without them (docs/gguf-layout.md); None: ``<stem>.diffusion.gguf`` beside
             ``path`` when it exists; ``""``: none. Without block tensors a model runs ``ar``.
-        n_ctx: context length in tokens (prompt + generated + one block), > 0.
+        n_ctx: context length in tokens (prompt + generated + one block); 0 = the model's
+            training context (``hparams["n_ctx_train"]``), as llama.cpp's ``-c 0``.
         n_threads: CPU threads; None or 0 = all available cores.
         n_gpu_layers: layers whose weight products run on the GPU in a CUDA build (-1: all, and
             the output projection; llama.cpp's -ngl). Without a usable GPU: a UserWarning naming
@@ -171,7 +174,7 @@ class Model:
     CloverError); :meth:`cancel` and :meth:`close` may come from any thread at any time.
     """
 
-    def __init__(self, path, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
+    def __init__(self, path=None, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
                  type_k: str | int = "f32", type_v: str | int = "f32", plan_callback=None,
                  diffusion_path=None) -> None:
@@ -187,10 +190,13 @@ class Model:
         self._active = None  # the native decoder of a generation in progress
         self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
         self._cancel_lock = threading.Lock()
+        if path is None:
+            from . import DEFAULT_MODEL
+            path = DEFAULT_MODEL
         path = os.fspath(path)
         if diffusion_path is not None:
             diffusion_path = os.fspath(diffusion_path)
-        n_ctx = _check_int("n_ctx", n_ctx, lo=1, hi=2**31 - 1)
+        n_ctx = _check_int("n_ctx", n_ctx, lo=0, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
         n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, lo=-1, hi=2**31 - 1)
         n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, lo=0, hi=2**31 - 1)
@@ -206,7 +212,7 @@ class Model:
         if plan_callback is not None and not callable(plan_callback):
             raise ValueError(f"plan_callback: expected a callable or None, got {plan_callback!r}")
         self._plan_callback = plan_callback
-        self.n_ctx = n_ctx
+        self.n_ctx = n_ctx  # 0 until the model's training context is known
         self.type_k, self.type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
         self.n_gpu_layers = 0  # layers whose products run on the GPU (the output counts as one)
         self.placement: dict | None = None  # bytes per part of the GPU placement (placement.py)
@@ -230,9 +236,10 @@ class Model:
             self.hparams["penalty_scope"] = _SCOPES[self.hparams["penalty_scope"]]
             side = lib.clover_model_sidecar_path(m)
             self.sidecar_path = None if side == ffi.NULL else os.fsdecode(ffi.string(side))
+            self.n_ctx = n_ctx if n_ctx > 0 else int(self.hparams["n_ctx_train"])
             if n_gpu_layers or gpu_budget is not None:
                 self.n_gpu_layers = self._offload(n_gpu_layers, n_cpu_moe, gpu_budget)
-            c = lib.clover_context_new(m, n_ctx, n_threads, self.type_k, self.type_v, err, len(err))
+            c = lib.clover_context_new(m, self.n_ctx, n_threads, self.type_k, self.type_v, err, len(err))
             if c == ffi.NULL:
                 raise_error(err, "creating the context")
             self._ctx = c
@@ -366,6 +373,13 @@ class Model:
         return f"Model({self.path!r}, arch={self.arch}, n_ctx={self.n_ctx})"
 
     # ------------------------------------------------------------------ tokens
+    @_locked
+    def metadata(self, arrays: bool = False) -> dict:
+        """The GGUF's key-value metadata in file order (arrays such as the vocabulary only with
+        ``arrays=True``)."""
+        self._live()
+        return read_metadata(lib.clover_model_gguf(self._model), arrays=arrays)
+
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Token ids of ``text`` (list of int, no BOS). ``special=True`` recognises control
         tokens such as ``<|im_start|>`` written in the text."""

@@ -29,7 +29,8 @@ def cmd(a) -> int:
     try:  # fastapi / uvicorn are imported only here (the "server" extra)
         from ..server import serve
     except ImportError as e:
-        raise UsageError(f"serve needs fastapi and uvicorn ({e}): pip install 'clover-gguf[server]'") from None
+        raise UsageError(f"serve needs fastapi and uvicorn ({e}): pip install fastapi uvicorn "
+                         "(from a clone: pip install '.[server]')") from None
     return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
                  max_queue=a.max_queue, timeout=a.timeout, n_ctx=a.ctx_size, n_threads=a.threads, mode=a.mode,
                  prefix_reuse=not a.no_prefix_reuse, **placement_kwargs(a))

@@ -26,7 +26,6 @@ NAN, INF = float("nan"), float("inf")
 
 # (keyword arguments, the field the error must name): shared by Model, Clover and the server
 GEN_CASES = [
-    (dict(max_tokens=-1), "max_tokens"),
     (dict(max_tokens=2.5), "max_tokens"),
     (dict(temperature=NAN), "temperature"),
     (dict(temperature=INF), "temperature"),
@@ -79,9 +78,6 @@ def llm():
 # ---------------------------------------------------------------------------- API: Model
 @pytest.mark.parametrize("kw, field", GEN_CASES, ids=_IDS)
 def test_model_refuses(model, kw, field):
-    kw = dict(kw)
-    if field == "max_tokens" and kw["max_tokens"] == -1:
-        kw["max_tokens"] = 0  # Model needs >= 1 (Clover's 0 means "until the context is full")
     for call in (lambda: model.generate("def f():", **kw),
                  lambda: model.generate_stream("def f():", **kw),  # at call time, not at next()
                  lambda: model.generate_tokens([1, 2, 3], **kw),
@@ -90,6 +86,13 @@ def test_model_refuses(model, kw, field):
             call()
         assert _names(str(ei.value), field), str(ei.value)
     assert model.generate("def f():", max_tokens=2) is not None  # still usable
+
+
+@pytest.mark.parametrize("n", [-1, 0])
+def test_model_refuses_max_tokens_below_one(model, n):
+    """Model counts tokens (Clover's 0 and -1 mean "until the context is full")."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        model.generate("def f():", max_tokens=n)
 
 
 @pytest.mark.parametrize("bad", [-1, 1024, 10**9])
@@ -147,7 +150,7 @@ def test_prompt_plus_max_tokens_beyond_context_stops_at_length(model, mode):
     assert 0 < len(ids) and len(prompt) + st["n_generated"] <= N_CTX + 1, (len(prompt), st["n_generated"])
 
 
-@pytest.mark.parametrize("kw, field", [(dict(n_ctx=0), "n_ctx"), (dict(n_ctx=-8), "n_ctx"),
+@pytest.mark.parametrize("kw, field", [(dict(n_ctx=-8), "n_ctx"),
                                        (dict(n_ctx=1.5), "n_ctx"), (dict(n_threads=-1), "n_threads"),
                                        (dict(n_threads=2.0), "n_threads")])
 def test_model_constructor_refuses(kw, field):
@@ -201,10 +204,11 @@ def test_clover_tokens_and_prompts(llm):
         llm.create_chat_completion([{"role": "user", "content": "x = 1\n" * 100}])
     with pytest.raises(ValueError, match=r"^chat_template_kwargs: expected a dict"):
         llm.create_chat_completion([{"role": "user", "content": "a"}], chat_template_kwargs=5)
-    # max_tokens 0 / None: until the context is full (llama-cpp-python), not an error
-    r = llm.create_completion("def f():", max_tokens=0)
-    assert r["choices"][0]["finish_reason"] in ("stop", "length")
-    assert r["usage"]["total_tokens"] <= N_CTX
+    # max_tokens 0, -1 / None: until the context is full (llama-cpp-python), not an error
+    for n in (0, -1, None):
+        r = llm.create_completion("def f():", max_tokens=n, logit_bias={t: -100.0 for t in llm.engine.end_ids})
+        assert r["choices"][0]["finish_reason"] == "length"
+        assert 16 < r["usage"]["completion_tokens"] and r["usage"]["total_tokens"] <= N_CTX
 
 
 # ---------------------------------------------------------------------------- CLI
