@@ -7,10 +7,14 @@
 #   PYTHON=python3                                         interpreter for the venv
 #   JOBS=2                                                 parallel compile jobs
 #
+# The SIMD flags come from the CPU at hand (bench/llama_isa.sh: AVX2, plus AVX-512, VNNI and
+# BF16 where /proc/cpuinfo lists them); they are recorded in VENV_DIR/clover-isa, so a venv built
+# on another CPU kind is rebuilt instead of dying with an illegal instruction.
 # AMX is OFF on purpose (see shared/notes/oracles.md): a -DGGML_NATIVE=ON build enables AMX on
 # these CPUs and dies with SIGILL on any multi-token batch of a Q8_0 or K-quant model, because
 # GCC 12 drops the stores that fill the AMX tile configuration.
 set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
 
 VENV="${1:-/tmp/llama-venv}"
 PY="${PYTHON:-python3}"
@@ -30,9 +34,9 @@ echo "venv:   $VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 
-export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
--DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
--DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+ISA="$(bash "$HERE/llama_isa.sh")"
+echo "isa:    $ISA"
+export CMAKE_ARGS="-DGGML_NATIVE=OFF $ISA -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF"
 export CMAKE_BUILD_PARALLEL_LEVEL="$JOBS"
 export FORCE_CMAKE=1
@@ -45,4 +49,5 @@ end=$(date +%s)
 import llama_cpp
 print("llama_cpp", llama_cpp.__version__, "system info:", llama_cpp.llama_print_system_info().decode())
 PY
+echo "$ISA" > "$VENV/clover-isa"
 echo "built in $((end - start)) s -> $VENV/bin/python"

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -76,6 +77,20 @@ def run_llama(python: str, path: str, P: int, N: int, reps: int, threads: int, s
     if r.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def machine() -> dict:
+    """The CPU model (/proc/cpuinfo's "model name") and what each engine uses on it (our
+    clover_system_info, llama.cpp's system info once it ran), so tables from different machines
+    are never mixed up."""
+    from clover_gguf._ffi import ffi, lib
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "ours": ffi.string(lib.clover_system_info()).decode()}
 
 
 def _ms(vals):
@@ -147,6 +162,10 @@ def main(argv=None) -> int:
     head = ["model", "type", f"ours pp{P}", f"llama.cpp pp{P}", "ratio", f"ours tg{N}", f"llama.cpp tg{N}",
             "ratio", f"ours tg{N} % BW limit", f"llama.cpp % BW limit", "bytes/token / limit"]
     w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    mach = machine()
+    llama_info = next((e["llama"].get("system_info") for e in raw if "llama" in e), None)
+    print(f"cpu: {mach['cpu']} ({mach['cores']} cores visible); ours: {mach['ours']}"
+          + (f"; llama.cpp: {llama_info.strip()}" if llama_info else ""))
     print(f"threads: {a.threads}, repetitions: {a.reps}, warm-up: {not a.no_warmup}, our KV cache: {a.cache_type}, "
           f"read bandwidth: {bw:.1f} GB/s; t/s mean ± std")
     print("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
@@ -154,7 +173,7 @@ def main(argv=None) -> int:
     for r in rows:
         print("| " + " | ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(r)) + " |")
     if a.json:
-        print(json.dumps({"bandwidth_gbps": bw, "threads": a.threads, "reps": a.reps, "n_depth": a.n_depth,
+        print(json.dumps({"machine": mach, "bandwidth_gbps": bw, "threads": a.threads, "reps": a.reps, "n_depth": a.n_depth,
                           "cache_type": a.cache_type, "runs": raw},
                          default=lambda o: None))
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp as an oracle: build llama-cpp-python 0.3.36 from source (CPU, no AMX)
+# llama.cpp as an oracle: build llama-cpp-python 0.3.36 from source (CPU, this CPU's SIMD flags, no AMX)
 # into its own virtual environment when it is not there yet, unpack its source for
 # llama.cpp's converter, and run the tests that use them:
 #   tests/oracles/test_llama_oracle.py  our engine vs llama.cpp on our converter's and llama.cpp's
@@ -26,6 +26,11 @@ if [ ! -f "$SDIST" ]; then
 fi
 if [ ! -f "$TREE/convert_hf_to_gguf.py" ]; then
     tar -xzf "$SDIST" -C "$SRC_DIR"
+fi
+# a venv built for another CPU kind (its clover-isa differs) would die with an illegal instruction
+if [ -f "$VENV/pyvenv.cfg" ] && [ "$(cat "$VENV/clover-isa" 2>/dev/null)" != "$(bash bench/llama_isa.sh)" ]; then
+    echo "llama.cpp in $VENV was built for other SIMD flags: rebuilding"
+    rm -rf "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
     LLAMA_SDIST="$SDIST" bash bench/build_llama_cpp.sh "$VENV"

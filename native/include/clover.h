@@ -120,6 +120,12 @@ CLOVER_API int64_t clover_type_nbytes(int type, int64_t n);
  * define (removed or out of range). One table (core/ggml_types.c) serves the C reader and Python. */
 CLOVER_API const char *clover_type_name(int32_t type);
 
+/* One line naming what this build uses on this CPU: the kernels' instruction set chosen at run
+ * time ("kernels = avx512-vnni | avx2 | scalar", lowered by $CLOVER_ISA), the x86 features it was
+ * chosen from, OpenMP and the CUDA backend, as "NAME = value" pairs joined by " | " (llama.cpp's
+ * llama_print_system_info). Static storage, never NULL. */
+CLOVER_API const char *clover_system_info(void);
+
 /* ---------------------------------------------------------------- model (model/load.c, gpu/offload.c) */
 typedef struct clover_model clover_model;
 
