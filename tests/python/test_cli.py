@@ -165,6 +165,25 @@ def test_info_prints_metadata_and_tensor_table(gguf_path):
     assert f"total tensor bytes: {sum(t['nbytes'] for t in tensors)}" in out
 
 
+def test_info_takes_the_file_as_llama_cpp_m_or_positional(tmp_path, capsys):
+    """`info -m FILE` (llama.cpp's flag) prints what `info FILE` does; two different files, no
+    file, or a missing -m file exit 2 naming the argument."""
+    from clover_gguf.cli import main
+
+    path = str(clover_gguf.DEFAULT_MODEL)
+    assert main(["info", path]) == 0
+    positional = capsys.readouterr().out
+    assert positional.startswith(f"file: {path}\n") and "tensors: " in positional
+    for argv in (["info", "-m", path], ["info", "--model", path], ["info", path, "-m", path]):
+        assert main(argv) == 0
+        assert capsys.readouterr().out == positional
+    other = str(tmp_path / "other.gguf")
+    for argv, msg in ((["info", path, "-m", other], "FILE, -m/--model: two files"),
+                      (["info"], "-m/--model: required"), (["info", "-m", other], f"not found: {other}")):
+        assert main(argv) == 2
+        assert msg in capsys.readouterr().err
+
+
 def test_info_names_every_tensor_type(make_gguf):
     """A Q4_K_M file's table names its types as ggml does (Q4_K, Q6_K, Q8_0, F32, ...): no
     tensor's type column is a bare number. The names are checked against gguf-py's reader."""
