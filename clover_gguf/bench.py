@@ -13,16 +13,21 @@ Tests (all from random valid token ids, seeded):
   after the same ``n_prompt``-token prefix, last-row logits.
 
 Each repetition resets the context, times pp, then (at n_past = D + n_prompt) block and commit;
-tg runs separately from an empty context. With ``n_depth`` D > 0 (llama-bench's ``-d``), every
+tg runs separately from an empty context. As llama-bench, ``n_prompt`` and ``n_gen`` may be
+lists (a pp, block and commit test per n_prompt, a tg test per n_gen; 0 skips), and
+:func:`run_grid` runs the cartesian product of lists of the other parameters. With ``n_depth`` D > 0 (llama-bench's ``-d``), every
 test starts instead after an untimed prefix-mode forward of D random tokens: ``pp512 @ d4096``
 is then the speed of a 512-token prompt appended to a 4096-token context, ``tg128 @ d4096`` the
-speed of decoding there (attention reads D more keys per row). A warm-up (one pp of
+speed of decoding there (attention reads D more keys per row). A warm-up (one pp of the first
 ``n_prompt`` tokens and one tg step, each after the D-token prefix, as llama-bench) runs first
 and is not counted. Figures are mean and sample standard deviation over the repetitions.
 Nothing here imports torch.
 """
 from __future__ import annotations
 
+import csv
+import io
+import itertools
 import json
 import math
 import os
@@ -32,9 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._ffi import err_buf, ffi, lib, raise_error
-from .model import cache_type
+from .model import CACHE_TYPES, cache_type
 
-__all__ = ["BenchResult", "run_bench", "model_summary", "bytes_per_token", "format_table"]
+__all__ = ["BenchResult", "run_bench", "run_grid", "model_summary", "bytes_per_token", "format_table", "format_rows",
+           "bench_rows"]
 
 # llama.cpp's llama_ftype numbering (general.file_type) -> the name llama-bench prints.
 _FTYPE_NAMES = {
@@ -49,11 +55,15 @@ _FTYPE_NAMES = {
 @dataclass
 class BenchResult:
     """One test row: ``name`` (e.g. ``pp512``), ``n_tokens`` processed per run, ``seconds``
-    (one float per repetition), and for block tests the mean distinct experts per MoE layer."""
+    (one float per repetition), ``extra`` (for block tests the mean distinct experts per MoE
+    layer), and llama-bench's ``n_prompt`` / ``n_gen`` of the test (block and commit: the
+    n_prompt of their prefix)."""
     name: str
     n_tokens: int
     seconds: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    n_prompt: int = 0
+    n_gen: int = 0
 
     @property
     def ms_mean(self) -> float:
@@ -80,7 +90,8 @@ class BenchResult:
         return float(np.std(t, ddof=1)) if len(t) > 1 else 0.0
 
     def as_dict(self) -> dict:
-        d = {"test": self.name, "n_tokens": self.n_tokens, "seconds": list(self.seconds),
+        d = {"test": self.name, "n_tokens": self.n_tokens, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+             "seconds": list(self.seconds),
              "ms_mean": self.ms_mean, "ms_std": self.ms_std,
              "tokens_per_second_mean": self.tps_mean, "tokens_per_second_std": self.tps_std}
         d.update(self.extra)
@@ -149,16 +160,17 @@ def bytes_per_token(path) -> int:
 
 # ---------------------------------------------------------------------------- timing
 class _Engine:
-    """A loaded model and one context, freed by close()."""
+    """A loaded model (with its GPU placement) and one context at a time (:meth:`open`), freed by
+    close()."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
-                 type_k: int = 0, type_v: int = 0, diffusion_path=None) -> None:
+    def __init__(self, path: str, n_gpu_layers: int = 0, n_cpu_moe: int = 0, diffusion_path=None) -> None:
         err = err_buf()
+        self.err = err
+        self.c = ffi.NULL
         side = ffi.NULL if diffusion_path is None else os.fsencode(diffusion_path)
         self.m = lib.clover_model_load_sidecar(os.fsencode(path), side, err, len(err))
         if self.m == ffi.NULL:
             raise_error(err, f"loading {path}")
-        self.c = ffi.NULL
         hp = ffi.new("clover_hparams *")
         lib.clover_model_hparams(self.m, hp)
         self.hp = hp[0]
@@ -170,11 +182,14 @@ class _Engine:
                 self.close()
                 raise_error(err, "n_gpu_layers")
             self.n_gpu_layers = int(rc)
-        self.c = lib.clover_context_new(self.m, n_ctx, n_threads, type_k, type_v, err, len(err))
+
+    def open(self, n_ctx: int, n_threads: int, type_k: int, type_v: int) -> None:
+        """A fresh context on the model (the previous one freed)."""
+        if self.c != ffi.NULL:
+            lib.clover_context_free(self.c)
+        self.c = lib.clover_context_new(self.m, n_ctx, n_threads, type_k, type_v, self.err, len(self.err))
         if self.c == ffi.NULL:
-            self.close()
-            raise_error(err, "creating the context")
-        self.err = err
+            raise_error(self.err, "creating the context")
 
     def close(self) -> None:
         if self.c != ffi.NULL:
@@ -207,16 +222,52 @@ def _check_pos(name: str, v: int) -> int:
     return int(v)
 
 
-def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_threads: int | None = None,
+def _values(name: str, v) -> list:
+    """``v`` as a list (a list or tuple as given, anything else as its one element)."""
+    vals = list(v) if isinstance(v, (list, tuple)) else [v]
+    if not vals:
+        raise ValueError(f"{name}: an empty list")
+    return vals
+
+
+def _ints(name: str, v, lo: int) -> list[int]:
+    """The integers of ``v`` (one or a list), each >= lo; ValueError naming the field and element."""
+    out = []
+    for x in _values(name, v):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < lo:
+            raise ValueError(f"{name}: {x!r} must be an integer >= {lo}")
+        out.append(int(x))
+    return out
+
+
+def _top_ps(v) -> list[float]:
+    out = []
+    for x in _values("coreset_top_p", v):
+        if isinstance(x, bool) or not (isinstance(x, (int, float)) and 0 < x <= 1):
+            raise ValueError(f"coreset_top_p: {x!r} must be in (0, 1]")
+        out.append(float(x))
+    return out
+
+
+# The list arguments of run_grid in the order of its cartesian product (llama-bench's order for
+# the ones it shares: a model is loaded once per model, n_gpu_layers and n_cpu_moe), and the
+# names of run_bench's one-value arguments among them.
+GRID_ORDER = ("model", "n_gpu_layers", "n_cpu_moe", "type_k", "type_v", "n_threads", "n_depth", "block_size",
+              "coreset_top_p")
+
+
+def run_bench(path, n_prompt=512, n_gen=128, reps: int = 5, n_threads: int | None = None,
               block_size: int = 32, coreset_top_p: float = 0.9, seed: int = 0, warmup: bool = True,
               block: bool | None = None, commit: bool = True, n_gpu_layers: int = 0,
               n_cpu_moe: int = 0, type_k: str | int = "f32", type_v: str | int = "f32", n_depth: int = 0,
               diffusion_path=None) -> dict:
-    """Run the pp / tg / block / commit tests on the GGUF at ``path`` (module docstring).
+    """Run the pp / tg / block / commit tests of one configuration on the GGUF at ``path``
+    (module docstring); :func:`run_grid` runs the cartesian product of lists of them.
 
     Args:
-        n_prompt, n_gen, reps, block_size: positive ints (the prefix of block/commit is
-            ``n_prompt`` tokens); n_threads: None or 0 = the engine's default (all cores);
+        n_prompt, n_gen: an int >= 0 or a list of them (llama-bench's ``-p``, ``-n``): a pp test
+            (and block/commit after that prefix) per n_prompt, a tg test per n_gen, 0 skips;
+        reps, block_size: positive ints; n_threads: None or 0 = the engine's default (all cores);
         coreset_top_p: in (0, 1]; block: None = only for clover files, False = skip;
         commit: False skips the commit test; n_gpu_layers: layers whose weight products run on
             the GPU (-1 = all and the output; CloverError without a usable GPU); n_cpu_moe: the
@@ -224,93 +275,143 @@ def run_bench(path, n_prompt: int = 512, n_gen: int = 128, reps: int = 5, n_thre
             cache types (``"f16"``, ``"f32"``; :func:`clover_gguf.model.cache_type`); n_depth: tokens
             in the context before every test (int >= 0, untimed; module docstring).
 
-    Returns a dict: ``model`` (:func:`model_summary`), ``threads`` (int, the resolved
-    count), ``params`` (the arguments), ``results`` (list of :class:`BenchResult`, in order
-    pp, tg, block (clover only), commit (unless skipped)) and ``block_vs_tg`` (block ms / one
-    tg step ms, or None). Raises ValueError for a bad argument, CloverError for an engine error.
+    Returns a dict: ``model`` (:func:`model_summary`), ``path`` (the file as given), ``threads``
+    (int, the resolved count), ``params`` (the arguments; ``n_prompt``, ``n_gen`` as lists),
+    ``n_gpu_layers`` (offloaded), ``n_cpu_moe``, ``test_time`` (RFC 3339, UTC), ``results`` (list of
+    :class:`BenchResult`: pp per n_prompt, tg per n_gen, then per n_prompt block (clover only)
+    and commit (unless skipped)) and ``block_vs_tg`` (the first block's ms / one step of the
+    first tg, or None). Raises ValueError for a bad argument, CloverError for an engine error.
     """
-    path = os.fspath(path)
-    n_prompt, n_gen, reps, B = (_check_pos(k, v) for k, v in
-                                (("n_prompt", n_prompt), ("n_gen", n_gen), ("reps", reps), ("block_size", block_size)))
-    if isinstance(coreset_top_p, bool) or not (isinstance(coreset_top_p, (int, float)) and 0 < coreset_top_p <= 1):
-        raise ValueError(f"coreset_top_p: {coreset_top_p!r} must be in (0, 1]")
-    if isinstance(n_depth, bool) or not isinstance(n_depth, (int, np.integer)) or n_depth < 0:
-        raise ValueError(f"n_depth: {n_depth!r} must be an integer >= 0")
-    D = int(n_depth)
-    threads = 0 if n_threads is None else int(n_threads)
-    if threads < 0:
-        raise ValueError(f"n_threads: {threads} must be >= 0")
-    summary = model_summary(path)
-    type_k, type_v = cache_type("type_k", type_k), cache_type("type_v", type_v)
-    eng = _Engine(path, D + max(n_prompt + B, n_gen), threads, n_gpu_layers, n_cpu_moe, type_k, type_v,
-                  diffusion_path)
-    gpu_layers = eng.n_gpu_layers
-    try:
-        hp = eng.hp
-        V = int(hp.n_vocab)
-        do_block = bool(hp.has_block) if block is None else (bool(block) and bool(hp.has_block))
-        rng = np.random.default_rng(seed)
-        last = ffi.new("float[]", V)
-        at = f" @ d{D}" if D else ""
-        pp = BenchResult(f"pp{n_prompt}{at}", n_prompt)
-        tg = BenchResult(f"tg{n_gen}{at}", n_gen)
-        blk = BenchResult(f"block{B}{at}", B, extra={"coreset_top_p": float(coreset_top_p), "prefix": D + n_prompt})
-        com = BenchResult(f"commit{B}{at}", B, extra={"prefix": D + n_prompt})
-        blk_logits = ffi.new("float[]", B * V) if do_block else ffi.NULL
-        n_exp = ffi.new("int32_t[]", max(int(hp.n_layer), 1))
-        mask = int(hp.mask_token_id)
-        blk_toks = ffi.new("int32_t[]", [mask if 0 <= mask < V else int(x) for x in rng.integers(0, V, B)])
-        distinct = []
+    for name, v in (("n_threads", n_threads), ("block_size", block_size), ("coreset_top_p", coreset_top_p),
+                    ("n_gpu_layers", n_gpu_layers), ("n_cpu_moe", n_cpu_moe), ("type_k", type_k),
+                    ("type_v", type_v), ("n_depth", n_depth)):
+        if isinstance(v, (list, tuple)):
+            raise ValueError(f"{name}: one value in run_bench ({list(v)!r}; run_grid takes lists)")
+    return run_grid(path, n_prompt=n_prompt, n_gen=n_gen, reps=reps, n_threads=n_threads, block_size=block_size,
+                    coreset_top_p=coreset_top_p, seed=seed, warmup=warmup, block=block, commit=commit,
+                    n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, type_k=type_k, type_v=type_v,
+                    n_depth=n_depth, diffusion_path=diffusion_path)[0]
 
-        def toks(n):
-            return ffi.new("int32_t[]", rng.integers(0, V, n).tolist())
 
-        def reset():  # an empty context, then the D-token prefix (untimed)
-            lib.clover_context_reset(eng.c)
-            if D:
-                eng.prefill(toks(D), D, last)
+def run_grid(models, n_prompt=512, n_gen=128, reps: int = 5, n_threads=None, block_size=32, coreset_top_p=0.9,
+             seed: int = 0, warmup: bool = True, block: bool | None = None, commit: bool = True, n_gpu_layers=0,
+             n_cpu_moe=0, type_k="f32", type_v="f32", n_depth=0, diffusion_path=None, on_report=None) -> list[dict]:
+    """llama-bench's sweep: :func:`run_bench` for every combination of the values of the
+    arguments named in :data:`GRID_ORDER` (``models``: a path or a list; each of the others one
+    value or a list), in that order, the first varying slowest; ``n_prompt`` and ``n_gen`` lists
+    run inside each combination. Every value is checked before anything loads (ValueError
+    naming the argument and the value). Each model loads once per (n_gpu_layers, n_cpu_moe);
+    each combination gets a fresh context and the same random tokens (``seed``). Returns the
+    reports in order; ``on_report(report)``, when given, is called as each one is done."""
+    paths = [os.fspath(m) for m in _values("model", models)]
+    P, G = _ints("n_prompt", n_prompt, 0), _ints("n_gen", n_gen, 0)
+    if not any(P) and not any(G):
+        raise ValueError(f"n_prompt, n_gen: no test to run ({P}, {G}: every value is 0)")
+    reps = _check_pos("reps", reps)
+    grid = {"n_gpu_layers": _ints("n_gpu_layers", n_gpu_layers, -1), "n_cpu_moe": _ints("n_cpu_moe", n_cpu_moe, 0),
+            "type_k": [cache_type("type_k", x) for x in _values("type_k", type_k)],
+            "type_v": [cache_type("type_v", x) for x in _values("type_v", type_v)],
+            "n_threads": _ints("n_threads", [0 if x is None else x for x in _values("n_threads", n_threads)], 0),
+            "n_depth": _ints("n_depth", n_depth, 0), "block_size": _ints("block_size", block_size, 1),
+            "coreset_top_p": _top_ps(coreset_top_p)}
+    reports = []
+    for path in paths:
+        summary = model_summary(path)
+        for ngl, ncmoe in itertools.product(grid["n_gpu_layers"], grid["n_cpu_moe"]):
+            eng = _Engine(path, ngl, ncmoe, diffusion_path)
+            try:
+                for tk, tv, nt, D, B, top_p in itertools.product(*(grid[k] for k in GRID_ORDER[3:])):
+                    rep = _measure(eng, P, G, reps, nt, D, B, top_p, tk, tv, seed, warmup, block, commit)
+                    rep.update(model=summary, path=path, n_gpu_layers=eng.n_gpu_layers, n_cpu_moe=ncmoe)
+                    reports.append(rep)
+                    if on_report is not None:
+                        on_report(rep)
+            finally:
+                eng.close()
+    return reports
 
-        if warmup:  # (each after the D-token prefix, so the token stream is bench/compare.py's llama.cpp one)
+
+def _measure(eng: _Engine, P: list, G: list, reps: int, threads: int, D: int, B: int, top_p: float, type_k: int,
+             type_v: int, seed: int, warmup: bool, block, commit: bool) -> dict:
+    """One configuration's tests on a fresh context of ``eng`` (run_bench's report, less the
+    model fields)."""
+    Pp, Gg = [p for p in P if p], [g for g in G if g]
+    eng.open(D + max(max(P) + B, max(G)), threads, type_k, type_v)
+    hp = eng.hp
+    V = int(hp.n_vocab)
+    do_block = bool(Pp) and (bool(hp.has_block) if block is None else (bool(block) and bool(hp.has_block)))
+    commit = bool(commit) and bool(Pp)
+    rng = np.random.default_rng(seed)
+    last = ffi.new("float[]", V)
+    at = f" @ d{D}" if D else ""
+    blk_logits = ffi.new("float[]", B * V) if do_block else ffi.NULL
+    n_exp = ffi.new("int32_t[]", max(int(hp.n_layer), 1))
+    mask = int(hp.mask_token_id)
+    blk_toks = ffi.new("int32_t[]", [mask if 0 <= mask < V else int(x) for x in rng.integers(0, V, B)])
+    test_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def toks(n):
+        return ffi.new("int32_t[]", rng.integers(0, V, n).tolist())
+
+    def reset():  # an empty context, then the D-token prefix (untimed)
+        lib.clover_context_reset(eng.c)
+        if D:
+            eng.prefill(toks(D), D, last)
+
+    if warmup:  # (each after the D-token prefix, so the token stream is bench/compare.py's llama.cpp one)
+        if Pp:
             reset()
-            eng.prefill(toks(n_prompt), n_prompt, last)
+            eng.prefill(toks(Pp[0]), Pp[0], last)
+        if Gg:
             reset()
             eng.prefill(toks(1), 1, last)
+    pps, tgs, after = [], [], []
+    for p in Pp:
+        pre = f" @ p{p}" if len(Pp) > 1 else ""  # several prefixes: the block and commit rows name theirs
+        pp = BenchResult(f"pp{p}{at}", p, n_prompt=p)
+        blk = BenchResult(f"block{B}{pre}{at}", B, n_prompt=p,
+                          extra={"block_size": B, "coreset_top_p": top_p, "prefix": D + p})
+        com = BenchResult(f"commit{B}{pre}{at}", B, n_prompt=p, extra={"block_size": B, "prefix": D + p})
+        distinct = []
         for _ in range(reps):
             reset()
-            pp.seconds.append(eng.prefill(toks(n_prompt), n_prompt, last))
-            if do_block:  # read-only on the caches: n_past stays D + n_prompt
-                blk.seconds.append(eng.block(blk_toks, B, float(coreset_top_p), blk_logits, n_exp))
+            pp.seconds.append(eng.prefill(toks(p), p, last))
+            if do_block:  # read-only on the caches: n_past stays D + p
+                blk.seconds.append(eng.block(blk_toks, B, top_p, blk_logits, n_exp))
                 distinct.append(float(np.mean([n_exp[i] for i in range(int(hp.n_layer))])))
             if commit:
                 com.seconds.append(eng.prefill(toks(B), B, last))
+        pps.append(pp)
+        if do_block:
+            blk.extra["mean_distinct_experts"] = float(np.mean(distinct))
+            after.append(blk)
+        if commit:
+            after.append(com)
+    for g in Gg:
+        tg = BenchResult(f"tg{g}{at}", g, n_gen=g)
         for _ in range(reps):
             reset()
-            ids = toks(n_gen)
+            ids = toks(g)
             total = 0.0
-            for i in range(n_gen):
+            for i in range(g):
                 total += eng.prefill(ids + i, 1, last)
             tg.seconds.append(total)
-    finally:
-        eng.close()
-    results = [pp, tg]
+        tgs.append(tg)
     ratio = None
-    if do_block:
-        blk.extra["mean_distinct_experts"] = float(np.mean(distinct))
-        ratio = blk.ms_mean / (1000.0 / tg.tps_mean)
-        blk.extra["vs_tg_step"] = ratio
-        results.append(blk)
-    if commit:
-        results.append(com)
+    blocks = [r for r in after if "coreset_top_p" in r.extra]
+    if blocks and tgs:  # block time as a multiple of one step of the first tg
+        step_ms = 1000.0 / tgs[0].tps_mean
+        for r in blocks:
+            r.extra["vs_tg_step"] = r.ms_mean / step_ms
+        ratio = blocks[0].extra["vs_tg_step"]
     if threads == 0:
         try:
             threads = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             threads = os.cpu_count() or 1
-    return {"model": summary, "threads": threads, "results": results, "block_vs_tg": ratio,
-            "params": {"n_prompt": n_prompt, "n_gen": n_gen, "reps": reps, "block_size": B,
-                       "coreset_top_p": float(coreset_top_p), "seed": seed, "warmup": warmup,
-                       "type_k": type_k, "type_v": type_v, "n_depth": D},
-            "n_gpu_layers": gpu_layers}
+    return {"threads": threads, "results": pps + tgs + after, "block_vs_tg": ratio, "test_time": test_time,
+            "params": {"n_prompt": P, "n_gen": G, "reps": reps, "block_size": B, "coreset_top_p": top_p,
+                       "seed": seed, "warmup": warmup, "type_k": type_k, "type_v": type_v, "n_depth": D}}
 
 
 # ---------------------------------------------------------------------------- output
@@ -325,34 +426,51 @@ def _params(n: int) -> str:
     return str(n)
 
 
-def format_table(report: dict) -> str:
-    """The llama-bench-style markdown table of a :func:`run_bench` report (str, no trailing
-    newline): model | size | params | type | threads | test | t/s | ms/forward | vs tg step.
-    t/s and ms are ``mean ± std`` over the repetitions; t/s is blank for block and commit
-    rows, ms is per forward pass (for tg: per token)."""
-    s = report["model"]
-    head = ["model", "size", "params", "type", "threads", "test", "t/s", "ms/forward", "vs tg step"]
+_CACHE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
+# the table's columns shown only when a report's value is not this default (llama-bench's rule)
+_OPTIONAL_COLUMNS = (("ngl", "n_gpu_layers", 0), ("n_cpu_moe", "n_cpu_moe", 0))
+_OPTIONAL_PARAMS = (("type_k", "type_k", 0), ("type_v", "type_v", 0), ("coreset_top_p", "coreset_top_p", 0.9))
+
+
+def _reports(reports) -> list:
+    return [reports] if isinstance(reports, dict) else list(reports)
+
+
+def format_table(reports) -> str:
+    """The llama-bench-style markdown table of :func:`run_bench` reports (one or a list; str, no
+    trailing newline): model | size | params | type | [ngl] | [n_cpu_moe] | threads | [type_k] |
+    [type_v] | [coreset_top_p] | test | t/s | ms/forward | vs tg step, the bracketed columns
+    only when a report differs from the default there, as llama-bench. t/s and ms are ``mean ±
+    std`` over the repetitions; t/s is blank for block and commit rows, ms is per forward pass
+    (for tg: per token)."""
+    reports = _reports(reports)
+    before = [c for c in _OPTIONAL_COLUMNS if any(r[c[1]] != c[2] for r in reports)]
+    after = [c for c in _OPTIONAL_PARAMS if any(r["params"][c[1]] != c[2] for r in reports)]
+    head = ["model", "size", "params", "type"] + [c[0] for c in before] + ["threads"] + [c[0] for c in after] + \
+        ["test", "t/s", "ms/forward", "vs tg step"]
     rows = []
-    for r in report["results"]:
-        if r.name.startswith(("pp", "tg")):
-            tps = f"{r.tps_mean:.2f} ± {r.tps_std:.2f}"
-        else:
-            tps = ""
-        if r.name.startswith("tg"):  # per token
-            per = [1000.0 * x / r.n_tokens for x in r.seconds]
-            ms = f"{np.mean(per):.2f} ± {(np.std(per, ddof=1) if len(per) > 1 else 0.0):.2f}"
-        else:
-            ms = f"{r.ms_mean:.2f} ± {r.ms_std:.2f}"
-        vs = f"{r.extra['vs_tg_step']:.2f}x" if "vs_tg_step" in r.extra else ""
-        rows.append([f"{s['file']} ({s['arch']})", _size(s["size_bytes"]), _params(s["n_params"]), s["type"],
-                     str(report["threads"]), r.name, tps, ms, vs])
+    for rep in reports:
+        s = rep["model"]
+        cells = [f"{s['file']} ({s['arch']})", _size(s["size_bytes"]), _params(s["n_params"]), s["type"]]
+        cells += [str(rep[c[1]]) for c in before] + [str(rep["threads"])]
+        cells += [_CACHE_NAMES.get(v, str(v)) if c[0].startswith("type") else f"{v:g}"
+                  for c in after for v in [rep["params"][c[1]]]]
+        for r in rep["results"]:
+            tps = f"{r.tps_mean:.2f} ± {r.tps_std:.2f}" if r.name.startswith(("pp", "tg")) else ""
+            if r.name.startswith("tg"):  # per token
+                per = [1000.0 * x / r.n_tokens for x in r.seconds]
+                ms = f"{np.mean(per):.2f} ± {(np.std(per, ddof=1) if len(per) > 1 else 0.0):.2f}"
+            else:
+                ms = f"{r.ms_mean:.2f} ± {r.ms_std:.2f}"
+            vs = f"{r.extra['vs_tg_step']:.2f}x" if "vs_tg_step" in r.extra else ""
+            rows.append(cells + [r.name, tps, ms, vs])
     w = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
-    right = {1, 2, 4, 6, 7, 8}
+    left = {0, 3, head.index("test")} | {i for i, h in enumerate(head) if h in ("type_k", "type_v")}
 
     def line(cells):
-        return "| " + " | ".join(c.rjust(w[i]) if i in right else c.ljust(w[i]) for i, c in enumerate(cells)) + " |"
+        return "| " + " | ".join(c.ljust(w[i]) if i in left else c.rjust(w[i]) for i, c in enumerate(cells)) + " |"
 
-    sep = "| " + " | ".join(("-" * (w[i] - 1) + ":") if i in right else "-" * w[i] for i in range(len(head))) + " |"
+    sep = "| " + " | ".join("-" * w[i] if i in left else ("-" * (w[i] - 1) + ":") for i in range(len(head))) + " |"
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
@@ -362,3 +480,79 @@ def to_json(report: dict) -> str:
     obj = {k: v for k, v in report.items() if k != "results"}
     obj["results"] = [r.as_dict() for r in report["results"]]
     return json.dumps(obj, allow_nan=False, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o)
+
+
+# llama-bench's fields where the concept is the same (its ``-o json|jsonl|csv|sql`` rows: the
+# model, the configuration, the test as n_prompt / n_gen / n_depth, the timing), then clover's
+# (the test's name, the block forward's figures); SQL types as llama-bench's.
+FIELDS = {"backends": "TEXT", "model_filename": "TEXT", "model_type": "TEXT", "model_size": "INTEGER",
+          "model_n_params": "INTEGER", "n_threads": "INTEGER", "type_k": "TEXT", "type_v": "TEXT",
+          "n_gpu_layers": "INTEGER", "n_cpu_moe": "INTEGER", "n_prompt": "INTEGER", "n_gen": "INTEGER",
+          "n_depth": "INTEGER", "test_time": "TEXT", "avg_ns": "INTEGER", "stddev_ns": "INTEGER", "avg_ts": "REAL",
+          "stddev_ts": "REAL", "test": "TEXT", "block_size": "INTEGER", "coreset_top_p": "REAL",
+          "mean_distinct_experts": "REAL", "vs_tg_step": "REAL"}
+OUTPUTS = ("md", "json", "jsonl", "csv", "sql")
+
+
+def _finite(x):
+    return x if math.isfinite(x) else None
+
+
+def bench_rows(report: dict) -> list[dict]:
+    """One dict per test of a :func:`run_bench` report, keyed by :data:`FIELDS` in that order,
+    plus llama-bench's ``samples_ns`` and ``samples_ts``. As llama-bench: a pp row has
+    n_gen 0, a tg row n_prompt 0, the samples are each repetition's time (tg: of all n_gen
+    steps) and tokens/s; a block or commit row has the n_prompt of its prefix and ``avg_ts`` in
+    rows (block_size) per second. ``block_size``, ``coreset_top_p``, ``mean_distinct_experts``
+    and ``vs_tg_step`` are None where a test has no such figure."""
+    s, p = report["model"], report["params"]
+    out = []
+    for r in report["results"]:
+        ns = [int(round(x * 1e9)) for x in r.seconds]
+        row = {"backends": "CUDA" if report["n_gpu_layers"] else "CPU", "model_filename": report["path"],
+               "model_type": f"{s['arch']} {s['type']}", "model_size": s["size_bytes"], "model_n_params": s["n_params"],
+               "n_threads": report["threads"], "type_k": _CACHE_NAMES[p["type_k"]],
+               "type_v": _CACHE_NAMES[p["type_v"]], "n_gpu_layers": report["n_gpu_layers"],
+               "n_cpu_moe": report["n_cpu_moe"], "n_prompt": r.n_prompt, "n_gen": r.n_gen, "n_depth": p["n_depth"],
+               "test_time": report["test_time"], "avg_ns": int(round(np.mean(ns))),
+               "stddev_ns": int(round(np.std(ns, ddof=1))) if len(ns) > 1 else 0, "avg_ts": _finite(r.tps_mean),
+               "stddev_ts": _finite(r.tps_std), "test": r.name}
+        row.update({k: r.extra.get(k) for k in ("block_size", "coreset_top_p", "mean_distinct_experts", "vs_tg_step")})
+        row["samples_ns"], row["samples_ts"] = ns, [_finite(x) for x in r.tps]
+        out.append(row)
+    return out
+
+
+def _sql(v) -> str:
+    if v is None:
+        return "NULL"
+    return str(v) if isinstance(v, (int, float)) else "'" + str(v).replace("'", "''") + "'"
+
+
+def format_rows(reports, fmt: str, header: bool = True) -> str:
+    """:func:`bench_rows` of reports (one or a list) in llama-bench's output format ``fmt``
+    (str, no trailing newline): ``json`` (an array of objects), ``jsonl`` (an object per line),
+    ``csv`` (with its header line when ``header``), ``sql`` (``INSERT INTO clover_bench``
+    statements, after the ``CREATE TABLE IF NOT EXISTS`` when ``header``; clover's table: its
+    columns are not llama_bench's). ``md`` is :func:`format_table`. ValueError for another fmt."""
+    if fmt == "md":
+        return format_table(reports)
+    rows = [row for rep in _reports(reports) for row in bench_rows(rep)]
+    if fmt == "json":
+        return json.dumps(rows, indent=2, allow_nan=False)
+    if fmt == "jsonl":
+        return "\n".join(json.dumps(row, allow_nan=False) for row in rows)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        if header:
+            w.writerow(FIELDS)
+        w.writerows([["" if row[k] is None else row[k] for k in FIELDS] for row in rows])
+        return buf.getvalue().rstrip("\n")
+    if fmt == "sql":
+        lines = ["CREATE TABLE IF NOT EXISTS clover_bench (" + ", ".join(f"{k} {t}" for k, t in FIELDS.items()) + ");"] \
+            if header else []
+        lines += [f"INSERT INTO clover_bench ({', '.join(FIELDS)}) VALUES ({', '.join(_sql(row[k]) for k in FIELDS)});"
+                  for row in rows]
+        return "\n".join(lines)
+    raise ValueError(f"output: {fmt!r} is not one of {', '.join(OUTPUTS)}")

@@ -429,7 +429,7 @@ class Clover:
                             type_v="f32" if type_v is None else type_v, plan_callback=plan_callback,
                             diffusion_path=diffusion_path)
         try:
-            self.mode = mode if mode is not None else ("diffusion" if self._model.has_block else "ar")
+            self.mode = mode if mode is not None else self._model.default_mode
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p
             # validate the diffusion settings now (the same checks as every call's)
             self._model.check_generate_args(mode=self.mode, block_size=block_size, threshold=threshold,

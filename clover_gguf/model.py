@@ -264,6 +264,11 @@ class Model:
         ``diffusion`` and ``spec`` run."""
         return self.hparams["has_block"]
 
+    @property
+    def default_mode(self) -> str:
+        """The decoding mode when none is given: ``"diffusion"`` with the block tensors, else ``"ar"``."""
+        return "diffusion" if self.has_block else "ar"
+
     def _end_ids(self) -> list[int]:
         ids = []
         for t in _END_TOKENS:
@@ -457,7 +462,7 @@ class Model:
         lib.clover_gen_params_default(self._model, p)
         mode = o.mode
         if mode is None:
-            mode = "diffusion" if self.has_block else "ar"
+            mode = self.default_mode
         if not isinstance(mode, str) or mode not in _MODES:
             raise ValueError(f"mode: {mode!r} not one of {sorted(_MODES)}")
         err = err_buf()

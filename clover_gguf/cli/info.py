@@ -32,6 +32,11 @@ def cmd(a) -> int:
     from .._ffi import CloverError
     from ..gguf import GGUFFile
 
+    if a.file and a.model and a.file != a.model:
+        raise UsageError(f"FILE, -m/--model: two files ({a.file}, {a.model}); give one, as FILE or -m FILE")
+    a.model = a.file or a.model
+    if not a.model:
+        raise UsageError("-m/--model: required (info FILE or info -m FILE)")
     check_model_path(a.model)
     try:
         f = GGUFFile(a.model)
@@ -69,5 +74,7 @@ def cmd(a) -> int:
 
 def add_parser(sub) -> None:
     i = sub.add_parser("info", help="print GGUF metadata and the tensor table")
-    i.add_argument("model", help="GGUF file")
+    i.add_argument("file", nargs="?", default="", metavar="FILE", help="GGUF file (or -m FILE)")
+    # llama.cpp's -m; not None, so that cli.main gives no embedded default: info reads a named file
+    i.add_argument("-m", "--model", default="", metavar="FILE", help="GGUF file (llama.cpp's -m; or FILE)")
     i.set_defaults(func=cmd)

@@ -65,7 +65,47 @@ class _BlockView:
         self.out.flush()
 
 
+class _StepView:
+    """`run --visual` in ar and spec: the text of the tokens the last forward committed (ar: its
+    one token; spec: the accepted draft and the verify's own token) highlighted as
+    :class:`_BlockView` highlights newly filled slots, and written plain once the next forward's
+    text arrives, so the terminal ends with the text as without --visual. The cursor steps back
+    over the highlighted text to rewrite it, so only the part after the last line break is
+    highlighted, and only when it is printable ASCII and stays on the line (else it is written
+    plain; the column is unknown after other characters until the next line break)."""
+
+    NEW, OFF = _BlockView.NEW, _BlockView.OFF
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.width = max(shutil.get_terminal_size((80, 24)).columns, 20)
+        self.col = 0  # cursor column, None when unknown
+        self.lit = ""  # the highlighted text right before the cursor
+
+    def step(self, new_ids, block) -> None:
+        """(Model.generate_stream's on_step: the text comes through :meth:`text`.)"""
+
+    def text(self, piece: str) -> None:
+        if self.lit:  # back over the last forward's text, written plain
+            self.out.write(f"\033[{len(self.lit)}D" + self.lit)
+        head, nl, tail = piece.rpartition("\n")
+        if nl:
+            self.col = 0
+        ascii_ = tail.isascii() and tail.isprintable()
+        end = None if self.col is None or not ascii_ else self.col + len(tail)
+        self.lit = tail if end is not None and end < self.width else ""
+        self.out.write(head + nl + (self.NEW + tail + self.OFF if self.lit else tail))
+        self.col = None if end is None else end % self.width
+        self.out.flush()
+
+    def finish(self) -> None:
+        self.text("")
+
+
 def cmd(a) -> int:
+    if a.visual and a.json:
+        raise UsageError("--visual, --json: give one (--visual draws the text as it is decoded on a terminal, "
+                         "--json prints one object at the end)")
     if a.prompt is None:  # `echo PROMPT | clover-gguf run`: the prompt from stdin
         if sys.stdin is None or sys.stdin.isatty():
             raise UsageError("--prompt: required (or pipe the prompt on stdin)")
@@ -77,7 +117,11 @@ def cmd(a) -> int:
         kw = options.from_cli(a)
         if kw["max_tokens"] is None:  # -n -1: until an end token or the context is full
             kw["max_tokens"] = m.n_ctx
-        view = _BlockView(m, sys.stdout) if a.visual and not a.json and sys.stdout.isatty() else None
+        view = None
+        if a.visual and not sys.stdout.isatty():
+            print("note: --visual draws on a terminal; stdout is not one: plain text", file=sys.stderr)
+        elif a.visual:  # diffusion: the block being denoised; ar, spec: each forward's tokens
+            view = _BlockView(m, sys.stdout) if (kw["mode"] or m.default_mode) == "diffusion" else _StepView(sys.stdout)
         try:
             stream = m.generate_stream(a.prompt, on_step=view.step if view else None, **kw)
         except ValueError as e:
@@ -140,8 +184,9 @@ def add_parser(sub) -> None:
                    help="prompt text (special tokens recognised); default: read from stdin when it is piped")
     options.add_cli_args(r)
     r.add_argument("--visual", action="store_true",
-                   help="diffusion: redraw the block being denoised in place on a terminal (masked slots "
-                        "dim, newly filled ones highlighted); plain output when stdout is not a terminal")
+                   help="on a terminal, diffusion: redraw the block being denoised in place (masked slots "
+                        "dim, newly filled ones highlighted); ar and spec: highlight the tokens of the last "
+                        "forward; plain output (and a note) when stdout is not a terminal")
     add_threads_ctx_args(r)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     add_device_args(r)

@@ -140,7 +140,7 @@ def test_depth_prefills_before_every_test(clover_gguf_path, monkeypatch):
 
 def test_bad_arguments(clover_gguf_path):
     with pytest.raises(ValueError, match="n_prompt"):
-        run_bench(clover_gguf_path, n_prompt=0)
+        run_bench(clover_gguf_path, n_prompt=-1)
     with pytest.raises(ValueError, match="coreset_top_p"):
         run_bench(clover_gguf_path, coreset_top_p=1.5)
 
@@ -151,7 +151,7 @@ def test_cli_bench(clover_gguf_path, capsys, tmp_path):
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
     assert [x["test"] for x in obj["results"]] == ["pp8", "tg3", "block4", "commit4"]
-    assert obj["threads"] == 1 and obj["params"]["n_prompt"] == 8
+    assert obj["threads"] == 1 and obj["params"]["n_prompt"] == [8]
     rc = main(["bench", "-m", str(clover_gguf_path), "-p", "8", "-n", "3", "-r", "1", "-t", "1"])
     assert rc == 0
     out = capsys.readouterr().out
@@ -164,8 +164,128 @@ def test_cli_bench(clover_gguf_path, capsys, tmp_path):
     assert obj["params"]["n_depth"] == 5
     assert main(["bench", "-m", str(tmp_path / "missing.gguf")]) == 2
     assert "not found" in capsys.readouterr().err
-    assert main(["bench", "-m", str(clover_gguf_path), "--coreset-top-p", "0"]) == 2
-    assert "coreset" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "-m", str(clover_gguf_path), "--coreset-top-p", "0"])
+    assert e.value.code == 2 and "--coreset-top-p: element '0'" in capsys.readouterr().err
+
+
+def test_grid_is_llama_bench_cartesian_product(clover_gguf_path, monkeypatch):
+    """run_grid: one report per combination of the list arguments in GRID_ORDER (the first
+    varying slowest), a model loaded once per (n_gpu_layers, n_cpu_moe) and a context per
+    combination; inside each, a pp (and block, commit after that prefix) per n_prompt and a tg
+    per n_gen, 0 skipping, with llama-bench's n_prompt / n_gen on every row."""
+    from clover_gguf import bench
+
+    loads, opens = [], []
+    real_init, real_open = bench._Engine.__init__, bench._Engine.open
+    monkeypatch.setattr(bench._Engine, "__init__", lambda self, *a: loads.append(a) or real_init(self, *a))
+    monkeypatch.setattr(bench._Engine, "open", lambda self, *a: opens.append(a) or real_open(self, *a))
+    done = []
+    reps = bench.run_grid(clover_gguf_path, n_prompt=[4, 0, 6], n_gen=[2, 3], reps=1, n_threads=[1, 2],
+                          block_size=4, type_k=["f32", "f16"], warmup=False, on_report=done.append)
+    assert done == reps and len(loads) == 1
+    assert [(r["params"]["type_k"], r["threads"]) for r in reps] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert [(o[1], o[2]) for o in opens] == [(1, 0), (2, 0), (1, 1), (2, 1)]  # (threads, type_k)
+    for r in reps:
+        assert [x.name for x in r["results"]] == ["pp4", "pp6", "tg2", "tg3", "block4 @ p4", "commit4 @ p4",
+                                                  "block4 @ p6", "commit4 @ p6"]
+        assert [(x.n_prompt, x.n_gen) for x in r["results"]] == [(4, 0), (6, 0), (0, 2), (0, 3), (4, 0), (4, 0),
+                                                                   (6, 0), (6, 0)]
+        tg_step_ms = 1000.0 / r["results"][2].tps_mean  # against the first tg
+        assert r["results"][6].extra["vs_tg_step"] == pytest.approx(r["results"][6].ms_mean / tg_step_ms)
+    only_tg = bench.run_grid(clover_gguf_path, n_prompt=0, n_gen=2, reps=1, n_threads=1, warmup=False)
+    assert [x.name for x in only_tg[0]["results"]] == ["tg2"] and only_tg[0]["block_vs_tg"] is None
+    for kw, field in ((dict(n_prompt=0, n_gen=[0]), "n_prompt, n_gen"), (dict(n_threads=[1, -1]), "n_threads: -1"),
+                      (dict(block_size=[4, 0]), "block_size: 0"), (dict(coreset_top_p=[0.5, 2.0]), "coreset_top_p: 2.0"),
+                      (dict(type_k=["f32", "q8"]), "type_k: 'q8'"), (dict(n_depth=[]), "n_depth: an empty list")):
+        with pytest.raises(ValueError, match=field):
+            bench.run_grid(clover_gguf_path, **kw)
+    with pytest.raises(ValueError, match="n_threads: one value in run_bench"):
+        run_bench(clover_gguf_path, n_threads=[1, 2])
+    assert len(loads) == 2  # nothing loaded for the bad arguments
+
+
+def test_cli_bench_lists_and_output_formats(clover_gguf_path, parent_gguf_path, capsys):
+    """-m/-p/-t lists (commas and a repeated -m) run the cartesian product; -o jsonl, json, csv
+    and sql print the same rows with llama-bench's field names (sql loads into sqlite), and
+    each row's avg_ns / avg_ts are the mean of its samples."""
+    import csv
+    import io
+    import sqlite3
+
+    from clover_gguf.bench import FIELDS
+
+    base = ["bench", "-m", str(clover_gguf_path), "-m", str(parent_gguf_path), "-p", "4,6", "-n", "2", "-r", "2",
+            "-t", "1,2", "--block-size", "4", "--no-warmup"]
+    assert main(base + ["-o", "jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(list(r) == list(FIELDS) + ["samples_ns", "samples_ts"] for r in rows)
+    got = [(r["model_filename"], r["n_threads"], r["test"], r["n_prompt"], r["n_gen"]) for r in rows]
+    want = []
+    for m, tests in ((clover_gguf_path, ["pp4", "pp6", "tg2", "block4 @ p4", "commit4 @ p4", "block4 @ p6",
+                                         "commit4 @ p6"]), (parent_gguf_path, ["pp4", "pp6", "tg2", "commit4 @ p4",
+                                                                               "commit4 @ p6"])):
+        for t in (1, 2):
+            for name in tests:
+                p = 0 if name.startswith("tg") else int(name.split("p")[-1])
+                want.append((str(m), t, name, p, 2 if name.startswith("tg") else 0))
+    assert got == want
+    for r in rows:
+        assert len(r["samples_ns"]) == 2 and r["avg_ns"] == pytest.approx(np.mean(r["samples_ns"]), abs=1)
+        assert r["avg_ts"] == pytest.approx(np.mean(r["samples_ts"]))
+        n = r["n_prompt"] + r["n_gen"] if r["block_size"] is None else r["block_size"]
+        assert r["samples_ts"] == pytest.approx([n / (x * 1e-9) for x in r["samples_ns"]], rel=1e-6)
+        assert r["backends"] == "CPU" and r["type_k"] == "f32" and r["n_depth"] == 0
+        assert (r["vs_tg_step"] is not None) == r["test"].startswith("block")
+    assert main(base + ["-o", "json"]) == 0
+    arr = json.loads(capsys.readouterr().out)
+    assert [(r["model_filename"], r["n_threads"], r["test"]) for r in arr] == [g[:3] for g in want]
+    assert main(base + ["-o", "csv"]) == 0
+    table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["model_filename"], int(r["n_threads"]), r["test"]) for r in table] == [g[:3] for g in want]
+    assert list(table[0]) == list(FIELDS) and table[0]["coreset_top_p"] == "" and float(table[0]["avg_ts"]) > 0
+    assert main(base + ["-o", "sql"]) == 0
+    db = sqlite3.connect(":memory:")
+    db.executescript(capsys.readouterr().out)
+    assert db.execute("SELECT model_filename, n_threads, test FROM clover_bench").fetchall() == [g[:3] for g in want]
+    assert db.execute("SELECT COUNT(*) FROM clover_bench WHERE coreset_top_p = 0.9").fetchone()[0] == 2 * 2
+    # md: a column for a list that is not the default (llama-bench's type_k), one row per test
+    assert main(["bench", "-m", str(clover_gguf_path), "-p", "4", "-n", "2", "-r", "1", "-t", "1",
+                 "--block-size", "4", "-ctk", "f32,f16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[4:7] == ["threads", "type_k", "test"] and len(lines) == 2 + 2 * 4
+    assert [line.split("|")[6].strip() for line in lines[2:]] == ["f32"] * 4 + ["f16"] * 4
+
+
+@pytest.mark.parametrize("args, flag, elem", [
+    (["-p", "64,x"], "-p/--n-prompt", "'x'"), (["-n", "32,,64"], "-n/--n-gen", "''"),
+    (["-t", "1,-2"], "-t/--threads", "'-2'"), (["-ctk", "f32,q8"], "-ctk/--cache-type-k", "'q8'"),
+    (["--block-size", "4,0"], "--block-size", "'0'"), (["--coreset-top-p", "0.5,1.5"], "--coreset-top-p", "'1.5'"),
+    (["-d", "8-2"], "-d/--n-depth", "'8-2'"), (["-ngl", "all,some"], "-ngl/--n-gpu-layers", "'some'")])
+def test_cli_bench_refuses_a_bad_list_element(args, flag, elem, clover_gguf_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "-m", str(clover_gguf_path), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: element {elem}" in err, err
+
+
+def test_cli_bench_ranges_and_refusals(clover_gguf_path, capsys):
+    """llama-bench's ranges FIRST-LAST[+STEP|*STEP]; -p 0 -n 0 (nothing to run) and --json with -o
+    are refused naming the flags."""
+    from clover_gguf.cli.bench import _int_range
+
+    assert _int_range(0)("4-16*2") == [4, 8, 16] and _int_range(0)("1-7+3") == [1, 4, 7]
+    assert _int_range(0)("0-2") == [0, 1, 2] and _int_range(1)("5") == [5]
+    assert main(["bench", "-m", str(clover_gguf_path), "-p", "1-3", "-n", "0", "-r", "1", "-t", "1",
+                 "--block-size", "2", "-o", "jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["test"] for r in rows if r["n_gen"] == 0 and r["block_size"] is None] == ["pp1", "pp2", "pp3"]
+    assert main(["bench", "-m", str(clover_gguf_path), "-p", "0", "-n", "0"]) == 2
+    assert "n_prompt, n_gen: no test to run" in capsys.readouterr().err
+    assert main(["bench", "-m", str(clover_gguf_path), "--json", "-o", "csv"]) == 2
+    assert "--json, -o" in capsys.readouterr().err
 
 
 def test_bench_does_not_import_torch():

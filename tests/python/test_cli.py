@@ -165,6 +165,25 @@ def test_info_prints_metadata_and_tensor_table(gguf_path):
     assert f"total tensor bytes: {sum(t['nbytes'] for t in tensors)}" in out
 
 
+def test_info_takes_the_file_as_llama_cpp_m_or_positional(tmp_path, capsys):
+    """`info -m FILE` (llama.cpp's flag) prints what `info FILE` does; two different files, no
+    file, or a missing -m file exit 2 naming the argument."""
+    from clover_gguf.cli import main
+
+    path = str(clover_gguf.DEFAULT_MODEL)
+    assert main(["info", path]) == 0
+    positional = capsys.readouterr().out
+    assert positional.startswith(f"file: {path}\n") and "tensors: " in positional
+    for argv in (["info", "-m", path], ["info", "--model", path], ["info", path, "-m", path]):
+        assert main(argv) == 0
+        assert capsys.readouterr().out == positional
+    other = str(tmp_path / "other.gguf")
+    for argv, msg in ((["info", path, "-m", other], "FILE, -m/--model: two files"),
+                      (["info"], "-m/--model: required"), (["info", "-m", other], f"not found: {other}")):
+        assert main(argv) == 2
+        assert msg in capsys.readouterr().err
+
+
 def test_info_names_every_tensor_type(make_gguf):
     """A Q4_K_M file's table names its types as ggml does (Q4_K, Q6_K, Q8_0, F32, ...): no
     tensor's type column is a bare number. The names are checked against gguf-py's reader."""
@@ -307,6 +326,98 @@ def test_run_visual_on_a_terminal_and_plain_otherwise(gguf_path):
     # without the cursor moves and the drawn blocks, the terminal shows the plain text
     text_written = re.sub(r"\x1b\[K|\x1b\[\d+D", "", re.sub(r" (?:\x1b\[[0-9;]*m|[^\x1b\r\n])*?\x1b\[\d+D", "", tty))
     assert text_written.replace("\r\n", "\n").startswith(plain.stdout.rstrip("\n"))
+
+
+def _screen(data: str, width: int) -> list[str]:
+    """The lines a terminal ``width`` columns wide shows after ``data``, as xterm: a character
+    written in the last column wraps before the next one, ``\\r`` goes to column 0, ``\\n`` to
+    the next line's column 0 (a pty's onlcr), ``ESC[nD`` moves n columns left within the line,
+    ``ESC[K`` clears to its end, ``ESC[...m`` (colours) changes no character."""
+    lines, row, col, wrap = [[]], 0, 0, False
+    i = 0
+    while i < len(data):
+        m = re.match(r"\x1b\[([0-9;]*)([A-Za-z])", data[i:])
+        if m:
+            if m[2] == "D":
+                col, wrap = max(col - int(m[1] or 1), 0), False
+            elif m[2] == "K":
+                del lines[row][col:]
+            i += m.end()
+            continue
+        ch, i = data[i], i + 1
+        if ch in "\r\n":
+            col, wrap = 0, False
+            if ch == "\n":
+                row += 1
+                lines += [[]] if row == len(lines) else []
+            continue
+        if wrap:
+            row, col, wrap = row + 1, 0, False
+            lines += [[]] if row == len(lines) else []
+        line = lines[row]
+        line += [" "] * (col + 1 - len(line))
+        line[col] = ch
+        col, wrap = (col, True) if col == width - 1 else (col + 1, False)
+    return ["".join(x).rstrip() for x in lines]
+
+
+def test_step_view_highlights_the_last_forward_and_leaves_the_plain_text():
+    """run --visual's ar/spec view: each piece's text after its last line break is written
+    highlighted (the block view's colour) and rewritten plain when the next piece arrives, so the
+    screen ends as the plain text's, wrapped lines and non-ASCII text included."""
+    import io
+
+    from clover_gguf.cli.run import _BlockView, _StepView
+
+    pieces = ["def", " fib", "(n):\n", "    return", " n" * 9, " +", " caf\u00e9", " x", "\nif", "\n\n", "ok"]
+    out = io.StringIO()
+    view = _StepView(out)
+    view.width = 20
+    lit = []
+    for piece in pieces:
+        before = len(out.getvalue())
+        view.text(piece)
+        written = out.getvalue()[before:]
+        lit.append(view.lit)
+        if view.lit:
+            assert written.endswith(_BlockView.NEW + view.lit + _BlockView.OFF)
+    view.finish()
+    # "    return" ends at column 10; " n" * 9 crosses column 20 (plain), " +" then fits on the
+    # wrapped line; after "é" the column is unknown until the next line break
+    assert lit == ["def", " fib", "", "    return", "", " +", "", "", "if", "", "ok"]
+    assert out.getvalue().count("\x1b[1;32m") == 6 and not out.getvalue().endswith(_BlockView.OFF)
+    assert _screen(out.getvalue(), 20) == _screen("".join(pieces), 20)
+
+
+@pytest.mark.parametrize("mode", ["ar", "spec"])
+def test_run_visual_in_ar_and_spec_highlights_each_forward(gguf_path, mode):
+    """--visual in ar and spec on a terminal: each forward's tokens are drawn highlighted and the
+    screen then shows the plain text; piped, the text is plain and a note says --visual drew
+    nothing; with --json it is refused."""
+    import pty
+
+    args = ["run", "-m", str(gguf_path), "-p", PROMPT, "-n", 16, "--mode", mode, "-t", 2]
+    plain = cli(*args)
+    assert plain.returncode == 0, plain.stderr
+    if mode == "ar":  # (the same path in spec)
+        piped = cli(*args, "--visual")
+        assert piped.returncode == 0 and piped.stdout == plain.stdout and "\x1b[" not in piped.stdout
+        assert "note: --visual draws on a terminal" in piped.stderr
+        bad = cli(*args, "--visual", "--json")
+        assert bad.returncode == 2 and "--visual, --json: give one" in bad.stderr
+    out = []
+
+    def read(fd):
+        data = os.read(fd, 65536)
+        out.append(data)
+        return data
+
+    status = pty.spawn([sys.executable, "-m", "clover_gguf"] + [str(x) for x in args] + ["--visual"], read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tty = b"".join(out).decode("utf-8", "replace")
+    assert "\x1b[1;32m" in tty and re.search(r"\x1b\[\d+D", tty)  # highlighted, then stepped back over
+    want = _screen(plain.stdout, 80)[:-1]  # (its last line is the empty one after the final newline)
+    assert _screen(tty, 80)[:len(want)] == want
 
 
 def test_preload_reads_the_file_with_a_progress_bar(tmp_path):
