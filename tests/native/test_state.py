@@ -71,7 +71,7 @@ def test_loaded_state_continues_bit_for_bit(path, cache):
         _saved_context(a, ids)
         state = _get(a)
         assert len(state) == lib.clover_state_get_size(a._ctx)
-        _prefill(b, ids[::-1][:80])
+        _prefill(b, b.tokenize("class Stack:\n    def push(self, item):\n" * 6)[:80])
         assert _set(b, state) == (len(state), "")
         assert lib.clover_context_n_past(b._ctx) == 100
         assert _get(b) == state
