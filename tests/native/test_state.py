@@ -122,11 +122,13 @@ def test_truncated_and_corrupted_states_are_errors(path):
             rc, msg = _set(b, s)
             assert rc in (lib.CLOVER_E_ARG, lib.CLOVER_E_STATE) and msg.startswith("state: "), (len(s), rc, msg)
         assert _get(b) == before
-        assert _set(b, state[:HEADER + 1])[1].startswith(f"state: {HEADER + 1} bytes, its header describes {len(state)}")
+        want = f"state: {HEADER + 1} bytes, its header describes {len(state)}"
+        assert _set(b, state[:HEADER + 1])[1].startswith(want)
         assert _set(b, state[:10])[1] == f"state: 10 bytes, shorter than its header ({HEADER})"
         assert _set(b, b"X" + state[1:])[1] == "state: not a clover context state (magic)"
         mid = len(state) // 2
-        assert _set(b, state[:mid] + bytes([state[mid] ^ 1]) + state[mid + 1:])[1] == "state: checksum mismatch (corrupted)"
+        flipped = state[:mid] + bytes([state[mid] ^ 1]) + state[mid + 1:]
+        assert _set(b, flipped)[1] == "state: checksum mismatch (corrupted)"
 
 
 def test_incompatible_states_are_refused(path, make_gguf):
