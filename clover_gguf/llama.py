@@ -38,16 +38,19 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
 from . import compat
 from ._ffi import CloverError
 from .chat import check_template_kwargs
 from .model import ContextLengthExceeded, Model
+from .state import LlamaState, unpack_state
 from .grammar import JSON_LAYOUT
 from .tool_calls import ToolCallParser, forced_tools, tool_call_grammar
 from .options import REQUEST_FIELDS
 from .stops import partial_suffix
 
-__all__ = ["Clover", "ChatPrompt", "ReasoningSplitter"]
+__all__ = ["Clover", "ChatPrompt", "LlamaState", "ReasoningSplitter"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -310,9 +313,10 @@ def find_pretrained(repo_id: str, filename: str | None, local_dir=None, cache_di
     return found[0]
 
 
-def _check_seed(seed) -> int:
+def _check_seed(seed, name: str = "seed") -> int:
+    """``seed``, or a ValueError naming ``name`` unless it is -1 or an integer in [0, 2**64)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed < 2**64:
-        raise ValueError(f"seed: expected -1 or an integer in [0, 2**64), got {seed!r}")
+        raise ValueError(f"{name}: expected -1 or an integer in [0, 2**64), got {seed!r}")
     return seed
 
 
@@ -561,6 +565,49 @@ class Clover:
         """Empty the context's caches (waits for the running call): the next call prefills its
         whole prompt; prefix reuse starts over from it."""
         self._prepare(self._model.reset)
+
+    def save_state(self) -> LlamaState:
+        """The state of the context (waits for the running call), as llama-cpp-python's
+        ``save_state``: a picklable :class:`~clover_gguf.state.LlamaState` whose ``llama_state``
+        is :meth:`Model.save_state <clover_gguf.model.Model.save_state>`'s bytes. After
+        :meth:`load_state` (on this object or another on the same file, with the same cache types
+        and an n_ctx that holds the tokens) the next call runs as it would have run after the
+        save: a prompt that extends the saved one reuses its prefix (``timings["n_prompt_reused"]``)."""
+        def save():
+            blob = self._model.save_state()
+            ids = unpack_state(blob, self._model.n_vocab)[0]
+            return LlamaState(input_ids=np.array(ids, dtype=np.intc), scores=None, n_tokens=len(ids),
+                              llama_state=blob, llama_state_size=len(blob), seed=self.seed)
+        return self._prepare(save)
+
+    def load_state(self, state: LlamaState) -> None:
+        """Restore a :meth:`save_state` result (waits for the running call), and its ``seed`` as
+        this object's default seed. ValueError naming ``state`` for another type, fields that do
+        not agree with ``llama_state``, or a state that does not fit this model (another model
+        file, other cache types, more tokens than ``n_ctx``, truncated or corrupted bytes); the
+        context is then unchanged."""
+        if not isinstance(state, LlamaState):
+            raise ValueError(f"state: expected the LlamaState of Clover.save_state, got {type(state).__name__}")
+        blob = state.llama_state
+        if not isinstance(blob, (bytes, bytearray)):
+            raise ValueError(f"state.llama_state: expected bytes, got {type(blob).__name__}")
+        if state.llama_state_size != len(blob):
+            raise ValueError(f"state.llama_state_size: {state.llama_state_size!r}, llama_state holds {len(blob)} bytes")
+        _check_seed(state.seed, "state.seed")
+
+        def load():
+            ids = unpack_state(blob, self._model.n_vocab)[0]
+            try:
+                given = np.asarray(state.input_ids).tolist()
+            except (TypeError, ValueError):
+                given = None
+            if given != ids:
+                raise ValueError("state.input_ids: not the tokens of state.llama_state")
+            if state.n_tokens != len(ids):
+                raise ValueError(f"state.n_tokens: {state.n_tokens!r}, input_ids holds {len(ids)}")
+            self._model.load_state(blob)
+            self.seed = state.seed
+        self._prepare(load)
 
     def n_vocab(self) -> int:
         return self._model.n_vocab

@@ -23,6 +23,7 @@ from .chat import ChatTemplate
 from .gguf import read_metadata
 from .grammar import Constraint, grammar_source, ll_tokenizer
 from .options import GenerateOptions
+from .state import pack_state, unpack_state
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
 
@@ -187,6 +188,7 @@ class Model:
         self.prefix_reuse = bool(prefix_reuse)
         self._cached: list[int] = []
         self._saved: list[int] = []  # the prompt prefix whose state clover_context_save_state kept
+        self._ids: list[int] = []  # the tokens fed last; the caches hold its first n_past (input_ids)
         self._active = None  # the native decoder of a generation in progress
         self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
         self._cancel_lock = threading.Lock()
@@ -572,6 +574,7 @@ class Model:
         self._live()
         self._abort_active()
         cached, self._cached = self._cached, []
+        self._ids = list(prompt_ids)
         run = _Run()
         with self._cancel_lock:
             self._running = run
@@ -629,6 +632,7 @@ class Model:
                     lib.clover_decoder_stats(d, st)
                     self._active = None
                     lib.clover_decoder_free(d)
+                    self._ids = list(prompt_ids) + tokens
                     # the caches hold the prompt's prefill alone (a committed token ran as a decode
                     # step or block commit, which a prefill does not reproduce bit for bit)
                     if not cancelled and lib.clover_context_n_past(self._ctx) == limit:
@@ -729,7 +733,57 @@ class Model:
         self._live()
         self._abort_active()
         lib.clover_context_reset(self._ctx)
-        self._cached, self._saved = [], []
+        self._cached, self._saved, self._ids = [], [], []
+
+    @_locked
+    def save_state(self) -> bytes:
+        """The context's state as bytes (llama-cpp-python's ``save_state``; format:
+        :mod:`clover_gguf.state`): the caches (clover.h ``clover_state_get_data``: KV rows, GDN
+        and conv states, the state saved at the last prompt's split point) and the tokens prefix
+        reuse compares prompts with, so that after :meth:`load_state`, on this object or another
+        ``Model`` of the same file, cache types and an n_ctx that holds them, the next generation
+        runs as it would have run here (a prompt that extends the saved one reuses its prefix).
+        Raises CloverError while an unfinished ``generate_stream`` iterator runs on the context."""
+        self._live()
+        if self._active is not None:
+            raise CloverError("save_state: a generation is in progress on this model (an unfinished "
+                              "generate_stream iterator): exhaust or close it first")
+        n_past = int(lib.clover_context_n_past(self._ctx))
+        ids = self._ids[:n_past]
+        if len(ids) != n_past:
+            raise CloverError(f"save_state: the context holds {n_past} tokens, {len(ids)} of them known here "
+                              "(the engine was driven directly)")
+        size = int(lib.clover_state_get_size(self._ctx))
+        if size < 0:
+            raise CloverError(f"save_state: the state's size overflows (code {size})")
+        engine = bytearray(size)
+        err = err_buf()
+        if lib.clover_state_get_data(self._ctx, ffi.from_buffer("uint8_t[]", engine), size, err, len(err)) < 0:
+            raise_error(err, "save_state")
+        return pack_state(ids, self._cached, self._saved, engine)
+
+    @_locked
+    def load_state(self, state: bytes) -> None:
+        """Put the context in the state of :meth:`save_state`'s bytes. ValueError naming
+        ``state`` when they are not such bytes (truncated, corrupted) or do not fit this model
+        (another model file, other ``type_k``/``type_v``, more tokens than ``n_ctx``); the
+        context is then unchanged. Interrupts an unfinished ``generate_stream`` iterator."""
+        self._live()
+        ids, cached, saved, engine = unpack_state(state, self.n_vocab)
+        self._abort_active()
+        err = err_buf()
+        rc = lib.clover_state_set_data(self._ctx, ffi.from_buffer("uint8_t[]", engine), len(engine), err, len(err))
+        if rc in (lib.CLOVER_E_ARG, lib.CLOVER_E_STATE):
+            msg = ffi.string(err).decode("utf-8", "replace")
+            raise ValueError(msg if msg.startswith("state") else f"state: {msg}")
+        if rc < 0:
+            raise_error(err, "load_state")
+        n_past = int(lib.clover_context_n_past(self._ctx))
+        if n_past != len(ids):
+            lib.clover_context_reset(self._ctx)
+            self._cached, self._saved, self._ids = [], [], []
+            raise ValueError(f"state: {len(ids)} token ids for {n_past} cached tokens (the context is reset)")
+        self._ids, self._cached, self._saved = ids, cached, saved
 
     def record_cancelled(self, n_prompt: int, mode: str) -> None:
         """Set :attr:`last_stats` for a generation cancelled before its prefill started."""
@@ -951,7 +1005,7 @@ class Model:
             raise ValueError(f"ids: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
         self._abort_active()
         lib.clover_context_reset(self._ctx)
-        self._cached = []
+        self._cached, self._ids = [], list(ids)
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
         err = err_buf()
         toks = ffi.new("int32_t[]", ids)
@@ -984,7 +1038,7 @@ class Model:
         err = err_buf()
         self._abort_active()
         lib.clover_context_reset(self._ctx)
-        self._cached = []
+        self._cached, self._ids = [], list(prefix)
         if prefix:
             toks = ffi.new("int32_t[]", prefix)
             if lib.clover_prefill(self._ctx, toks, len(prefix), ffi.NULL, 0, err, len(err)) < 0:

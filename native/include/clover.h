@@ -276,6 +276,30 @@ CLOVER_API void clover_context_reset(clover_context *c);
  * nothing valid is saved. Memory: one copy of the GDN and conv states. */
 CLOVER_API int clover_context_save_state(clover_context *c, char *err, size_t err_size);
 CLOVER_API int32_t clover_context_restore_state(clover_context *c, char *err, size_t err_size);
+/* A context's whole state as bytes and back (model/state.c), as llama.cpp's llama_state_get_size,
+ * llama_state_get_data and llama_state_set_data: n_past, rows [0, n_past) of every attention
+ * layer's K and V cache (in the cache's element types), the GDN recurrent and conv states of every
+ * GDN layer, and the state clover_context_save_state kept (so clover_context_restore_state works
+ * after a load as before the save). A header leads: magic "CLVSTATE", format version, the model's
+ * layer counts and cache dimensions, a fingerprint of the model (its trunk hyperparameters, layer
+ * pattern and the leading bytes of a few weights: another checkpoint or quantisation of the same
+ * shapes differs; a diffusion sidecar does not count), type_k, type_v, n_ctx, n_past, and a
+ * checksum of the rest. Host byte order: a state moves between machines of the same byte order.
+ * get_size: the bytes get_data writes now (CLOVER_E_ARG for a NULL context, CLOVER_E_NOMEM when the
+ * size overflows). get_data: writes them to dst (size: its capacity, CLOVER_E_ARG when smaller) and
+ * returns their count. set_data: reads a state of exactly size bytes and returns size; nothing is
+ * changed unless all of it checks: CLOVER_E_ARG for bytes that are not a whole state (magic,
+ * version, a size that differs from the one the header describes, a checksum mismatch),
+ * CLOVER_E_STATE for a state of another model, other cache types (type_k, type_v) or more tokens
+ * than this context's n_ctx; the message names the field. States move between placements: on a
+ * model whose forwards are GPU-resident (clover_model_gpu_resident) the KV cache is copied from and
+ * to the device and the GDN states current there are brought back first (the next forward uploads
+ * the loaded ones), so a state saved on the GPU loads on the CPU and back. A device transfer that
+ * fails inside set_data leaves the context reset (empty). */
+CLOVER_API int64_t clover_state_get_size(const clover_context *c);
+CLOVER_API int64_t clover_state_get_data(clover_context *c, uint8_t *dst, size_t size, char *err, size_t err_size);
+CLOVER_API int64_t clover_state_set_data(clover_context *c, const uint8_t *src, size_t size, char *err,
+                                         size_t err_size);
 /* Ask the forward pass running on c to stop: the one thread-safe call on a context, meant to be
  * made from another thread while clover_prefill, clover_block_forward(_rows), clover_decoder_new
  * or clover_decoder_step runs. The forward checks the request before each layer and before the

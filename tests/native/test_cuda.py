@@ -1062,6 +1062,66 @@ def test_saved_state_and_rollback_with_the_gdn_state_on_the_gpu(make_gguf, monke
 
 @gpu
 @pytest.mark.parametrize("resident", ["1", "0"])
+def test_state_bytes_move_between_the_gpu_and_the_cpu(make_gguf, monkeypatch, resident):
+    """clover_state_get_data / set_data on a model with every layer on the GPU (resident: the KV
+    cache and conv history on the device; CLOVER_GPU_RESIDENT=0: the GDN states there): p1 is
+    prefilled with clover_context_save_state after its first 5 tokens; its state loaded into a
+    CPU context, and the CPU's into the GPU context, gives the next token's logits of p1 + that
+    token, and after restore_state those of p1[:5] + it, as the CPU computes them (tolerance as
+    for the prefill: the GPU's caches differ in rounding); a loaded state saves to its own bytes."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    monkeypatch.setenv("CLOVER_GPU_RESIDENT", resident)
+    with Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, Model(path, n_ctx=512, n_threads=2) as cpu:
+        assert g.n_gpu_layers > 0 and lib.clover_model_gpu_resident(g._model) == int(resident)
+        p1 = g.tokenize("def fibonacci(n):\n    if n < 2:")
+        nxt = g.tokenize(" fib")[:1]
+        other = g.tokenize("class Stack:\n    def push(self, item):")
+        err = err_buf()
+
+        def prefill(m, ids, logits=None):
+            out = ffi.NULL if logits is None else ffi.cast("float *", logits.ctypes.data)
+            assert lib.clover_prefill(m._ctx, ffi.new("int32_t[]", ids), len(ids), out, 0, err, len(err)) == 0, \
+                ffi.string(err)
+
+        def get(m):
+            buf = bytearray(lib.clover_state_get_size(m._ctx))
+            assert lib.clover_state_get_data(m._ctx, ffi.from_buffer("uint8_t[]", buf), len(buf), err, len(err)) == \
+                len(buf), ffi.string(err)
+            return bytes(buf)
+
+        def state_of(m):
+            lib.clover_context_reset(m._ctx)
+            prefill(m, p1[:5])
+            assert lib.clover_context_save_state(m._ctx, err, len(err)) == 0
+            prefill(m, p1[5:])
+            return get(m)
+
+        def next_logits(m, ids):
+            got = np.zeros(m.n_vocab, np.float32)
+            prefill(m, nxt, got)
+            want = cpu.prefix_logits(ids + nxt)[-1]
+            assert np.max(np.abs(got - want)) <= 2e-3 * float(np.std(want)) + 1e-4, float(np.max(np.abs(got - want)))
+
+        def load(m, state):
+            assert lib.clover_state_set_data(m._ctx, ffi.from_buffer("uint8_t[]", state), len(state), err,
+                                             len(err)) == len(state), ffi.string(err)
+
+        for src, dst in ((g, cpu), (cpu, g)):
+            state = state_of(src)
+            lib.clover_context_reset(dst._ctx)
+            prefill(dst, other)  # rows that the state must replace
+            load(dst, state)
+            assert get(dst) == state  # through the device and back, bit for bit
+            next_logits(dst, p1)
+            load(dst, state)  # (next_logits' prefix_logits reset the CPU context)
+            assert lib.clover_context_restore_state(dst._ctx, err, len(err)) == 5
+            next_logits(dst, p1[:5])
+
+
+@gpu
+@pytest.mark.parametrize("resident", ["1", "0"])
 def test_non_finite_values_on_the_gpu_name_the_layer(nan_model, monkeypatch, resident):
     """A NaN in blk.2's post-attention norm (conftest's nan_model) on a model with every layer on
     the GPU: the prefill fails with CLOVER_E_NUMERIC naming layer 2's MoE, as on the CPU (the
