@@ -44,7 +44,7 @@ ACCEPTED_BY_READER = {"dim_zero.gguf"}
 SANITISED_TESTS = ["tests/native/test_gguf.py", "tests/native/test_dot.py", "tests/native/test_fuzz.py::test_model_level_validation",
                    "tests/native/test_fuzz.py::test_nonfinite_values_stop_with_the_layer_named",
                    "tests/native/test_sampler.py", "-k", "not penalties_off_reproduce",
-                   "tests/native/test_load_layout.py", "tests/native/test_state.py", "tests/python/test_misuse.py"]
+                   "tests/native/test_load_layout.py", "tests/native/test_state_bytes.py", "tests/python/test_misuse.py"]
 
 def _asan_runtime() -> str:
     out = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
