@@ -281,6 +281,10 @@ def embedding_inputs(model: Model, input) -> tuple[list[list[int]], bool]:
 
 def _input_ids(model: Model, name: str, x) -> list[int]:
     if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
+            raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
         ids = model.tokenize(x)
         if not ids:
             raise ValueError(f"{name}: empty (at least one token is needed)")

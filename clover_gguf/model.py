@@ -425,19 +425,24 @@ class Model:
                 raise ValueError(f"{name}[{k}]: token id {i} out of range [0, {self.n_vocab})")
         return out
 
+    def check_text_fits(self, name: str, text: str) -> None:
+        """ValueError naming ``name`` when ``text`` is not valid Unicode, ContextLengthExceeded
+        when it has more UTF-8 bytes than n_ctx tokens can spell: refused before tokenizing."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
+            raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
+        most = self.n_ctx * self.tokenizer.max_token_bytes
+        if size > most:
+            raise ContextLengthExceeded(
+                f"{name}: {size} bytes cannot fit n_ctx={self.n_ctx} tokens (the longest token is "
+                f"{self.tokenizer.max_token_bytes} bytes)")
+
     def prompt_ids(self, prompt) -> list[int]:
         """The token ids of ``prompt``: a str tokenized (special tokens recognised) or a sequence
         of ids checked by :meth:`check_ids`; ValueError when empty or not valid Unicode."""
         if isinstance(prompt, str):
-            try:
-                size = len(prompt.encode("utf-8"))
-            except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
-                raise ValueError(f"prompt: not valid Unicode ({e.reason} at index {e.start})") from None
-            most = self.n_ctx * self.tokenizer.max_token_bytes
-            if size > most:  # refused before tokenizing: no n_ctx tokens spell that many bytes
-                raise ContextLengthExceeded(
-                    f"prompt: {size} bytes cannot fit n_ctx={self.n_ctx} tokens (the longest token is "
-                    f"{self.tokenizer.max_token_bytes} bytes)")
+            self.check_text_fits("prompt", prompt)
             ids = self.tokenize(prompt)
             if not ids:
                 raise ValueError("prompt: empty (at least one token is needed)")

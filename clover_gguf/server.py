@@ -587,14 +587,19 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
             raise _ApiError(400, "input: the server's pooling is none (one vector per token), which OpenAI's "
                             "embeddings response cannot carry; serve with pooling mean or last", param="input",
                             code="invalid_value")
-        inputs, _ = embedding_inputs(clover.engine, kw["input"])
+        given = kw["input"]
+        texts = [given] if isinstance(given, str) else given if isinstance(given, list) else []
+        for i, t in enumerate(texts):
+            if isinstance(t, str):  # refused before tokenizing, as a prompt
+                clover.engine.check_text_fits("input" if isinstance(given, str) else f"input[{i}]", t)
+        inputs, single = embedding_inputs(clover.engine, given)
         if len(inputs) > MAX_EMBEDDING_INPUTS:
             raise _ApiError(400, f"input: {len(inputs)} inputs, at most {MAX_EMBEDDING_INPUTS} per request",
                             param="input", code="invalid_value")
         for i, ids in enumerate(inputs):
             if len(ids) > clover.n_ctx():
-                raise ContextLengthExceeded(f"input{'' if len(inputs) == 1 else f'[{i}]'}: {len(ids)} tokens do not "
-                                            f"fit n_ctx={clover.n_ctx()}")
+                raise ContextLengthExceeded(f"input{'' if single else f'[{i}]'}: {len(ids)} tokens do not fit "
+                                            f"n_ctx={clover.n_ctx()}")
         kw["input"] = inputs
         return kw
 

@@ -98,7 +98,8 @@ def test_bad_input_names_the_field(llm, path):
     cases = [("", "input: empty"), ([], "input: expected a non-empty"), (None, "input: expected"),
              (["a", ""], r"input\[1\]: empty"), (["a", 3], r"input\[1\]: expected a string or a list"),
              ([[1], [2, V]], rf"input\[1\]\[1\]: token id {V} out of range"), ([True], r"input\[0\]: expected"),
-             ([1.5], r"input\[0\]: expected")]
+             ([1.5], r"input\[0\]: expected"), ("a\ud800", "input: not valid Unicode"),
+             (["a", "\udfff"], r"input\[1\]: not valid Unicode")]
     for bad, msg in cases:
         with pytest.raises(ValueError, match=f"^{msg}"):
             llm.embed(bad)
