@@ -397,3 +397,14 @@ def test_embeddings_bad_input_is_a_400_naming_the_field(server, client, local):
     assert r.status_code == 401
     m = _metrics(server)
     assert m['clover_requests_total{endpoint="/v1/embeddings",status="400"}'] >= len(cases)
+
+
+def test_embeddings_pooling_flag(gguf_path, local, tmp_path):
+    """serve --pooling mean: the vectors are the normalised mean of the rows."""
+    m = local.engine
+    with serving(gguf_path, ["--pooling", "mean", "-c", 256, "-t", 1], tmp_path / "server.log") as (base, _):
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=HANG, max_retries=0)
+        r = c.embeddings.create(model="x", input=EMBED_TEXTS[0], encoding_format="float")
+    want = _unit(m.embed(m.tokenize(EMBED_TEXTS[0]), pooling="mean"))
+    assert np.allclose(r.data[0].embedding, want, rtol=0, atol=1e-6)
+    assert not np.allclose(want, _unit(m.embed(m.tokenize(EMBED_TEXTS[0]), pooling="last")), atol=1e-3)
