@@ -7,10 +7,13 @@ numpy's L2 norm, llama-cpp-python 0.3.36's shapes and defaults, and a model that
 """
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
-from clover_gguf import Clover, Model
+from clover_gguf import Clover, CloverError, Model
 from clover_gguf.model import ContextLengthExceeded
 
 N_CTX = 64
@@ -138,3 +141,28 @@ def test_generation_after_embed_equals_one_without(path, mode):
         fresh.generate_tokens(ids[:140], **opts)
         assert fresh.generate_tokens(ids, **opts)[0] == want and fresh.last_stats["n_prompt_reused"] == 128
         assert np.array_equal(m.embed(ids[:100], pooling="mean"), e)  # generations leave no trace in embed
+
+
+def test_cancel_stops_an_embedding(path):
+    """Clover.cancel() from another thread ends a running embed with CloverError (the forward
+    in progress stops before its next layer, or the next input does not start); the object
+    stays usable."""
+    with Clover(path, n_ctx=2048, n_threads=1, embedding=True) as c:
+        inputs = [[(7 * i + k) % 2000 for k in range(2000)] for i in range(30)]
+        box = {}
+
+        def run():
+            try:
+                box["out"] = c.embed(inputs)
+            except CloverError as e:
+                box["err"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not c.cancel():  # True once the call holds the lock
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.005)
+        t.join(120)
+        assert not t.is_alive() and "out" not in box and isinstance(box["err"], CloverError), box
+        assert np.float32(c.embed("x")).shape == (c.n_embd(),)

@@ -383,6 +383,7 @@ def test_embeddings_bad_input_is_a_400_naming_the_field(server, client, local):
              ({"input": [1] * (N_CTX + 1)}, "input", "context_length_exceeded"),
              ({"input": ["a", [1] * (N_CTX + 1)]}, "input", "context_length_exceeded"),
              ({"input": "a\ud800"}, "input", "invalid_value"),
+             ({"input": ["a"] * 2049}, "input", "invalid_value"),
              ({"input": ["a", "b" * (N_CTX * local.engine.tokenizer.max_token_bytes + 1)]}, "input",
               "context_length_exceeded")]
     for body, field, code in cases:
