@@ -1,7 +1,7 @@
 """Embeddings through Model.embed and Clover's llama-cpp-python API (embed, create_embedding).
 
 References: Model.embed on the same GGUF (the engine's rows; their relation to transformers and to
-the LM head is tested in tests/oracles/test_embed_oracle.py and tests/native/test_embed.py),
+the LM head is tested in tests/oracles/test_embed_oracle.py and tests/native/test_embed_engine.py),
 numpy's L2 norm, llama-cpp-python 0.3.36's shapes and defaults, and a model that never embedded
 (the next generation's tokens).
 """
