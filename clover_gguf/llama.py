@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import pathlib
 import secrets
@@ -43,7 +44,7 @@ import numpy as np
 from . import compat
 from ._ffi import CloverError
 from .chat import check_template_kwargs
-from .model import ContextLengthExceeded, Model
+from .model import POOLING_TYPES, ContextLengthExceeded, Model, pooling_type
 from .state import LlamaState, unpack_state
 from .grammar import JSON_LAYOUT
 from .tool_calls import ToolCallParser, forced_tools, tool_call_grammar
@@ -273,6 +274,54 @@ def _chat_fits(fn):
             from None
 
 
+def _pooling_arg(v) -> int:
+    """Clover's ``pooling_type`` argument as llama.cpp's value; CLS and RANK refused."""
+    pool = pooling_type("pooling_type", v)
+    if pool in (POOLING_TYPES["cls"], POOLING_TYPES["rank"]):
+        raise ValueError(f"pooling_type: {v!r} is not supported by a causal decoder (no CLS token or ranking "
+                         "head); use 0 (none), 1 (mean), 3 (last) or -1 (the model's)")
+    return pool
+
+
+def _single_input(input) -> bool:
+    """Whether ``input`` of :meth:`Clover.embed` is one input: a str or a non-empty list of ints."""
+    return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and
+                                      all(isinstance(t, int) and not isinstance(t, bool) for t in input))
+
+
+def embedding_inputs(model: Model, input) -> tuple[list[list[int]], bool]:
+    """The token ids of each input of :meth:`Clover.embed` and whether ``input`` is a single one:
+    a str (tokenized, control tokens recognised) or a list of ints is one input; a list of str
+    or of lists of ints is several. ValueError naming ``input`` (``input[i]``) otherwise."""
+    if _single_input(input):
+        return [_input_ids(model, "input", input)], True
+    if not isinstance(input, (list, tuple)) or not input:
+        raise ValueError("input: expected a non-empty string, list of strings, list of token ids or list of "
+                         f"lists of token ids, got {type(input).__name__ if input else repr(input)}")
+    return [_input_ids(model, f"input[{i}]", x) for i, x in enumerate(input)], False
+
+
+def _input_ids(model: Model, name: str, x) -> list[int]:
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
+            raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
+        ids = model.tokenize(x)
+        if not ids:
+            raise ValueError(f"{name}: empty (at least one token is needed)")
+        return ids
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"{name}: expected a string or a list of token ids, got {type(x).__name__}")
+    return model.check_ids(name, x)
+
+
+def _normalized(v: list[float]) -> list[float]:
+    """``v`` / its L2 norm (llama-cpp-python's normalize_embedding; a zero vector unchanged)."""
+    norm = math.sqrt(math.fsum(x * x for x in v))
+    return v if norm == 0.0 else [x / norm for x in v]
+
+
 def _usage(n_prompt: int, n_completion: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
             "total_tokens": n_prompt + n_completion}
@@ -388,6 +437,12 @@ class Clover:
             GPU (see :class:`~clover_gguf.model.Model`).
         diffusion_path: the diffusion sidecar of a clover_moe trunk (None: ``<stem>.diffusion.gguf``
             beside the model when it exists; see :class:`~clover_gguf.model.Model`).
+        embedding: allow :meth:`embed` and :meth:`create_embedding` (llama-cpp-python's flag;
+            generation works either way here).
+        pooling_type: the embeddings' pooling, llama.cpp's ``LLAMA_POOLING_TYPE_*`` value or name:
+            0 / ``"none"``, 1 / ``"mean"``, 3 / ``"last"``; -1 (default, unspecified) = the GGUF's
+            ``{arch}.pooling_type``, else last (see :meth:`Model.embed
+            <clover_gguf.model.Model.embed>`). CLS (2) and RANK (4) raise ValueError.
 
     Raises:
         CloverError: the native loader's message (bad file, missing tensor, ...).
@@ -405,10 +460,10 @@ class Clover:
                  type_k: str | int | None = "f32", type_v: str | int | None = "f32", seed: int = 0,
                  verbose: bool = False, mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
-                 prefix_reuse: bool = True, plan_callback=None, diffusion_path=None,
-                 n_batch: int = 512, n_ubatch: int = 512, n_threads_batch: int | None = None,
-                 use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
-                 **llama_cpp_args) -> None:
+                 prefix_reuse: bool = True, plan_callback=None, diffusion_path=None, embedding: bool = False,
+                 pooling_type: int | str = -1, n_batch: int = 512, n_ubatch: int = 512,
+                 n_threads_batch: int | None = None, use_mmap: bool = True, use_mlock: bool = False,
+                 flash_attn: bool = False, **llama_cpp_args) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
         self._state = threading.Lock()  # guards _closed
         self._lock = threading.Lock()   # the call lock
@@ -422,9 +477,11 @@ class Clover:
         if model_path is None:
             from . import DEFAULT_MODEL
             model_path = DEFAULT_MODEL
+        self.seed = _check_seed(seed)
+        pool = _pooling_arg(pooling_type)
         self.model_path = str(model_path)
         self.n_gpu_layers = n_gpu_layers
-        self.seed = _check_seed(seed)
+        self.embedding = bool(embedding)
         self.verbose = bool(verbose)
         t0 = time.perf_counter()
         self._model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, prefix_reuse=prefix_reuse,
@@ -435,6 +492,7 @@ class Clover:
         try:
             self.mode = mode if mode is not None else self._model.default_mode
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p
+            self._pooling = pool if pool >= 0 else int(self._model.hparams["pooling_type"])
             # validate the diffusion settings now (the same checks as every call's)
             self._model.check_generate_args(mode=self.mode, block_size=block_size, threshold=threshold,
                                             coreset_top_p=coreset_top_p)
@@ -612,6 +670,13 @@ class Clover:
     def n_vocab(self) -> int:
         return self._model.n_vocab
 
+    def n_embd(self) -> int:
+        return self._model.n_embd
+
+    def pooling_type(self) -> int:
+        """The embeddings' pooling, llama.cpp's value: 0 none, 1 mean, 3 last."""
+        return self._pooling
+
     def token_eos(self) -> int | None:
         return self._model.tokenizer.eos_token_id
 
@@ -622,9 +687,6 @@ class Clover:
     def token_nl(self) -> int:
         """The id of the token for "\\n"."""
         return self._model.tokenize("\n", special=False)[0]
-
-    def n_embd(self) -> int:
-        return int(self._model.hparams["n_embd"])
 
     def set_seed(self, seed: int) -> None:
         """The default seed of later calls without ``seed`` (as the constructor's)."""
@@ -822,6 +884,64 @@ class Clover:
             return fn()
         finally:
             self._release()
+
+    # ------------------------------------------------------------------ embeddings
+    def embed(self, input, normalize: bool = False, truncate: bool = True, return_count: bool = False):
+        """Embeddings as llama-cpp-python's ``embed``: the final hidden state after the final norm
+        (the LM head's input) of a causal prefill of each input, pooled by :meth:`pooling_type`
+        (:meth:`Model.embed <clover_gguf.model.Model.embed>`).
+
+        ``input``: a str or a list of str (or, beyond llama-cpp-python, a list of token ids or
+        a list of such lists). Returns one embedding (a list of n_embd floats; with pooling
+        none a list of such rows, one per token) for a str or one list of ids, else a list of
+        them, in order; with ``return_count`` the pair ``(embeddings, total tokens)``.
+        ``normalize``: divide each vector (each row with pooling none) by its L2 norm.
+        ``truncate``: keep the first ``n_ctx`` tokens of a longer input (llama-cpp-python keeps
+        ``n_batch``); False: ContextLengthExceeded (a ValueError) naming the input.
+        Needs ``embedding=True`` (RuntimeError otherwise, as llama-cpp-python). Each call
+        resets the context (the next completion prefills its whole prompt); :meth:`cancel`
+        stops it with CloverError."""
+        if not self.embedding:
+            raise RuntimeError("Clover must be created with embedding=True to call this method")
+        self._check_open()
+        inputs, single = embedding_inputs(self._model, input)
+        n_ctx = self._model.n_ctx
+        for i, ids in enumerate(inputs):
+            if len(ids) > n_ctx and not truncate:
+                name = "input" if single else f"input[{i}]"
+                raise ContextLengthExceeded(f"{name}: {len(ids)} tokens do not fit n_ctx={n_ctx} (truncate=False)")
+        inputs = [ids[:n_ctx] for ids in inputs]
+
+        holder = _Holder()  # cancel() stops it: CloverError
+        self._acquire(holder)
+        try:
+            data = []
+            for ids in inputs:
+                if holder.cancelled:
+                    raise CloverError("embed: cancelled")
+                data.append(self._model.embed(ids, pooling=self._pooling).tolist())
+        finally:
+            self._release()
+        if normalize:
+            data = [[_normalized(r) for r in e] if self._pooling == POOLING_TYPES["none"] else _normalized(e)
+                    for e in data]
+        out = data[0] if single else data
+        return (out, sum(map(len, inputs))) if return_count else out
+
+    def create_embedding(self, input, model: str | None = None, *, normalize: bool = False,
+                         truncate: bool = True) -> dict:
+        """OpenAI's ``/v1/embeddings`` response for ``input`` (as :meth:`embed`), as
+        llama-cpp-python's ``create_embedding``: ``{"object": "list", "data": [{"object":
+        "embedding", "embedding", "index"}], "model", "usage": {"prompt_tokens",
+        "total_tokens"}}``, one entry per input. ``model``: the name reported (None: the model
+        path). ``normalize``, ``truncate``: as :meth:`embed` (llama-cpp-python's defaults: raw
+        vectors, truncated)."""
+        embeds, total = self.embed([input] if _single_input(input) else input, normalize=normalize, truncate=truncate,
+                                   return_count=True)
+        return {"object": "list",
+                "data": [{"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(embeds)],
+                "model": model if model is not None else self.model_path,
+                "usage": {"prompt_tokens": total, "total_tokens": total}}
 
     # ------------------------------------------------------------------ completion
     def create_completion(self, prompt: str | Sequence[int], *, suffix: str | None = None,

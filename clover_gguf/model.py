@@ -38,6 +38,8 @@ _FINISH = {
 # clover_hparams.arch and .penalty_scope by their C values (clover.h CLOVER_ARCH_*, CLOVER_PENALTY_*)
 _ARCHES = ("qwen35moe", "clover_moe")
 _SCOPES = ("response", "all")
+# Embedding pooling (clover.h CLOVER_POOLING_*): llama.cpp's enum llama_pooling_type values.
+POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 # Tokens that end generation besides the GGUF eos (Qwen chat / document ends).
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
@@ -89,6 +91,20 @@ def cache_type(name: str, v) -> int:
     if not isinstance(v, (bool, str)) and isinstance(v, (int, np.integer)) and int(v) in CACHE_TYPE_BYTES:
         return int(v)
     raise ValueError(f"{name}: {v!r} is not a supported KV cache type ({', '.join(CACHE_TYPES)})")
+
+
+def pooling_type(name: str, v) -> int:
+    """llama.cpp's pooling value (:data:`POOLING_TYPES`) of ``v``: a name (``"none"``, ``"mean"``,
+    ``"last"``, ...) or its integer; None and -1 (``LLAMA_POOLING_TYPE_UNSPECIFIED``) give -1,
+    the model's. Which the engine computes is checked there (CLS and RANK are refused)."""
+    if v is None:
+        return -1
+    if isinstance(v, str) and v.lower() in POOLING_TYPES:
+        return POOLING_TYPES[v.lower()]
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -1 <= v <= max(POOLING_TYPES.values()):
+        return int(v)
+    raise ValueError(f"{name}: expected one of {', '.join(POOLING_TYPES)} (or llama.cpp's 0..4, -1 for the "
+                     f"model's), got {v!r}")
 
 
 def _check_float(name, v, lo=None, hi=None, lo_open=False):
@@ -430,19 +446,24 @@ class Model:
                 raise ValueError(f"{name}[{k}]: token id {i} out of range [0, {self.n_vocab})")
         return out
 
+    def check_text_fits(self, name: str, text: str) -> None:
+        """ValueError naming ``name`` when ``text`` is not valid Unicode, ContextLengthExceeded
+        when it has more UTF-8 bytes than n_ctx tokens can spell: refused before tokenizing."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
+            raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
+        most = self.n_ctx * self.tokenizer.max_token_bytes
+        if size > most:
+            raise ContextLengthExceeded(
+                f"{name}: {size} bytes cannot fit n_ctx={self.n_ctx} tokens (the longest token is "
+                f"{self.tokenizer.max_token_bytes} bytes)")
+
     def prompt_ids(self, prompt) -> list[int]:
         """The token ids of ``prompt``: a str tokenized (special tokens recognised) or a sequence
         of ids checked by :meth:`check_ids`; ValueError when empty or not valid Unicode."""
         if isinstance(prompt, str):
-            try:
-                size = len(prompt.encode("utf-8"))
-            except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
-                raise ValueError(f"prompt: not valid Unicode ({e.reason} at index {e.start})") from None
-            most = self.n_ctx * self.tokenizer.max_token_bytes
-            if size > most:  # refused before tokenizing: no n_ctx tokens spell that many bytes
-                raise ContextLengthExceeded(
-                    f"prompt: {size} bytes cannot fit n_ctx={self.n_ctx} tokens (the longest token is "
-                    f"{self.tokenizer.max_token_bytes} bytes)")
+            self.check_text_fits("prompt", prompt)
             ids = self.tokenize(prompt)
             if not ids:
                 raise ValueError("prompt: empty (at least one token is needed)")
@@ -992,6 +1013,68 @@ class Model:
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         return "".join(self.generate_stream(prompt, **options))
+
+    # ------------------------------------------------------------------ embeddings
+    @property
+    def n_embd(self) -> int:
+        """The hidden size: the length of an embedding."""
+        return int(self.hparams["n_embd"])
+
+    @property
+    def pooling(self) -> str:
+        """The pooling :meth:`embed` applies by default: the GGUF's ``{arch}.pooling_type``, else
+        ``"last"``."""
+        return {v: k for k, v in POOLING_TYPES.items()}[int(self.hparams["pooling_type"])]
+
+    @_locked
+    def embed(self, input, pooling=None) -> np.ndarray:
+        """The embedding of ``input`` (a str, tokenized with control tokens recognised, or a
+        sequence of token ids; at most ``n_ctx`` tokens): the final hidden state of a causal
+        (prefix mode) prefill after the final norm ``output_norm``, the LM head's input (what
+        transformers returns as ``last_hidden_state``; the LM head is not computed), pooled:
+
+        - ``"none"``: every token's row, float32 [n_tokens, n_embd];
+        - ``"mean"``: the mean of the rows, float32 [n_embd];
+        - ``"last"``: the last token's row, float32 [n_embd] (the one row that has seen every
+          token of a causal model; Qwen3-Embedding pools so);
+        - None: :attr:`pooling` (the GGUF's ``{arch}.pooling_type``, else ``"last"``).
+
+        llama.cpp's values 0 (none), 1 (mean), 3 (last) work too; ``"cls"`` and ``"rank"``
+        raise ValueError (a causal decoder has no CLS token or ranking head). Not normalised.
+        Resets the context: the next generation prefills its whole prompt (prefix reuse starts
+        over). :meth:`cancel` stops it (CloverError). Raises ValueError naming the argument."""
+        self._live()
+        pool = pooling_type("pooling", pooling)
+        if pool in (POOLING_TYPES["cls"], POOLING_TYPES["rank"]):
+            raise ValueError(f"pooling: {pooling!r} is not supported by a causal decoder (no CLS token or ranking "
+                             "head); use none, mean or last")
+        if isinstance(input, str):
+            ids = self.tokenize(input)
+            if not ids:
+                raise ValueError("input: empty (at least one token is needed)")
+        else:
+            ids = self.check_ids("input", input)
+        if len(ids) > self.n_ctx:
+            raise ContextLengthExceeded(f"input: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
+        if pool < 0:
+            pool = int(self.hparams["pooling_type"])
+        n, h = len(ids), self.n_embd
+        out = np.empty((n, h) if pool == POOLING_TYPES["none"] else (h,), dtype=np.float32)
+        self._abort_active()
+        self._cached, self._saved = [], []  # clover_embed resets the context, the saved state with it
+        err = err_buf()
+        run = _Run()
+        with self._cancel_lock:
+            self._running = run
+        try:
+            rc = lib.clover_embed(self._ctx, ffi.new("int32_t[]", ids), n, pool,
+                                  ffi.cast("float *", out.ctypes.data), out.size, err, len(err))
+        finally:
+            with self._cancel_lock:
+                self._running = None
+        if rc < 0:
+            raise_error(err, "embed")
+        return out
 
     # ------------------------------------------------------------------ logits (tests)
     @_locked

@@ -9,6 +9,11 @@ llama.cpp's ``llama-server`` and OpenAI name them:
   go one to one to :meth:`Clover.create_completion` / :meth:`Clover.create_chat_completion`;
   ``stream: true`` answers Server-Sent Events (``data: {chunk}`` ... ``data: [DONE]``), each
   chunk carrying the text that became final (committed) since the previous one.
+- ``POST /v1/embeddings``: OpenAI's request (``input``: a string, a list of strings, a list of
+  token ids or a list of such lists; ``encoding_format`` ``"float"`` or ``"base64"``;
+  ``dimensions`` only n_embd) answered by :meth:`Clover.create_embedding`, each vector L2
+  normalised (as OpenAI's and llama-server's); an input longer than the context is a 400
+  ``context_length_exceeded``.
 - ``GET /health``: 503 ``{"status": "loading model"}`` while the model loads, 200
   ``{"status": "ok"}`` after (llama.cpp's shape).
 - ``GET /metrics``: Prometheus text format (requests, tokens, active and queued requests).
@@ -40,6 +45,7 @@ fastapi and uvicorn (the ``server`` extra) are imported only here, i.e. only by 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ctypes
 import gc
 import json
@@ -52,11 +58,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .llama import constrains
+from .llama import constrains, embedding_inputs
 from .model import ContextLengthExceeded
 from .options import REQUEST_FIELDS
 
@@ -212,7 +219,7 @@ class _State:
 
         try:
             preload(self.model_path)  # progress bar on a terminal while /health answers 503
-            self.clover = Clover(self.model_path, **self.clover_kwargs)
+            self.clover = Clover(self.model_path, **{"embedding": True, **self.clover_kwargs})
         except BaseException as e:  # reported by /health and by serve()
             self.load_error = e
             print(f"error: loading {self.model_path}: {e}", file=sys.stderr, flush=True)
@@ -389,6 +396,30 @@ def _chat_kwargs(body: dict) -> dict:
     return kw
 
 
+# OpenAI's limit on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+def _embedding_kwargs(body: dict) -> dict:
+    """An embeddings request's fields (OpenAI's; ``user`` is only the client key)."""
+    if body.get("input") is None:
+        raise _ApiError(400, "input: required, a string, a list of strings or a list of token ids", param="input",
+                        code="invalid_value")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):
+        raise _ApiError(400, f'encoding_format: expected "float" or "base64", got {fmt!r}', param="encoding_format",
+                        code="invalid_value")
+    dims = body.get("dimensions")
+    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int)):
+        raise _ApiError(400, f"dimensions: expected an integer, got {dims!r}", param="dimensions", code="invalid_value")
+    return {"input": body["input"], "encoding_format": fmt or "float", "dimensions": dims, "stream": False}
+
+
+def _base64_floats(v: list[float]) -> str:
+    """OpenAI's base64 encoding of an embedding: its float32 values, little-endian."""
+    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+
+
 # ------------------------------------------------------------------------ the app
 def create_app(model_path: str, *, api_key: str | None = None, model_id: str | None = None,
                max_body: int | None = None, max_queue: int = MAX_QUEUE, timeout: float = TIMEOUT,
@@ -545,6 +576,43 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
             chat_template_kwargs=kw.pop("chat_template_kwargs", None),
             constrained=constrains(kw.get("response_format"), kw.get("grammar"), kw.get("tool_choice")))
         return kw
+
+    def prepare_embedding(kw: dict) -> dict:
+        """Check the fields that need the model and tokenize the inputs (outside the slot)."""
+        clover = st.clover
+        if kw["dimensions"] is not None and kw["dimensions"] != clover.n_embd():
+            raise _ApiError(400, f"dimensions: {kw['dimensions']} not supported: this model's embeddings have "
+                            f"{clover.n_embd()} (n_embd)", param="dimensions", code="invalid_value")
+        if clover.pooling_type() == 0:
+            raise _ApiError(400, "input: the server's pooling is none (one vector per token), which OpenAI's "
+                            "embeddings response cannot carry; serve with pooling mean or last", param="input",
+                            code="invalid_value")
+        given = kw["input"]
+        texts = [given] if isinstance(given, str) else given if isinstance(given, list) else []
+        for i, t in enumerate(texts):
+            if isinstance(t, str):  # refused before tokenizing, as a prompt
+                clover.engine.check_text_fits("input" if isinstance(given, str) else f"input[{i}]", t)
+        inputs, single = embedding_inputs(clover.engine, given)
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise _ApiError(400, f"input: {len(inputs)} inputs, at most {MAX_EMBEDDING_INPUTS} per request",
+                            param="input", code="invalid_value")
+        for i, ids in enumerate(inputs):
+            if len(ids) > clover.n_ctx():
+                raise ContextLengthExceeded(f"input{'' if single else f'[{i}]'}: {len(ids)} tokens do not fit "
+                                            f"n_ctx={clover.n_ctx()}")
+        kw["input"] = inputs
+        return kw
+
+    def embed(input, encoding_format, dimensions, model):
+        out = st.clover.create_embedding(input, model, normalize=True, truncate=False)
+        if encoding_format == "base64":
+            for d in out["data"]:
+                d["embedding"] = _base64_floats(d["embedding"])
+        return out
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await generate(request, "/v1/embeddings", _embedding_kwargs, prepare_embedding, embed, "input")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

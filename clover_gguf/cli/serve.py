@@ -33,12 +33,13 @@ def cmd(a) -> int:
                          "(from a clone: pip install '.[server]')") from None
     return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
                  max_queue=a.max_queue, timeout=a.timeout, n_ctx=a.ctx_size, n_threads=a.threads, mode=a.mode,
-                 prefix_reuse=not a.no_prefix_reuse, **placement_kwargs(a))
+                 prefix_reuse=not a.no_prefix_reuse, pooling_type=-1 if a.pooling is None else a.pooling,
+                 **placement_kwargs(a))
 
 
 def add_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health, /metrics)")
+                        "/v1/embeddings, /v1/models, /health, /metrics)")
     sv.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int_at_least(0), default=8080, help="port (8080)")
@@ -53,6 +54,9 @@ def add_parser(sub) -> None:
                     help="requests waiting for the slot before new ones get 503 with Retry-After (64)")
     sv.add_argument("--timeout", type=_seconds, default=600.0,
                     help="seconds a request may take, waiting included; then it is cancelled (600; 0: none)")
+    sv.add_argument("--pooling", choices=("mean", "last"), default=None,
+                    help="pooling of /v1/embeddings (llama-server's flag; default: the GGUF's pooling_type, "
+                         "else last)")
     sv.add_argument("--no-prefix-reuse", action="store_true",
                     help="prefill every prompt in full (by default a request extending its client's previous "
                          "one prefills only the new tokens)")

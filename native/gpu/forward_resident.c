@@ -207,7 +207,7 @@ int res_forward(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, i
      * returns logits) and passes without logits (a diffusion commit) take one: a prompt's length
      * varies, and its graph would push out the decoders' */
     const int graph = c->graphs && (f->sreq || T == 1 || !logits) && T <= RES_LM && rec_row == 0 &&
-                      !m->cpu_experts; /* no host work inside */
+                      !m->cpu_experts && !f->ereq; /* no host work inside; an embedding's length varies */
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
     const int all_rows = graph && f->sreq && f->mode == MODE_BLOCK;
     for (int64_t t = 0; t < T && rc == CLOVER_OK; t++) {
@@ -226,6 +226,8 @@ int res_forward(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, i
         rc = res_layer_loop(f, &b, rec_row, n);
     }
     if (rc == CLOVER_OK && n && !f->sreq && !(rc = check_abort(f, (int)L))) rc = res_lm_head(f, &b, idx, n, logits, rows);
+    /* an embedding pass: the final residual back into the upload's rows, output_norm on the host */
+    if (rc == CLOVER_OK && f->ereq) rc = clover_cuda_read(b.x, 0, x, sizeof(float) * (size_t)(T * H), err, es);
     /* the flags after the logits, or with the selection (no wait in between); a non-finite layer
      * output is named first */
     if (rc == CLOVER_OK && n && f->sreq) rc = res_select_read(f, &b, idx, n, rows, flags);
@@ -235,6 +237,7 @@ int res_forward(fwd *f, const int32_t *tokens, int64_t rec_row, float *logits, i
             rc = clover_set_err(err, es, CLOVER_E_NUMERIC, "non-finite value after layer %d (blk.%d) %s (on the GPU, "
                                 "%lld rows)", il, il, flags[2 * il] ? (m->layers[il].is_attn ? "attention" : "gated deltanet")
                                                                    : "moe", (long long)T);
+    if (rc == CLOVER_OK && f->ereq) embed_rows(f, x);
     if (rc == CLOVER_OK && logits && !rows && n) rc = check_finite(f, logits, n * V, -1, NULL);
     for (int64_t i = 0; logits && rows && i < n && rc == CLOVER_OK; i++)
         rc = check_finite(f, logits + idx[i] * V, V, -1, NULL);

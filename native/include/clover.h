@@ -200,6 +200,15 @@ CLOVER_API int32_t clover_model_gpu_resident(const clover_model *m);
 enum { CLOVER_ARCH_QWEN35MOE = 0, CLOVER_ARCH_CLOVER_MOE = 1 };
 /* Whose tokens the repetition penalty counts (diffusion.penalty_scope, spec 5.4). */
 enum { CLOVER_PENALTY_RESPONSE = 0, CLOVER_PENALTY_ALL = 1 };
+/* Pooling of clover_embed: llama.cpp's enum llama_pooling_type values ({arch}.pooling_type). */
+enum {
+    CLOVER_POOLING_UNSPECIFIED = -1, /* the model's: hparams.pooling_type */
+    CLOVER_POOLING_NONE = 0,         /* every row */
+    CLOVER_POOLING_MEAN = 1,         /* the mean of the rows */
+    CLOVER_POOLING_CLS = 2,          /* refused: a causal decoder has no CLS token */
+    CLOVER_POOLING_LAST = 3,         /* the last row (the one that has seen every token) */
+    CLOVER_POOLING_RANK = 4          /* refused: no ranking head */
+};
 
 /* Hyperparameters and the decoding record read from the GGUF (spec 1, 4.2). */
 typedef struct {
@@ -229,6 +238,8 @@ typedef struct {
     float presence_penalty, frequency_penalty, repetition_penalty;
     int32_t think_close_bias_start, eos_bias_start;
     float bias_slope, bias_max;
+    int32_t pooling_type;       /* {arch}.pooling_type (CLOVER_POOLING_*), CLOVER_POOLING_LAST when
+                                   absent: clover_embed's default */
 } clover_hparams;
 
 CLOVER_API void clover_model_hparams(const clover_model *m, clover_hparams *out);
@@ -327,6 +338,19 @@ CLOVER_API void clover_context_set_gdn_chunked(clover_context *c, int chunked);
  * row only [n_vocab]. Errors: token id out of range, n <= 0, n_past + n > n_ctx. */
 CLOVER_API int clover_prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits,
                               int32_t all_logits, char *err, size_t err_size);
+
+/* Embeddings (llama.cpp's llama_get_embeddings_ith / _seq): a causal (prefix mode) prefill of
+ * tokens[0..n) from position 0, its final hidden state after output_norm (the LM head's input;
+ * the LM head is not computed), pooled (CLOVER_POOLING_*): NONE writes out[n][n_embd] (row t:
+ * token t), MEAN out[n_embd] (the mean of the n rows), LAST out[n_embd] (row n - 1);
+ * UNSPECIFIED takes hparams.pooling_type. out_size: the floats out holds, at least what the
+ * pooling writes. The context is reset before the pass and after it (clover_context_reset): on
+ * return it holds no tokens and no saved state, whatever the outcome. On a model whose forwards
+ * are resident on the GPU the rows are read back from the device. Errors: CLOVER_E_ARG for a NULL
+ * argument, n outside [1, n_ctx], a token id out of range, CLS, RANK or another pooling,
+ * out_size too small; else as clover_prefill. */
+CLOVER_API int clover_embed(clover_context *c, const int32_t *tokens, int32_t n, int32_t pooling, float *out,
+                            int64_t out_size, char *err, size_t err_size);
 
 /* Block (denoising) mode, spec 3.2-3.3 and 5.6: run the B rows of tokens (mask ids allowed)
  * at positions n_past..n_past+B-1 against read-only caches. logits: float32 [B, n_vocab] (row j is

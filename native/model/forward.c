@@ -56,6 +56,7 @@ static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t log
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
         if ((rc = check_finite(f, x, T * H, il, "moe"))) goto done;
     }
+    if (f->ereq) embed_rows(f, x); /* an embedding pass: no logits */
     if (logits && (rc = check_abort(f, hp->n_layer))) goto done;
     if (logits && rows) { /* gather the needed rows, one LM head pass, scatter */
         int64_t n = 0;
@@ -165,7 +166,7 @@ static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
                               "at most %d tokens", n, c->rec_cap);
-    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq, 0};
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq, 0, NULL};
     rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
     if (rc == CLOVER_OK) {
         c->n_past += n;
@@ -173,6 +174,49 @@ static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *l
     } else {
         clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
     }
+    return rc;
+}
+
+/* clover_embed's checks (clover.h): a NULL argument, n, the pooling, out_size. */
+static int check_embed(const clover_context *c, const int32_t *tokens, int32_t n, int32_t pooling,
+                       const float *out, int64_t out_size, char *err, size_t err_size) {
+    if (!c || !tokens || !out) return clover_set_err(err, err_size, CLOVER_E_ARG, "embed: context, tokens or out is NULL");
+    if (pooling == CLOVER_POOLING_CLS || pooling == CLOVER_POOLING_RANK)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "pooling: %s (%d) is not supported by a causal decoder "
+                              "(no %s); use NONE (0), MEAN (1) or LAST (3)", pooling == CLOVER_POOLING_CLS ? "CLS" : "RANK",
+                              pooling, pooling == CLOVER_POOLING_CLS ? "CLS token" : "ranking head");
+    if (pooling != CLOVER_POOLING_NONE && pooling != CLOVER_POOLING_MEAN && pooling != CLOVER_POOLING_LAST)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "pooling: %d unknown (NONE 0, MEAN 1, LAST 3)", pooling);
+    if (n <= 0 || n > c->n_ctx)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d outside [1, n_ctx %d]", n, c->n_ctx);
+    /* n <= INT32_MAX and n_embd <= 2^20: the product fits int64_t */
+    const int64_t need = (pooling == CLOVER_POOLING_NONE ? (int64_t)n : 1) * c->m->hp.n_embd;
+    if (out_size < need)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "out_size: %lld floats, the pooling writes %lld",
+                              (long long)out_size, (long long)need);
+    return check_tokens(c->m, tokens, n, err, err_size);
+}
+
+int clover_embed(clover_context *c, const int32_t *tokens, int32_t n, int32_t pooling, float *out, int64_t out_size,
+                 char *err, size_t err_size) {
+    if (c && pooling == CLOVER_POOLING_UNSPECIFIED) pooling = c->m->hp.pooling_type;
+    int rc = check_embed(c, tokens, n, pooling, out, out_size, err, err_size);
+    if (rc) return rc;
+    const int64_t H = c->m->hp.n_embd;
+    double *sum = NULL; /* MEAN: the rows' sum */
+    if (pooling == CLOVER_POOLING_MEAN) {
+        scratch_plan p = {0};
+        const int isum = scratch_add(&p, H, sizeof(double));
+        if (!(sum = scratch_part(scratch_carve(c, SCRATCH_CALL, &p), &p, isum)))
+            return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+        memset(sum, 0, sizeof(double) * (size_t)H);
+    }
+    const embed_req e = {pooling, n, out, sum};
+    clover_context_reset(c);
+    fwd f = {c, MODE_PREFIX, n, 0, 1.0f, NULL, err, err_size, NULL, 0, &e};
+    rc = forward(&f, tokens, NULL, 0, NULL);
+    clover_context_reset(c);
+    for (int64_t i = 0; rc == CLOVER_OK && sum && i < H; i++) out[i] = (float)(sum[i] / (double)n);
     return rc;
 }
 
@@ -230,7 +274,7 @@ static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, fl
                               c->n_past, c->n_ctx);
     int rc = check_tokens(c->m, tokens, B, err, err_size);
     if (rc) return rc;
-    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq, 0};
+    fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq, 0, NULL};
     return forward(&f, tokens, logits, 0, rows);
 }
 

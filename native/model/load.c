@@ -165,6 +165,7 @@ static void read_hparams(loader *L, clover_hparams *hp) {
     hp->ssm_dt_rank = get_int(L, "ssm.time_step_rank", 1, 0, 1, 4096);
     hp->ssm_d_inner = get_int(L, "ssm.inner_size", 1, 0, 1, 1 << 24);
     hp->full_attention_interval = get_int(L, "full_attention_interval", 0, 4, 1, 4096);
+    hp->pooling_type = get_int(L, "pooling_type", 0, CLOVER_POOLING_LAST, CLOVER_POOLING_NONE, CLOVER_POOLING_RANK);
     if (L->failed) return;
     const char *bad = NULL;
     if (hp->n_layer_nextn >= hp->n_layer) bad = "nextn_predict_layers >= block_count (no trunk layer left)";

@@ -1,12 +1,14 @@
 /* pass.c: the helpers of a forward pass shared by the CPU loop (model/forward.c) and its
  * GPU-resident twin (gpu/forward_resident.c): weight products, expert views, token, abort and
- * finiteness checks (clover-spec 5.1, 5.6). */
+ * finiteness checks, the embedding rows (clover-spec 5.1, 5.6). */
 #include "model/pass.h"
+#include "cpu/kernels.h"
 #include "quant/matmul.h"
 
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* y = W x for T rows, on the GPU when W was offloaded (clover_model_offload; its error message
  * into err, when given), else on the CPU with n_threads. CLOVER_OK, or the failure's code
@@ -108,4 +110,20 @@ char *scratch_carve(clover_context *c, int slot, const scratch_plan *p) {
         c->scratch[slot].cap = c->scratch[slot].p ? p->total : 0;
     }
     return c->scratch[slot].p;
+}
+
+void embed_rows(const fwd *f, float *x) {
+    const embed_req *e = f->ereq;
+    const clover_model *m = f->c->m;
+    const int64_t H = m->hp.n_embd;
+    for (int64_t t = 0; t < f->T; t++) {
+        const int64_t p = f->pos0 + t; /* the token's index */
+        float *row = x + t * H;
+        if (e->pooling == CLOVER_POOLING_LAST && p != e->n - 1) continue;
+        rmsnorm(row, row, m->output_norm, H, m->hp.rms_eps);
+        if (e->pooling == CLOVER_POOLING_MEAN)
+            for (int64_t i = 0; i < H; i++) e->sum[i] += row[i];
+        else
+            memcpy(e->out + (e->pooling == CLOVER_POOLING_NONE ? p * H : 0), row, sizeof(float) * (size_t)H);
+    }
 }

@@ -25,7 +25,17 @@ typedef struct {
     size_t err_size;
     const struct select_req *sreq; /* clover_block_forward_select's request, else NULL */
     int gpu_rc;                     /* the code of a failed GPU product (matmul), else 0 */
+    const struct embed_req *ereq;   /* clover_embed's request (the pass computes no logits), else NULL */
 } fwd;
+
+/* clover_embed's pooling and outputs: NONE: out[n][n_embd]; MEAN: the rows' sum in sum[n_embd]
+ * (zeroed by the caller, divided after the last pass); LAST: row n - 1 in out[n_embd]. */
+typedef struct embed_req {
+    int32_t pooling; /* CLOVER_POOLING_NONE, _MEAN or _LAST */
+    int64_t n;       /* the tokens of the whole prefill (its passes start at position 0) */
+    float *out;
+    double *sum;
+} embed_req;
 
 /* clover_block_forward_select's edits and outputs (see there). */
 typedef struct select_req {
@@ -76,6 +86,9 @@ CLOVER_HIDDEN clover_cuda_weight cuda_weight(const clover_tensor *w);
 CLOVER_HIDDEN int check_tokens(const clover_model *m, const int32_t *tokens, int32_t n, char *err, size_t err_size);
 /* A pending clover_context_abort, consumed: CLOVER_E_ABORTED naming layer il, else CLOVER_OK. */
 CLOVER_HIDDEN int check_abort(fwd *f, int il);
+/* A pass's final residual x [f->T][n_embd] (rows at positions f->pos0..) through output_norm, in
+ * place, into f->ereq's pooling. */
+CLOVER_HIDDEN void embed_rows(const fwd *f, float *x);
 /* CLOVER_E_NUMERIC naming `what` of layer il (il < 0: the LM head) when x[0..n) is not finite. */
 CLOVER_HIDDEN int check_finite(fwd *f, const float *x, int64_t n, int il, const char *what);
 

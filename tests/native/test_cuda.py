@@ -757,6 +757,28 @@ def test_long_prefill_runs_the_chunked_gdn_and_equals_the_cpu(make_gguf):
 
 
 @gpu
+def test_embeddings_on_the_gpu_equal_the_cpu(make_gguf):
+    """clover_embed on the resident path (the final residual read back from the device,
+    output_norm on the host) and the per-product one (2 layers offloaded): every pooling within
+    2e-3 of the CPU rows' std, as the logits above; 150 tokens (the chunked GDN), and the
+    context empty after."""
+    from clover_gguf import Model
+
+    path = make_gguf("f32", **GEN_MODEL)
+    with Model(path, n_ctx=512, n_threads=2) as cpu, Model(path, n_ctx=512, n_threads=2, n_gpu_layers=-1) as g, \
+            Model(path, n_ctx=512, n_threads=2, n_gpu_layers=2) as half:
+        assert lib.clover_model_gpu_resident(g._model) == 1 and lib.clover_model_gpu_resident(half._model) == 0
+        ids = list(np.random.default_rng(6).integers(0, cpu.n_vocab - 300, 150))
+        want = {p: cpu.embed(ids, pooling=p) for p in ("none", "mean", "last")}
+        bound = 2e-3 * float(np.std(want["none"])) + 1e-4
+        for name, m in (("resident", g), ("per-product", half)):
+            for p, w in want.items():
+                got = m.embed(ids, pooling=p)
+                assert got.shape == w.shape and np.max(np.abs(got - w)) <= bound, (name, p, float(np.max(np.abs(got - w))))
+            assert lib.clover_context_n_past(m._ctx) == 0
+
+
+@gpu
 def test_long_prefill_with_some_layers_on_the_gpu_runs_in_passes(make_gguf):
     """With some layers offloaded (the per-product path) a prefill runs in passes of at most 512
     rows (model/forward.c PASS_ROWS_GPU: the GPU's per-product scratch stays bounded): 600 tokens take 2

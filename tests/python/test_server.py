@@ -7,6 +7,7 @@ or openai are not installed (``pip install -e '.[test]'``).
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 for _mod in ("fastapi", "uvicorn", "openai"):
@@ -331,3 +333,79 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client):
         client.chat.completions.create(model=_model_id(client), messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=4, response_format=bad)
     assert e.value.body["param"] == "response_format", e.value.body
+
+
+# ---------------------------------------------------------------------------------- embeddings
+EMBED_TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox"]
+
+
+def _unit(v):
+    v = np.asarray(v, np.float64)
+    return v / np.linalg.norm(v)
+
+
+def test_embeddings_float_and_base64(client, local):
+    """/v1/embeddings through the openai client: each vector is the engine's (last pooling, the
+    GGUF has no pooling key) L2-normalised, as float lists, as base64 float32 (decoded here), and
+    as the client's default (it asks for base64 and decodes); token-id inputs too."""
+    m = local.engine
+    want = [_unit(m.embed(m.tokenize(t))) for t in EMBED_TEXTS]
+    n_tokens = sum(len(m.tokenize(t)) for t in EMBED_TEXTS)
+    r = client.embeddings.create(model="x", input=EMBED_TEXTS, encoding_format="float")
+    assert r.object == "list" and r.model == _model_id(client) and [d.index for d in r.data] == [0, 1]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == n_tokens
+    for d, w in zip(r.data, want):
+        assert d.object == "embedding" and len(d.embedding) == m.n_embd
+        assert np.allclose(d.embedding, w, rtol=0, atol=1e-6) and abs(np.linalg.norm(d.embedding) - 1) <= 1e-5
+    b = client.embeddings.create(model="x", input=EMBED_TEXTS, encoding_format="base64")
+    for d, f in zip(b.data, r.data):
+        assert isinstance(d.embedding, str)
+        assert np.array_equal(np.frombuffer(base64.b64decode(d.embedding), "<f4"), np.float32(f.embedding))
+    default = client.embeddings.create(model="x", input=EMBED_TEXTS[1])
+    assert len(default.data) == 1 and np.array_equal(np.float32(default.data[0].embedding), np.float32(r.data[1].embedding))
+    ids = [m.tokenize(t) for t in EMBED_TEXTS]
+    by_ids = client.embeddings.create(model="x", input=ids, encoding_format="float", dimensions=m.n_embd)
+    assert [d.embedding for d in by_ids.data] == [d.embedding for d in r.data]
+    one = client.embeddings.create(model="x", input=ids[0], encoding_format="float", user="someone")
+    assert len(one.data) == 1 and one.data[0].embedding == r.data[0].embedding
+    assert one.usage.prompt_tokens == len(ids[0])
+
+
+def test_embeddings_bad_input_is_a_400_naming_the_field(server, client, local):
+    h = {"Authorization": f"Bearer {KEY}"}
+    n_embd, V = local.engine.n_embd, local.n_vocab()
+    cases = [({}, "input", "invalid_value"), ({"input": ""}, "input", "invalid_value"),
+             ({"input": []}, "input", "invalid_value"), ({"input": ["a", 3]}, "input", "invalid_value"),
+             ({"input": [[1, 2], [3, V]]}, "input", "invalid_value"), ({"input": [1.5]}, "input", "invalid_value"),
+             ({"input": "a", "encoding_format": "hex"}, "encoding_format", "invalid_value"),
+             ({"input": "a", "dimensions": n_embd // 2}, "dimensions", "invalid_value"),
+             ({"input": "a", "dimensions": "all"}, "dimensions", "invalid_value"),
+             ({"input": [1] * (N_CTX + 1)}, "input", "context_length_exceeded"),
+             ({"input": ["a", [1] * (N_CTX + 1)]}, "input", "context_length_exceeded"),
+             ({"input": "a\ud800"}, "input", "invalid_value"),
+             ({"input": ["a"] * 2049}, "input", "invalid_value"),
+             ({"input": ["a", "b" * (N_CTX * local.engine.tokenizer.max_token_bytes + 1)]}, "input",
+              "context_length_exceeded")]
+    for body, field, code in cases:
+        r = _http("POST", f"{server}/v1/embeddings", body, h)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == code and field in err["message"], (body, err)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.embeddings.create(model="x", input="a", dimensions=3)
+    assert ei.value.status_code == 400 and "dimensions" in str(ei.value)
+    r = _http("POST", f"{server}/v1/embeddings", {"input": "a"})
+    assert r.status_code == 401
+    m = _metrics(server)
+    assert m['clover_requests_total{endpoint="/v1/embeddings",status="400"}'] >= len(cases)
+
+
+def test_embeddings_pooling_flag(gguf_path, local, tmp_path):
+    """serve --pooling mean: the vectors are the normalised mean of the rows."""
+    m = local.engine
+    with serving(gguf_path, ["--pooling", "mean", "-c", 256, "-t", 1], tmp_path / "server.log") as (base, _):
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=HANG, max_retries=0)
+        r = c.embeddings.create(model="x", input=EMBED_TEXTS[0], encoding_format="float")
+    want = _unit(m.embed(m.tokenize(EMBED_TEXTS[0]), pooling="mean"))
+    assert np.allclose(r.data[0].embedding, want, rtol=0, atol=1e-6)
+    assert not np.allclose(want, _unit(m.embed(m.tokenize(EMBED_TEXTS[0]), pooling="last")), atol=1e-3)
