@@ -1486,7 +1486,7 @@ def _llama_quantize(src: pathlib.Path, dst: pathlib.Path, ftype: str) -> gguf.GG
 
 @pytest.mark.skipif(not (_HAVE_LLAMA_CPP and pathlib.Path(LLAMA_PYTHON).is_file()),
                     reason="llama.cpp source or a Python with llama-cpp-python not present")
-@pytest.mark.parametrize("outtype", ["q4_k_m", "iq4_xs"])
+@pytest.mark.parametrize("outtype", ["q4_k_m", "iq4_xs", "q2_k", "q3_k_m", "q4_k_s"])
 def test_mtp_quantized_matches_llama_quantize(outtype, ckpts, converted, tmp_path):
     """With an MTP block, our quantised file equals llama.cpp's llama_model_quantize of its own
     bf16 conversion bit for bit (types and bytes): the MTP tensors follow the ordinary rules with
