@@ -20,6 +20,7 @@
  * the AVX2 kernels differ from the scalar ones in the order of the float sums only.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -59,8 +60,8 @@ static void pack_2bit(const uint8_t *L, uint8_t *qs) {
 
 /* ---------------------------------------------------------------- Q2_K */
 
+/* The quantisers write o (any alignment) through the fields' offsets. */
 void clover_q2_k_quant(const float *x, uint8_t *o) {
-    k2_block *y = (k2_block *)(void *)o;
     uint8_t L[QK_K];
     float w[16], scales[16], mins[16];
     float max_scale = 0, max_min = 0;
@@ -88,10 +89,10 @@ void clover_q2_k_quant(const float *x, uint8_t *o) {
         const float ml = h2f(dmin) * (sc[j] >> 4);
         for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)imax(0, imin(3, clover_round_int((x[16 * j + i] + ml) / dl)));
     }
-    memcpy(y->scales, sc, 16);
-    pack_2bit(L, y->qs);
-    memcpy(&y->d, &d, 2);
-    memcpy(&y->dmin, &dmin, 2);
+    memcpy(o + offsetof(k2_block, scales), sc, 16);
+    pack_2bit(L, o + offsetof(k2_block, qs));
+    memcpy(o + offsetof(k2_block, d), &d, 2);
+    memcpy(o + offsetof(k2_block, dmin), &dmin, 2);
 }
 
 void clover_q2_k_dequant(const uint8_t *b, float *y) {
@@ -175,7 +176,6 @@ static inline void k3_scales(const uint8_t *s, uint32_t aux[4]) {
 }
 
 void clover_q3_k_quant(const float *x, uint8_t *o) {
-    k3_block *y = (k3_block *)(void *)o;
     int8_t L[QK_K];
     float scales[16];
     float max_scale = 0, amax = 0;
@@ -209,16 +209,16 @@ void clover_q3_k_quant(const float *x, uint8_t *o) {
         for (int i = 0; i < 16; i++)
             L[16 * j + i] = (int8_t)(imax(-4, imin(3, clover_round_int(x[16 * j + i] / dl))) + 4);
     }
-    uint8_t Lu[QK_K];
-    memset(y->hmask, 0, 32);
+    uint8_t Lu[QK_K], hmask[32] = {0};
     for (int j = 0; j < QK_K; j++) {
         const int l = L[j];
-        if (l > 3) y->hmask[j % 32] = (uint8_t)(y->hmask[j % 32] | (1u << (j / 32)));
+        if (l > 3) hmask[j % 32] = (uint8_t)(hmask[j % 32] | (1u << (j / 32)));
         Lu[j] = (uint8_t)(l > 3 ? l - 4 : l);
     }
-    pack_2bit(Lu, y->qs);
-    memcpy(y->scales, sc, 12);
-    memcpy(&y->d, &d, 2);
+    memcpy(o + offsetof(k3_block, hmask), hmask, 32);
+    pack_2bit(Lu, o + offsetof(k3_block, qs));
+    memcpy(o + offsetof(k3_block, scales), sc, 12);
+    memcpy(o + offsetof(k3_block, d), &d, 2);
 }
 
 void clover_q3_k_dequant(const uint8_t *b, float *y) {
