@@ -27,7 +27,8 @@ router N(0, 1/H); block softmax (spec 3.3) bd_logit_scale N(1.2, 0.3^2), bd_hist
 N(0, 0.5^2), bd_history_c N(0.5, 0.3^2) (tests/reference/checkpoint.py's scales).
 
 CLI: ``python bench/make_bench_model.py OUT.gguf [--dims real|tiny] [--layers N]
-[--outtype q4_k_m|q8_0|q4_0|q5_k_m|q6_k|iq4_xs|f32|f16|bf16] [--arch qwen35moe|clover_moe] [--seed S]
+[--outtype q4_k_m|q4_k_s|q3_k_m|q2_k|q8_0|q4_0|q5_k_m|q6_k|iq4_xs|f32|f16|bf16 (any letter case)]
+[--arch qwen35moe|clover_moe] [--seed S]
 [--threads T] [--unique-experts K] [--no-progress]``.
 """
 
@@ -199,7 +200,7 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
     """Write a random-weight GGUF of ``dims``/``n_layers`` in ``outtype`` to ``out_path``.
 
     out_path: written as ``out_path.part`` and renamed when complete. dims: "real" (Qwen3.6-35B-A3B)
-    or "tiny". outtype: one of ``convert.quant_plan.OUTTYPES``. arch: "qwen35moe" (llama.cpp
+    or "tiny". outtype: one of ``convert.quant_plan.OUTTYPES`` (any letter case). arch: "qwen35moe" (llama.cpp
     loads it) or "clover_moe" (the complete Clover file: block tensors and the decoding record at
     its defaults; module docstring). threads:
     generator/quantiser threads (default os.cpu_count()). unique_experts: None (every expert
@@ -212,8 +213,7 @@ def make_bench_model(out_path, dims: str = "real", n_layers: int | None = None, 
     """
     import gguf
 
-    if outtype not in QP.OUTTYPES:
-        raise ValueError(f"outtype {outtype!r}: expected one of {', '.join(QP.OUTTYPES)}")
+    outtype = QP.outtype_name(outtype)
     if arch not in C.ARCHES:
         raise ValueError(f"arch {arch!r}: expected one of {', '.join(C.ARCHES)}")
     out_path = pathlib.Path(out_path)
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", metavar="OUT.gguf")
     ap.add_argument("--dims", choices=("real", "tiny"), default="real")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: 40 real, 4 tiny)")
-    ap.add_argument("--outtype", choices=QP.OUTTYPES, default="q4_k_m")
+    ap.add_argument("--outtype", type=str.lower, choices=QP.OUTTYPES, default="q4_k_m")
     ap.add_argument("--arch", choices=C.ARCHES, default="qwen35moe")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", "-t", type=int, default=None)

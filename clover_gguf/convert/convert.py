@@ -30,7 +30,8 @@ Design:
   those tensors' bytes.
 - No torch: safetensors headers are parsed here; BF16 data are handled as uint16 bit patterns
   and stay bit-exact for ``outtype="bf16"``.
-- Quantised outtypes (q4_0, q8_0, q4_k_m, q5_k_m, q6_k, iq4_xs): the per-tensor types come
+- Quantised outtypes (q8_0, q4_0, q2_k, q3_k_m, q4_k_s, q4_k_m, q5_k_m, q6_k, iq4_xs; any letter
+  case): the per-tensor types come
   from ``convert.quant_plan`` (llama.cpp's llama-quantize rules for qwen35moe); each piece is
   quantised by the native quantisers (``clover_from_f32``, byte-equal to ggml's reference
   quantisers) over row chunks on ``threads`` threads (cffi releases the GIL).
@@ -60,7 +61,7 @@ from . import tensor_map as TM
 ARCH_CLOVER = "clover_moe"
 ARCH_PARENT = "qwen35moe"
 ARCHES = (ARCH_CLOVER, ARCH_PARENT)
-OUTTYPES = QP.OUTTYPES  # f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m q6_k iq4_xs
+OUTTYPES = QP.OUTTYPES  # f32 f16 bf16 q8_0 q4_0 q2_k q3_k_m q4_k_s q4_k_m q5_k_m q6_k iq4_xs
 
 # Pre-tokenizer regexes (contract: llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35 / QWEN2), as they appear
 # in tokenizer.json's Split pre-tokenizer.
@@ -548,7 +549,7 @@ def _stack_pieces(srcs: list):
     return gen
 
 
-_NATIVE_OK = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
+_NATIVE_OK = {"Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
 
 
 def _quantize_native(a: np.ndarray, qtype, pool=None) -> np.ndarray:
@@ -583,7 +584,7 @@ def _quantize_native(a: np.ndarray, qtype, pool=None) -> np.ndarray:
 def encode(a: np.ndarray, qtype, pool=None) -> np.ndarray:
     """Encode raw/float data ``a`` [rows, ne0] (uint16 = BF16 bits) as GGML ``qtype`` bytes (a
     C-contiguous array). BF16 input stays bit-exact for BF16; F32 -> BF16 rounds to nearest
-    even (ggml's rule); Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS use the native quantisers
+    even (ggml's rule); Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS use the native quantisers
     (``pool``: an optional ThreadPoolExecutor for row chunks); Q5_0/Q5_1 (llama.cpp's fallback
     for Q4_K/Q5_K rows that are not a multiple of 256) use gguf.quants. Raises ConvertError for
     any other type."""
@@ -1268,9 +1269,12 @@ def resolve_record(hf_dir: pathlib.Path, config: dict, options: dict | None, voc
     return values, sources
 
 
-def _check_options(arch: str | None, split: bool, diffusion_only: bool, record: dict | None, outtype: str) -> None:
-    if outtype not in OUTTYPES:
-        raise ConvertError(f"outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
+def _check_options(arch: str | None, split: bool, diffusion_only: bool, record: dict | None, outtype: str) -> str:
+    """Checks the options before any file is read; returns the ``OUTTYPES`` name of ``outtype``."""
+    try:
+        outtype = QP.outtype_name(outtype)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
     if arch not in (None,) + ARCHES:
         raise ConvertError(f"arch {arch!r}: expected one of {', '.join(ARCHES)}")
     if split and diffusion_only:
@@ -1280,6 +1284,7 @@ def _check_options(arch: str | None, split: bool, diffusion_only: bool, record: 
         raise ConvertError(f"record option {unknown[0]!r}: expected one of {', '.join(R.BY_NAME)}")
     if diffusion_only and arch == ARCH_PARENT:
         _refuse_parent("--diffusion-only")
+    return outtype
 
 
 def _refuse_parent(what: str) -> None:
@@ -1312,7 +1317,8 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
     listed in ``dropped``, no record). record: decoding-record options {field: value}
     (``convert.record.FIELDS``; None values ignored), which win over the checkpoint's config;
     the fields that took the default are printed on stderr in one line. outtype: "f32" | "f16"
-    | "bf16" | "q8_0" | "q4_0" | "q4_k_m" | "q5_k_m" | "q6_k" | "iq4_xs"; each tensor's type
+    | "bf16" | "q8_0" | "q4_0" | "q2_k" | "q3_k_m" | "q4_k_s" | "q4_k_m" | "q5_k_m" | "q6_k" | "iq4_xs"
+    (any letter case: "Q4_K_M" is "q4_k_m"); each tensor's type
     follows ``convert.quant_plan.plan_types`` (llama.cpp's llama-quantize rules for qwen35moe:
     norms, routers, conv, ssm_a/dt and 1-D tensors stay F32; the _M mixes, output.weight Q6_K,
     the fallback for rows that are not a multiple of the block size); block tensors are F32.
@@ -1344,7 +1350,7 @@ def convert(hf_dir, out_path, outtype: str = "bf16", arch: str | None = None, pr
     """
     hf_dir = pathlib.Path(hf_dir)
     out_path = pathlib.Path(out_path)
-    _check_options(arch, split, diffusion_only, record, outtype)
+    outtype = _check_options(arch, split, diffusion_only, record, outtype)
     config = _read_config(hf_dir)
     if diffusion_only:
         return _convert_sidecar(hf_dir, out_path, config, record, progress)
@@ -1417,9 +1423,10 @@ def main(argv=None) -> int:
                                  description="Convert a Hugging Face Clover / Qwen3.5-MoE checkpoint to GGUF.")
     ap.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory (config.json, tokenizer.json, safetensors)")
     ap.add_argument("-o", "--outfile", "--out", dest="out_path", required=True, metavar="OUT", help="output .gguf path")
-    ap.add_argument("--outtype", choices=OUTTYPES, default="bf16",
-                    help="type of the 2-D/3-D weights (default bf16; norms, routers, conv, ssm_a/dt and block "
-                         "tensors stay f32; quantised types follow llama.cpp's llama-quantize mixes)")
+    ap.add_argument("--outtype", type=str.lower, choices=OUTTYPES, default="bf16",
+                    help="type of the 2-D/3-D weights, any letter case (default bf16; norms, routers, conv, "
+                         "ssm_a/dt and block tensors stay f32; quantised types follow llama.cpp's llama-quantize "
+                         "mixes)")
     ap.add_argument("--arch", choices=ARCHES, default=None,
                     help=f"default: {ARCH_CLOVER} for a Clover checkpoint, else {ARCH_PARENT}; {ARCH_PARENT} on a "
                          f"Clover checkpoint converts the trunk alone")

@@ -14,17 +14,23 @@ the file types this project writes. Summary of those rules as they apply here:
   not a multiple of the default type's block.
 - ``attn_v`` and ``attn_qkv`` (GDN) share one counter ``i_attention_wv`` (both count as
   "attn_v-like"); Q4_K_M / Q5_K_M give Q6_K where ``use_more_bits(i, n)``:
-  ``i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2``; IQ4_XS gives Q5_K when n_head/n_head_kv >= 4.
+  ``i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2``; IQ4_XS gives Q5_K when n_head/n_head_kv >= 4;
+  Q2_K gives Q4_K when n_head/n_head_kv >= 4, else Q3_K; Q3_K_M gives Q5_K for the first two
+  (``i_attention_wv < 2``), Q4_K after; Q4_K_S gives Q5_K for the first four.
   (llama.cpp's separate ATTENTION_QKV branch is unreachable since attn_qkv is attn_v-like.)
 - ``ffn_down*`` (``ffn_down_exps`` and ``ffn_down_shexp``; layer taken from the name because
   n_expert > 1): Q4_K_M / Q5_K_M give Q6_K on ``use_more_bits(layer, n_layer)``; IQ4_XS gives
-  Q5_K for ``layer < n_layer/8`` (no imatrix).
-- With exactly 8 experts: attn_v-like and attn_k become Q8_0, attn_output Q5_K (Q4_K_M, IQ4_XS).
-- Everything else that is quantisable (token_embd, attn_q/k/output, attn_gate, ssm_beta,
-  ssm_alpha, ssm_out, ffn_gate/up(_exps/_shexp)) takes the ftype's default type.
-- Fallback when the row length ne0 is not a multiple of the block size: Q4_K -> Q5_0,
-  Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; 32-block types stay; F16 when even the fallback
-  does not divide ne0.
+  Q5_K for ``layer < n_layer/8`` (no imatrix); Q2_K gives Q3_K; Q3_K_M gives Q5_K for
+  ``layer < n_layer/16``, Q4_K after (the Q3_K case is Falcon's only); Q4_K_S gives Q5_K for
+  ``layer < n_layer/8``.
+- ``attn_output``: with exactly 8 experts Q5_K (Q2_K, Q3_K_M, Q4_K_S, Q4_K_M, IQ4_XS); otherwise
+  Q2_K gives Q3_K and Q3_K_M gives Q4_K.
+- With exactly 8 experts: attn_v-like and attn_k become Q8_0.
+- Everything else that is quantisable (token_embd, attn_q/k, attn_gate, ssm_beta, ssm_alpha,
+  ssm_out, ffn_gate/up(_exps/_shexp)) takes the ftype's default type.
+- Fallback when the row length ne0 is not a multiple of the block size: Q2_K, Q3_K -> Q4_0,
+  Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; 32-block types stay; F16 when even
+  the fallback does not divide ne0.
 
 MTP blocks (``nextn_predict_layers``; llama-quantize loads them, ``load_mtp = true``): their layer
 tensors take the ordinary rules with the block index from the name, and llama.cpp's layer count
@@ -62,6 +68,9 @@ FTYPES = {
     "bf16": (F.MOSTLY_BF16, Q.BF16),
     "q8_0": (F.MOSTLY_Q8_0, Q.Q8_0),
     "q4_0": (F.MOSTLY_Q4_0, Q.Q4_0),
+    "q2_k": (F.MOSTLY_Q2_K, Q.Q2_K),
+    "q3_k_m": (F.MOSTLY_Q3_K_M, Q.Q3_K),
+    "q4_k_s": (F.MOSTLY_Q4_K_S, Q.Q4_K),
     "q4_k_m": (F.MOSTLY_Q4_K_M, Q.Q4_K),
     "q5_k_m": (F.MOSTLY_Q5_K_M, Q.Q5_K),
     "q6_k": (F.MOSTLY_Q6_K, Q.Q6_K),
@@ -71,9 +80,18 @@ OUTTYPES = tuple(FTYPES)
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 # llama.cpp tensor_type_fallback (types this plan can produce)
-_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def outtype_name(outtype: str) -> str:
+    """The ``OUTTYPES`` name of ``outtype``, in any letter case (``Q4_K_M`` is ``q4_k_m``, as
+    llama-quantize's type names). ValueError naming the choices for anything else."""
+    name = outtype.lower() if isinstance(outtype, str) else outtype
+    if name not in FTYPES:
+        raise ValueError(f"outtype {outtype!r}: expected one of {', '.join(OUTTYPES)} (any letter case)")
+    return name
 
 
 def file_type(ftype: str) -> int:
@@ -151,12 +169,11 @@ def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
     E (experts), nh (attention heads), nkv (KV heads); the HF config names num_hidden_layers,
     num_experts, num_attention_heads, num_key_value_heads are accepted too. tensors: mapping (or
     iterable of pairs) GGUF name -> shape in numpy order (last entry = row length ne0). ftype: one
-    of ``OUTTYPES``.
+    of ``OUTTYPES`` (any letter case).
 
     Returns {name: gguf.GGMLQuantizationType}. Raises ValueError for an unknown ftype.
     """
-    if ftype not in FTYPES:
-        raise ValueError(f"outtype {ftype!r}: expected one of {', '.join(OUTTYPES)}")
+    ftype = outtype_name(ftype)
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     ne = {name: tuple(reversed(tuple(int(s) for s in shape))) or (1,) for name, shape in items}
     default = FTYPES[ftype][1]
@@ -201,10 +218,16 @@ def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
         elif cat == "token_embd":
             pass  # only the IQ1/IQ2/IQ3/TQ mixes change token_embd
         elif _is_attn_v_like(cat):
-            if ftype == "iq4_xs" and n_gqa >= 4:
+            if ftype == "q2_k":
+                t = Q.Q4_K if n_gqa >= 4 else Q.Q3_K
+            elif ftype == "q3_k_m":
+                t = Q.Q5_K if i_attention_wv < 2 else Q.Q4_K
+            elif ftype == "iq4_xs" and n_gqa >= 4:
                 t = Q.Q5_K
             elif ftype in ("q4_k_m", "q5_k_m") and use_more_bits(i_attention_wv, n_attention_wv):
                 t = Q.Q6_K
+            elif ftype == "q4_k_s" and i_attention_wv < 4:
+                t = Q.Q5_K
             if n_expert == 8:
                 t = Q.Q8_0
             i_attention_wv += 1
@@ -218,17 +241,28 @@ def plan_types(arch: str, hparams, tensors, ftype: str) -> dict:
                     raise ValueError(f"tensor {name}: bad layer for n_layer {n_layer}")
             else:
                 i_layer = i_ffn_down
-            if ftype == "q4_k_m":
+            if ftype == "q2_k":
+                t = Q.Q3_K
+            elif ftype == "q3_k_m":  # not Falcon: Q4_K from n_layer/16 on
+                t = Q.Q5_K if i_layer < n_layer // 16 else Q.Q4_K
+            elif ftype == "q4_k_m":
                 if use_more_bits(i_layer, n_layer):
                     t = Q.Q6_K
             elif ftype == "iq4_xs" and i_layer < n_layer // 8:  # no imatrix
                 t = Q.Q5_K
             elif ftype == "q5_k_m" and use_more_bits(i_layer, n_layer):
                 t = Q.Q6_K
+            elif ftype == "q4_k_s" and i_layer < n_layer // 8:
+                t = Q.Q5_K
             i_ffn_down += 1
         elif cat == "attn_output":
-            if n_expert == 8 and ftype in ("q4_k_m", "iq4_xs"):
-                t = Q.Q5_K
+            if n_expert == 8:
+                if ftype in ("q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "iq4_xs"):
+                    t = Q.Q5_K
+            elif ftype == "q2_k":
+                t = Q.Q3_K
+            elif ftype == "q3_k_m":
+                t = Q.Q4_K
         # --- tensor_type_fallback ---
         if ne0 % block_size(t) != 0:
             if t in _FALLBACK:

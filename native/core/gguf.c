@@ -259,7 +259,8 @@ static int engine_type(uint32_t t, int64_t *block, uint64_t *block_bytes, uint64
     case CLOVER_TYPE_F32: *elem_align = 4; break;
     case CLOVER_TYPE_MXFP4: *elem_align = 1; break;
     case CLOVER_TYPE_F16: case CLOVER_TYPE_BF16: case CLOVER_TYPE_Q8_0: case CLOVER_TYPE_Q4_0: case CLOVER_TYPE_IQ4_NL:
-    case CLOVER_TYPE_Q4_K: case CLOVER_TYPE_Q5_K: case CLOVER_TYPE_Q6_K: case CLOVER_TYPE_IQ4_XS: *elem_align = 2; break;
+    case CLOVER_TYPE_Q2_K: case CLOVER_TYPE_Q3_K: case CLOVER_TYPE_Q4_K: case CLOVER_TYPE_Q5_K: case CLOVER_TYPE_Q6_K:
+    case CLOVER_TYPE_IQ4_XS: *elem_align = 2; break;
     default: return 0;
     }
     const clover_ggml_type *e = clover_ggml_type_of(t);
@@ -462,7 +463,7 @@ static int parse_tensor(reader *r, clover_gguf *g, int64_t i) {
     uint64_t block_bytes, elem_align;
     if (!engine_type(type, &block, &block_bytes, &elem_align)) {
         fail(r, "ggml type %" PRIu32 " (%s) is not supported by this engine (supported: F32, F16, BF16, Q8_0, Q4_0, "
-             "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)",
+             "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)",
              type, clover_ggml_type_label(type));
         return 0;
     }

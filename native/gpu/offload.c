@@ -22,6 +22,34 @@ static void layer_weights(clover_layer *ly, int experts, clover_tensor **out) {
     out[n] = NULL;
 }
 
+/* Whether the CUDA backend's products take weight type t (native/cuda/dequant.cuh's formats):
+ * every engine weight type but Q2_K and Q3_K, which run on the CPU only. */
+static int gpu_weight_type(int t) { return t != CLOVER_TYPE_Q2_K && t != CLOVER_TYPE_Q3_K; }
+
+/* CLOVER_OK when every weight the placement (L layers, their routed experts from layer n_cpu_moe
+ * on, the output with with_output) would copy has a GPU type; else CLOVER_E_ARG naming the first
+ * layer and type that does not. */
+static int check_gpu_types(clover_model *m, int32_t L, int32_t n_cpu_moe, int with_output, char *err, size_t err_size) {
+    static const char *gpu_types = "F32, F16, BF16, Q8_0, Q4_0, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS";
+    clover_tensor *w[24];
+    for (int il = 0; il < L; il++)
+        for (int experts = 0; experts < 2; experts++) {
+            if (experts && il < n_cpu_moe) continue;
+            layer_weights(&m->layers[il], experts, w);
+            for (int i = 0; w[i]; i++)
+                if (!gpu_weight_type(w[i]->type))
+                    return clover_set_err(err, err_size, CLOVER_E_ARG,
+                                          "n_gpu_layers: layer %d has %s weights, which the CUDA backend does not run "
+                                          "(it runs %s); keep such layers on the CPU", il,
+                                          clover_type_name(w[i]->type), gpu_types);
+        }
+    if (with_output && !gpu_weight_type(m->output.type))
+        return clover_set_err(err, err_size, CLOVER_E_ARG,
+                              "n_gpu_layers: output.weight is %s, which the CUDA backend does not run (it runs %s); "
+                              "offload at most n_layer layers", clover_type_name(m->output.type), gpu_types);
+    return CLOVER_OK;
+}
+
 static int64_t tensor_bytes(const clover_tensor *t) {
     return clover_row_nbytes(t->type, t->ne[0]) * t->ne[1] * t->ne[2] * t->ne[3];
 }
@@ -160,6 +188,8 @@ int32_t clover_model_offload(clover_model *m, int32_t n_gpu_layers, int32_t n_cp
     const int32_t L = n_gpu_layers < m->hp.n_layer ? n_gpu_layers : m->hp.n_layer;
     const int with_output = n_gpu_layers > m->hp.n_layer; /* llama.cpp: n_layer + 1 moves the output too */
     if (L == 0 && !with_output) return 0;
+    const int types_rc = check_gpu_types(m, L, n_cpu_moe, with_output, err, err_size);
+    if (types_rc != CLOVER_OK) return types_rc;
     char info[256];
     if (clover_cuda_devices(info, sizeof info) <= 0)
         return clover_set_err(err, err_size, CLOVER_E_DEVICE, "n_gpu_layers: %d, but no GPU can be used: %s", n_gpu_layers,

@@ -58,10 +58,10 @@ enum {
 /* ggml tensor types understood by this engine (ggml numbering). */
 enum {
     CLOVER_TYPE_F32 = 0, CLOVER_TYPE_F16 = 1, CLOVER_TYPE_Q8_0 = 8, CLOVER_TYPE_BF16 = 30,
-    /* block formats (native/quant/kquants.c): weight types of the loader and matmul, except Q8_K,
+    /* block formats (native/quant/kquants.c, kquants23.c): weight types of the loader and matmul, except Q8_K,
      * which is the activations' form of the K formats' products only */
-    CLOVER_TYPE_Q4_0 = 2, CLOVER_TYPE_Q4_K = 12, CLOVER_TYPE_Q5_K = 13, CLOVER_TYPE_Q6_K = 14,
-    CLOVER_TYPE_Q8_K = 15, CLOVER_TYPE_IQ4_NL = 20, CLOVER_TYPE_IQ4_XS = 23, CLOVER_TYPE_MXFP4 = 39,
+    CLOVER_TYPE_Q4_0 = 2, CLOVER_TYPE_Q2_K = 10, CLOVER_TYPE_Q3_K = 11, CLOVER_TYPE_Q4_K = 12,
+    CLOVER_TYPE_Q5_K = 13, CLOVER_TYPE_Q6_K = 14, CLOVER_TYPE_Q8_K = 15, CLOVER_TYPE_IQ4_NL = 20, CLOVER_TYPE_IQ4_XS = 23, CLOVER_TYPE_MXFP4 = 39,
 };
 
 /* Open and validate `path`. Returns NULL and a message in err on any problem. */

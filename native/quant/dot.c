@@ -98,6 +98,8 @@ int clover_dot_act_type(int type) {
     case CLOVER_TYPE_Q4_0:
     case CLOVER_TYPE_IQ4_NL:
     case CLOVER_TYPE_MXFP4: return CLOVER_TYPE_Q8_0;
+    case CLOVER_TYPE_Q2_K:
+    case CLOVER_TYPE_Q3_K:
     case CLOVER_TYPE_Q4_K:
     case CLOVER_TYPE_Q5_K:
     case CLOVER_TYPE_Q6_K:

@@ -2,7 +2,7 @@
  * (internal). As in ggml, each weight type is paired with an activation format that the
  * activation row is quantised to once per product call:
  *   Q8_0, Q4_0, IQ4_NL, MXFP4  x  Q8_0 activations (blocks of 32)
- *   Q4_K, Q5_K, Q6_K, IQ4_XS   x  Q8_K activations (blocks of 256)
+ *   Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS   x  Q8_K activations (blocks of 256)
  * Every type has a portable scalar kernel (dot.c clover_dot_scalar, the reference) and optional AVX2
  * (dot_avx2.c) and AVX-512 VNNI (dot_avx512.c) kernels, chosen at run time from the CPU's
  * features; every SIMD kernel is tested against the scalar one (tests/native/test_dot.py).
@@ -140,10 +140,15 @@ void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
 void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);
 clover_vec_dot4_fn clover_dot4_avx512(int type);
 
-/* K-quant kernels (dot_k.c): Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K; NULL for other types. */
+/* K-quant kernels against Q8_K (dot_k.c: Q4_K, Q5_K, Q6_K, IQ4_XS, and through the k23 getters
+ * Q2_K, Q3_K); NULL for other types. */
 clover_vec_dot_fn clover_dot_k_scalar(int type);
 clover_vec_dot_fn clover_dot_k_avx2(int type);
 clover_vec_dot_fn clover_dot_k_avx512(int type);
+/* Q2_K and Q3_K (kquants23.c): scalar and AVX2 only (no AVX-512 kernel: clover_dot_kernel falls
+ * back to the AVX2 one); NULL for other types. */
+clover_vec_dot_fn clover_dot_k23_scalar(int type);
+clover_vec_dot_fn clover_dot_k23_avx2(int type);
 /* Four-row AVX-512 K-quant kernels (dot_k.c; see clover_vec_dot4_fn): each out[i] equals the
  * single-row AVX-512 kernel's value bit for bit. NULL for other types and on non-x86 builds. */
 clover_vec_dot4_fn clover_dot4_k_avx512(int type);

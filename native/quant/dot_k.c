@@ -203,7 +203,7 @@ DK_EXPORT clover_vec_dot_fn clover_dot_k_scalar(int type) {
     case CLOVER_TYPE_Q5_K: return dot_q5_K_scalar;
     case CLOVER_TYPE_Q6_K: return dot_q6_K_scalar;
     case CLOVER_TYPE_IQ4_XS: return dot_iq4_xs_scalar;
-    default: return NULL;
+    default: return clover_dot_k23_scalar(type);
     }
 }
 
@@ -728,7 +728,7 @@ DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
     case CLOVER_TYPE_Q5_K: return dot_q5_K_avx2;
     case CLOVER_TYPE_Q6_K: return dot_q6_K_avx2;
     case CLOVER_TYPE_IQ4_XS: return dot_iq4_xs_avx2;
-    default: return NULL;
+    default: return clover_dot_k23_avx2(type);
     }
 }
 
@@ -754,10 +754,7 @@ DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx512(int type) {
 
 #else /* not x86 */
 
-DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) {
-    (void)type;
-    return NULL;
-}
+DK_EXPORT clover_vec_dot_fn clover_dot_k_avx2(int type) { return clover_dot_k23_avx2(type); }
 
 DK_EXPORT clover_vec_dot_fn clover_dot_k_avx512(int type) {
     (void)type;

@@ -1,5 +1,6 @@
 /* kquants.c: ggml block weight formats beyond Q8_0 (spec 6): quantise and dequantise for
- * Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 and the Q8_K activation format.
+ * Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 and the Q8_K activation format, and the table
+ * of every block format (with Q2_K and Q3_K of kquants23.c).
  *
  * Layouts are ggml's (ggml-common.h), little-endian, one block after another:
  *   Q4_0   32 values,  18 B: fp16 d, 16 B nibbles (low nibble: value j, high: value j+16);
@@ -56,15 +57,6 @@ static inline void f2h(uint8_t *p, float f) {
     memcpy(p, &h, 2);
 }
 
-/* Round to the nearest integer, ties to even, for |f| <= 2^22 - 1: adding 1.5 * 2^23 puts
- * the integer part in the low mantissa bits (defined, if meaningless, for other inputs). */
-static inline int round_int(float f) {
-    const float v = f + 12582912.0f;
-    int32_t i;
-    memcpy(&i, &v, sizeof i);
-    return (i & 0x007fffff) - 0x00400000;
-}
-
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
@@ -116,12 +108,13 @@ static void q4_0_dequant(const uint8_t *b, float *y) {
 
 /* ---------------------------------------------------------------- Q4_K / Q5_K */
 
-/* Asymmetric fit of n values to levels 0..nmax with weights w: x ~ scale*L - min_out.
- * Starts from the min/max grid, then tries nstep+1 grid spacings (rmin + rdelta*is + nmax
- * levels over the range) with a weighted least-squares (scale, min) fit each, keeping the
- * one with the lowest weighted squared error. Returns scale; *min_out = -min (>= 0). */
-static float fit_scale_min(int n, int nmax, const float *x, const float *w, uint8_t *L, float *min_out,
-                           float rmin, float rdelta, int nstep) {
+/* Asymmetric fit of n <= 32 values to levels 0..nmax with weights w: x ~ scale*L - min_out
+ * (ggml make_qkx2_quants). Starts from the min/max grid, then tries nstep+1 grid spacings
+ * (rmin + rdelta*is + nmax levels over the range) with a weighted least-squares (scale, min)
+ * fit each, keeping the one with the lowest weighted error: squared, or absolute when mad
+ * (Q2_K). Returns scale; *min_out = -min (>= 0). */
+float clover_fit_scale_min(int n, int nmax, const float *x, const float *w, uint8_t *L, float *min_out, float rmin,
+                           float rdelta, int nstep, int mad) {
     uint8_t Lt[32];
     float lo = x[0], hi = x[0];
     float sw = w[0];
@@ -142,15 +135,15 @@ static float fit_scale_min(int n, int nmax, const float *x, const float *w, uint
     float scale = 1 / iscale;
     float best = 0;
     for (int i = 0; i < n; i++) {
-        L[i] = (uint8_t)imax(0, imin(nmax, round_int(iscale * (x[i] - lo))));
+        L[i] = (uint8_t)imax(0, imin(nmax, clover_round_int(iscale * (x[i] - lo))));
         const float diff = scale * L[i] + lo - x[i];
-        best += w[i] * (diff * diff);
+        best += w[i] * (mad ? fabsf(diff) : diff * diff);
     }
     for (int is = 0; is <= nstep; is++) {
         iscale = (rmin + rdelta * is + nmax) / (hi - lo);
         float sl = 0, sl2 = 0, sxl = 0;
         for (int i = 0; i < n; i++) {
-            const int l = imax(0, imin(nmax, round_int(iscale * (x[i] - lo))));
+            const int l = imax(0, imin(nmax, clover_round_int(iscale * (x[i] - lo))));
             Lt[i] = (uint8_t)l;
             sl += w[i] * l;
             sl2 += w[i] * l * l;
@@ -167,7 +160,7 @@ static float fit_scale_min(int n, int nmax, const float *x, const float *w, uint
             float err = 0;
             for (int i = 0; i < n; i++) {
                 const float diff = s * Lt[i] + m - x[i];
-                err += w[i] * (diff * diff);
+                err += w[i] * (mad ? fabsf(diff) : diff * diff);
             }
             if (err < best) {
                 memcpy(L, Lt, (size_t)n);
@@ -203,7 +196,7 @@ static void k45_levels(const float *x, uint8_t *o, uint8_t *L, int nmax, float r
         for (int l = 0; l < 32; l++) sum_x2 += xb[l] * xb[l];
         const float av = sqrtf(sum_x2 / 32);
         for (int l = 0; l < 32; l++) w[l] = av + fabsf(xb[l]);
-        scales[j] = fit_scale_min(32, nmax, xb, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep);
+        scales[j] = clover_fit_scale_min(32, nmax, xb, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep, 0);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -212,8 +205,8 @@ static void k45_levels(const float *x, uint8_t *o, uint8_t *L, int nmax, float r
     uint8_t *sc = o + 4;
     memset(sc, 0, 12);
     for (int j = 0; j < 8; j++) {
-        const int ls = imin(63, (uint8_t)round_int(inv_scale * scales[j]));
-        const int lm = imin(63, (uint8_t)round_int(inv_min * mins[j]));
+        const int ls = imin(63, (uint8_t)clover_round_int(inv_scale * scales[j]));
+        const int lm = imin(63, (uint8_t)clover_round_int(inv_min * mins[j]));
         if (j < 4) {
             sc[j] = (uint8_t)ls;
             sc[j + 4] = (uint8_t)lm;
@@ -233,7 +226,7 @@ static void k45_levels(const float *x, uint8_t *o, uint8_t *L, int nmax, float r
         if (dl == 0.0f) continue; /* keep the levels of the fit */
         const float ml = dmin * m;
         for (int i = 0; i < 32; i++)
-            L[32 * j + i] = (uint8_t)imax(0, imin(nmax, round_int((x[32 * j + i] + ml) / dl)));
+            L[32 * j + i] = (uint8_t)imax(0, imin(nmax, clover_round_int((x[32 * j + i] + ml) / dl)));
     }
 }
 
@@ -307,7 +300,7 @@ static float fit_scale_sym(int n, int nmax, const float *x, int8_t *L) {
     float iscale = -nmax / vmax;
     float sx = 0, s2 = 0;
     for (int i = 0; i < n; i++) {
-        const int l = imax(-nmax, imin(nmax - 1, round_int(iscale * x[i])));
+        const int l = imax(-nmax, imin(nmax - 1, clover_round_int(iscale * x[i])));
         L[i] = (int8_t)(l + nmax);
         const float w = x[i] * x[i];
         sx += w * x[i] * l;
@@ -320,14 +313,14 @@ static float fit_scale_sym(int n, int nmax, const float *x, int8_t *L) {
         iscale = -(nmax + 0.1f * k) / vmax;
         sx = s2 = 0;
         for (int i = 0; i < n; i++) {
-            const int l = imax(-nmax, imin(nmax - 1, round_int(iscale * x[i])));
+            const int l = imax(-nmax, imin(nmax - 1, clover_round_int(iscale * x[i])));
             const float w = x[i] * x[i];
             sx += w * x[i] * l;
             s2 += w * l * l;
         }
         if (s2 > 0 && sx * sx > best * s2) {
             for (int i = 0; i < n; i++)
-                L[i] = (int8_t)(nmax + imax(-nmax, imin(nmax - 1, round_int(iscale * x[i]))));
+                L[i] = (int8_t)(nmax + imax(-nmax, imin(nmax - 1, clover_round_int(iscale * x[i]))));
             scale = sx / s2;
             best = scale * sx;
         }
@@ -354,13 +347,13 @@ static void q6_k_quant(const float *x, uint8_t *o) {
     }
     const float iscale = -128.f / max_scale;
     f2h(o + 208, 1 / iscale);
-    for (int ib = 0; ib < 16; ib++) sc[ib] = (int8_t)imin(127, round_int(iscale * scales[ib]));
+    for (int ib = 0; ib < 16; ib++) sc[ib] = (int8_t)imin(127, clover_round_int(iscale * scales[ib]));
     const float d = h2f(o + 208);
     for (int j = 0; j < 16; j++) {
         const float dl = d * sc[j];
         if (dl == 0.0f) continue;
         for (int i = 0; i < 16; i++)
-            L[16 * j + i] = (int8_t)(imax(-32, imin(31, round_int(x[16 * j + i] / dl))) + 32);
+            L[16 * j + i] = (int8_t)(imax(-32, imin(31, clover_round_int(x[16 * j + i] / dl))) + 32);
     }
     for (int j = 0; j < QK_K; j += 128, ql += 64, qh += 32) {
         for (int l = 0; l < 32; l++) {
@@ -473,7 +466,7 @@ static void iq4_xs_quant(const float *x, uint8_t *o) {
     uint8_t *sl = o + 4;
     memset(sl, 0, 4);
     for (int ib = 0; ib < 8; ib++) {
-        const int l = imax(-32, imin(31, round_int(id * scales[ib])));
+        const int l = imax(-32, imin(31, clover_round_int(id * scales[ib])));
         const float dl = d * l;
         const float idl = dl != 0.0f ? 1 / dl : 0.f;
         for (int j = 0; j < 32; j++) L[32 * ib + j] = (uint8_t)nearest_index(16, clover_kv_iq4nl, idl * x[32 * ib + j]);
@@ -569,7 +562,7 @@ static void q8_k_quant_scalar(const float *x, uint8_t *o) {
         return;
     }
     const float iscale = -127.f / vmax;
-    for (int j = 0; j < QK_K; j++) qs[j] = (int8_t)imin(127, round_int(iscale * x[j]));
+    for (int j = 0; j < QK_K; j++) qs[j] = (int8_t)imin(127, clover_round_int(iscale * x[j]));
     for (int j = 0; j < 16; j++) {
         int16_t s = 0;
         for (int i = 0; i < 16; i++) s = (int16_t)(s + qs[16 * j + i]);
@@ -653,6 +646,8 @@ typedef struct {
 
 static const kq_format FORMATS[] = {
     {CLOVER_TYPE_Q4_0, 32, 18, q4_0_quant, q4_0_dequant},
+    {CLOVER_TYPE_Q2_K, QK_K, 84, clover_q2_k_quant, clover_q2_k_dequant},
+    {CLOVER_TYPE_Q3_K, QK_K, 110, clover_q3_k_quant, clover_q3_k_dequant},
     {CLOVER_TYPE_Q4_K, QK_K, 144, q4_k_quant, q4_k_dequant},
     {CLOVER_TYPE_Q5_K, QK_K, 176, q5_k_quant, q5_k_dequant},
     {CLOVER_TYPE_Q6_K, QK_K, 210, q6_k_quant, q6_k_dequant},

@@ -73,8 +73,8 @@ uint16_t clover_fp32_to_bf16(float f); /* round to nearest even, NaN kept quiet 
 void clover_f16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n);
 void clover_bf16_row_to_f32(const uint8_t *restrict src, float *restrict dst, int64_t n);
 
-/* Block formats of kquants.c (Q4_0, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS, MXFP4; ggml
- * layouts and ggml's reference quantisers). n must be a multiple of the block size (32 for
+/* Block formats of kquants.c (Q4_0, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS, MXFP4; Q2_K and
+ * Q3_K of kquants23.c; ggml layouts and ggml's reference quantisers). n must be a multiple of the block size (32 for
  * Q4_0/IQ4_NL/MXFP4, 256 for the others).
  * clover_kq_nbytes: bytes of n values, -1 for other types or a bad n.
  * clover_kq_to_f32 / clover_kq_from_f32: as clover_to_f32 / clover_from_f32 for these types
@@ -87,5 +87,26 @@ extern const int8_t clover_kv_mxfp4[16];
 float clover_e8m0_half(uint8_t e);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
+
+/* Round to the nearest integer, ties to even, for |f| <= 2^22 - 1 (ggml nearest_int): adding
+ * 1.5 * 2^23 puts the integer part in the low mantissa bits (defined, if meaningless, for other
+ * inputs). */
+CLOVER_INLINE int clover_round_int(float f) {
+    const float v = f + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &v, sizeof i);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* ggml's make_qkx2_quants (kquants.c): the weighted asymmetric fit of n <= 32 values to levels
+ * 0..nmax shared by Q2_K, Q4_K and Q5_K; mad: absolute rather than squared errors. */
+float clover_fit_scale_min(int n, int nmax, const float *x, const float *w, uint8_t *L, float *min_out, float rmin,
+                           float rdelta, int nstep, int mad);
+
+/* One block of 256 values of Q2_K (84 bytes) or Q3_K (110 bytes) from / to float (kquants23.c). */
+void clover_q2_k_quant(const float *x, uint8_t *o);
+void clover_q2_k_dequant(const uint8_t *b, float *y);
+void clover_q3_k_quant(const float *x, uint8_t *o);
+void clover_q3_k_dequant(const uint8_t *b, float *y);
 
 #endif

@@ -51,7 +51,7 @@ def expected(ftype: str, layer: int, suffix: str):
     if suffix in ALWAYS_F32:
         return Q.F32
     base = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0,
-            "iq4_xs": Q.IQ4_XS}[ftype]  # llama_ftype_get_default_type
+            "iq4_xs": Q.IQ4_XS, "q2_k": Q.Q2_K, "q3_k_m": Q.Q3_K, "q4_k_s": Q.Q4_K}[ftype]  # llama_ftype_get_default_type
     more = layer in MORE_BITS_40
     if suffix in ("attn_qkv.weight", "attn_v.weight"):
         # category_is_attn_v() covers ATTENTION_V and ATTENTION_QKV; one per layer, so the
@@ -60,6 +60,12 @@ def expected(ftype: str, layer: int, suffix: str):
             return Q.Q5_K  # "(IQ4_NL || IQ4_XS) && n_gqa() >= 4 -> Q5_K" (n_gqa = 16/2 = 8)
         if ftype in ("q4_k_m", "q5_k_m") and more:
             return Q.Q6_K  # "(Q4_K_M || Q5_K_M) && use_more_bits(i_attention_wv, n_attention_wv) -> Q6_K"
+        if ftype == "q2_k":
+            return Q.Q4_K  # "Q2_K: n_gqa() >= 4 ? Q4_K : Q3_K"
+        if ftype == "q3_k_m":
+            return Q.Q5_K if layer < 2 else Q.Q4_K  # "Q3_K_M: i_attention_wv < 2 ? Q5_K : Q4_K"
+        if ftype == "q4_k_s" and layer < 4:
+            return Q.Q5_K  # "Q4_K_S && i_attention_wv < 4 -> Q5_K"
         return base
     if suffix in ("ffn_down_exps.weight", "ffn_down_shexp.weight"):
         # FFN_DOWN category ("ffn_down" substring); layer parsed from the name (n_expert > 1)
@@ -67,8 +73,17 @@ def expected(ftype: str, layer: int, suffix: str):
             return Q.Q6_K  # "Q4_K_M: use_more_bits -> Q6_K"; "Q5_K_M && use_more_bits -> Q6_K"
         if ftype == "iq4_xs" and layer < 5:
             return Q.Q5_K  # "i_layer < n_layer/8 && IQ4_XS && !has_imatrix -> Q5_K"
+        if ftype == "q2_k":
+            return Q.Q3_K  # "Q2_K -> Q3_K"
+        if ftype == "q3_k_m":
+            return Q.Q5_K if layer < 2 else Q.Q4_K  # "i_layer < n_layer/16 ? Q5_K : arch != FALCON || ... ? Q4_K"
+        if ftype == "q4_k_s" and layer < 5:
+            return Q.Q5_K  # "Q4_K_S && arch != FALCON && i_layer < n_layer/8 -> Q5_K"
         return base
-    return base  # attn_q/k/output, attn_gate, ssm_beta/alpha/out, ffn gate/up: no rule for these ftypes
+    if suffix == "attn_output.weight":
+        # ATTENTION_OUTPUT, n_expert != 8, not Falcon: "Q2_K -> Q3_K", "Q3_K_M -> Q4_K"
+        return {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K}.get(ftype, base)
+    return base  # attn_q/k, attn_gate, ssm_beta/alpha/out, ffn gate/up: no rule for these ftypes
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +94,7 @@ def real_hp():
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "clover_moe"])
-@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs"])
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "iq4_xs", "q2_k", "q3_k_m", "q4_k_s"])
 def test_real_40_layer_table(real_hp, ftype, arch):
     hp = real_hp
     assert hp.n_layer == 40 and hp.E == 256 and hp.nh // hp.nkv == 8
@@ -118,6 +133,12 @@ def test_real_40_layer_table(real_hp, ftype, arch):
         assert sum(plan[f"blk.{i}.{s}"] == Q.Q6_K for i in range(40)
                    for s in ("attn_qkv.weight", "attn_v.weight") if f"blk.{i}.{s}" in plan) == len(MORE_BITS_40)
         assert sum(plan[f"blk.{i}.ffn_down_exps.weight"] == Q.Q6_K for i in range(40)) == len(MORE_BITS_40)
+    # every layer, not only LAYERS: the counted rules of the new mixes
+    for i in range(40):
+        v = f"blk.{i}.attn_qkv.weight" if hp.layer_types[i] == "linear_attention" else f"blk.{i}.attn_v.weight"
+        assert plan[v] == expected(ftype, i, v.split(".", 2)[-1]), v
+        for s in ("ffn_down_exps.weight", "ffn_down_shexp.weight"):
+            assert plan[f"blk.{i}.{s}"] == expected(ftype, i, s), (i, s)
 
 
 @pytest.mark.parametrize("ftype,want", [("f32", Q.F32), ("f16", Q.F16), ("bf16", Q.BF16)])
@@ -184,9 +205,50 @@ def test_attn_v_counter_follows_loader_order():
 def test_file_types_and_errors():
     F = gguf.LlamaFileType
     assert [QP.file_type(f) for f in ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")] == [2, 7, 15, 17, 18, 30]
+    # LLAMA_FTYPE_MOSTLY_Q2_K = 10, Q3_K_M = 12, Q4_K_S = 14 (include/llama.h)
+    assert [QP.file_type(f) for f in ("q2_k", "q3_k_m", "q4_k_s")] == [10, 12, 14]
     assert QP.file_type("bf16") == int(F.MOSTLY_BF16) and QP.file_type("f32") == int(F.ALL_F32)
-    with pytest.raises(ValueError, match="q3_k_m"):
-        QP.plan_types("qwen35moe", _small(), {}, "q3_k_m")
+    with pytest.raises(ValueError, match=r"outtype 'q3_k_l': expected one of .*q2_k, q3_k_m, q4_k_s, q4_k_m"):
+        QP.plan_types("qwen35moe", _small(), {}, "q3_k_l")
+    # any letter case, as llama-quantize's type names
+    assert QP.outtype_name("Q4_K_M") == "q4_k_m" and QP.outtype_name("Q3_K_m") == "q3_k_m"
+    t = {"blk.3.attn_v.weight": (128, 256), "blk.3.ffn_down_exps.weight": (16, 256, 256)}
+    assert QP.plan_types("qwen35moe", _small(), t, "Q2_K") == QP.plan_types("qwen35moe", _small(), t, "q2_k")
+    for bad in ("q4_k", "", None):
+        with pytest.raises(ValueError, match="expected one of"):
+            QP.outtype_name(bad)
+
+
+@pytest.mark.parametrize("ftype,ne0,want", [
+    # tensor_type_fallback: "Q2_K, Q3_K -> Q4_0"
+    ("q2_k", 128, Q.Q4_0), ("q3_k_m", 128, Q.Q4_0), ("q4_k_s", 128, Q.Q5_0), ("q2_k", 48, Q.F16),
+])
+def test_fallback_row_length_low_bit_mixes(ftype, ne0, want):
+    plan = QP.plan_types("qwen35moe", _small(), {"blk.5.attn_gate.weight": (64, ne0)}, ftype)
+    assert plan["blk.5.attn_gate.weight"] == want
+
+
+def test_low_bit_mixes_small_gqa_and_eight_experts():
+    t = {"blk.3.attn_v.weight": (128, 256), "blk.3.attn_k.weight": (128, 256), "blk.3.attn_output.weight": (256, 256),
+         "blk.0.attn_qkv.weight": (512, 256), "blk.1.attn_qkv.weight": (512, 256), "blk.2.attn_qkv.weight": (512, 256),
+         "blk.4.attn_qkv.weight": (512, 256), "blk.5.attn_qkv.weight": (512, 256)}
+    # n_gqa = 4 / 2 = 2 < 4: Q2_K gives attn_v-like Q3_K
+    plan = QP.plan_types("qwen35moe", _small(), t, "q2_k")
+    assert {plan[n] for n in t if "attn_v" in n or "attn_qkv" in n} == {Q.Q3_K}
+    assert plan["blk.3.attn_output.weight"] == Q.Q3_K and plan["blk.3.attn_k.weight"] == Q.Q2_K
+    # loader order: layers 0, 1, 2, 3 (attn_v), 4, 5 -> i_attention_wv 0..5
+    plan = QP.plan_types("qwen35moe", _small(), t, "q3_k_m")
+    assert [plan[n] for n in ("blk.0.attn_qkv.weight", "blk.1.attn_qkv.weight", "blk.2.attn_qkv.weight",
+                              "blk.3.attn_v.weight")] == [Q.Q5_K, Q.Q5_K, Q.Q4_K, Q.Q4_K]
+    plan = QP.plan_types("qwen35moe", _small(), t, "q4_k_s")
+    assert [plan[n] for n in ("blk.2.attn_qkv.weight", "blk.3.attn_v.weight", "blk.4.attn_qkv.weight")] == \
+        [Q.Q5_K, Q.Q5_K, Q.Q4_K]
+    assert plan["blk.3.attn_output.weight"] == Q.Q4_K
+    # n_expert == 8: attn_v-like and attn_k Q8_0, attn_output Q5_K for all three
+    for ftype in ("q2_k", "q3_k_m", "q4_k_s"):
+        plan = QP.plan_types("qwen35moe", _small(E=8), t, ftype)
+        assert plan["blk.3.attn_v.weight"] == plan["blk.0.attn_qkv.weight"] == plan["blk.3.attn_k.weight"] == Q.Q8_0
+        assert plan["blk.3.attn_output.weight"] == Q.Q5_K
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +260,7 @@ LLAMA_QUANTIZE = next((p for p in (os.environ.get("LLAMA_QUANTIZE"), "/tmp/lq-bu
                        if p and os.access(p, os.X_OK)), None)
 needs_lq = pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not built (set LLAMA_QUANTIZE)")
 LQ_FTYPES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_0": "Q4_0",
-             "iq4_xs": "IQ4_XS"}
+             "iq4_xs": "IQ4_XS", "q2_k": "Q2_K", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S"}
 _DRY_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\S+),\s*size =.*?(?:\((\S+)\))?\s*$")
 
 

@@ -167,6 +167,33 @@ def test_offload_without_gpu_is_refused_and_model_falls_back(make_gguf):
                 cm.generate_tokens([1, 2, 3], max_tokens=6, mode="ar")[0]
 
 
+@pytest.mark.parametrize("outtype,wtype", [("q2_k", "Q2_K"), ("q3_k_m", "Q3_K")])
+def test_offload_refuses_cpu_only_weight_types(make_gguf, outtype, wtype):
+    """Q2_K and Q3_K have no GPU kernels: offloading a layer that holds them is refused (before
+    any device is asked for) with the layer, the type and the types the GPU runs; the model
+    stays on the CPU and works."""
+    err = err_buf()
+    m = lib.clover_model_load(str(make_gguf(outtype)).encode(), err, len(err))
+    assert m != ffi.NULL, ffi.string(err)
+    try:
+        for n_gpu, n_cpu_moe in ((99, 0), (1, 0), (1, 99)):
+            rc = lib.clover_model_offload(m, n_gpu, n_cpu_moe, err, len(err))
+            msg = ffi.string(err).decode()
+            assert rc == lib.CLOVER_E_ARG, msg
+            assert re.search(rf"n_gpu_layers: layer 0 has {wtype} weights, which the CUDA backend does not run "
+                             r"\(it runs F32, F16, BF16, Q8_0, Q4_0, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS\)", msg), msg
+            assert lib.clover_model_gpu_bytes(m) == 0
+    finally:
+        lib.clover_model_free(m)
+    # a Q4_K_S file (Q4_K, Q5_K, Q6_K, Q8_0) gets past the type check: the GPU's absence, or an offload
+    m = lib.clover_model_load(str(make_gguf("q4_k_s")).encode(), err, len(err))
+    try:
+        rc = lib.clover_model_offload(m, 99, 0, err, len(err))
+        assert rc == (lib.CLOVER_E_DEVICE if N_DEV <= 0 else 5), ffi.string(err)
+    finally:
+        lib.clover_model_free(m)
+
+
 def _weights(name: str, type_: int, ne0: int, ne1: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """(bytes of the quantised [ne1, ne0] matrix, its float64 dequantisation)."""
     w = rng.standard_normal((ne1, ne0)).astype(np.float32)

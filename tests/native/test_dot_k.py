@@ -1,7 +1,8 @@
-"""K-quant dot-product kernels of native/dot_k.c (spec 6).
+"""K-quant dot-product kernels of native/quant/dot_k.c and kquants23.c (spec 6).
 
 Weight types Q4_K, Q5_K, Q6_K, IQ4_XS against Q8_K activations, each with a scalar kernel
-(the reference) and AVX2 / AVX-512-VNNI kernels.
+(the reference) and AVX2 / AVX-512-VNNI kernels; Q2_K and Q3_K with a scalar and an AVX2
+kernel, which the dispatch (clover_dot_kernel) also gives for AVX-512 CPUs.
 Checks:
 - the scalar kernel equals the float64 dot of the dequantised weight row (clover_kq_to_f32)
   with the dequantised Q8_K row, within 1e-5 * sum|w*x|;
@@ -26,9 +27,11 @@ from clover_gguf import _ffi
 from clover_gguf._ffi import lib
 
 TYPES = {"Q4_K": (lib.CLOVER_TYPE_Q4_K, 144), "Q5_K": (lib.CLOVER_TYPE_Q5_K, 176),
-         "Q6_K": (lib.CLOVER_TYPE_Q6_K, 210), "IQ4_XS": (lib.CLOVER_TYPE_IQ4_XS, 136)}
-# byte offsets of the fp16 scales in each block (d, and dmin for Q4_K/Q5_K)
-FP16_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+         "Q6_K": (lib.CLOVER_TYPE_Q6_K, 210), "IQ4_XS": (lib.CLOVER_TYPE_IQ4_XS, 136),
+         "Q2_K": (lib.CLOVER_TYPE_Q2_K, 84), "Q3_K": (lib.CLOVER_TYPE_Q3_K, 110)}
+K23 = ("Q2_K", "Q3_K")  # no AVX-512 kernels
+# byte offsets of the fp16 scales in each block (d, and dmin for Q2_K/Q4_K/Q5_K)
+FP16_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
 Q8K = lib.CLOVER_TYPE_Q8_K
 LENGTHS = [256, 768, 1280, 2048, 8192]
 
@@ -38,6 +41,8 @@ typedef float (*clover_vec_dot_fn)(int64_t n, const void *w_row, const void *xq)
 clover_vec_dot_fn clover_dot_k_scalar(int type);
 clover_vec_dot_fn clover_dot_k_avx2(int type);
 clover_vec_dot_fn clover_dot_k_avx512(int type);
+clover_vec_dot_fn clover_dot_kernel(int type, int isa);
+int clover_dot_best_isa(void);
 typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
 clover_vec_dot4_fn clover_dot4_k_avx512(int type);
 int clover_dot4_packed(int type);
@@ -155,8 +160,7 @@ def test_scalar_matches_dequantised_dot(name):
     print(f"{name} scalar: max |scalar - ref| / sum|w*x| = {worst:.2e}")
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name,isa", [(n, i) for n in TYPES for i in ISAS if not (n in K23 and i == "avx512")])
 def test_simd_matches_scalar(name, isa):
     need, getter = ISAS[isa]
     tid = TYPES[name][0]
@@ -194,7 +198,7 @@ def _k_permuted(q8k):
     return blocks.reshape(-1)
 
 
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", [n for n in TYPES if n not in K23])
 def test_dot4_avx512_equals_single_row_bitwise(name):
     need, getter = ISAS["avx512"]
     tid = TYPES[name][0]
@@ -250,3 +254,16 @@ def test_other_types_have_no_kernel():
         for getter in (klib.clover_dot_k_scalar, klib.clover_dot_k_avx2, klib.clover_dot_k_avx512,
                        klib.clover_dot4_k_avx512):
             assert getter(t) == _kffi.NULL
+
+
+@pytest.mark.parametrize("name", K23)
+def test_k23_dispatch_falls_back_to_avx2(name):
+    """Q2_K and Q3_K have no AVX-512 kernels: clover_dot_kernel gives the AVX2 one at every ISA
+    from AVX2 up that this CPU has, the scalar one at ISA 0, and no four-row kernel."""
+    tid = TYPES[name][0]
+    assert klib.clover_dot_k_avx512(tid) == _kffi.NULL and klib.clover_dot4_k_avx512(tid) == _kffi.NULL
+    assert klib.clover_dot_kernel(tid, 0) == klib.clover_dot_k_scalar(tid) != _kffi.NULL
+    best = klib.clover_dot_best_isa()
+    for isa in range(1, best + 1):
+        assert klib.clover_dot_kernel(tid, isa) == klib.clover_dot_k_avx2(tid) != _kffi.NULL
+    assert klib.clover_dot_kernel(tid, -1) == (klib.clover_dot_k_avx2(tid) if best >= 1 else klib.clover_dot_k_scalar(tid))

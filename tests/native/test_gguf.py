@@ -505,8 +505,9 @@ def test_bad_shapes(tmp_path, base):
 def test_unknown_tensor_types(tmp_path, base):
     buf, lay = base
     t = tensor_entry(lay, "blk.0.attn_q.weight")
-    open_error(tmp_path, patch(buf, t["type_pos"], "I", 10),
-               r"tensor blk.0.attn_q.weight: ggml type 10 \(Q2_K\) is not supported by this engine")
+    open_error(tmp_path, patch(buf, t["type_pos"], "I", 3),
+               r"tensor blk.0.attn_q.weight: ggml type 3 \(Q4_1\) is not supported by this engine "
+               r"\(supported: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K,")
     open_error(tmp_path, patch(buf, t["type_pos"], "I", 1000), r"ggml type 1000 \(unknown\) is not supported")
 
 

@@ -1,17 +1,19 @@
-"""Block formats of native/quant/kquants.c against gguf-py and ggml's reference quantisers (spec 6).
+"""Block formats of native/quant/kquants.c and kquants23.c against gguf-py and ggml's reference
+quantisers (spec 6).
 
-Types: Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 (weights) and Q8_K (activations).
+Types: Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 (weights) and Q8_K (activations).
 References:
 - type ids and block sizes/bytes: gguf's GGMLQuantizationType and GGML_QUANT_SIZES.
 - Q4_0 and MXFP4 bytes equal gguf.quants.quantize (gguf-py's numpy ports of ggml's reference).
 - dequantisation equals gguf.quants.dequantize bit for bit, on random bytes and on our bytes
   (Q8_K: gguf has no Q8_K; checked against numpy d*q, and bsums against the q sums).
-- bytes equal ggml's own quantize_row_*_ref for all eight types: ggml-quants.c from the
+- bytes equal ggml's own quantize_row_*_ref for all ten types: ggml-quants.c from the
   llama.cpp source under /tmp/llsrc (read-only, never committed) is compiled into a throwaway
   shared library in pytest's tmp dir; skipped when the source or a C compiler is absent.
 - quantise -> dequantise error on N(0,1) data (65536 values, seed 1), as RMSE relative to the
   data's RMS, under these bounds (measured value in brackets, equal to ggml's reference
   quantiser on the same data):
+    Q2_K 0.31 (0.2982)  Q3_K 0.158 (0.1513)
     Q4_0 0.090 (0.0865)  Q4_K 0.075 (0.0719)  Q5_K 0.038 (0.0363)  Q6_K 0.019 (0.0178)
     IQ4_NL 0.082 (0.0789)  IQ4_XS 0.081 (0.0769)  MXFP4 0.120 (0.1161)  Q8_K 0.0075 (0.0070)
   and Q8_K per element within half a step (|x - d*q| <= |d|/2).
@@ -30,10 +32,10 @@ from gguf.quants import dequantize, quantize
 from clover_gguf import _ffi
 from clover_gguf._ffi import ffi, lib
 
-NAMES = ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+NAMES = ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 TYPE = {n: getattr(lib, f"CLOVER_TYPE_{n}") for n in NAMES}
 GGUF_DEQ = [n for n in NAMES if n != "Q8_K"]  # gguf 0.19 has no Q8_K
-REL_RMSE_BOUND = {"Q4_0": 0.090, "Q4_K": 0.075, "Q5_K": 0.038, "Q6_K": 0.019,
+REL_RMSE_BOUND = {"Q2_K": 0.31, "Q3_K": 0.158, "Q4_0": 0.090, "Q4_K": 0.075, "Q5_K": 0.038, "Q6_K": 0.019,
                   "IQ4_NL": 0.082, "IQ4_XS": 0.081, "MXFP4": 0.120, "Q8_K": 0.0075}
 
 _iffi = cffi.FFI()
@@ -115,7 +117,7 @@ def test_type_ids_and_sizes_match_gguf(name):
 
 
 def test_kq_nbytes_rejects_other_types():
-    for t in (lib.CLOVER_TYPE_F32, lib.CLOVER_TYPE_F16, lib.CLOVER_TYPE_Q8_0, 3, 10, 99):
+    for t in (lib.CLOVER_TYPE_F32, lib.CLOVER_TYPE_F16, lib.CLOVER_TYPE_Q8_0, 3, 16, 99):
         assert _ilib.clover_kq_nbytes(t, 256) == -1
 
 
@@ -157,7 +159,7 @@ def test_dequantize_random_bytes_equals_gguf(name):
     raw = rng.integers(0, 256, (nb, nbytes), dtype=np.uint8)
     # keep fp16 scales finite and moderate (random exponent bits 0..0x5b = |d| < 2^8)
     # except in the first 8 blocks, which keep fully random bytes (inf/NaN scales included)
-    for off in {"Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0],
+    for off in {"Q4_0": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0],
                 "IQ4_XS": [0], "MXFP4": []}[name]:
         raw[8:, off + 1] &= 0x5B
     if name == "MXFP4":
@@ -228,7 +230,7 @@ def test_more_bits_less_error():
     rng = np.random.default_rng(2)
     x = rng.standard_normal(16384).astype(np.float32)
     err = {n: float(np.sqrt(np.mean((dequant(n, quant(n, x), x.size) - x) ** 2))) for n in NAMES}
-    assert err["Q8_K"] < err["Q6_K"] < err["Q5_K"] < err["Q4_K"] < err["Q4_0"] < err["MXFP4"]
+    assert err["Q8_K"] < err["Q6_K"] < err["Q5_K"] < err["Q4_K"] < err["Q4_0"] < err["MXFP4"] < err["Q3_K"] < err["Q2_K"]
     assert err["IQ4_XS"] < err["Q4_0"] and err["IQ4_NL"] < err["Q4_0"]
 
 

@@ -178,7 +178,9 @@ def test_type_nbytes_and_bad_arguments():
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q8_0, 33) == -1
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q4_K, 256) == 144  # ggml block_q4_K
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q4_K, 255) == -1
-    assert lib.clover_type_nbytes(10, 256) == -1  # Q2_K: not a type of this engine
+    assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q2_K, 256) == 84  # ggml block_q2_K
+    assert lib.clover_type_nbytes(lib.CLOVER_TYPE_Q3_K, 256) == 110  # ggml block_q3_K
+    assert lib.clover_type_nbytes(3, 32) == -1  # Q4_1: not a type of this engine
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_F32, -1) == -1
     assert lib.clover_type_nbytes(lib.CLOVER_TYPE_F32, 2 ** 62) == -1  # bytes overflow int64
     buf = ffi.new("float[64]")
