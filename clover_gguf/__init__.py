@@ -12,11 +12,9 @@ imports torch.
 """
 from __future__ import annotations
 
-import os as _os
+from .paths import DEFAULT_MODEL
 
 __version__ = "0.1.0"
-
-DEFAULT_MODEL = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "models", "clover-tiny-q8_0.gguf")
 
 __all__ = ["Model", "Clover", "CloverError", "DEFAULT_MODEL", "__version__"]
 

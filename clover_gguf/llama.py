@@ -46,6 +46,7 @@ from ._ffi import CloverError
 from .chat import check_template_kwargs
 from .model import POOLING_TYPES, ContextLengthExceeded, Model, pooling_type
 from .state import LlamaState, unpack_state
+from .paths import DEFAULT_MODEL
 from .grammar import JSON_LAYOUT
 from .tool_calls import ToolCallParser, forced_tools, tool_call_grammar
 from .options import REQUEST_FIELDS
@@ -475,7 +476,6 @@ class Clover:
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int):
             raise ValueError(f"n_gpu_layers: expected an integer, got {n_gpu_layers!r}")
         if model_path is None:
-            from . import DEFAULT_MODEL
             model_path = DEFAULT_MODEL
         self.seed = _check_seed(seed)
         pool = _pooling_arg(pooling_type)

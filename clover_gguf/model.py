@@ -23,6 +23,7 @@ from .chat import ChatTemplate
 from .gguf import read_metadata
 from .grammar import Constraint, grammar_source, ll_tokenizer
 from .options import GenerateOptions
+from .paths import DEFAULT_MODEL
 from .state import pack_state, unpack_state
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
@@ -209,7 +210,6 @@ class Model:
         self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
         self._cancel_lock = threading.Lock()
         if path is None:
-            from . import DEFAULT_MODEL
             path = DEFAULT_MODEL
         path = os.fspath(path)
         if diffusion_path is not None:
