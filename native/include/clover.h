@@ -298,7 +298,8 @@ CLOVER_API void clover_context_set_n_threads(clover_context *c, int32_t n_thread
  * multiple of CLOVER_GDN_CHUNK, at least CLOVER_GDN_CHUNK, so that on the CPU the passes give
  * one pass's caches and logits bit for bit; a pass may take one row more (n_ubatch 64 and a
  * rest of one row, which would run the GDN recurrence alone). Returns the rows in effect (0: the
- * backend's), or CLOVER_E_ARG for a negative value. */
+ * backend's), or CLOVER_E_ARG for a negative value. The GPU-resident decoder's selecting
+ * passes (commits, verifies: at most 512 rows) run whole. */
 CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubatch);
 /* GDN prefill algorithm: 1 = chunked (chunks of CLOVER_GDN_CHUNK rows, default), 0 = token-by-token
  * recurrence. Both compute spec 2.1 step 6; the switch exists for tests. */

@@ -96,16 +96,17 @@ static int64_t pass_rows(int64_t left, int64_t max_rows) {
 /* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's), with the
  * context's n_threads_1 threads for one row, else n_threads_batch. Block passes run whole; a
  * prefill (causal, so consecutive passes equal one) in passes of pass_rows: at most the
- * context's n_ubatch rows, and RES_ROWS rows on a resident model (its verify record from row r0
- * of each), CPU_ROWS or PASS_ROWS_GPU on the CPU path (one pass while recording: the record
- * starts at row 0). */
+ * context's n_ubatch rows (not a clover_prefill_select, whose at most CLOVER_SELECT_MAX_ROWS rows
+ * select in one pass), and RES_ROWS rows on a resident model (its verify record from row r0 of
+ * each), CPU_ROWS or PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts
+ * at row 0). */
 static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
     if (c->m->gpu_bytes) gpu_context_count(c); /* its first launches: count it (CUDA graphs) */
     c->n_threads = f->T == 1 ? c->n_threads_1 : c->n_threads_batch; /* llama.cpp's rule */
     const int res = c->m->resident;
     int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
-    if (c->n_ubatch > 0 && c->n_ubatch < max_rows) max_rows = c->n_ubatch;
+    if (c->n_ubatch > 0 && c->n_ubatch < max_rows && !f->sreq) max_rows = c->n_ubatch; /* a selection: one pass */
     if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {
         c->n_passes++;
         return res ? res_forward(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
