@@ -51,6 +51,15 @@ INIT = {
     "spm_infill": (False, "there is no fill-in-the-middle"),
 }
 
+# Model's (and so Clover's) options of llama-cpp-python's that change nothing
+MODEL = {
+    "use_mmap": (True, "the weights are always read through a read-only mapping of the file (pages load on "
+                       "first use and are shared with the page cache); use_mlock=True keeps them in RAM"),
+    "flash_attn": (False, "attention is always fused (native/cpu/attend.c: the scores, softmax and V sum of a "
+                          "tile of query rows run in one kernel over tiles of keys, without a [heads, rows, "
+                          "keys] score matrix; the same on the GPU)"),
+}
+
 _SAMPLER = "the sampler implements temperature, top_k, top_p, min_p, penalties and logit_bias (docs/python.md)"
 CALL = {
     "typical_p": (1.0, _SAMPLER),
@@ -76,7 +85,7 @@ _warned_lock = threading.Lock()
 
 def warn_ignored(table: dict, values: dict, stacklevel: int = 3) -> None:
     """Warn once per process for each argument of ``values`` whose value differs from its
-    default in ``table`` (:data:`INIT` or :data:`CALL`)."""
+    default in ``table`` (:data:`INIT`, :data:`MODEL` or :data:`CALL`)."""
     for name, value in values.items():
         default, why = table[name]
         if _is_default(value, default):

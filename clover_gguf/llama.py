@@ -408,7 +408,9 @@ class Clover:
             model's training context (``n_ctx_train``), as llama-cpp-python.
         n_threads: CPU threads; None or 0 = the physical cores.
         n_batch, n_ubatch, n_threads_batch, use_mmap, use_mlock, flash_attn: llama-cpp-python's,
-            with the meaning :class:`~clover_gguf.model.Model` gives them.
+            with the meaning :class:`~clover_gguf.model.Model` gives them; n_batch and n_ubatch
+            None (not llama-cpp-python's 512) keep the engine's prefill passes (2048 rows on
+            the CPU).
         **llama_cpp_args: llama-cpp-python's other constructor arguments (``chat_format``,
             ``logits_all``, ``lora_path``, the RoPE overrides, ...) are accepted; a value other
             than llama-cpp-python's default has no effect here and raises one ``UserWarning``
@@ -462,9 +464,9 @@ class Clover:
                  verbose: bool = False, mode: str | None = None, block_size: int | None = None,
                  threshold: float | None = None, coreset_top_p: float | None = None,
                  prefix_reuse: bool = True, plan_callback=None, diffusion_path=None, embedding: bool = False,
-                 pooling_type: int | str = -1, n_batch: int = 512, n_ubatch: int = 512,
+                 pooling_type: int | str = -1, n_batch: int | None = None, n_ubatch: int | None = None,
                  n_threads_batch: int | None = None, use_mmap: bool = True, use_mlock: bool = False,
-                 flash_attn: bool = False, **llama_cpp_args) -> None:
+                 flash_attn: bool | str | None = None, **llama_cpp_args) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
         self._state = threading.Lock()  # guards _closed
         self._lock = threading.Lock()   # the call lock
@@ -488,7 +490,9 @@ class Clover:
                             n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpu_budget=gpu_budget,
                             type_k="f32" if type_k is None else type_k,
                             type_v="f32" if type_v is None else type_v, plan_callback=plan_callback,
-                            diffusion_path=diffusion_path)
+                            diffusion_path=diffusion_path, n_batch=n_batch, n_ubatch=n_ubatch,
+                            n_threads_batch=n_threads_batch, use_mmap=use_mmap, use_mlock=use_mlock,
+                            flash_attn=flash_attn)
         try:
             self.mode = mode if mode is not None else self._model.default_mode
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p

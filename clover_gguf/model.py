@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from . import compat
 from ._ffi import CloverError, err_buf, ffi, lib, raise_error
 from .chat import ChatTemplate
 from .gguf import read_metadata
@@ -108,6 +109,27 @@ def pooling_type(name: str, v) -> int:
                      f"model's), got {v!r}")
 
 
+def _flash_attn(v) -> bool:
+    """llama-cpp-python's bool, or llama.cpp's -fa on|off|auto: True when on."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("on", "off", "auto"):
+        return v.lower() == "on"
+    raise ValueError(f"flash_attn: expected a bool or 'on', 'off', 'auto', got {v!r}")
+
+
+def ubatch_rows(n_batch, n_ubatch) -> int:
+    """The most prompt rows of one prefill pass for llama.cpp's n_batch and n_ubatch (None: not
+    set; 0 when neither is): the smaller, rounded down to a multiple of CLOVER_GDN_CHUNK (64),
+    at least 64 (clover.h clover_context_set_n_ubatch)."""
+    given = [_check_int(name, v, lo=1, hi=2**31 - 1) for name, v in (("n_batch", n_batch), ("n_ubatch", n_ubatch))
+             if v is not None]
+    if not given:
+        return 0
+    chunk = lib.CLOVER_GDN_CHUNK
+    return max(min(given) // chunk * chunk, chunk)
+
+
 def _check_float(name, v, lo=None, hi=None, lo_open=False):
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name}: expected a number, got {v!r}")
@@ -173,6 +195,21 @@ class Model:
             usable GPU is found, before any weight goes to it (the CLI prints it, so --fit's
             plan shows before the upload, and also when the upload is refused); not called
             when nothing is offloaded.
+        n_batch, n_ubatch: llama.cpp's logical and physical batch: a prompt is prefilled in
+            passes of at most min(n_batch, n_ubatch) rows (bounding the activations and scratch),
+            rounded down to a multiple of 64 (the Gated DeltaNet chunk, ``CLOVER_GDN_CHUNK``), at
+            least 64, so that on the CPU the output equals one pass's bit for bit
+            (:attr:`n_ubatch`; ``last_stats["n_forward_prefill"]`` counts the passes). None: the
+            backend's bound (2048 rows on the CPU).
+        n_threads_batch: CPU threads of the forwards of several rows (prefill, diffusion blocks,
+            commits, spec verifies); ``n_threads`` then runs the one-row forwards (ar decode
+            steps), as llama.cpp. None: ``n_threads``; 0: all available cores.
+        use_mlock: lock the weights' file mapping (and the sidecar's) in RAM with mlock(2); when
+            that fails (``ulimit -l``), a UserWarning with the reason, and the model loads.
+        use_mmap: accepted for llama-cpp-python's signature; False warns once that it changes
+            nothing (:data:`clover_gguf.compat.MODEL`).
+        flash_attn: accepted (a bool, or ``"on"``, ``"off"``, ``"auto"``); on warns once that it
+            changes nothing: attention is always fused (:data:`clover_gguf.compat.MODEL`).
         prefix_reuse: a generation whose prompt starts with the previous generation's prompt
             skips prefilling it up to the last multiple of 64 tokens (the Gated DeltaNet chunk,
             ``CLOVER_GDN_CHUNK``) at or before that prompt's last ``<|im_start|>``, else its
@@ -195,7 +232,9 @@ class Model:
     def __init__(self, path=None, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
                  n_gpu_layers: int = 0, n_cpu_moe: int = 0, gpu_budget: int | str | None = None,
                  type_k: str | int = "f32", type_v: str | int = "f32", plan_callback=None,
-                 diffusion_path=None) -> None:
+                 diffusion_path=None, n_batch: int | None = None, n_ubatch: int | None = None,
+                 n_threads_batch: int | None = None, use_mlock: bool = False, use_mmap: bool = True,
+                 flash_attn: bool | str | None = None) -> None:
         self._model = ffi.NULL
         self._ctx = ffi.NULL
         self._lock = threading.RLock()  # the call lock: native calls on the context and model
@@ -216,6 +255,15 @@ class Model:
             diffusion_path = os.fspath(diffusion_path)
         n_ctx = _check_int("n_ctx", n_ctx, lo=0, hi=2**31 - 1)
         n_threads = 0 if n_threads is None else _check_int("n_threads", n_threads, lo=0, hi=4096)
+        n_threads_batch = n_threads if n_threads_batch is None else \
+            _check_int("n_threads_batch", n_threads_batch, lo=0, hi=4096)
+        self.n_ubatch = ubatch_rows(n_batch, n_ubatch)
+        if not isinstance(use_mlock, bool):
+            raise ValueError(f"use_mlock: expected a bool, got {use_mlock!r}")
+        if not isinstance(use_mmap, bool):
+            raise ValueError(f"use_mmap: expected a bool, got {use_mmap!r}")
+        compat.warn_ignored(compat.MODEL, {"use_mmap": use_mmap,
+                                           "flash_attn": flash_attn is not None and _flash_attn(flash_attn)})
         n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, lo=-1, hi=2**31 - 1)
         n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, lo=0, hi=2**31 - 1)
         if isinstance(gpu_budget, str) and gpu_budget != "free":
@@ -243,6 +291,8 @@ class Model:
             msg = ffi.string(err).decode("utf-8", "replace")
             raise CloverError(msg if msg.startswith(path) else f"{path}: {msg}")
         self._model = m
+        if use_mlock and lib.clover_model_mlock(m, err, len(err)) != 0:
+            warnings.warn(f"use_mlock: {ffi.string(err).decode('utf-8', 'replace')}", UserWarning, stacklevel=2)
         try:
             hp = ffi.new("clover_hparams *")
             lib.clover_model_hparams(m, hp)
@@ -261,6 +311,8 @@ class Model:
             if c == ffi.NULL:
                 raise_error(err, "creating the context")
             self._ctx = c
+            lib.clover_context_set_n_threads(c, n_threads, n_threads_batch)
+            lib.clover_context_set_n_ubatch(c, self.n_ubatch)
             self.tokenizer = CloverTokenizer.from_handle(lib.clover_model_gguf(m))
         except BaseException:
             self.close()

@@ -52,6 +52,18 @@ def _n_predict(s: str) -> int:
         raise argparse.ArgumentTypeError(f"{e} (or -1: no limit)") from None
 
 
+def _seed(s: str) -> int:
+    """-s/--seed: an int >= 0, or -1 (llama.cpp's "random seed"): a random one, drawn here."""
+    if s.strip() == "-1":
+        import secrets
+
+        return secrets.randbelow(2**32)
+    try:
+        return int_at_least(0)(s)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or -1: a random seed)") from None
+
+
 def _logit_bias(s: str) -> tuple[int, float]:
     """``ID=BIAS`` (also ``ID:BIAS``), e.g. ``151645=-100``."""
     k, sep, v = s.replace(":", "=", 1).partition("=")
@@ -106,7 +118,7 @@ class GenerateOptions:
     stop: str | Sequence[str] | None = _opt(None, ("--stop",), "stop string (repeatable, at most 16): generation "
                                             "ends as soon as one appears in the text, which is cut right before "
                                             "it", action="append", metavar="STR")
-    seed: int = _opt(0, ("--seed",), "sampling seed (0)", int_at_least(0))
+    seed: int = _opt(0, ("-s", "--seed"), "sampling seed (0; -1: a random one)", _seed)
     block_size: int | None = _opt(None, ("--block-size",), "diffusion block size (GGUF default)", positive_int)
     threshold: float | None = _opt(None, ("--threshold",), "diffusion confidence threshold (GGUF default)", float)
     coreset_top_p: float | None = _opt(None, ("--coreset-top-p",), "MoE block coreset top-p (GGUF default)",

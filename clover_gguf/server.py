@@ -423,10 +423,15 @@ def _base64_floats(v: list[float]) -> str:
 # ------------------------------------------------------------------------ the app
 def create_app(model_path: str, *, api_key: str | None = None, model_id: str | None = None,
                max_body: int | None = None, max_queue: int = MAX_QUEUE, timeout: float = TIMEOUT,
-               **clover_kwargs: Any) -> FastAPI:
+               chat_template_kwargs: dict | None = None, **clover_kwargs: Any) -> FastAPI:
     """The FastAPI app serving ``model_path``; ``clover_kwargs`` go to :class:`Clover`
     (``n_ctx, n_threads, mode, ...``). The model loads in a background thread when the app
     starts (``/health`` answers 503 until it is loaded).
+
+    ``chat_template_kwargs``: the default template variables of chat requests (llama.cpp's
+    --chat-template-kwargs, and --reasoning as ``enable_thinking``); a request's own
+    ``chat_template_kwargs`` win key by key, its ``enable_thinking`` over both; a constrained
+    request (response_format, grammar, a forced tool) drops the default ``enable_thinking``.
 
     Limits: ``max_body`` bytes per request body (None: :func:`default_max_body` of ``n_ctx``),
     ``max_queue`` requests waiting for the slot, ``timeout`` seconds per request (0: none).
@@ -438,6 +443,9 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
             raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
         raise ValueError(f"timeout: expected a finite number of seconds >= 0, got {timeout!r}")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs: expected a dict, got {type(chat_template_kwargs).__name__}")
+    default_tkw = dict(chat_template_kwargs or {})
     st = _State(str(model_path), model_id or os.path.basename(str(model_path)), api_key, clover_kwargs,
                 max_body, max_queue, float(timeout))
 
@@ -571,10 +579,11 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
         return kw
 
     def prepare_chat(kw: dict) -> dict:
+        constrained = constrains(kw.get("response_format"), kw.get("grammar"), kw.get("tool_choice"))
         kw["messages"] = st.clover.prepare_chat(
             kw.pop("messages"), tools=kw.pop("tools", None), enable_thinking=kw.pop("enable_thinking", None),
-            chat_template_kwargs=kw.pop("chat_template_kwargs", None),
-            constrained=constrains(kw.get("response_format"), kw.get("grammar"), kw.get("tool_choice")))
+            chat_template_kwargs=template_defaults(kw.pop("chat_template_kwargs", None), constrained),
+            constrained=constrained)
         return kw
 
     def prepare_embedding(kw: dict) -> dict:
@@ -613,6 +622,14 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await generate(request, "/v1/embeddings", _embedding_kwargs, prepare_embedding, embed, "input")
+
+    def template_defaults(asked, constrained: bool):
+        """The request's chat_template_kwargs over the server's defaults (a non-dict goes to
+        Clover as it is, which names it)."""
+        base = {k: v for k, v in default_tkw.items() if not (constrained and k == "enable_thinking")}
+        if not base or (asked is not None and not isinstance(asked, dict)):
+            return asked
+        return {**base, **(asked or {})}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

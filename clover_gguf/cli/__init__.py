@@ -12,7 +12,7 @@ import os
 import sys
 
 from . import bench, chat, compare, convert, fit, info, logits, run, serve
-from .common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, err
+from .common import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, err, set_color
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in (run, info, logits, chat, compare, bench, serve, fit, convert):
         module.add_parser(sub)
+    p.set_defaults(subcommands=sub.choices)
     return p
+
+
+def check_word_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Refuse a single-dash word that is not a flag of the subcommand (UsageError naming it):
+    argparse would read it as a short flag and its value (``-cnv`` as ``-c nv``), where
+    llama.cpp's flags (``-cnv``, ``-ngl``, ``-fa``) are whole words."""
+    if not argv:
+        return
+    sp = parser.get_default("subcommands").get(argv[0])
+    if sp is None:
+        return
+    known = sp._option_string_actions  # noqa: SLF001 - argparse has no public table of its flags
+    for tok in argv[1:]:
+        if tok == "--":
+            return
+        if tok.startswith("-") and not tok.startswith("--") and len(tok) > 2 and tok[2:3].isalpha() \
+                and "=" not in tok and tok not in known:
+            split = f" (nor {tok[:2]} {tok[2:]})" if tok[:2] in known else ""
+            raise UsageError(f"{tok}: not a flag of `clover-gguf {argv[0]}`{split}; see `clover-gguf {argv[0]} "
+                             "--help`, and docs/cli.md for the llama.cpp flags it takes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             except (FileNotFoundError, NotADirectoryError, ValueError) as e:
                 raise UsageError(str(e)) from None
         parser = build_parser()
+        check_word_flags(parser, argv)
         a = parser.parse_args(argv)
         if getattr(a, "model", "") is None:  # no -m: the small trained Clover shipped in the package
             from .. import DEFAULT_MODEL
 
             a.model = DEFAULT_MODEL
+        set_color(getattr(a, "color", "auto"))
         return a.func(a)
     except UsageError as e:
         err(str(e))

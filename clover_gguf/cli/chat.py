@@ -8,8 +8,9 @@ from __future__ import annotations
 import sys
 
 from .. import options
-from .common import CLOVER_OPTIONS, DIM, OFF, MODEL_HELP, dim, add_device_args, add_threads_ctx_args, open_clover, \
-    stats_line, stream_interruptibly
+from .common import CLOVER_OPTIONS, DIM, OFF, MODEL_HELP, add_color_arg, add_device_args, add_model_args, \
+    add_reasoning_args, add_threads_ctx_args, dim, ignore_eos_bias, open_clover, stats_line, stream_interruptibly, \
+    template_kwargs, use_color
 
 
 class _AnswerPrinter:
@@ -18,7 +19,7 @@ class _AnswerPrinter:
 
     def __init__(self, out, show_thinking: bool) -> None:
         self.out, self.show = out, show_thinking
-        self.tty = out.isatty()
+        self.tty = use_color(out)  # dimmed reasoning, else between <think> lines
         self.content, self.reasoning = [], []
         self.in_reasoning = False
         self.last = None  # the final chunk (finish_reason, usage, timings)
@@ -56,12 +57,15 @@ class _AnswerPrinter:
 
 
 def cmd(a) -> int:
+    tkw = template_kwargs(a)  # before the load: a bad --reasoning-budget exits 2 at once
     try:
         llm = open_clover(a.model, a, a.mode)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kw = options.from_cli(a, CLOVER_OPTIONS)
+    if getattr(a, "ignore_eos", False):
+        ignore_eos_bias(kw, llm.engine.end_ids)
     try:  # bad sampling flags exit 2 now, not at the first answer
         llm.check_args(**kw)
     except ValueError as e:
@@ -76,6 +80,7 @@ def cmd(a) -> int:
             pass
     system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
     msgs = list(system)
+    first = getattr(a, "prompt", None)  # run -cnv -p TEXT: the first user message
     with llm:
         print(dim(f"clover-gguf chat: {a.model} ({llm.engine.arch}, mode {llm.mode}). "
                    "/clear forgets the conversation, /regen redoes the last answer, /exit quits; "
@@ -83,7 +88,11 @@ def cmd(a) -> int:
         regen = 0
         while True:
             try:
-                line = input("> ")
+                if first is not None:
+                    line, first = first, None
+                    out.write(f"> {line}\n")
+                else:
+                    line = input("> ")
             except EOFError:
                 out.write("\n")
                 return 0
@@ -114,7 +123,7 @@ def cmd(a) -> int:
                 msgs.append({"role": "user", "content": line})
                 regen = 0
             # /regen samples anew at temperature > 0 (greedy answers are identical)
-            call_kw = dict(kw, seed=kw["seed"] + regen)
+            call_kw = dict(kw, seed=kw["seed"] + regen, chat_template_kwargs=tkw)
             printer = _AnswerPrinter(out, a.show_thinking)
             try:
                 interrupted = stream_interruptibly(
@@ -143,9 +152,16 @@ def add_parser(sub) -> None:
                    help="print the reasoning (<think>...</think>), dimmed on a terminal (default)")
     g.add_argument("--hide-thinking", dest="show_thinking", action="store_false",
                    help="do not print the reasoning")
+    c.add_argument("-i", "--interactive", "-cnv", "--conversation", action="store_true",
+                   help="accepted: chat is llama.cpp's conversation mode")
+    c.add_argument("--ignore-eos", action="store_true",
+                   help="never sample an end token (a -inf logit bias): every answer runs to -n")
+    add_reasoning_args(c)
     options.add_cli_args(c, CLOVER_OPTIONS, n_default=-1)
     add_threads_ctx_args(c)
+    add_color_arg(c)
     add_device_args(c)
+    add_model_args(c)
     c.set_defaults(func=cmd)
 
 

@@ -23,6 +23,16 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 CLOVER_OPTIONS = tuple(n for n in REQUEST_FIELDS if n != "mode")
 
 
+# --ignore-eos's logit bias on every end token: llama.cpp's -inf as the engine's most negative
+# finite bias (it refuses infinities); exp of it is 0 in float32
+IGNORE_EOS_BIAS = -1e30
+
+
+def ignore_eos_bias(kw: dict, end_ids) -> None:
+    """llama.cpp's --ignore-eos on the options ``kw``: never sample one of ``end_ids``."""
+    kw["logit_bias"] = {**(kw.get("logit_bias") or {}), **{t: IGNORE_EOS_BIAS for t in end_ids}}
+
+
 class UsageError(Exception):
     """A bad argument or file: printed as ``error: ...``, exit 2."""
 
@@ -38,7 +48,9 @@ def check_model_path(path: str) -> None:
         raise UsageError(f"model path is not a file: {path}")
 
 
-def load_model(path: str, n_ctx: int, n_threads, placement: dict | None = None):
+def load_model(path: str, n_ctx: int, n_threads, options: dict | None = None):
+    """A :class:`Model` on ``path`` with the keyword ``options`` (placement, batching); its
+    warnings on stderr; bad files and arguments raise UsageError."""
     check_model_path(path)
     from .._ffi import CloverError
     from ..model import Model
@@ -47,7 +59,7 @@ def load_model(path: str, n_ctx: int, n_threads, placement: dict | None = None):
 
     preload(path)  # a progress bar while a large file is read (terminal only)
     try:
-        m = warn_to_stderr(Model, path, n_ctx=n_ctx, n_threads=n_threads, **(placement or {}))
+        m = warn_to_stderr(Model, path, n_ctx=n_ctx, n_threads=n_threads, **(options or {}))
         print_plan(m)
         note_no_block(m)
         return m
@@ -139,9 +151,29 @@ def model_stats_timings(st: dict) -> dict:
             "tokens_per_forward": st.get("tokens_per_forward", 0.0)}
 
 
+_color = "auto"  # -co/--color of the running command (set_color)
+
+
+def set_color(mode: str) -> None:
+    """llama.cpp's ``-co/--color on|off|auto`` for :func:`use_color`."""
+    global _color
+    _color = mode
+
+
+def use_color(f) -> bool:
+    """Whether to write ANSI colour to ``f``: --color on, or auto (the default) and ``f`` a terminal."""
+    return _color == "on" or (_color == "auto" and f.isatty())
+
+
+def add_color_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-co", "--color", type=_on_off_auto, nargs="?", const="on", default="auto", metavar="on|off|auto",
+                   help="ANSI colour (dimmed reasoning and stats, --visual's block): auto (default) on a terminal "
+                        "only, on (the flag alone) also when piped, off never")
+
+
 def dim(text: str, f) -> str:
-    """``text`` dimmed when ``f`` is a terminal."""
-    return DIM + text + OFF if f.isatty() else text
+    """``text`` dimmed when colour is on for ``f`` (:func:`use_color`)."""
+    return DIM + text + OFF if use_color(f) else text
 
 
 def _gpu_layers_arg(s: str) -> int:
@@ -180,9 +212,114 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-budget", type=_size_arg, default=None, metavar="SIZE",
                    help="GPU memory to plan for with --fit, e.g. 12G (default: what the GPU reports free)")
     for flag, name in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
-        p.add_argument(flag, name, choices=["f32", "f16"], default="f32", type=str.lower,
+        p.add_argument(flag, name, default="f32", type=_cache_type_arg, metavar="f32|f16",
                        help=f"KV cache type of the {'keys' if flag == '-ctk' else 'values'}: f32 (default, exact) or "
                             "f16 (half the memory, rounded)")
+
+
+def _cache_type_arg(s: str) -> str:
+    """-ctk/-ctv: f32 or f16; llama.cpp's other types (q8_0, q4_0, bf16, ...) are refused naming these."""
+    from ..model import CACHE_TYPES
+
+    if s.lower() in CACHE_TYPES:
+        return s.lower()
+    raise argparse.ArgumentTypeError(f"{s!r} is not a KV cache type of this runtime: f32 (exact) or f16 (half the "
+                                     "memory); quantised caches (q8_0, q4_0, ...) are not implemented")
+
+
+def _on_off_auto(s: str) -> str:
+    """llama.cpp's [on|off|auto] values (is_truthy / is_falsey / is_autoy)."""
+    v = s.lower()
+    for name, words in (("on", ("on", "enabled", "true", "1")), ("off", ("off", "disabled", "false", "0")),
+                        ("auto", ("auto", "-1"))):
+        if v in words:
+            return name
+    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {s!r}")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's loading and batching flags, as :class:`Model` options named as
+    llama-cpp-python's constructor arguments (:func:`model_kwargs`): ``-b``, ``-ub``, ``-tb``,
+    ``--mlock``, ``--no-mmap``, ``-fa``, and ``--jinja`` (accepted: chat templates are always Jinja)."""
+    p.add_argument("-b", "--batch-size", dest="n_batch", type=positive_int, default=None, metavar="N",
+                   help="most prompt rows of one prefill pass, with -ub the smaller (rounded down to a multiple "
+                        "of 64, at least 64; default: 2048 on the CPU)")
+    p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=positive_int, default=None, metavar="N",
+                   help="as -b (llama.cpp's physical batch)")
+    p.add_argument("-tb", "--threads-batch", dest="n_threads_batch", type=int_at_least(0), default=None,
+                   metavar="N", help="CPU threads of prefill and block passes (default: -t's)")
+    p.add_argument("--mlock", dest="use_mlock", action="store_true",
+                   help="keep the weights in RAM (mlock; a warning when the limit refuses it: ulimit -l)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--mmap", dest="use_mmap", action="store_true", default=True,
+                   help="map the file (default; the only way this runtime reads weights)")
+    g.add_argument("--no-mmap", dest="use_mmap", action="store_false",
+                   help="accepted; changes nothing (a warning says why)")
+    p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=_on_off_auto, nargs="?", const="on",
+                   default=None, metavar="on|off|auto",
+                   help="accepted; attention is always fused (on: a warning says so)")
+    p.add_argument("--jinja", action="store_true", help="accepted: chat templates are always rendered with Jinja")
+
+
+def model_kwargs(a) -> dict:
+    """The :class:`Model` options of :func:`add_model_args`'s flags that were given."""
+    kw = {name: getattr(a, name, None) for name in ("n_batch", "n_ubatch", "n_threads_batch", "flash_attn")}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if getattr(a, "use_mlock", False):
+        kw["use_mlock"] = True
+    if not getattr(a, "use_mmap", True):
+        kw["use_mmap"] = False
+    return kw
+
+
+def add_reasoning_args(p: argparse.ArgumentParser, what: str = "the chat") -> None:
+    """llama.cpp's ``-rea/--reasoning on|off|auto``, ``--reasoning-budget N`` and
+    ``--chat-template-kwargs JSON`` (:func:`template_kwargs`)."""
+    p.add_argument("-rea", "--reasoning", type=_on_off_auto, default="auto", metavar="on|off|auto",
+                   help=f"thinking in {what}: off renders the template with enable_thinking=False, so answers are "
+                        "content; on sets it True; auto (default): the template's default")
+    p.add_argument("--reasoning-budget", type=int_at_least(-1), default=-1, metavar="N",
+                   help="-1: unrestricted (default); 0: no thinking (as --reasoning off); N > 0 is refused "
+                        "(--think-close-bias-start N ramps toward </think> from N tokens)")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='extra variables of the chat template, a JSON object, e.g. \'{"enable_thinking": false}\'')
+
+
+def _json_object(s: str) -> dict:
+    import json
+
+    from ..chat import check_template_kwargs
+
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {s!r}")
+    try:
+        check_template_kwargs(v, "--chat-template-kwargs")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return v
+
+
+def template_kwargs(a) -> dict | None:
+    """The chat template's extra variables of :func:`add_reasoning_args`'s flags (None: none):
+    ``--chat-template-kwargs`` with ``enable_thinking`` set by ``--reasoning`` (or
+    ``--reasoning-budget 0``, which is ``--reasoning off``), as llama.cpp's default_template_kwargs."""
+    budget, reasoning = getattr(a, "reasoning_budget", -1), getattr(a, "reasoning", "auto")
+    if budget > 0:
+        raise UsageError(f"--reasoning-budget: {budget}: a hard thinking budget is not implemented; 0 turns "
+                         f"thinking off, and --think-close-bias-start {budget} ramps toward </think> from "
+                         f"{budget} generated tokens")
+    if budget == 0:
+        if reasoning == "on":
+            raise UsageError("--reasoning-budget 0 turns thinking off, but --reasoning is on")
+        reasoning = "off"
+    kw = dict(getattr(a, "chat_template_kwargs", None) or {})
+    if reasoning != "auto":
+        kw["enable_thinking"] = reasoning == "on"
+    return kw or None
 
 
 def gpu_layers(a) -> int:
@@ -263,7 +400,7 @@ def open_clover(path: str, a, mode=None):
     preload(path)  # a progress bar while a large file is read (terminal only)
     try:
         llm = warn_to_stderr(Clover, path, n_ctx=a.ctx_size, n_threads=a.threads, mode=mode, seed=a.seed,
-                             **placement_kwargs(a))
+                             **placement_kwargs(a), **model_kwargs(a))
         print_plan(llm.engine)
         note_no_block(llm.engine)
         return llm

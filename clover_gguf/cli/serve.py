@@ -6,8 +6,8 @@ import math
 import os
 
 from ..options import MODES, int_at_least
-from .common import MODEL_HELP, UsageError, _size_arg, add_device_args, add_threads_ctx_args, \
-    check_model_path, placement_kwargs
+from .common import MODEL_HELP, UsageError, _size_arg, add_device_args, add_model_args, add_reasoning_args, \
+    add_threads_ctx_args, check_model_path, model_kwargs, placement_kwargs, template_kwargs
 
 
 def _seconds(s: str) -> float:
@@ -26,6 +26,7 @@ def cmd(a) -> int:
         raise UsageError("--api-key: empty (from the flag or CLOVER_API_KEY): it would accept an empty bearer "
                          "token; give a key, or unset CLOVER_API_KEY to serve without one")
     check_model_path(a.model)
+    tkw = template_kwargs(a)
     try:  # fastapi / uvicorn are imported only here (the "server" extra)
         from ..server import serve
     except ImportError as e:
@@ -34,7 +35,7 @@ def cmd(a) -> int:
     return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
                  max_queue=a.max_queue, timeout=a.timeout, n_ctx=a.ctx_size, n_threads=a.threads, mode=a.mode,
                  prefix_reuse=not a.no_prefix_reuse, pooling_type=-1 if a.pooling is None else a.pooling,
-                 **placement_kwargs(a))
+                 chat_template_kwargs=tkw, **placement_kwargs(a), **model_kwargs(a))
 
 
 def add_parser(sub) -> None:
@@ -60,6 +61,9 @@ def add_parser(sub) -> None:
     sv.add_argument("--no-prefix-reuse", action="store_true",
                     help="prefill every prompt in full (by default a request extending its client's previous "
                          "one prefills only the new tokens)")
+    add_reasoning_args(sv, "answers to chat requests that set neither enable_thinking nor it in their "
+                       "chat_template_kwargs")
     add_threads_ctx_args(sv)
     add_device_args(sv)
+    add_model_args(sv)
     sv.set_defaults(func=cmd)

@@ -259,13 +259,14 @@ clover_decoder *clover_decoder_new(clover_context *c, const clover_gen_params *p
     }
     if (reuse == 0) clover_context_reset(c);
     else atomic_store(&c->abort_req, 0); /* as the reset would: no stale cancel */
+    const int64_t passes = c->n_passes;
     if (p0 > reuse && clover_prefill(c, prompt + reuse, p0 - reuse, d->causal, 0, err, err_size)) {
         clover_decoder_free(d);
         return NULL;
     }
     d->st.n_prompt = n_prompt;
     d->st.n_prompt_reused = reuse;
-    d->st.n_forward_prefill = p0 > reuse;
+    d->st.n_forward_prefill = c->n_passes - passes; /* one per pass of at most n_ubatch rows */
     return d;
 nomem:
     clover_decoder_free(d);

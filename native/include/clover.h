@@ -72,6 +72,10 @@ CLOVER_API clover_gguf *clover_gguf_open(const char *path, char *err, size_t err
  * harness (tests/fuzz) and for embedding files in a program. */
 CLOVER_API clover_gguf *clover_gguf_open_memory(const void *data, size_t size, char *err, size_t err_size);
 CLOVER_API void clover_gguf_close(clover_gguf *g);
+/* mlock(2) the file's bytes (the mapping of clover_gguf_open, or the caller's memory), so that
+ * they stay in RAM (llama.cpp's --mlock). CLOVER_OK, else CLOVER_E_IO with the reason (e.g.
+ * RLIMIT_MEMLOCK, `ulimit -l`) in err. */
+CLOVER_API int clover_gguf_mlock(const clover_gguf *g, char *err, size_t err_size);
 CLOVER_API uint32_t clover_gguf_version(const clover_gguf *g);
 CLOVER_API int64_t clover_gguf_n_kv(const clover_gguf *g);
 /* Index of `key`, or -1. */
@@ -150,6 +154,9 @@ CLOVER_API clover_model *clover_model_load_memory(const void *data, size_t size,
 CLOVER_API void clover_model_free(clover_model *m);
 /* The model's GGUF (owned by the model), for metadata lookups. */
 CLOVER_API const clover_gguf *clover_model_gguf(const clover_model *m);
+/* clover_gguf_mlock of the model's file and of its diffusion sidecar (llama-cpp-python's
+ * use_mlock): CLOVER_OK, else the first failure's code and reason in err. */
+CLOVER_API int clover_model_mlock(const clover_model *m, char *err, size_t err_size);
 
 /* GPU backend (native/cuda, CUDA builds only). clover_gpu_devices: the number of usable CUDA
  * devices (> 0), 0 when none, CLOVER_E_DEVICE when none can be used (no driver, or a library built
@@ -322,6 +329,19 @@ CLOVER_API int64_t clover_state_set_data(clover_context *c, const uint8_t *src, 
  * prefill was aborted is finished (free it). c must stay valid during the call: do not race it
  * with clover_context_free. */
 CLOVER_API void clover_context_abort(clover_context *c);
+/* Threads of a forward of one row (n_threads: an ar decode step) and of several rows
+ * (n_threads_batch: a prefill, a block pass, a commit or verify), as llama.cpp's
+ * llama_set_n_threads; <= 0: the physical cores. Takes effect from the next forward. */
+CLOVER_API void clover_context_set_n_threads(clover_context *c, int32_t n_threads, int32_t n_threads_batch);
+/* The most rows of one prefix-mode pass (llama.cpp's n_ubatch): a longer clover_prefill runs in
+ * passes of at most that many rows, which bounds the activations and scratch. 0: the backend's
+ * own bound (2048 rows on the CPU, fewer with weights on the GPU). Else rounded down to a
+ * multiple of CLOVER_GDN_CHUNK, at least CLOVER_GDN_CHUNK, so that on the CPU the passes give
+ * one pass's caches and logits bit for bit; a pass may take one row more (n_ubatch 64 and a
+ * rest of one row, which would run the GDN recurrence alone). Returns the rows in effect (0: the
+ * backend's), or CLOVER_E_ARG for a negative value. The GPU-resident decoder's selecting
+ * passes (commits, verifies: at most 512 rows) run whole. */
+CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubatch);
 /* GDN prefill algorithm: 1 = chunked (chunks of CLOVER_GDN_CHUNK rows, default), 0 = token-by-token
  * recurrence. Both compute spec 2.1 step 6; the switch exists for tests. */
 CLOVER_API void clover_context_set_gdn_chunked(clover_context *c, int chunked);

@@ -134,7 +134,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
     const clover_hparams *hp = &m->hp;
     c->m = m;
     c->n_ctx = n_ctx;
-    c->n_threads = n_threads;
+    c->n_threads = c->n_threads_1 = c->n_threads_batch = n_threads;
     c->gdn_chunked = 1;
     const char *graphs = getenv("CLOVER_CUDA_GRAPHS");
     c->graphs = !(graphs && strcmp(graphs, "0") == 0);
@@ -192,6 +192,19 @@ int32_t clover_context_n_past(const clover_context *c) { return c ? c->n_past : 
 int32_t clover_context_n_ctx(const clover_context *c) { return c ? c->n_ctx : 0; }
 void clover_context_abort(clover_context *c) {
     if (c) atomic_store(&c->abort_req, 1);
+}
+
+void clover_context_set_n_threads(clover_context *c, int32_t n_threads, int32_t n_threads_batch) {
+    if (!c) return;
+    c->n_threads_1 = n_threads > 0 ? n_threads : physical_cores();
+    c->n_threads_batch = n_threads_batch > 0 ? n_threads_batch : physical_cores();
+}
+
+int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubatch) {
+    if (!c || n_ubatch < 0) return CLOVER_E_ARG;
+    c->n_ubatch = n_ubatch == 0 ? 0 : n_ubatch < CLOVER_GDN_CHUNK ? CLOVER_GDN_CHUNK
+                                                                 : n_ubatch / CLOVER_GDN_CHUNK * CLOVER_GDN_CHUNK;
+    return c->n_ubatch;
 }
 
 void clover_context_set_gdn_chunked(clover_context *c, int chunked) {

@@ -82,17 +82,32 @@ done:
     return rc;
 }
 
-/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's). Block
- * passes run whole; a prefill (causal, so consecutive passes equal one) in passes of at most
- * RES_ROWS rows on a resident model (its verify record from row r0 of each), CPU_ROWS or
- * PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts at row 0). Every
- * pass of a split prefill has more than CLOVER_GDN_CHUNK rows: a short one would run the GDN
- * recurrence (gpu_gdn_forward; a 1-row pass on the CPU) where one pass runs the chunked form. */
+/* Rows of the next pass of a split prefill with `left` rows to go and passes of at most max_rows
+ * (a multiple of CLOVER_GDN_CHUNK): max_rows, one chunk less when the rest would be a chunk or
+ * shorter (it would run the GDN recurrence, gpu_gdn_forward, where one pass runs the chunked
+ * form); with max_rows a single chunk, a rest of one row joins the pass (a 1-row pass on the CPU
+ * runs the recurrence). */
+static int64_t pass_rows(int64_t left, int64_t max_rows) {
+    if (left <= max_rows) return left;
+    if (left - max_rows > CLOVER_GDN_CHUNK) return max_rows;
+    if (max_rows > CLOVER_GDN_CHUNK) return max_rows - CLOVER_GDN_CHUNK;
+    return left - max_rows >= 2 ? max_rows : left;
+}
+
+/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's), with the
+ * context's n_threads_1 threads for one row, else n_threads_batch. Block passes run whole; a
+ * prefill (causal, so consecutive passes equal one) in passes of pass_rows: at most the
+ * context's n_ubatch rows (not a clover_prefill_select, whose at most CLOVER_SELECT_MAX_ROWS rows
+ * select in one pass), and RES_ROWS rows on a resident model (its verify record from row r0 of
+ * each), CPU_ROWS or PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts
+ * at row 0). */
 static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
     clover_context *c = f->c;
     if (c->m->gpu_bytes) gpu_context_count(c); /* its first launches: count it (CUDA graphs) */
+    c->n_threads = f->T == 1 ? c->n_threads_1 : c->n_threads_batch; /* llama.cpp's rule */
     const int res = c->m->resident;
-    const int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
+    int64_t max_rows = res ? RES_ROWS : c->m->gpu_bytes ? PASS_ROWS_GPU : CPU_ROWS;
+    if (c->n_ubatch > 0 && c->n_ubatch < max_rows && !f->sreq) max_rows = c->n_ubatch; /* a selection: one pass */
     if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {
         c->n_passes++;
         return res ? res_forward(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
@@ -100,8 +115,7 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
     const int64_t T = f->T, V = c->m->hp.n_vocab;
     int rc = CLOVER_OK;
     for (int64_t r0 = 0, n = 0; r0 < T && rc == CLOVER_OK; r0 += n) {
-        const int64_t left = T - r0; /* a pass of max_rows, one chunk less when the rest would be short */
-        n = left <= max_rows ? left : left - max_rows > CLOVER_GDN_CHUNK ? max_rows : max_rows - CLOVER_GDN_CHUNK;
+        n = pass_rows(T - r0, max_rows);
         fwd g = *f;
         g.T = n;
         g.pos0 = f->pos0 + r0;

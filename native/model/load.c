@@ -631,6 +631,17 @@ void clover_model_free(clover_model *m) {
 
 const clover_gguf *clover_model_gguf(const clover_model *m) { return m ? m->g : NULL; }
 
+int clover_model_mlock(const clover_model *m, char *err, size_t err_size) {
+    if (!m) return clover_set_err(err, err_size, CLOVER_E_ARG, "model is NULL");
+    char why[400];
+    const clover_gguf *files[2] = {m->g, m->side};
+    const char *names[2] = {m->path ? m->path : "<memory>", m->side_path};
+    for (int i = 0; i < 2; i++)
+        if (files[i] && clover_gguf_mlock(files[i], why, sizeof why) != CLOVER_OK)
+            return clover_set_err(err, err_size, CLOVER_E_IO, "%s: %s", names[i], why);
+    return CLOVER_OK;
+}
+
 size_t clover_struct_size(const char *name) {
     if (!name) return 0;
     if (strcmp(name, "clover_hparams") == 0) return sizeof(clover_hparams);

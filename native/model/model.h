@@ -69,6 +69,8 @@ struct clover_model {
 struct clover_context {
     clover_model *m;
     int32_t n_ctx, n_threads, n_past;
+    int32_t n_threads_1, n_threads_batch; /* n_threads of a forward of one row / of more (forward.c) */
+    int32_t n_ubatch;                     /* most rows of a prefix-mode pass; 0: the backend's */
     int gdn_chunked;
     int32_t type_k, type_v;    /* KV cache element types: CLOVER_TYPE_F16 or CLOVER_TYPE_F32 */
     void *k_cache, *v_cache;   /* [n_attn][n_ctx][n_head_kv*head_dim] of type_k/type_v (kv_host; else

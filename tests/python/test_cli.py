@@ -402,7 +402,7 @@ def test_run_visual_in_ar_and_spec_highlights_each_forward(gguf_path, mode):
     if mode == "ar":  # (the same path in spec)
         piped = cli(*args, "--visual")
         assert piped.returncode == 0 and piped.stdout == plain.stdout and "\x1b[" not in piped.stdout
-        assert "note: --visual draws on a terminal" in piped.stderr
+        assert "note: --visual draws in colour" in piped.stderr
         bad = cli(*args, "--visual", "--json")
         assert bad.returncode == 2 and "--visual, --json: give one" in bad.stderr
     out = []
