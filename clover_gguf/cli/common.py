@@ -408,7 +408,8 @@ def open_clover(path: str, a, mode=None):
         raise ValueError(str(e)) from None
 
 
-def add_threads_ctx_args(p: argparse.ArgumentParser, ctx_help: str = "context length (4096)") -> None:
+def add_threads_ctx_args(p: argparse.ArgumentParser) -> None:
     """``-t/--threads`` and ``-c/--ctx-size``."""
     p.add_argument("-t", "--threads", type=int_at_least(0), default=None, help="CPU threads (all cores)")
-    p.add_argument("-c", "--ctx-size", type=positive_int, default=4096, help=ctx_help)
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0), default=4096,
+                   help="context length (4096; 0 = the model's training context, as llama.cpp)")

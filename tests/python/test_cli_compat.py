@@ -332,3 +332,13 @@ def test_serve_reasoning_off_is_the_default_of_requests(tmp_path):
         asked = {**body, "chat_template_kwargs": {"enable_thinking": True}}  # the request's own wins
         msg = json.loads(http("POST", f"{base}/v1/chat/completions", asked, timeout=120).text)["choices"][0]["message"]
         assert msg.get("reasoning_content") and not msg["content"]
+
+
+def test_ctx_size_zero_is_the_training_context():
+    """llama.cpp's -c 0: the context length the GGUF was trained with."""
+    r = subprocess.run([sys.executable, "-m", "clover_gguf", "run", "-c", "0", "-v", "-t", "1", "-p", "def f():",
+                        "-n", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with Model(DEFAULT_MODEL, n_ctx=64, n_threads=1) as m:
+        train = m.hparams["n_ctx_train"]
+    assert f"n_ctx {train}," in r.stderr.splitlines()[0]

@@ -239,9 +239,9 @@ CLI_CASES = [
     (("--repeat-penalty", "0"), "repeat_penalty"),
     (("-n", "-2"), "--n-predict"),  # -1 is "no limit"
     (("-n", "0"), "--n-predict"),
-    (("-c", "0"), "--ctx-size"),
+    (("-c", "-1"), "--ctx-size"),
     (("-t", "-1"), "--threads"),
-    (("--seed", "-1"), "--seed"),
+    (("--seed", "-2"), "--seed"),
     (("--logit-bias", "5000=1"), "logit_bias: token id 5000 out of range [0, 1024)"),
     (("--stop", ""), "stop"),
     (("-p", ""), "prompt: empty"),
@@ -262,7 +262,7 @@ def test_cli_run_exit_2(extra, field):
 
 @pytest.mark.parametrize("extra, field", [(("--temp", "nan"), "temperature"), (("--top-p", "0"), "top_p"),
                                           (("--threshold", "2"), "threshold"), (("--block-size", "0"), "--block-size"),
-                                          (("--min-p", "-1"), "min_p"), (("-c", "0"), "--ctx-size")])
+                                          (("--min-p", "-1"), "min_p"), (("-c", "-1"), "--ctx-size")])
 def test_cli_chat_exit_2_before_first_prompt(extra, field):
     # stdin holds a message: a chat that did not refuse the flags would answer it and exit 0
     r = _cli("chat", "-m", DEFAULT_MODEL, "-t", "1", "-c", str(N_CTX), *extra, stdin="hello\n")
