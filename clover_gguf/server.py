@@ -352,6 +352,16 @@ def _kwargs(body: dict, names: tuple) -> dict:
     return kw
 
 
+def _check_max_tokens(kw: dict) -> dict:
+    """OpenAI's rule: no negative max_tokens (Clover's -1, llama-cpp-python's "no limit", is null
+    or 0 here)."""
+    n = kw.get("max_tokens")
+    if isinstance(n, int) and not isinstance(n, bool) and n < 0:
+        raise _ApiError(400, f"max_tokens: {n} must be >= 0 (null or 0: until the context is full)",
+                        param="max_tokens", code="invalid_value")
+    return kw
+
+
 def _client_key(body: dict) -> str | None:
     """The client a request's prefix reuse belongs to: OpenAI's ``prompt_cache_key``, else
     ``user``; None (the anonymous client) without either."""
@@ -377,13 +387,14 @@ def _completion_kwargs(body: dict) -> dict:
         raise _ApiError(400, "prompt: required, a string or a list of token ids", param="prompt",
                         code="invalid_value")
     kw["prompt"] = prompt
-    return kw
+    return _check_max_tokens(kw)
 
 
 def _chat_kwargs(body: dict) -> dict:
     kw = _kwargs(body, _CHAT)
     if "max_tokens" not in kw and body.get("max_completion_tokens") is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
+    _check_max_tokens(kw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ApiError(400, "messages: required, a non-empty list of messages", param="messages",

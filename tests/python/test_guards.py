@@ -367,6 +367,8 @@ def test_server_chat_and_malformed_400(server):
     status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                           "max_completion_tokens": -2})
     _assert_400(status, body, "max_tokens")
+    status, body = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": -1})  # OpenAI's rule
+    _assert_400(status, body, "max_tokens")
     status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                           "chat_template_kwargs": 5})
     _assert_400(status, body, "chat_template_kwargs")

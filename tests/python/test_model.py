@@ -293,7 +293,7 @@ def test_token_and_prompt_errors(model):
     with pytest.raises(ValueError, match="n_ctx"):
         model.prefix_logits([1] * (model.n_ctx + 1))
     with pytest.raises(ValueError, match="n_ctx"):
-        Model("whatever.gguf", n_ctx=0)
+        Model("whatever.gguf", n_ctx=-1)
     with pytest.raises(ValueError, match="n_threads"):
         Model("whatever.gguf", n_threads=-2)
 
