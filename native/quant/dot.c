@@ -187,6 +187,7 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
 }
 
 int clover_dot4_packed(int type) {
+    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) return 0; /* the AVX2 kernels read plain rows */
     if (clover_dot_act_type(type) == CLOVER_TYPE_Q8_0) return 1;
     return type == CLOVER_TYPE_Q4_K || type == CLOVER_TYPE_Q5_K ? 2 : 0;
 }
@@ -222,7 +223,9 @@ void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n) {
 }
 
 clover_vec_dot4_fn clover_dot4_kernel(int type) {
-    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) return NULL;
+    const int isa = clover_dot_best_isa();
+    if (isa == CLOVER_ISA_AVX2) return clover_dot4_avx2(type);
+    if (isa < CLOVER_ISA_AVX512) return NULL;
     const clover_vec_dot4_fn f = clover_dot4_avx512(type);
     return f ? f : clover_dot4_k_avx512(type);
 }
