@@ -70,28 +70,31 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
-/* Four activation rows (plain Q8_0 rows, x_stride bytes apart) per weight row (dot.h
- * clover_vec_dot4_fn): each weight block is unpacked once for the 4 rows; per row the block's
- * int32 sum, the scale product and the FMA into the same 8 lanes are those of the single-row
- * loop above, so out[i] equals the single-row kernel bit for bit. */
+/* Four activation rows (split Q8_0 rows, x_stride bytes apart: dot.h clover_x4_split_q8_0) per
+ * weight row (dot.h clover_vec_dot4_fn): each weight block is unpacked once for the 4 rows, and
+ * the rows' scales are read as float. Per row the block's int32 sum, the scale product d_w * d_x
+ * and the FMA into the same 8 lanes are those of the single-row loop above, so out[i] equals the
+ * single-row kernel bit for bit. */
 #define DOT4_Q8_0_FAMILY(BYTES, GET, SCALE)                                                  \
     const uint8_t *wb = w;                                                                   \
-    const clover_block_q8_0 *x[4];                                                           \
+    const int8_t *xs[4];                                                                     \
+    const float *xd[4];                                                                      \
     __m256 acc[4];                                                                           \
     for (int i = 0; i < 4; i++) {                                                            \
-        x[i] = (const clover_block_q8_0 *)((const uint8_t *)xq + i * x_stride);              \
+        xs[i] = (const int8_t *)xq + i * x_stride;                                           \
+        xd[i] = (const float *)(xs[i] + n);                                                  \
         acc[i] = _mm256_setzero_ps();                                                        \
     }                                                                                        \
     for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
         CLOVER_PREFETCH(wb, 1);                                                              \
         const __m256i qw = GET(wb);                                                          \
         const __m256i uw = _mm256_sign_epi8(qw, qw);                                         \
-        const float dw = SCALE(wb);                                                          \
+        const __m256 dw = _mm256_set1_ps(SCALE(wb));                                         \
         for (int i = 0; i < 4; i++) {                                                        \
-            const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i][b].qs);              \
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * b));        \
             const __m256i p16 = _mm256_maddubs_epi16(uw, _mm256_sign_epi8(qx, qw));          \
             const __m256i s = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));                  \
-            const __m256 d = _mm256_set1_ps(dw * clover_fp16_load(&x[i][b].d));              \
+            const __m256 d = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b));              \
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[i]);                      \
         }                                                                                    \
     }                                                                                        \
