@@ -215,12 +215,9 @@ def test_dot4_equals_single_row_bitwise(name, isa):
     if not need <= FLAGS:
         pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
     fn1 = getter(tid)
-    packing = 0
-    if isa == "avx512":
-        packing = klib.clover_dot4_packed(tid)
-        assert packing == (2 if name in ("Q4_K", "Q5_K") else 0)
-    elif klib.clover_dot_best_isa() == 1:  # an AVX2 CPU: the dispatch gives this kernel, on plain rows
-        assert klib.clover_dot4_kernel(tid) == fn4 and klib.clover_dot4_packed(tid) == 0
+    packing = 2 if isa == "avx512" and name in ("Q4_K", "Q5_K") else 0  # the layout this kernel reads
+    if klib.clover_dot_best_isa() == {"avx2": 1, "avx512": 2}[isa]:  # the dispatch gives this kernel
+        assert klib.clover_dot4_kernel(tid) == fn4 and klib.clover_dot4_packed(tid) == packing
     rng = np.random.default_rng(300 + tid)
     checked = 0
     for n in LENGTHS:
