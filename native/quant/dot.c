@@ -187,6 +187,8 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
 }
 
 int clover_dot4_packed(int type) {
+    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) /* the AVX2 kernels: split Q8_0, plain Q8_K */
+        return clover_dot_act_type(type) == CLOVER_TYPE_Q8_0 ? 3 : 0;
     if (clover_dot_act_type(type) == CLOVER_TYPE_Q8_0) return 1;
     return type == CLOVER_TYPE_Q4_K || type == CLOVER_TYPE_Q5_K ? 2 : 0;
 }
@@ -200,6 +202,21 @@ void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n) {
             out[i].bsums[k] = k < 8 ? (int16_t)(in[i].bsums[2 * k] + in[i].bsums[2 * k + 1]) : 0;
         for (int s = 0; s < 4; s++)
             for (int b = 0; b < 8; b++) memcpy(out[i].qs + 64 * s + 8 * b, in[i].qs + 32 * b + 8 * s, 8);
+    }
+}
+
+int64_t clover_x4_split_row_bytes(int64_t n) { return n + 4 * (n / 32); }
+
+void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n) {
+    const uint8_t *in = (const uint8_t *)xq;
+    uint8_t *q = (uint8_t *)dst;
+    float *d = (float *)(q + n);
+    for (int64_t b = 0; b < n / 32; b++, in += 34) {
+        memcpy(q + 32 * b, in + 2, 32);
+        uint16_t h;
+        memcpy(&h, in, 2);
+        const float s = clover_fp16_to_fp32(h);
+        memcpy(d + b, &s, sizeof s);
     }
 }
 
@@ -222,7 +239,9 @@ void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n) {
 }
 
 clover_vec_dot4_fn clover_dot4_kernel(int type) {
-    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) return NULL;
+    const int isa = clover_dot_best_isa();
+    if (isa == CLOVER_ISA_AVX2) return clover_dot4_avx2(type);
+    if (isa < CLOVER_ISA_AVX512) return NULL;
     const clover_vec_dot4_fn f = clover_dot4_avx512(type);
     return f ? f : clover_dot4_k_avx512(type);
 }

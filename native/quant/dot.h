@@ -68,8 +68,14 @@ clover_vec_dot_fn clover_dot_avx512(int type);
  * NULL where a type has none; matmul then uses the single-row kernel. */
 typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
 
-/* Best multi-row kernel for `type` on this CPU, or NULL. */
+/* Best multi-row kernel for `type` on this CPU, or NULL: the AVX-512 one where the best ISA
+ * (CLOVER_ISA lowers it) is AVX-512, the AVX2 one where it is AVX2. */
 clover_vec_dot4_fn clover_dot4_kernel(int type);
+/* AVX2 multi-row kernels (dot_avx2.c: Q8_0, Q4_0, IQ4_NL, MXFP4 on split Q8_0 rows; dot_k.c
+ * through clover_dot4_k_avx2: Q4_K, Q5_K, Q6_K, IQ4_XS on plain Q8_K rows): each out[i] equals
+ * the single-row AVX2 kernel's value bit for bit. NULL for other types and on non-x86 builds. */
+clover_vec_dot4_fn clover_dot4_avx2(int type);
+clover_vec_dot4_fn clover_dot4_k_avx2(int type);
 
 /* Float kernels of attention over an F16 or F32 KV cache (cpu/attend.c attend_tile): q . k for n
  * float32 values q and n fp16 (float32) values k, and o[i] += p * v[i] for n fp16 (float32)
@@ -126,15 +132,21 @@ clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no A
 /* The AVX-512 4-row kernels of the Q8_0 family (Q8_0, Q4_0, IQ4_NL, MXFP4) read activation
  * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0, those of Q4_K and Q5_K
  * Q8_K rows in the K-permuted layout made by clover_x4_pack_q8_K, and the other K-quant ones
- * Q8_K rows as they are. clover_dot4_packed(type) says which (1: Q8_0 packed, 2: K-permuted,
- * 0: as they are). Packed row of n values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128
+ * Q8_K rows as they are. The AVX2 4-row kernels read Q8_0 rows in the split layout made by
+ * clover_x4_split_q8_0 and Q8_K rows as they are. clover_dot4_packed(type) says which layout
+ * clover_dot4_kernel(type) reads (1: Q8_0 packed, 2: K-permuted, 3: Q8_0 split, 0: as they are). Packed row of n values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128
  * (uint8, block after block), then per pair of blocks 16 floats, 8 copies of each block's
  * scale (a lone last block fills 8 of them): clover_x4_row_bytes(n) = n + 64 * ceil(nb / 2)
  * bytes. K-permuted row of n values (n % 256 == 0): the Q8_K blocks with the same d, qs
  * reordered so that byte 64 s + 8 b + i holds value 8 s + i of sub-block b (values 32 b ..
  * 32 b + 31) for s < 4, b < 8, i < 8 (dot_k.c's sub-block lanes), and bsums[b] the sum of
  * sub-block b (bsums[8..15] = 0); the same size. */
+/* Split row of n values (n % 32 == 0, nb = n / 32 blocks): the n int8 q as they are, block
+ * after block, then the nb block scales as float (the fp16 ones converted, exactly):
+ * clover_x4_split_row_bytes(n) = n + 4 nb bytes. */
 int clover_dot4_packed(int type);
+int64_t clover_x4_split_row_bytes(int64_t n);
+void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n);
 int64_t clover_x4_row_bytes(int64_t n);
 void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
 void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);

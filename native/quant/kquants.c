@@ -613,16 +613,67 @@ __attribute__((target("avx512f,avx512bw"))) static void q8_k_quant_avx512(const 
     const float d = 1 / iscale;
     memcpy(o, &d, 4);
 }
+/* The same bytes with AVX2: as the AVX-512 one above, 8 lanes a vector; the int32 q of 16
+ * values (two vectors, one bsums group) narrow with packs (exact: |q| <= 127) and are summed. */
+__attribute__((target("avx2,fma"))) static void q8_k_quant_avx2(const float *x, uint8_t *o) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 m = zero;
+    int bad = 0; /* lanes holding NaN or Inf (x * 0 is NaN exactly for those) */
+    for (int c = 0; c < 32; c++) {
+        const __m256 v = _mm256_loadu_ps(x + 8 * c);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(v, zero), zero, _CMP_NEQ_UQ));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if (!(amax > 0.0f) || bad) { /* zero block, or NaN/Inf input: the scalar path's bytes */
+        q8_k_quant_scalar(x, o);
+        return;
+    }
+    float vmax = 0;
+    const __m256 va = _mm256_set1_ps(amax);
+    for (int c = 0; c < 32; c++) {
+        const int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * c)), va, _CMP_EQ_OQ));
+        if (k) {
+            vmax = x[8 * c + __builtin_ctz((unsigned)k)];
+            break;
+        }
+    }
+    const float iscale = -127.f / vmax;
+    const __m256 vs = _mm256_set1_ps(iscale);
+    const __m256i cap = _mm256_set1_epi32(127);
+    int8_t *qs = (int8_t *)(o + 4);
+    for (int g = 0; g < 16; g++) {
+        const __m256i q0 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * g))), cap);
+        const __m256i q1 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * g + 8))), cap);
+        const __m128i w0 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
+        const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
+        _mm_storeu_si128((__m128i *)(qs + 16 * g), _mm_packs_epi16(w0, w1));
+        __m128i t = _mm_add_epi32(_mm_add_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
+                                  _mm_add_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        const int16_t bs = (int16_t)_mm_cvtsi128_si32(t);
+        memcpy(o + 260 + 2 * g, &bs, 2);
+    }
+    const float d = 1 / iscale;
+    memcpy(o, &d, 4);
+}
 #endif
 
 /* Q8_K (ggml quantize_row_q8_K_ref, which llama.cpp also runs on x86): d = max / -127 of the
  * first element of largest |x|, q = nearest-even(x * -127 / max), bsums per 16. */
 static void q8_k_quant(const float *x, uint8_t *o) {
 #if defined(__x86_64__) || defined(__i386__)
-    static int use_avx512 = -1; /* benign race: every thread computes the same value */
-    if (use_avx512 < 0) use_avx512 = clover_dot_best_isa() >= CLOVER_ISA_AVX512;
-    if (use_avx512) {
+    static int isa = -1; /* benign race: every thread computes the same value */
+    if (isa < 0) isa = clover_dot_best_isa();
+    if (isa >= CLOVER_ISA_AVX512) {
         q8_k_quant_avx512(x, o);
+        return;
+    }
+    if (isa == CLOVER_ISA_AVX2) {
+        q8_k_quant_avx2(x, o);
         return;
     }
 #endif

@@ -31,9 +31,12 @@ int64_t clover_type_nbytes(int type, int64_t n);
 typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
 clover_vec_dot4_fn clover_dot4_kernel(int type);
 clover_vec_dot4_fn clover_dot4_avx512(int type);
+clover_vec_dot4_fn clover_dot4_avx2(int type);
 int clover_dot4_packed(int type);
 int64_t clover_x4_row_bytes(int64_t n);
 void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
+int64_t clover_x4_split_row_bytes(int64_t n);
+void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n);
 typedef float (*clover_dot_f16_fn)(const float *q, const uint16_t *k, int64_t n);
 typedef void (*clover_axpy_f16_fn)(float *o, float p, const uint16_t *v, int64_t n);
 clover_dot_f16_fn clover_dot_f16_kernel(int isa);
@@ -200,6 +203,60 @@ def test_four_row_kernels_equal_single_row(name):
         out = ffi.new("float[4]")
         dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", xp.ctypes.data), pb, out)
         assert list(out) == [_call(dot1, n, w, x) for x in xs], name
+
+
+@pytest.mark.parametrize("name", list(Q8_0_FAMILY))
+def test_four_row_avx2_kernels_equal_single_row(name):
+    """The 4-row AVX2 kernels, on Q8_0 rows in the split layout of dot.h (clover_x4_split_q8_0,
+    checked against its definition) at a padded stride, give exactly the single-row AVX2 kernel's
+    values on the plain rows (the same int32 block sums, scale products and FMA order); on an
+    AVX2 CPU they are the ones the dispatch gives, with that layout."""
+    t = TYPES[name]
+    if L.clover_dot_best_isa() < 1:
+        pytest.skip("this CPU has no AVX2")
+    dot4, dot1 = L.clover_dot4_avx2(t), L.clover_dot_avx2(t)
+    assert dot4 != ffi.NULL
+    if L.clover_dot_best_isa() == 1:
+        assert L.clover_dot4_kernel(t) == dot4 and L.clover_dot4_packed(t) == 3
+    rng = np.random.default_rng(400 + t)
+    for n in (32, 32 * 7, 2048):
+        w = _random_weight_bytes(t, n, rng) if n == 2048 else _quantize(t, rng.standard_normal(n).astype(np.float32))
+        xs = [_act(t, (rng.standard_normal(n) * 4).astype(np.float32))[1] for _ in range(4)]
+        pb = L.clover_x4_split_row_bytes(n)
+        assert pb == n + 4 * (n // 32)
+        stride = pb + 12
+        buf = np.zeros(4 * stride, np.uint8)
+        for i, x in enumerate(xs):
+            L.clover_x4_split_q8_0(ffi.cast("void *", x.ctypes.data), ffi.cast("void *", buf[i * stride:].ctypes.data), n)
+            blocks = x.reshape(-1, 34)
+            assert np.array_equal(buf[i * stride:i * stride + n], blocks[:, 2:].reshape(-1))
+            d = buf[i * stride + n:i * stride + pb].view(np.float32)
+            assert np.array_equal(d, blocks[:, :2].copy().view(np.float16).reshape(-1).astype(np.float32))
+        out = ffi.new("float[4]")
+        dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", buf.ctypes.data), stride, out)
+        assert list(out) == [_call(dot1, n, w, x) for x in xs], (name, n)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_rows_equal_one_row_products(name):
+    """Each output row of a many-row product equals that activation row's product alone bit for
+    bit (the 4-row kernels equal the single-row ones), so a prompt split anywhere gives the same
+    values."""
+    t = TYPES[name]
+    rng = np.random.default_rng(500 + t)
+    n_in, n_out, T = 512, 19, 7
+    Wq = np.concatenate([_quantize(t, row) for row in rng.standard_normal((n_out, n_in)).astype(np.float32)])
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+
+    def mm(rows):
+        y = np.zeros((rows.shape[0], n_out), np.float32)
+        assert L.clover_matmul(t, ffi.cast("void *", Wq.ctypes.data), n_in, n_out, ffi.cast("float *", rows.ctypes.data),
+                               rows.shape[0], ffi.cast("float *", y.ctypes.data), 2) == 0
+        return y
+
+    whole = mm(x)
+    alone = np.concatenate([mm(np.ascontiguousarray(x[i:i + 1])) for i in range(T)])
+    assert np.array_equal(whole.view(np.uint32), alone.view(np.uint32)), name
 
 
 def _llama_cpp_x86_q8_0(x):

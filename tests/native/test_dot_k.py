@@ -11,10 +11,11 @@ Checks:
 on row lengths of 1, 3, 5, 8 and 32 blocks (256 .. 8192 values), for weight rows of random
 bytes (finite random fp16 scales) and rows quantised from random floats, and activations
 quantised from random floats or random Q8_K bytes (qs in -127..127, consistent bsums).
-- the four-row AVX-512 kernels (clover_dot4_k_avx512) equal four calls of the single-row
-  AVX-512 kernel on the plain Q8_K rows bit for bit, with activation rows adjacent and at a
-  padded stride, in the layout clover_dot4_packed names (Q4_K and Q5_K: K-permuted by
-  clover_x4_pack_q8_K, checked against its definition in dot.h);
+- the four-row kernels (clover_dot4_k_avx2, clover_dot4_k_avx512) equal four calls of the
+  single-row kernel of their ISA on the plain Q8_K rows bit for bit, with activation rows
+  adjacent and at a padded stride, in the layout they read (AVX2: plain rows; AVX-512: the one
+  clover_dot4_packed names, Q4_K and Q5_K K-permuted by clover_x4_pack_q8_K, checked against
+  its definition in dot.h);
 SIMD cases are skipped on CPUs without the features (read from /proc/cpuinfo).
 """
 import pathlib
@@ -45,6 +46,8 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa);
 int clover_dot_best_isa(void);
 typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out);
 clover_vec_dot4_fn clover_dot4_k_avx512(int type);
+clover_vec_dot4_fn clover_dot4_k_avx2(int type);
+clover_vec_dot4_fn clover_dot4_kernel(int type);
 int clover_dot4_packed(int type);
 void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
@@ -198,18 +201,23 @@ def _k_permuted(q8k):
     return blocks.reshape(-1)
 
 
+DOT4 = {"avx2": klib.clover_dot4_k_avx2, "avx512": klib.clover_dot4_k_avx512}
+
+
+@pytest.mark.parametrize("isa", list(DOT4))
 @pytest.mark.parametrize("name", [n for n in TYPES if n not in K23])
-def test_dot4_avx512_equals_single_row_bitwise(name):
-    need, getter = ISAS["avx512"]
+def test_dot4_equals_single_row_bitwise(name, isa):
+    need, getter = ISAS[isa]
     tid = TYPES[name][0]
-    fn4 = klib.clover_dot4_k_avx512(tid)
+    fn4 = DOT4[isa](tid)
     if fn4 == _kffi.NULL:
-        pytest.skip("avx512 kernels not built (non-x86 build)")
+        pytest.skip(f"{isa} kernels not built (non-x86 build)")
     if not need <= FLAGS:
         pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
     fn1 = getter(tid)
-    packing = klib.clover_dot4_packed(tid)
-    assert packing == (2 if name in ("Q4_K", "Q5_K") else 0)
+    packing = 2 if isa == "avx512" and name in ("Q4_K", "Q5_K") else 0  # the layout this kernel reads
+    if klib.clover_dot_best_isa() == {"avx2": 1, "avx512": 2}[isa]:  # the dispatch gives this kernel
+        assert klib.clover_dot4_kernel(tid) == fn4 and klib.clover_dot4_packed(tid) == packing
     rng = np.random.default_rng(300 + tid)
     checked = 0
     for n in LENGTHS:
@@ -252,7 +260,7 @@ def test_other_types_have_no_kernel():
     for t in (lib.CLOVER_TYPE_F32, lib.CLOVER_TYPE_Q8_0, lib.CLOVER_TYPE_Q4_0, Q8K,
               lib.CLOVER_TYPE_IQ4_NL, lib.CLOVER_TYPE_MXFP4, 9999, -1):
         for getter in (klib.clover_dot_k_scalar, klib.clover_dot_k_avx2, klib.clover_dot_k_avx512,
-                       klib.clover_dot4_k_avx512):
+                       klib.clover_dot4_k_avx512, klib.clover_dot4_k_avx2):
             assert getter(t) == _kffi.NULL
 
 
@@ -262,6 +270,7 @@ def test_k23_dispatch_falls_back_to_avx2(name):
     from AVX2 up that this CPU has, the scalar one at ISA 0, and no four-row kernel."""
     tid = TYPES[name][0]
     assert klib.clover_dot_k_avx512(tid) == _kffi.NULL and klib.clover_dot4_k_avx512(tid) == _kffi.NULL
+    assert klib.clover_dot4_k_avx2(tid) == _kffi.NULL
     assert klib.clover_dot_kernel(tid, 0) == klib.clover_dot_k_scalar(tid) != _kffi.NULL
     best = klib.clover_dot_best_isa()
     for isa in range(1, best + 1):

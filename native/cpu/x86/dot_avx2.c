@@ -70,6 +70,55 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
+/* Four activation rows (split Q8_0 rows, x_stride bytes apart: dot.h clover_x4_split_q8_0) per
+ * weight row (dot.h clover_vec_dot4_fn): each weight block is unpacked once for the 4 rows, and
+ * the rows' scales are read as float. Per row the block's int32 sum, the scale product d_w * d_x
+ * and the FMA into the same 8 lanes are those of the single-row loop above, so out[i] equals the
+ * single-row kernel bit for bit. */
+#define DOT4_Q8_0_FAMILY(BYTES, GET, SCALE)                                                  \
+    const uint8_t *wb = w;                                                                   \
+    const int8_t *xs[4];                                                                     \
+    const float *xd[4];                                                                      \
+    __m256 acc[4];                                                                           \
+    for (int i = 0; i < 4; i++) {                                                            \
+        xs[i] = (const int8_t *)xq + i * x_stride;                                           \
+        xd[i] = (const float *)(xs[i] + n);                                                  \
+        acc[i] = _mm256_setzero_ps();                                                        \
+    }                                                                                        \
+    for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
+        CLOVER_PREFETCH(wb, 1);                                                              \
+        const __m256i qw = GET(wb);                                                          \
+        const __m256i uw = _mm256_sign_epi8(qw, qw);                                         \
+        const __m256 dw = _mm256_set1_ps(SCALE(wb));                                         \
+        for (int i = 0; i < 4; i++) {                                                        \
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * b));        \
+            const __m256i p16 = _mm256_maddubs_epi16(uw, _mm256_sign_epi8(qx, qw));          \
+            const __m256i s = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));                  \
+            const __m256 d = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b));              \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[i]);                      \
+        }                                                                                    \
+    }                                                                                        \
+    for (int i = 0; i < 4; i++) out[i] = clover_hsum8(acc[i]);
+
+static AVX2 void dot4_q8_0(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    DOT4_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16)
+}
+
+static AVX2 void dot4_q4_0(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    DOT4_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+}
+
+static AVX2 void dot4_iq4_nl(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl);
+    DOT4_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+}
+
+static AVX2 void dot4_mxfp4(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4);
+    DOT4_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
+}
+
 /* q . k over n values, k fp16 (dot.h): two 8-lane FMA sums, then the tail in order. */
 static AVX2 float dot_f16(const float *q, const uint16_t *k, int64_t n) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -189,8 +238,22 @@ clover_vec_dot_fn clover_dot_avx2(int type) {
     }
 }
 
+clover_vec_dot4_fn clover_dot4_avx2(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0: return dot4_q8_0;
+    case CLOVER_TYPE_Q4_0: return dot4_q4_0;
+    case CLOVER_TYPE_IQ4_NL: return dot4_iq4_nl;
+    case CLOVER_TYPE_MXFP4: return dot4_mxfp4;
+    default: return clover_dot4_k_avx2(type);
+    }
+}
+
 #else
 clover_vec_dot_fn clover_dot_avx2(int type) {
+    (void)type;
+    return NULL;
+}
+clover_vec_dot4_fn clover_dot4_avx2(int type) {
     (void)type;
     return NULL;
 }
