@@ -109,6 +109,16 @@ def pooling_type(name: str, v) -> int:
                      f"model's), got {v!r}")
 
 
+def _memlock_hint() -> str:
+    """How much the process may lock (RLIMIT_MEMLOCK) and how to raise it, for a refused mlock."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    except (ImportError, OSError, ValueError):
+        return ""
+    return "" if soft == resource.RLIM_INFINITY else f"; RLIMIT_MEMLOCK is {soft} bytes: raise it with `ulimit -l`"
+
+
 def _flash_attn(v) -> bool:
     """llama-cpp-python's bool, or llama.cpp's -fa on|off|auto: True when on."""
     if isinstance(v, bool):
@@ -292,7 +302,8 @@ class Model:
             raise CloverError(msg if msg.startswith(path) else f"{path}: {msg}")
         self._model = m
         if use_mlock and lib.clover_model_mlock(m, err, len(err)) != 0:
-            warnings.warn(f"use_mlock: {ffi.string(err).decode('utf-8', 'replace')}", UserWarning, stacklevel=2)
+            warnings.warn(f"use_mlock: {ffi.string(err).decode('utf-8', 'replace')}{_memlock_hint()}", UserWarning,
+                          stacklevel=2)
         try:
             hp = ffi.new("clover_hparams *")
             lib.clover_model_hparams(m, hp)

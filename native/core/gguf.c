@@ -33,7 +33,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -717,13 +716,7 @@ int clover_gguf_mlock(const clover_gguf *g, char *err, size_t err_size) {
         return CLOVER_E_ARG;
     }
     if (mlock(g->map, (size_t)g->size) == 0) return CLOVER_OK;
-    const int e = errno;
-    struct rlimit lim;
-    char limit[96] = "";
-    if ((e == ENOMEM || e == EPERM) && getrlimit(RLIMIT_MEMLOCK, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
-        snprintf(limit, sizeof limit, "; RLIMIT_MEMLOCK is %llu bytes: raise it with `ulimit -l`",
-                 (unsigned long long)lim.rlim_cur);
-    set_err(err, err_size, "mlock of %llu bytes failed: %s%s", (unsigned long long)g->size, strerror(e), limit);
+    set_err(err, err_size, "mlock of %llu bytes failed: %s", (unsigned long long)g->size, strerror(errno));
     return CLOVER_E_IO;
 }
 

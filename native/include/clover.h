@@ -73,8 +73,8 @@ CLOVER_API clover_gguf *clover_gguf_open(const char *path, char *err, size_t err
 CLOVER_API clover_gguf *clover_gguf_open_memory(const void *data, size_t size, char *err, size_t err_size);
 CLOVER_API void clover_gguf_close(clover_gguf *g);
 /* mlock(2) the file's bytes (the mapping of clover_gguf_open, or the caller's memory), so that
- * they stay in RAM (llama.cpp's --mlock). CLOVER_OK, else CLOVER_E_IO with the reason (e.g.
- * RLIMIT_MEMLOCK, `ulimit -l`) in err. */
+ * they stay in RAM (llama.cpp's --mlock). CLOVER_OK, else CLOVER_E_IO with the byte count and
+ * strerror in err (ENOMEM/EPERM: usually RLIMIT_MEMLOCK, `ulimit -l`). */
 CLOVER_API int clover_gguf_mlock(const clover_gguf *g, char *err, size_t err_size);
 CLOVER_API uint32_t clover_gguf_version(const clover_gguf *g);
 CLOVER_API int64_t clover_gguf_n_kv(const clover_gguf *g);

@@ -1,0 +1,112 @@
+/* dot_k.h: what the K-quant dot kernels (dot_k.c, dot_k4_avx2.c) share: ggml's block layouts of
+ * Q4_K, Q5_K, Q6_K and IQ4_XS, their scale unpacking and the AVX2 helpers. Internal to quant/. */
+#ifndef CLOVER_QUANT_DOT_K_H
+#define CLOVER_QUANT_DOT_K_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "clover.h"
+#include "quant/dot.h"
+#include "quant/quants.h"
+
+#if defined(_WIN32)
+#define DK_EXPORT
+#else
+#define DK_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* ---------------------------------------------------------------- block layouts (ggml) */
+
+typedef struct {
+    uint16_t d, dmin;    /* fp16 super-block scale of the scales / of the mins */
+    uint8_t scales[12];  /* eight 6-bit (scale, min) pairs */
+    uint8_t qs[128];     /* per 64 values: low nibbles = first 32, high nibbles = next 32 */
+} dk_q4_K;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[32];      /* bit 2k / 2k+1 of qh[l]: fifth bit of value 64k+l / 64k+32+l */
+    uint8_t qs[128];
+} dk_q5_K;
+
+typedef struct {
+    uint8_t ql[128];     /* low 4 bits */
+    uint8_t qh[64];      /* high 2 bits */
+    int8_t scales[16];   /* one per 16 values */
+    uint16_t d;
+} dk_q6_K;
+
+typedef struct {
+    uint16_t d;
+    uint16_t scales_h;   /* 2 high bits of each of the eight 6-bit group scales */
+    uint8_t scales_l[4]; /* 4 low bits of each group scale (group g at bit 4g) */
+    uint8_t qs[128];     /* per 32 values: low nibbles = first 16, high nibbles = next 16 */
+} dk_iq4_xs;
+
+_Static_assert(sizeof(dk_q4_K) == 144, "q4_K block size");
+_Static_assert(sizeof(dk_q5_K) == 176, "q5_K block size");
+_Static_assert(sizeof(dk_q6_K) == 210, "q6_K block size");
+_Static_assert(sizeof(dk_iq4_xs) == 136, "iq4_xs block size");
+_Static_assert(sizeof(clover_block_q8_K) == 292, "q8_K block size");
+
+/* Unpack the 12-byte Q4_K/Q5_K scale field into u[0..3]: bytes 0..7 = the eight 6-bit scales,
+ * bytes 8..15 = the eight 6-bit mins (sub-block j: scale at byte j, min at byte 8+j).
+ * Scales 0..3 are the low 6 bits of bytes 0..3, mins 0..3 of bytes 4..7; scales/mins 4..7
+ * take their low 4 bits from the nibbles of bytes 8..11 and their high 2 bits from the top
+ * bits of bytes 0..3 / 4..7. */
+static inline void dk_unpack_scales(const uint8_t *s, uint32_t u[4]) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    u[0] = a & 0x3f3f3f3fu;
+    u[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    u[2] = b & 0x3f3f3f3fu;
+    u[3] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include "cpu/x86/simd_x86.h"
+
+#define DK_AVX2 CLOVER_AVX2
+#define DK_AVX512 CLOVER_AVX512
+
+/* The four Q8_K activation rows of a four-row kernel, x_stride bytes apart. */
+#define DK_ROWS4(y, xq, x_stride)                                                                  \
+    const clover_block_q8_K *y[4];                                                                 \
+    for (int r_ = 0; r_ < 4; r_++) y[r_] = (const clover_block_q8_K *)((const uint8_t *)(xq) + r_ * (x_stride))
+
+/* ---------------------------------------------------------------- AVX2 helpers */
+
+DK_AVX2 static inline float dk_hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* pshufb mask that broadcasts int16 element k of each 128-bit lane */
+#define DK_BCAST16(k) _mm256_set1_epi16((short)(0x0100 + 0x0202 * (k)))
+
+/* sum of the mins part of a Q4_K/Q5_K block: 4 int32 lanes summing to sum_j m_j * bsum32_j */
+DK_AVX2 static inline __m128i dk_mins_prod(__m128i mins16, const int16_t *bsums) {
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)bsums);
+    const __m128i b1 = _mm_loadu_si128((const __m128i *)bsums + 1);
+    return _mm_madd_epi16(mins16, _mm_hadd_epi16(b0, b1)); /* per-32 sums fit int16 */
+}
+
+/* The eight signed 6-bit IQ4_XS group scales (ls - 32) as int32 lanes. */
+DK_AVX2 static inline __m256i dk_iq4xs_scales(const dk_iq4_xs *b) {
+    uint32_t sl;
+    memcpy(&sl, b->scales_l, 4);
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                        _mm256_set1_epi32(0xF));
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(b->scales_h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+}
+
+#endif
+
+#endif

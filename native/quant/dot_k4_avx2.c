@@ -1,0 +1,184 @@
+/* dot_k4_avx2.c: the AVX2 four-row dot kernels of Q4_K, Q5_K, Q6_K and IQ4_XS against Q8_K
+ * activation rows (dot_k.c has the one-row kernels and the semantics they share). */
+#include "quant/dot_k.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+/* ---------------------------------------------------------------- AVX2 four-row kernels */
+
+/* out[r] = dot(w_row, Q8_K row r) for r < 4, rows x_stride bytes apart, as they are (no
+ * permuted layout): each weight block's scales and levels are unpacked once for the 4 rows. Per
+ * row the int32 block sum is the single-row AVX2 kernel's (int32 sums are exact in any order)
+ * and the float operations run as there, so each out[r] equals that kernel's value bit for bit. */
+
+/* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over four rows. */
+DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t n, const dk_q4_K *x4,
+                                                                        const dk_q5_K *x5, const void *xq,
+                                                                        int64_t x_stride, float *out) {
+    DK_ROWS4(y, xq, x_stride);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    __m256 acc[4];
+    __m128 accm[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
+        const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
+        const float d = _cvtsh_ss(x5 ? x5[i].d : x4[i].d), dmin = _cvtsh_ss(x5 ? x5[i].dmin : x4[i].dmin);
+        if (x5)
+            CLOVER_PREFETCH(x5 + i, 3);
+        else
+            CLOVER_PREFETCH(x4 + i, 3);
+        uint32_t u[4];
+        dk_unpack_scales(scales, u);
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        __m256i hb = x5 ? _mm256_loadu_si256((const __m256i *)x5[i].qh) : _mm256_setzero_si256();
+        __m256i s[4];
+        for (int r = 0; r < 4; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++, q += 32) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
+            __m256i lo = _mm256_and_si256(bits, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            if (x5) { /* bit 0 / bit 1 of each byte of hb -> bit 4 */
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
+                hb = _mm256_srli_epi16(hb, 2);
+            }
+            const __m256i scl = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j));
+            const __m256i sch = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int8_t *a = y[r][i].qs + 64 * j;
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
+                s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(scl, pl), _mm256_madd_epi16(sch, ph)));
+            }
+        }
+        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
+        for (int r = 0; r < 4; r++) {
+            const float yd = y[r][i].d;
+            const __m128i prod = dk_mins_prod(mins, y[r][i].bsums);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * dmin), _mm_cvtepi32_ps(prod), accm[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * d), _mm256_cvtepi32_ps(s[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]) + dk_hsum4(accm[r]);
+}
+
+DK_AVX2 static void dot4_q4_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    dk_q45_avx2_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
+}
+
+DK_AVX2 static void dot4_q5_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    dk_q45_avx2_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
+}
+
+DK_AVX2 static void dot4_q6_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    const dk_q6_K *x = (const dk_q6_K *)w_row;
+    DK_ROWS4(y, xq, x_stride);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 4);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        __m256i s[4];
+        for (int r = 0; r < 4; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i qv[4];
+            qv[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            qv[1] = _mm256_or_si256(_mm256_and_si256(b2, m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4));
+            qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4));
+            qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                /* 32 values = two groups of 16: int16 lanes 0..7 take scale 2k, lanes 8..15 2k+1 */
+                const int k = 4 * h + c;
+                const __m256i scv = _mm256_cvtepi8_epi16(
+                    _mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * k + 1), 0x0101010101010101LL * (2 * k))));
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(qv[c], _mm256_loadu_si256((const __m256i *)(y[r][i].qs + 32 * k)));
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(scv, p));
+                }
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            /* levels are stored +32: subtract 32 * sum_g sc_g * bsum_g */
+            const __m256i corr =
+                _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[r][i].bsums), sc16), 5);
+            const __m256i sumi = _mm256_sub_epi32(s[r], corr);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]);
+}
+
+DK_AVX2 static void dot4_iq4_xs_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
+    const dk_iq4_xs *x = (const dk_iq4_xs *)w_row;
+    DK_ROWS4(y, xq, x_stride);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)clover_kv_iq4nl));
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        CLOVER_PREFETCH(x + i, 3);
+        const __m256i ls32 = dk_iq4xs_scales(&x[i]);
+        const __m128i ls16 = _mm_packs_epi32(_mm256_castsi256_si128(ls32), _mm256_extracti128_si256(ls32, 1));
+        const __m256i lsb = _mm256_broadcastsi128_si256(ls16);
+        const uint8_t *q = x[i].qs;
+        __m256i s[4];
+        for (int r = 0; r < 4; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int g = 0; g < 8; g += 2, q += 32) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
+            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i w0 = _mm256_shuffle_epi8(tab, _mm256_permute2x128_si256(lo, hi, 0x20));
+            const __m256i w1 = _mm256_shuffle_epi8(tab, _mm256_permute2x128_si256(lo, hi, 0x31));
+            const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+            const __m256i l0 = _mm256_shuffle_epi8(lsb, DK_BCAST16(g)), l1 = _mm256_shuffle_epi8(lsb, DK_BCAST16(g + 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int8_t *a = y[r][i].qs + 32 * g;
+                const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a), w0));
+                const __m256i p1 =
+                    _mm256_maddubs_epi16(u1, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32)), w1));
+                s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p0, l0), _mm256_madd_epi16(p1, l1)));
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(s[r]), acc[r]);
+    }
+    for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]);
+}
+
+DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx2(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q4_K: return dot4_q4_K_avx2;
+    case CLOVER_TYPE_Q5_K: return dot4_q5_K_avx2;
+    case CLOVER_TYPE_Q6_K: return dot4_q6_K_avx2;
+    case CLOVER_TYPE_IQ4_XS: return dot4_iq4_xs_avx2;
+    default: return NULL;
+    }
+}
+
+#else /* not x86 */
+
+DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx2(int type) {
+    (void)type;
+    return NULL;
+}
+
+#endif
