@@ -303,18 +303,9 @@ def embedding_inputs(model: Model, input) -> tuple[list[list[int]], bool]:
 
 
 def _input_ids(model: Model, name: str, x) -> list[int]:
-    if isinstance(x, str):
-        try:
-            x.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
-            raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
-        ids = model.tokenize(x)
-        if not ids:
-            raise ValueError(f"{name}: empty (at least one token is needed)")
-        return ids
-    if not isinstance(x, (list, tuple)):
+    if not isinstance(x, (str, list, tuple)):
         raise ValueError(f"{name}: expected a string or a list of token ids, got {type(x).__name__}")
-    return model.check_ids(name, x)
+    return model.prompt_ids(x, name, bounded=False)  # embed truncates long inputs
 
 
 def _normalized(v: list[float]) -> list[float]:

@@ -109,6 +109,14 @@ def pooling_type(name: str, v) -> int:
                      f"model's), got {v!r}")
 
 
+def _utf8_size(name: str, text: str) -> int:
+    """UTF-8 bytes of ``text``; ValueError naming ``name`` when it is not valid Unicode."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
+        raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
+
+
 def _memlock_hint() -> str:
     """How much the process may lock (RLIMIT_MEMLOCK) and how to raise it, for a refused mlock."""
     try:
@@ -512,26 +520,28 @@ class Model:
     def check_text_fits(self, name: str, text: str) -> None:
         """ValueError naming ``name`` when ``text`` is not valid Unicode, ContextLengthExceeded
         when it has more UTF-8 bytes than n_ctx tokens can spell: refused before tokenizing."""
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800")
-            raise ValueError(f"{name}: not valid Unicode ({e.reason} at index {e.start})") from None
+        size = _utf8_size(name, text)
         most = self.n_ctx * self.tokenizer.max_token_bytes
         if size > most:
             raise ContextLengthExceeded(
                 f"{name}: {size} bytes cannot fit n_ctx={self.n_ctx} tokens (the longest token is "
                 f"{self.tokenizer.max_token_bytes} bytes)")
 
-    def prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt, name: str = "prompt", bounded: bool = True) -> list[int]:
         """The token ids of ``prompt``: a str tokenized (special tokens recognised) or a sequence
-        of ids checked by :meth:`check_ids`; ValueError when empty or not valid Unicode."""
+        of ids checked by :meth:`check_ids`; ValueError naming ``name`` when empty or not valid
+        Unicode. ``bounded``: a text longer than n_ctx tokens can spell is refused before
+        tokenizing (:meth:`check_text_fits`); False for callers that truncate."""
         if isinstance(prompt, str):
-            self.check_text_fits("prompt", prompt)
+            if bounded:
+                self.check_text_fits(name, prompt)
+            else:
+                _utf8_size(name, prompt)
             ids = self.tokenize(prompt)
             if not ids:
-                raise ValueError("prompt: empty (at least one token is needed)")
+                raise ValueError(f"{name}: empty (at least one token is needed)")
             return ids
-        return self.check_ids("prompt", prompt)
+        return self.check_ids(name, prompt)
 
     # ------------------------------------------------------------------ generation
     def check_prompt_fits(self, ids: list[int]) -> list[int]:
