@@ -342,6 +342,36 @@ CLOVER_API void clover_context_set_n_threads(clover_context *c, int32_t n_thread
  * backend's), or CLOVER_E_ARG for a negative value. The GPU-resident decoder's selecting
  * passes (commits, verifies: at most 512 rows) run whole. */
 CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubatch);
+/* Continuous batching (batch.c): contexts of one model attached to one clover_batch run their
+ * forwards together. A forward of an attached context waits until every attached context is
+ * waiting for one too (or, for a straggler, a quarter of the last pass's time, at least 0.5 ms
+ * and at most 50 ms), then one pass computes the rows of all of them: each weight product
+ * (projections, router, routed and shared experts, LM head) once over every sequence's rows;
+ * the caches, attention, the GDN recurrence, the block coreset and the abort request per
+ * context. Each sequence's caches and logits equal those of its forwards run alone, bit for bit
+ * (on the CPU path every product computes each row alone; prefills are cut only at multiples of
+ * CLOVER_GDN_CHUNK). A pass holds at most max_rows rows (<= 0: 512): a prefill runs in chunks
+ * beside the other sequences' steps, so a long prompt delays them by one chunk a pass; block
+ * passes and checkpoint-recording prefills run whole; the oldest request goes first. Forwards
+ * that cannot share a pass (a model with weights on the GPU, embeddings, selections) run alone,
+ * in turn. Any number of contexts may be attached; each forward still runs on its caller's
+ * thread's request, and the pass on one of the waiting threads with that thread's context's
+ * n_threads_batch threads. */
+typedef struct clover_batch clover_batch;
+CLOVER_API clover_batch *clover_batch_new(clover_model *m, int32_t max_rows, char *err, size_t err_size);
+/* Free a batch no context is attached to (CLOVER_E_STATE, and nothing freed, while one is). */
+CLOVER_API int clover_batch_free(clover_batch *b);
+/* Attach c to b (b NULL: detach it from its batch). A context joins a batch for a sequence's
+ * requests and leaves it when idle, since the batch waits for every attached context; attaching
+ * to another model's batch, or while c's forward runs, is CLOVER_E_ARG / CLOVER_E_STATE. */
+CLOVER_API int clover_context_set_batch(clover_context *c, clover_batch *b, char *err, size_t err_size);
+/* What a batch has run: passes, rows over all passes, the (context, forward) entries over all
+ * passes, passes with two or more contexts, and the most contexts in one pass. */
+typedef struct {
+    int64_t n_passes, n_rows, n_entries, n_shared;
+    int32_t max_entries;
+} clover_batch_stats;
+CLOVER_API void clover_batch_get_stats(const clover_batch *b, clover_batch_stats *out);
 /* GDN prefill algorithm: 1 = chunked (chunks of CLOVER_GDN_CHUNK rows, default), 0 = token-by-token
  * recurrence. Both compute spec 2.1 step 6; the switch exists for tests. */
 CLOVER_API void clover_context_set_gdn_chunked(clover_context *c, int chunked);
