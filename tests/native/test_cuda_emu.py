@@ -27,6 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_TESTS = "matmul or experts or attention or gdn or routing or combine or greedy_and or kv_store or (whole_model and f32)"
 
 
+@pytest.mark.slow
 def test_cuda_tests_pass_under_the_emulator(tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the CUDA emulator's context switch is x86-64 only")

@@ -44,7 +44,8 @@ ACCEPTED_BY_READER = {"dim_zero.gguf"}
 SANITISED_TESTS = ["tests/native/test_gguf.py", "tests/native/test_dot.py", "tests/native/test_fuzz.py::test_model_level_validation",
                    "tests/native/test_fuzz.py::test_nonfinite_values_stop_with_the_layer_named",
                    "tests/native/test_sampler.py", "-k", "not penalties_off_reproduce",
-                   "tests/native/test_load_layout.py", "tests/native/test_state_bytes.py", "tests/python/test_misuse.py"]
+                   "tests/native/test_load_layout.py", "tests/native/test_state_bytes.py", "tests/native/test_batch.py",
+                   "tests/python/test_misuse.py"]
 
 def _asan_runtime() -> str:
     out = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
@@ -99,6 +100,7 @@ def _run(cmd, **kw) -> dict:
     return _report(r.returncode, r.stdout, r.stderr)
 
 
+@pytest.mark.slow
 def test_fuzz_fixed_seed_run(san_build, seeds, tmp_path):
     """FUZZ_ITERS mutated inputs in two processes at once (seeds 1 and 2, half each: the harness is
     single-threaded and CI has 2 cores): no finding, every operation and field kind used by each,
@@ -264,6 +266,7 @@ def test_nonfinite_values_stop_with_the_layer_named(make_gguf, tmp_path):
                     model.generate_tokens([1, 2, 3], max_tokens=4, mode=mode)
 
 
+@pytest.mark.slow
 def test_native_tests_pass_under_sanitisers(san_build):
     """The native-facing tests again, in a child pytest with the sanitised library."""
     rt = _asan_runtime()
