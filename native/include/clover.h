@@ -359,6 +359,32 @@ CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubat
  * in turn. Any number of contexts may be attached; a pass runs on one of the waiting threads,
  * with that thread's context's scratch and n_threads_batch threads (a forward alone in its pass
  * runs as it would unbatched). A context's clover_context_abort stops its own forward only. */
+/* Several sequences' forwards in shared passes, run on this thread (as llama_decode of a batch of
+ * several sequences): entry i on its own context as clover_prefill (mode CLOVER_FORWARD_PREFIX:
+ * tokens appended, logits of every row with all_logits, else of the last) or as
+ * clover_block_forward_rows (CLOVER_FORWARD_BLOCK: coreset_top_p, rows, n_experts_out) would run
+ * it alone, with the same checks and the same results bit for bit; each weight product once over
+ * every entry's rows, passes of at most 2048 rows (a long prefill in chunks beside the others).
+ * The contexts: given, of one model, each in one entry, none attached to a clover_batch. Each
+ * entry's outcome in its rc, an entry that fails (its checks, an abort) leaving the others
+ * running (a failed prefill leaves its context empty, as clover_prefill); returns CLOVER_OK, or
+ * the first failed entry's code with its message in err. The first entry's context lends its
+ * scratch and n_threads_batch threads. */
+enum { CLOVER_FORWARD_PREFIX = 0, CLOVER_FORWARD_BLOCK = 1, CLOVER_FORWARD_BATCH_MAX = 256 };
+typedef struct {
+    clover_context *ctx;
+    int32_t mode;           /* CLOVER_FORWARD_PREFIX or CLOVER_FORWARD_BLOCK */
+    const int32_t *tokens;
+    int32_t n_tokens;
+    float *logits;          /* NULL: none; prefix: [n_tokens][n_vocab] with all_logits, else [n_vocab];
+                               block: row j of [n_tokens][n_vocab] where rows[j] (rows NULL: all) */
+    int32_t all_logits;     /* prefix mode */
+    float coreset_top_p;    /* block mode, (0, 1] */
+    const uint8_t *rows;    /* block mode: n_tokens bytes or NULL */
+    int32_t *n_experts_out; /* block mode: [n_layer] or NULL */
+    int32_t rc;             /* out: CLOVER_OK or the entry's error code */
+} clover_forward_entry;
+CLOVER_API int clover_forward_batch(clover_forward_entry *entries, int32_t n, char *err, size_t err_size);
 typedef struct clover_batch clover_batch;
 CLOVER_API clover_batch *clover_batch_new(clover_model *m, int32_t max_rows, char *err, size_t err_size);
 /* Free a batch no context is attached to (CLOVER_E_STATE, and nothing freed, while one is). */

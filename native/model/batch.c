@@ -59,17 +59,17 @@ static int64_t take_rows(const req *q, int64_t room, int first) {
     return chunk > 0 ? pass_rows(left, chunk) : 0;
 }
 
-/* Choose the next pass's entries from the queue (b->mu held): in arrival order, a forward that
- * runs alone only at the head, the others while rows are left. */
-static int choose(clover_batch *b, pass_entry *e, req **who) {
+/* Choose the next pass's entries from the queue at head: in arrival order, a forward that runs
+ * alone only at the head, the others while rows are left. */
+static int choose(req *head, int32_t max_rows, pass_entry *e, req **who) {
     int n = 0;
     int64_t rows = 0;
-    for (req *q = b->head; q && n < BATCH_MAX_ENTRIES; q = q->next) {
+    for (req *q = head; q && n < BATCH_MAX_ENTRIES; q = q->next) {
         if (q->alone) {
             if (n == 0) e[0] = q->w, who[n++] = q;
             break;
         }
-        const int64_t k = take_rows(q, b->max_rows - rows, n == 0);
+        const int64_t k = take_rows(q, max_rows - rows, n == 0);
         if (k <= 0) continue;
         e[n] = q->whole ? q->w : pass_chunk(&q->w, q->done, k);
         who[n++] = q;
@@ -78,14 +78,33 @@ static int choose(clover_batch *b, pass_entry *e, req **who) {
     return n;
 }
 
+/* After a pass of the n entries e of forwards who: each forward's rows done and outcome; the
+ * finished leave the queue at *head. */
+static void finish(req **head, pass_entry *e, req **who, int n) {
+    for (int i = 0; i < n; i++) {
+        req *q = who[i];
+        q->done += e[i].f.T;
+        q->w.rc = e[i].rc;
+        q->finished = e[i].rc != CLOVER_OK || q->done >= q->w.f.T || q->alone;
+    }
+    for (req **p = head; *p;)
+        if ((*p)->finished) *p = (*p)->next;
+        else p = &(*p)->next;
+}
+
+/* Rows of the n entries e. */
+static int64_t rows_of(const pass_entry *e, int n) {
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) rows += e[i].f.T;
+    return rows;
+}
+
 /* Run one pass on this thread (b->mu held on entry and return; released while it computes) with
  * lead's scratch and threads, then hand each forward its rows' outcome. */
 static void run_pass(clover_batch *b, pass_fn run, clover_context *lead) {
     pass_entry e[BATCH_MAX_ENTRIES];
     req *who[BATCH_MAX_ENTRIES];
-    const int n = choose(b, e, who);
-    int64_t rows = 0;
-    for (int i = 0; i < n; i++) rows += e[i].f.T;
+    const int n = choose(b->head, b->max_rows, e, who);
     b->running = 1;
     pthread_mutex_unlock(&b->mu);
     const double t0 = now_s();
@@ -94,24 +113,42 @@ static void run_pass(clover_batch *b, pass_fn run, clover_context *lead) {
     pthread_mutex_lock(&b->mu);
     b->running = 0;
     b->last_pass_s = dt;
-    b->st.n_passes++, b->st.n_rows += rows, b->st.n_entries += n, b->st.n_shared += n > 1;
+    b->st.n_passes++, b->st.n_rows += rows_of(e, n), b->st.n_entries += n, b->st.n_shared += n > 1;
     if (n > b->st.max_entries) b->st.max_entries = n;
-    for (int i = 0; i < n; i++) {
-        req *q = who[i];
-        q->done += e[i].f.T;
-        q->w.rc = e[i].rc;
-        q->finished = e[i].rc != CLOVER_OK || q->done >= q->w.f.T || q->alone;
-    }
-    for (req **p = &b->head; *p;) /* the finished leave the queue */
-        if ((*p)->finished) *p = (*p)->next;
-        else p = &(*p)->next;
+    finish(&b->head, e, who, n);
     pthread_cond_broadcast(&b->cv);
+}
+
+/* A forward of w as a queued request: whole (a block pass, a recording prefill) or alone (what
+ * cannot share a pass: an embedding, a selection, a model with weights on the GPU). */
+static req request(const pass_entry *w) {
+    const clover_context *c = w->f.c;
+    req r = {*w, 0, w->f.mode == MODE_BLOCK || c->rec_on, 0, 0, 0.0, NULL};
+    r.alone = w->f.ereq || w->f.sreq || c->m->gpu_bytes || c->m->resident;
+    return r;
+}
+
+void batch_run(pass_entry *w, int n, int32_t max_rows, pass_fn run) {
+    req *q = calloc((size_t)n, sizeof *q), *head = NULL;
+    if (!q) {
+        for (int i = 0; i < n; i++) w[i].rc = clover_set_err(w[i].f.err, w[i].f.err_size, CLOVER_E_NOMEM, "out of memory");
+        return;
+    }
+    for (int i = n - 1; i >= 0; i--) q[i] = request(&w[i]), q[i].next = head, head = &q[i];
+    pass_entry e[BATCH_MAX_ENTRIES];
+    req *who[BATCH_MAX_ENTRIES];
+    while (head) {
+        const int k = choose(head, max_rows, e, who);
+        run(e, k, w[0].f.c);
+        finish(&head, e, who, k);
+    }
+    for (int i = 0; i < n; i++) w[i].rc = q[i].w.rc;
+    free(q);
 }
 
 int batch_forward(clover_batch *b, pass_entry *w, pass_fn run) {
     clover_context *c = w->f.c;
-    req r = {*w, 0, w->f.mode == MODE_BLOCK || c->rec_on, 0, 0, 0.0, NULL};
-    r.alone = w->f.ereq || w->f.sreq || c->m->gpu_bytes || c->m->resident;
+    req r = request(w);
     pthread_mutex_lock(&b->mu);
     r.t_arrive = now_s();
     req **tail = &b->head;

@@ -9,5 +9,9 @@
  * each: blocks until w's rows are done (a prefill possibly over several passes) and returns its
  * outcome, as a forward alone would. */
 CLOVER_HIDDEN int batch_forward(clover_batch *b, pass_entry *w, pass_fn run);
+/* Run the n entries w (each of its own context, no two alike, none attached to a batch) in passes
+ * of at most max_rows rows on this thread, as a batch's waiting forwards would run, each entry's
+ * outcome in its rc; the first entry's context lends the scratch and threads. */
+CLOVER_HIDDEN void batch_run(pass_entry *w, int n, int32_t max_rows, pass_fn run);
 
 #endif

@@ -234,26 +234,39 @@ static int check_ops_start(const int32_t *ops_start, const uint8_t *rows, int32_
     return CLOVER_OK;
 }
 
-static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
-                   const select_req *sreq, char *err, size_t err_size) {
+/* clover_prefill's checks (clover.h) of n tokens on c. */
+static int check_prefill(const clover_context *c, const int32_t *tokens, int32_t n, char *err, size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (n <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "n_tokens: %d must be > 0", n);
     if ((int64_t)c->n_past + n > c->n_ctx)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d past %d cached exceeds n_ctx %d", n,
                               c->n_past, c->n_ctx);
-    int rc = check_tokens(c->m, tokens, n, err, err_size);
+    const int rc = check_tokens(c->m, tokens, n, err, err_size);
     if (rc) return rc;
     if (c->rec_on && (c->rec_n > 0 || n > c->rec_cap))
         return clover_set_err(err, err_size, CLOVER_E_STATE, "n_tokens: %d, but the checkpoint records one prefill of "
                               "at most %d tokens", n, c->rec_cap);
-    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq, 0, NULL};
-    rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
+    return CLOVER_OK;
+}
+
+/* After a prefill's forward with outcome rc: n more tokens cached (and recorded), or none at all
+ * (a failed prefill has written part of the caches). */
+static void end_prefill(clover_context *c, int32_t n, int rc) {
     if (rc == CLOVER_OK) {
         c->n_past += n;
         if (c->rec_on) c->rec_n = n;
     } else {
-        clover_context_reset(c); /* caches are partly written: a failed prefill leaves none */
+        clover_context_reset(c);
     }
+}
+
+static int prefill(clover_context *c, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits,
+                   const select_req *sreq, char *err, size_t err_size) {
+    int rc = check_prefill(c, tokens, n, err, err_size);
+    if (rc) return rc;
+    fwd f = {c, MODE_PREFIX, n, c->n_past, 1.0f, NULL, err, err_size, sreq, 0, NULL};
+    rc = forward(&f, tokens, logits, all_logits ? 0 : n - 1, NULL);
+    end_prefill(c, n, rc);
     return rc;
 }
 
@@ -341,9 +354,9 @@ int clover_prefill_select(clover_context *c, const int32_t *tokens, int32_t n, i
     return rc;
 }
 
-static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
-                         const uint8_t *rows, const select_req *sreq, int32_t *n_experts_out, char *err,
-                         size_t err_size) {
+/* clover_block_forward's checks (clover.h) of a block of B tokens on c. */
+static int check_block(const clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, char *err,
+                       size_t err_size) {
     if (!c || !tokens) return clover_set_err(err, err_size, CLOVER_E_ARG, "context or tokens is NULL");
     if (!c->m->hp.has_block) return clover_no_block(c->m, "block mode", err, err_size);
     if (B <= 0) return clover_set_err(err, err_size, CLOVER_E_ARG, "block_size: %d must be > 0", B);
@@ -352,10 +365,75 @@ static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, fl
     if ((int64_t)c->n_past + B > c->n_ctx)
         return clover_set_err(err, err_size, CLOVER_E_STATE, "block_size: %d past %d cached exceeds n_ctx %d", B,
                               c->n_past, c->n_ctx);
-    int rc = check_tokens(c->m, tokens, B, err, err_size);
+    return check_tokens(c->m, tokens, B, err, err_size);
+}
+
+static int block_forward(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p, float *logits,
+                         const uint8_t *rows, const select_req *sreq, int32_t *n_experts_out, char *err,
+                         size_t err_size) {
+    const int rc = check_block(c, tokens, B, coreset_top_p, err, err_size);
     if (rc) return rc;
     fwd f = {c, MODE_BLOCK, B, c->n_past, coreset_top_p, n_experts_out, err, err_size, sreq, 0, NULL};
     return forward(&f, tokens, logits, 0, rows);
+}
+
+/* Entry i of a clover_forward_batch call checked (msg: its message): its context (given, of the
+ * first entry's model, not attached to a batch, no earlier entry's), its mode, then as
+ * clover_prefill or clover_block_forward_rows check. */
+static int check_entry(const clover_forward_entry *e, int32_t i, char *msg, size_t size) {
+    const clover_context *c = e[i].ctx;
+    if (!c || !e[0].ctx) return clover_set_err(msg, size, CLOVER_E_ARG, "entries[%d].ctx: NULL", c ? 0 : i);
+    if (c->m != e[0].ctx->m)
+        return clover_set_err(msg, size, CLOVER_E_ARG, "entries[%d].ctx: a context of another model than entries[0]'s", i);
+    if (c->batch)
+        return clover_set_err(msg, size, CLOVER_E_STATE, "entries[%d].ctx: attached to a clover_batch (its forwards "
+                              "run there)", i);
+    for (int32_t j = 0; j < i; j++)
+        if (e[j].ctx == c)
+            return clover_set_err(msg, size, CLOVER_E_ARG, "entries[%d].ctx: the context of entries[%d] (one entry a "
+                                  "sequence)", i, j);
+    if (e[i].mode == CLOVER_FORWARD_PREFIX) return check_prefill(c, e[i].tokens, e[i].n_tokens, msg, size);
+    if (e[i].mode == CLOVER_FORWARD_BLOCK)
+        return check_block(c, e[i].tokens, e[i].n_tokens, e[i].coreset_top_p, msg, size);
+    return clover_set_err(msg, size, CLOVER_E_ARG, "entries[%d].mode: %d (CLOVER_FORWARD_PREFIX 0, CLOVER_FORWARD_BLOCK "
+                          "1)", i, e[i].mode);
+}
+
+int clover_forward_batch(clover_forward_entry *e, int32_t n, char *err, size_t err_size) {
+    if (!e || n <= 0 || n > CLOVER_FORWARD_BATCH_MAX)
+        return clover_set_err(err, err_size, CLOVER_E_ARG, "n: %d entries outside [1, %d]", n,
+                              (int)CLOVER_FORWARD_BATCH_MAX);
+    enum { MSG = 256 };
+    pass_entry *w = calloc((size_t)n, sizeof *w);
+    int32_t *at = calloc((size_t)n, sizeof *at); /* the entry of w[k] */
+    char *msg = calloc((size_t)n, MSG);
+    if (!w || !at || !msg) {
+        free(w), free(at), free(msg);
+        return clover_set_err(err, err_size, CLOVER_E_NOMEM, "out of memory");
+    }
+    int32_t k = 0;
+    for (int32_t i = 0; i < n; i++) {
+        clover_forward_entry *x = &e[i];
+        if ((x->rc = check_entry(e, i, msg + (size_t)i * MSG, MSG)) != CLOVER_OK) continue;
+        const int block = x->mode == CLOVER_FORWARD_BLOCK;
+        const fwd f = {x->ctx, block ? MODE_BLOCK : MODE_PREFIX, x->n_tokens, x->ctx->n_past,
+                       block ? x->coreset_top_p : 1.0f, block ? x->n_experts_out : NULL, msg + (size_t)i * MSG, MSG,
+                       NULL, 0, NULL};
+        const pass_entry p = {f, x->tokens, x->logits, block || x->all_logits ? 0 : x->n_tokens - 1,
+                              block ? x->rows : NULL, CLOVER_OK};
+        at[k] = i, w[k++] = p;
+    }
+    if (k > 0) batch_run(w, k, CPU_ROWS, batched_pass);
+    int rc = CLOVER_OK;
+    for (int32_t j = 0; j < k; j++) {
+        clover_forward_entry *x = &e[at[j]];
+        x->rc = w[j].rc;
+        if (x->mode == CLOVER_FORWARD_PREFIX) end_prefill(x->ctx, x->n_tokens, x->rc);
+    }
+    for (int32_t i = 0; i < n && rc == CLOVER_OK; i++)
+        if (e[i].rc != CLOVER_OK) rc = clover_set_err(err, err_size, e[i].rc, "%s", msg + (size_t)i * MSG);
+    free(w), free(at), free(msg);
+    return rc;
 }
 
 int clover_block_forward_rows(clover_context *c, const int32_t *tokens, int32_t B, float coreset_top_p,

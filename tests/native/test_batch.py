@@ -142,3 +142,100 @@ def test_batch_api_checks(model, make_gguf):
         lib.clover_context_set_batch(c, ffi.NULL, err, len(err))
         lib.clover_context_free(c)
         assert lib.clover_batch_free(b) == 0
+
+
+def _entries(m, ctxs, kinds, rng):
+    """One clover_forward_entry per context: a prefill of 1..200 random tokens (all logits) or a
+    block of 32 (coreset 0.9, every row); with the arrays that keep them alive."""
+    keep, es = [], ffi.new("clover_forward_entry[]", len(ctxs))
+    for i, (c, kind) in enumerate(zip(ctxs, kinds)):
+        n = 32 if kind == "block" else int(rng.integers(1, 200))
+        ids = rng.integers(0, m.n_vocab, n).astype(np.int32)
+        lg = np.zeros((n, m.n_vocab), np.float32)
+        nexp = ffi.new("int32_t[]", m.hparams["n_layer"])
+        keep += [ids, lg, nexp]
+        e = es[i]
+        e.ctx, e.tokens, e.n_tokens = c, ffi.from_buffer("int32_t[]", ids), n
+        e.mode = lib.CLOVER_FORWARD_BLOCK if kind == "block" else lib.CLOVER_FORWARD_PREFIX
+        e.logits, e.all_logits, e.coreset_top_p = ffi.cast("float *", lg.ctypes.data), 1, 0.9
+        e.n_experts_out = nexp
+    return es, keep
+
+
+def test_forward_batch_equals_each_entry_alone(model):
+    """clover_forward_batch of 4 contexts (each first given a random prefix, then a mix of
+    prefills and blocks) gives each entry's logits, experts, n_past and later forwards bit for bit
+    as clover_prefill / clover_block_forward on a context alone."""
+    m = model
+    rng = np.random.default_rng(7)
+    cs = _contexts(m, 5)
+    err = err_buf()
+    try:
+        for rnd in range(3):
+            kinds = list(rng.choice(["prefill", "block"], 4))
+            for c in cs[:4]:
+                if lib.clover_context_n_past(c) + 232 > m.n_ctx:
+                    lib.clover_context_reset(c)
+            es, keep = _entries(m, cs[:4], kinds, rng)
+            want = []
+            for i in range(4):  # the same forward alone, on cs[4] holding the same prefix
+                pre = lib.clover_context_n_past(cs[i])
+                st = np.zeros(lib.clover_state_get_size(cs[i]), np.uint8)
+                assert lib.clover_state_get_data(cs[i], ffi.from_buffer("uint8_t[]", st), st.size, err, len(err)) >= 0
+                assert lib.clover_state_set_data(cs[4], ffi.from_buffer("uint8_t[]", st), st.size, err, len(err)) >= 0
+                assert lib.clover_context_n_past(cs[4]) == pre
+                e = es[i]
+                lg = np.zeros((e.n_tokens, m.n_vocab), np.float32)
+                nexp = ffi.new("int32_t[]", m.hparams["n_layer"])
+                if kinds[i] == "block":
+                    rc = lib.clover_block_forward(cs[4], e.tokens, e.n_tokens, 0.9, ffi.cast("float *", lg.ctypes.data),
+                                                  nexp, err, len(err))
+                else:
+                    rc = lib.clover_prefill(cs[4], e.tokens, e.n_tokens, ffi.cast("float *", lg.ctypes.data), 1,
+                                            err, len(err))
+                assert rc == 0
+                want.append((lg, list(nexp), lib.clover_context_n_past(cs[4])))
+            assert lib.clover_forward_batch(es, 4, err, len(err)) == 0, ffi.string(err)
+            for i in range(4):
+                lg = keep[3 * i + 1]
+                assert es[i].rc == 0
+                assert np.array_equal(lg.view(np.uint32), want[i][0].view(np.uint32)), (rnd, i, kinds[i])
+                if kinds[i] == "block":
+                    assert list(es[i].n_experts_out[0:m.hparams["n_layer"]]) == want[i][1]
+                assert lib.clover_context_n_past(cs[i]) == want[i][2]
+    finally:
+        for c in cs:
+            lib.clover_context_free(c)
+
+
+def test_forward_batch_checks_each_entry(model):
+    """A bad entry (out-of-range token, a context given twice, an unknown mode, a context past its
+    n_ctx) fails alone, named, while the good entries run; n outside [1, 256] is refused."""
+    m = model
+    rng = np.random.default_rng(3)
+    cs = _contexts(m, 3)
+    err = err_buf()
+    try:
+        es, keep = _entries(m, cs, ["prefill", "prefill", "prefill"], rng)
+        es[1].tokens[0] = m.n_vocab
+        assert lib.clover_forward_batch(es, 3, err, len(err)) == lib.CLOVER_E_ARG
+        assert b"tokens[0]" in ffi.string(err)
+        assert es[0].rc == 0 and es[1].rc == lib.CLOVER_E_ARG and es[2].rc == 0
+        assert lib.clover_context_n_past(cs[0]) == es[0].n_tokens and lib.clover_context_n_past(cs[1]) == 0
+        es, keep = _entries(m, [cs[0], cs[0]], ["prefill", "prefill"], rng)
+        assert lib.clover_forward_batch(es, 2, err, len(err)) == lib.CLOVER_E_ARG
+        assert b"entries[1].ctx" in ffi.string(err) and es[0].rc == 0
+        es, keep = _entries(m, [cs[2]], ["prefill"], rng)
+        es[0].mode = 7
+        assert lib.clover_forward_batch(es, 1, err, len(err)) == lib.CLOVER_E_ARG and b"entries[0].mode" in ffi.string(err)
+        assert lib.clover_forward_batch(es, 0, err, len(err)) == lib.CLOVER_E_ARG
+        assert lib.clover_forward_batch(es, 257, err, len(err)) == lib.CLOVER_E_ARG
+        b = lib.clover_batch_new(m._model, 0, err, len(err))
+        assert lib.clover_context_set_batch(cs[2], b, err, len(err)) == 0
+        es, keep = _entries(m, [cs[2]], ["prefill"], rng)
+        assert lib.clover_forward_batch(es, 1, err, len(err)) == lib.CLOVER_E_STATE and b"clover_batch" in ffi.string(err)
+        assert lib.clover_context_set_batch(cs[2], ffi.NULL, err, len(err)) == 0
+        assert lib.clover_batch_free(b) == 0
+    finally:
+        for c in cs:
+            lib.clover_context_free(c)
