@@ -351,10 +351,11 @@ CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubat
  * context. Each sequence's caches and logits equal those of its forwards run alone, bit for bit
  * (on the CPU path every product computes each row alone; prefills are cut only at multiples of
  * CLOVER_GDN_CHUNK). A pass holds at most max_rows rows (<= 0: 512; else rounded down to a
- * multiple of CLOVER_GDN_CHUNK, at least one): a prefill runs in chunks beside the other
- * sequences' steps, so a long prompt delays them by one chunk a pass (a chunk may take one row
- * more, as clover_context_set_n_ubatch says); block passes and checkpoint-recording prefills run
- * whole (one longer than max_rows in a pass of its own); the oldest request goes first. Forwards
+ * multiple of CLOVER_GDN_CHUNK, at least one): every forward that fits whole goes first (decode
+ * rows, block passes, short prefills), then long prefills in chunks in the rows left (at least
+ * CLOVER_GDN_CHUNK of them), so a long prompt delays the running sequences by one chunk a pass
+ * and advances every pass (a chunk may take one row more, as clover_context_set_n_ubatch says);
+ * block passes and checkpoint-recording prefills run whole; the oldest forward always goes. Forwards
  * that cannot share a pass (a model with weights on the GPU, embeddings, selections) run alone,
  * in turn. Any number of contexts may be attached; a pass runs on one of the waiting threads,
  * with that thread's context's scratch and n_threads_batch threads (a forward alone in its pass

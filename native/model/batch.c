@@ -1,10 +1,9 @@
 /* batch.c: continuous batching (clover.h clover_batch_*): the forwards of the contexts attached
  * to a batch wait in one queue and run together, as llama.cpp's server batches its slots. A
  * pass is run by one of the waiting threads once every attached context has a forward waiting,
- * or when the oldest has waited a quarter of the last pass (0.5 to 50 ms); it takes the queue in
- * arrival order: block passes and recording prefills whole, prefills in chunks of multiples of
- * CLOVER_GDN_CHUNK rows (pass_rows), up to max_rows rows; forwards that cannot share a pass run
- * in a pass of their own. */
+ * or when the oldest has waited a quarter of the last pass (0.5 to 50 ms); choose() says which
+ * forwards (and which rows of a long prefill) it takes; forwards that cannot share a pass run in
+ * a pass of their own. */
 #define _POSIX_C_SOURCE 200809L
 #include "model/batch.h"
 
@@ -50,28 +49,46 @@ static int ready(const clover_batch *b) {
     return b->head && !b->running && (b->n_waiting >= b->n_attached || now_s() >= b->head->t_arrive + wait_s(b));
 }
 
-/* Rows of q that the next pass takes with `room` rows left in it (0: none). */
-static int64_t take_rows(const req *q, int64_t room, int first) {
-    const int64_t left = q->w.f.T - q->done;
-    if (q->whole) return first || left <= room ? left : 0;
-    if (left <= room) return left;
+/* Rows of q to go. */
+static int64_t left_of(const req *q) { return q->w.f.T - q->done; }
+
+/* Rows of a chunk of q's prefill with `room` rows left in the pass: a multiple of
+ * CLOVER_GDN_CHUNK (pass_rows; 0: none fits). */
+static int64_t chunk_rows(const req *q, int64_t room) {
     const int64_t chunk = room / CLOVER_GDN_CHUNK * CLOVER_GDN_CHUNK;
-    return chunk > 0 ? pass_rows(left, chunk) : 0;
+    return chunk > 0 ? pass_rows(left_of(q), chunk) : 0;
 }
 
-/* Choose the next pass's entries from the queue at head: in arrival order, a forward that runs
- * alone only at the head, the others while rows are left. */
+/* Choose the next pass's entries from the queue at head, in arrival order up to the first forward
+ * that runs alone (which runs alone when it heads the queue): first every forward that fits whole
+ * (decode rows, block passes, short prefills), keeping CLOVER_GDN_CHUNK rows for the long
+ * prefills when there are any, then the long prefills in chunks in the rows left (llama.cpp's
+ * server puts its slots' decode tokens first, then prompt chunks): a long prompt delays the
+ * running sequences by one chunk a pass and still advances every pass. A forward at the head
+ * always goes. */
 static int choose(req *head, int32_t max_rows, pass_entry *e, req **who) {
-    int n = 0;
+    if (head && head->alone) {
+        e[0] = head->w, who[0] = head;
+        return 1;
+    }
+    int n = 0, any_long = 0;
     int64_t rows = 0;
-    for (req *q = head; q && n < BATCH_MAX_ENTRIES; q = q->next) {
-        if (q->alone) {
-            if (n == 0) e[0] = q->w, who[n++] = q;
-            break;
+    for (req *q = head; q && !q->alone; q = q->next) any_long |= !q->whole && left_of(q) > max_rows;
+    const int64_t keep = any_long ? CLOVER_GDN_CHUNK : 0;
+    for (req *q = head; q && !q->alone && n < BATCH_MAX_ENTRIES; q = q->next) {
+        const int64_t k = left_of(q);
+        if ((q->whole || k + keep <= max_rows) && (q == head || rows + k + keep <= max_rows)) {
+            e[n] = q->done ? pass_chunk(&q->w, q->done, k) : q->w;
+            who[n++] = q;
+            rows += k;
         }
-        const int64_t k = take_rows(q, max_rows - rows, n == 0);
+    }
+    for (req *q = head; q && !q->alone && n < BATCH_MAX_ENTRIES; q = q->next) {
+        int taken = 0;
+        for (int i = 0; i < n; i++) taken |= who[i] == q;
+        const int64_t k = taken || q->whole ? 0 : chunk_rows(q, max_rows - rows);
         if (k <= 0) continue;
-        e[n] = q->whole ? q->w : pass_chunk(&q->w, q->done, k);
+        e[n] = pass_chunk(&q->w, q->done, k);
         who[n++] = q;
         rows += k;
     }
