@@ -1022,7 +1022,7 @@ class Clover:
                           response_format: dict | None = None, grammar: str | None = None,
                           stream: bool = False, model: str | None = None, mode: str | None = None,
                           block_size: int | None = None, threshold: float | None = None,
-                          coreset_top_p: float | None = None,
+                          coreset_top_p: float | None = None, prompt_cache_key=None,
                           typical_p: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
                           mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, stopping_criteria=None,
                           logits_processor=None):
@@ -1054,6 +1054,9 @@ class Clover:
         ``response_format`` (``json_object``, ``json_schema``) or ``grammar`` (GBNF, or Lark
         starting with ``%llguidance``): constrained decoding, the output valid by construction
         unless ``max_tokens`` cuts it (docs/structured-output.md).
+        ``prompt_cache_key`` (OpenAI's field): prefix reuse stays among the calls of one key; a
+        call of another key than the context's previous call starts from an empty context
+        (:meth:`Model.generate <clover_gguf.model.Model.generate>`).
 
         ``typical_p``, ``tfs_z``, ``mirostat_*``, ``stopping_criteria``, ``logits_processor``:
         llama-cpp-python's, accepted; a value other than its default has no effect and raises one
@@ -1068,7 +1071,7 @@ class Clover:
         if suffix is not None:
             raise ValueError("suffix: not supported (no fill-in-the-middle)")
         n_top = _check_logprobs("logprobs", logprobs)
-        extra = {**_constraint(response_format, grammar), "logprobs": n_top}
+        extra = {**_constraint(response_format, grammar), "logprobs": n_top, "prompt_cache_key": prompt_cache_key}
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
@@ -1170,6 +1173,7 @@ class Clover:
                                grammar: str | None = None, stream: bool = False, model: str | None = None,
                                mode: str | None = None, block_size: int | None = None,
                                threshold: float | None = None, coreset_top_p: float | None = None,
+                               prompt_cache_key=None,
                                functions: Sequence[dict] | None = None, function_call: str | dict | None = None,
                                typical_p: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None):
@@ -1216,6 +1220,8 @@ class Clover:
         True is refused). ``logprobs`` True with ``top_logprobs`` N (0-20): OpenAI's
         ``logprobs.content`` per token (reasoning tokens included), per chunk when streamed.
 
+        ``prompt_cache_key``: as :meth:`create_completion`.
+
         ``functions`` / ``function_call``: OpenAI's older form of ``tools`` / ``tool_choice``,
         translated to them (the answer carries ``tool_calls``). ``typical_p``, ``tfs_z``,
         ``mirostat_*``, ``logits_processor``: as :meth:`create_completion`.
@@ -1238,6 +1244,7 @@ class Clover:
             extra = {"grammar": tool_call_grammar(forced, xml, bool(parallel_tool_calls), JSON_LAYOUT)}
         constrained = bool(extra)
         extra["logprobs"] = n_top
+        extra["prompt_cache_key"] = prompt_cache_key
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,

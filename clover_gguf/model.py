@@ -947,6 +947,7 @@ class Model:
                         s.cached = list(prompt_ids[:limit])
                     stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
                     stats["n_prompt_reused"] = reused
+                    stats["id_slot"] = s.index  # llama-server's name
                     if cancelled:
                         stats["finish_reason"] = "cancelled"
                     self._end(run, stats)
