@@ -350,13 +350,15 @@ CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubat
  * the caches, attention, the GDN recurrence, the block coreset and the abort request per
  * context. Each sequence's caches and logits equal those of its forwards run alone, bit for bit
  * (on the CPU path every product computes each row alone; prefills are cut only at multiples of
- * CLOVER_GDN_CHUNK). A pass holds at most max_rows rows (<= 0: 512): a prefill runs in chunks
- * beside the other sequences' steps, so a long prompt delays them by one chunk a pass; block
- * passes and checkpoint-recording prefills run whole; the oldest request goes first. Forwards
+ * CLOVER_GDN_CHUNK). A pass holds at most max_rows rows (<= 0: 512; else rounded down to a
+ * multiple of CLOVER_GDN_CHUNK, at least one): a prefill runs in chunks beside the other
+ * sequences' steps, so a long prompt delays them by one chunk a pass (a chunk may take one row
+ * more, as clover_context_set_n_ubatch says); block passes and checkpoint-recording prefills run
+ * whole (one longer than max_rows in a pass of its own); the oldest request goes first. Forwards
  * that cannot share a pass (a model with weights on the GPU, embeddings, selections) run alone,
- * in turn. Any number of contexts may be attached; each forward still runs on its caller's
- * thread's request, and the pass on one of the waiting threads with that thread's context's
- * n_threads_batch threads. */
+ * in turn. Any number of contexts may be attached; a pass runs on one of the waiting threads,
+ * with that thread's context's scratch and n_threads_batch threads (a forward alone in its pass
+ * runs as it would unbatched). A context's clover_context_abort stops its own forward only. */
 typedef struct clover_batch clover_batch;
 CLOVER_API clover_batch *clover_batch_new(clover_model *m, int32_t max_rows, char *err, size_t err_size);
 /* Free a batch no context is attached to (CLOVER_E_STATE, and nothing freed, while one is). */

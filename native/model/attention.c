@@ -18,20 +18,15 @@ static int64_t divisor_at_most(int64_t n, int64_t cap) {
     return 1;
 }
 
-int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out) {
+/* One entry's attention (f: its context, rows and positions) after the Q, K, V products: per-head
+ * norms and RoPE, its KV cache write, attention over its cache into att; lc: the pass's context
+ * (threads, thread scratch). */
+static int attend_entry(fwd *f, clover_context *lc, const clover_layer *ly, float *qg, float *k, const float *v,
+                        float *att) {
     clover_context *c = f->c;
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, nh = hp->n_head, nkv = hp->n_head_kv, hd = hp->head_dim;
     const int64_t kvd = nkv * hd, group = nh / nkv;
-    scratch_plan sp = {0};
-    const int iqg = scratch_add(&sp, T * nh * 2 * hd, sizeof(float)), ik = scratch_add(&sp, T * kvd, sizeof(float));
-    const int iv = scratch_add(&sp, T * kvd, sizeof(float)), iatt = scratch_add(&sp, T * nh * hd, sizeof(float));
-    char *base = scratch_carve(c, SCRATCH_LAYER, &sp);
-    float *qg = scratch_part(base, &sp, iqg), *k = scratch_part(base, &sp, ik), *v = scratch_part(base, &sp, iv);
-    float *att = scratch_part(base, &sp, iatt);
-    int rc = CLOVER_E_NOMEM;
-    if (!qg || !k || !v || !att) goto done;
-    if (matmul(f, &ly->wq, xn, T, qg) || matmul(f, &ly->wk, xn, T, k) || matmul(f, &ly->wv, xn, T, v)) goto done;
     const size_t ek = kv_elem_bytes(c->type_k), ev = kv_elem_bytes(c->type_v);
     char *kc = (char *)c->k_cache + ek * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
     char *vc = (char *)c->v_cache + ev * (size_t)ly->slot * (size_t)c->n_ctx * (size_t)kvd;
@@ -53,11 +48,8 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
         clover_from_f32(c->type_v, v + t * kvd, vc + ev * (size_t)(pos * kvd), kvd);
     }
     const float scale = 1.0f / sqrtf((float)hd);
-    if (ly->wo.dev && hd % 32 == 0 && hd <= 256 && nh <= 65535 && nh % nkv == 0) { /* on the GPU: attention too */
-        rc = gpu_attention(f, ly, qg, scale, att);
-        if (rc == CLOVER_OK) rc = matmul(f, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
-        goto done;
-    }
+    if (ly->wo.dev && hd % 32 == 0 && hd <= 256 && nh <= 65535 && nh % nkv == 0) /* on the GPU: attention too */
+        return gpu_attention(f, ly, qg, scale, att);
     if (c->kv_dev_rows && c->kv_dev_rows[ly->slot] > f->pos0) c->kv_dev_rows[ly->slot] = f->pos0; /* stale there */
     const int64_t n_keys_max = f->pos0 + T;
     const kv_view kv = {kc, vc, kvd, c->type_k == CLOVER_TYPE_F16 ? clover_dot_f16_kernel(-1) : NULL,
@@ -70,7 +62,7 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
     /* work items: (KV head, tile of R rows, chunk of hc of its group's heads, hc dividing the
      * group); the tiles' score scratch within ATT_SCRATCH floats a thread where it can, and
      * enough items for the threads */
-    const int64_t budget = ATT_SCRATCH, want = c->n_threads > 1 ? 4 * (int64_t)c->n_threads : 1;
+    const int64_t budget = ATT_SCRATCH, want = lc->n_threads > 1 ? 4 * (int64_t)lc->n_threads : 1;
     int64_t R = T < ATT_ROWS ? T : ATT_ROWS, hc = divisor_at_most(group, budget / n_keys_max);
     while (R > 1 && R * hc * n_keys_max > budget) R = (R + 1) / 2;
     while (R > 1 && nkv * ((T + R - 1) / R) * (group / hc) < want) R = (R + 1) / 2;
@@ -79,10 +71,10 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
     const int64_t n_tiles = (T + R - 1) / R, n_chunks = group / hc, n_items = nkv * n_tiles * n_chunks;
     /* per thread: the row sums (R * hc doubles), then the scores (R * hc * n_keys_max floats) */
     size_t stride = 0;
-    char *ts = thread_scratch(c, R * hc * (2 + n_keys_max), sizeof(float), &stride);
-    if (!ts) goto done;
+    char *ts = thread_scratch(lc, R * hc * (2 + n_keys_max), sizeof(float), &stride);
+    if (!ts) return CLOVER_E_NOMEM;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && T * nh * n_keys_max * hd >= 65536)
+#pragma omp parallel num_threads(lc->n_threads) if (lc->n_threads > 1 && T * nh * n_keys_max * hd >= 65536)
 #endif
     {
         const unsigned csr = flush_subnormals_begin(); /* weights exp(s - max) of far keys: subnormal */
@@ -100,7 +92,26 @@ int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out)
         }
         flush_subnormals_end(csr);
     }
-    rc = matmul(f, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
-done:
-    return rc;
+    return CLOVER_OK;
+}
+
+int attention_layer(fwd *L, pass_entry *e, int n, const clover_layer *ly, const float *xn, float *out) {
+    clover_context *lc = L->c;
+    const clover_hparams *hp = &lc->m->hp;
+    const int64_t T = L->T, nh = hp->n_head, kvd = hp->n_head_kv * hp->head_dim, hd = hp->head_dim;
+    scratch_plan sp = {0};
+    const int iqg = scratch_add(&sp, T * nh * 2 * hd, sizeof(float)), ik = scratch_add(&sp, T * kvd, sizeof(float));
+    const int iv = scratch_add(&sp, T * kvd, sizeof(float)), iatt = scratch_add(&sp, T * nh * hd, sizeof(float));
+    char *base = scratch_carve(lc, SCRATCH_LAYER, &sp);
+    float *qg = scratch_part(base, &sp, iqg), *k = scratch_part(base, &sp, ik), *v = scratch_part(base, &sp, iv);
+    float *att = scratch_part(base, &sp, iatt);
+    if (!qg || !k || !v || !att) return CLOVER_E_NOMEM;
+    if (matmul(L, &ly->wq, xn, T, qg) || matmul(L, &ly->wk, xn, T, k) || matmul(L, &ly->wv, xn, T, v))
+        return CLOVER_E_NOMEM;
+    int64_t r = 0; /* the entry's first row in the pass */
+    for (int i = 0; i < n; r += e[i++].f.T) {
+        const int rc = attend_entry(&e[i].f, lc, ly, qg + r * nh * 2 * hd, k + r * kvd, v + r * kvd, att + r * nh * hd);
+        if (rc != CLOVER_OK) return rc;
+    }
+    return matmul(L, &ly->wo, att, T, out) ? CLOVER_E_NOMEM : CLOVER_OK;
 }

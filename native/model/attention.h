@@ -5,7 +5,10 @@
 
 #include "model/pass.h"
 
-/* Gated attention (clover-spec 2.2) of the f->T rows xn [T][n_embd] into out [T][n_embd]. */
-CLOVER_HIDDEN int attention_layer(fwd *f, const clover_layer *ly, const float *xn, float *out);
+/* Gated attention (clover-spec 2.2) of a pass's L->T rows xn [T][n_embd] into out [T][n_embd]:
+ * the rows of entries e[0..n) one after another, each with its own context's KV cache; the
+ * products over all rows with L (its context's threads and scratch). */
+CLOVER_HIDDEN int attention_layer(fwd *L, pass_entry *e, int n, const clover_layer *ly, const float *xn,
+                                  float *out);
 
 #endif

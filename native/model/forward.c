@@ -8,6 +8,7 @@
 #include "gpu/forward_resident.h"
 #include "gpu/resident_ops.h"
 #include "model/attention.h"
+#include "model/batch.h"
 #include "model/gdn.h"
 #include "model/load.h"
 #include "model/moe.h"
@@ -22,86 +23,130 @@
  * prompt's activations, attention and expert buffers stay bounded. */
 enum { CPU_ROWS = 2048, PASS_ROWS_GPU = RES_ROWS };
 
-/* One forward pass on the CPU path (products on the GPU where offloaded): embed -> layers ->
- * N1p -> lm_head on rows [logit_row0, T). rows: when not NULL, the LM head runs only on rows t
- * with rows[t] != 0 (row t of logits is written, others are left as they are); else on rows
- * logit_row0.. (written from row 0). */
-static int cpu_forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
-    clover_context *c = f->c;
-    const clover_model *m = c->m;
+/* Whether entry e computes logits for its row t (pass_entry). */
+static int wants_logits(const pass_entry *e, int64_t t) {
+    return e->logits && (e->rows ? e->rows[t] != 0 : t >= e->logit_row0);
+}
+
+/* The LM head of a pass's entries (x: the final residual [T][n_embd], xn: scratch): N1p and the
+ * product on the rows that want logits, each entry's rows written where its pass_entry says and
+ * checked; one entry without a row mask writes its rows in place. */
+static void lm_head(fwd *L, pass_entry *e, int n, float *x, float *xn) {
+    clover_context *lc = L->c;
+    const clover_model *m = lc->m;
     const clover_hparams *hp = &m->hp;
-    const int64_t T = f->T, H = hp->n_embd;
+    const int64_t H = hp->n_embd, V = hp->n_vocab;
+    if (n == 1 && !e[0].rows) {
+        const int64_t r0 = e[0].logit_row0, T = e[0].f.T;
+        for (int64_t t = r0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
+        int rc = matmul(L, &m->output, xn + r0 * H, T - r0, e[0].logits) ? CLOVER_E_NOMEM : CLOVER_OK;
+        if (rc == CLOVER_OK) rc = check_finite(L, e[0].logits, (T - r0) * V, -1, NULL);
+        e[0].rc = rc;
+        return;
+    }
+    int64_t rows = 0; /* gather the needed rows, one LM head pass, scatter */
+    for (int i = 0, r = 0; i < n; r += e[i++].f.T)
+        for (int64_t t = 0; t < e[i].f.T; t++)
+            if (e[i].rc == CLOVER_OK && wants_logits(&e[i], t))
+                rmsnorm(xn + rows++ * H, x + (r + t) * H, m->output_norm, H, hp->rms_eps);
+    scratch_plan lp = {0};
+    const int ilg = scratch_add(&lp, rows * V, sizeof(float));
+    float *lg = rows ? scratch_part(scratch_carve(lc, SCRATCH_LAYER, &lp), &lp, ilg) : NULL;
+    const int rc = rows && (!lg || matmul(L, &m->output, xn, rows, lg)) ? CLOVER_E_NOMEM : CLOVER_OK;
+    for (int i = 0, q = 0; i < n; i++) {
+        pass_entry *p = &e[i];
+        const int64_t q0 = q;
+        for (int64_t t = 0; t < p->f.T && p->rc == CLOVER_OK; t++)
+            if (wants_logits(p, t)) {
+                if (rc == CLOVER_OK)
+                    memcpy(p->logits + (p->rows ? t : t - p->logit_row0) * V, lg + q * V, sizeof(float) * (size_t)V);
+                q++;
+            }
+        if (p->rc == CLOVER_OK) p->rc = rc != CLOVER_OK ? rc : check_finite(&p->f, lg + q0 * V, (q - q0) * V, -1, NULL);
+    }
+}
+
+/* Entries still running (rc CLOVER_OK); each pending clover_context_abort consumed (before layer
+ * il; n_layer: before the LM head). */
+static int alive(pass_entry *e, int n, int il) {
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        if (e[i].rc == CLOVER_OK) e[i].rc = check_abort(&e[i].f, il);
+        k += e[i].rc == CLOVER_OK;
+    }
+    return k;
+}
+
+/* Each running entry's rows of x checked finite after `what` of layer il. */
+static void check_rows(pass_entry *e, int n, const float *x, int64_t H, int il, const char *what) {
+    for (int i = 0, r = 0; i < n; r += e[i++].f.T)
+        if (e[i].rc == CLOVER_OK) e[i].rc = check_finite(&e[i].f, x + r * H, e[i].f.T * H, il, what);
+}
+
+/* One forward pass on the CPU path (products on the GPU where offloaded, one entry) of the rows
+ * of entries e[0..n), one after another: embed -> layers -> N1p -> lm_head on the rows each
+ * entry asks for (pass_entry), every entry's outcome in its rc. lc: the context whose threads
+ * and scratch the pass uses (an entry alone: its own). Every row is computed alone but for its
+ * own context's attention and GDN state, so an entry's results do not depend on the others. */
+static void cpu_forward(pass_entry *e, int n, clover_context *lc) {
+    const clover_model *m = lc->m;
+    const clover_hparams *hp = &m->hp;
+    fwd lead = e[0].f, *L = n == 1 ? &e[0].f : &lead; /* the products' pass: all rows */
+    int64_t T = 0;
+    for (int i = 0; i < n; i++) T += e[i].f.T, e[i].rc = CLOVER_OK;
+    lead.c = lc, lead.T = T, lead.mode = MODE_PREFIX, lead.n_experts_out = NULL;
+    const int64_t H = hp->n_embd;
     scratch_plan sp = {0};
     const int ix = scratch_add(&sp, T * H, sizeof(float)), ixn = scratch_add(&sp, T * H, sizeof(float));
     const int io = scratch_add(&sp, T * H, sizeof(float));
-    char *base = scratch_carve(c, SCRATCH_PASS, &sp);
+    char *base = scratch_carve(lc, SCRATCH_PASS, &sp);
     float *x = scratch_part(base, &sp, ix), *xn = scratch_part(base, &sp, ixn), *o = scratch_part(base, &sp, io);
     int rc = CLOVER_E_NOMEM;
-    f->gpu_rc = 0; /* a step that fails may say why (the GPU's products) */
-    if (f->err && f->err_size) f->err[0] = '\0';
+    L->gpu_rc = 0; /* a step that fails may say why (the GPU's products) */
+    for (int i = 0; i < n; i++)
+        if (e[i].f.err && e[i].f.err_size) e[i].f.err[0] = '\0';
     if (!x || !xn || !o) goto done;
     const int64_t erow = clover_row_nbytes(m->tok_embd.type, H);
-    for (int64_t t = 0; t < T; t++)
-        clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)tokens[t] * erow, x + t * H, H);
-    for (int il = 0; il < hp->n_layer; il++) {
+    for (int i = 0, r = 0; i < n; r += e[i++].f.T)
+        for (int64_t t = 0; t < e[i].f.T; t++)
+            clover_to_f32(m->tok_embd.type, (const char *)m->tok_embd.data + (size_t)e[i].tokens[t] * erow,
+                          x + (r + t) * H, H);
+    rc = CLOVER_OK;
+    for (int il = 0; il < hp->n_layer && alive(e, n, il); il++) {
         const clover_layer *ly = &m->layers[il];
-        if ((rc = check_abort(f, il))) goto done;
         for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->attn_norm, H, hp->rms_eps);
-        rc = ly->is_attn ? attention_layer(f, ly, xn, o) : gdn_layer(f, ly, xn, o);
+        rc = ly->is_attn ? attention_layer(L, e, n, ly, xn, o) : gdn_layer(L, e, n, ly, xn, o);
         if (rc) goto done;
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
-        if ((rc = check_finite(f, x, T * H, il, ly->is_attn ? "attention" : "gated deltanet"))) goto done;
+        check_rows(e, n, x, H, il, ly->is_attn ? "attention" : "gated deltanet");
         for (int64_t t = 0; t < T; t++) rmsnorm(xn + t * H, x + t * H, ly->post_norm, H, hp->rms_eps);
-        if ((rc = moe_layer(f, ly, il, xn, o))) goto done;
+        if ((rc = moe_layer(L, e, n, ly, il, xn, o))) goto done;
         for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
-        if ((rc = check_finite(f, x, T * H, il, "moe"))) goto done;
+        check_rows(e, n, x, H, il, "moe");
     }
-    if (f->ereq) embed_rows(f, x); /* an embedding pass: no logits */
-    if (logits && (rc = check_abort(f, hp->n_layer))) goto done;
-    if (logits && rows) { /* gather the needed rows, one LM head pass, scatter */
-        int64_t n = 0;
-        for (int64_t t = 0; t < T; t++)
-            if (rows[t]) rmsnorm(xn + n++ * H, x + t * H, m->output_norm, H, hp->rms_eps);
-        scratch_plan lp = {0};
-        const int ilg = scratch_add(&lp, n * hp->n_vocab, sizeof(float));
-        float *lg = n ? scratch_part(scratch_carve(c, SCRATCH_LAYER, &lp), &lp, ilg) : NULL;
-        rc = n && !lg ? CLOVER_E_NOMEM : CLOVER_OK;
-        if (n && lg && matmul(f, &m->output, xn, n, lg)) rc = CLOVER_E_NOMEM;
-        for (int64_t t = 0, k = 0; t < T && rc == CLOVER_OK; t++)
-            if (rows[t]) memcpy(logits + t * hp->n_vocab, lg + k++ * hp->n_vocab, sizeof(float) * (size_t)hp->n_vocab);
-        if (rc == CLOVER_OK && n) rc = check_finite(f, lg, n * hp->n_vocab, -1, NULL);
-    } else if (logits) {
-        for (int64_t t = logit_row0; t < T; t++) rmsnorm(xn + t * H, x + t * H, m->output_norm, H, hp->rms_eps);
-        rc = matmul(f, &m->output, xn + logit_row0 * H, T - logit_row0, logits) ? CLOVER_E_NOMEM : CLOVER_OK;
-        if (rc == CLOVER_OK) rc = check_finite(f, logits, (T - logit_row0) * hp->n_vocab, -1, NULL);
-    }
+    if (n == 1 && e[0].rc == CLOVER_OK && e[0].f.ereq) embed_rows(&e[0].f, x); /* an embedding pass: no logits */
+    int with_logits = 0;
+    for (int i = 0; i < n; i++) with_logits |= e[i].logits != NULL;
+    if (with_logits && alive(e, n, hp->n_layer)) lm_head(L, e, n, x, xn);
 done:
-    if (rc == CLOVER_E_NOMEM && f->gpu_rc) rc = f->gpu_rc;
-    if (rc == CLOVER_E_NOMEM && !(f->err && f->err_size && f->err[0]))
-        clover_set_err(f->err, f->err_size, rc, "out of memory in forward (%lld rows)", (long long)T);
-    return rc;
+    for (int i = 0; i < n; i++) {
+        fwd *f = &e[i].f;
+        if (rc != CLOVER_OK && e[i].rc == CLOVER_OK) e[i].rc = rc;
+        if (e[i].rc == CLOVER_E_NOMEM && L->gpu_rc) e[i].rc = L->gpu_rc;
+        if (e[i].rc == CLOVER_E_NOMEM && !(f->err && f->err_size && f->err[0]))
+            clover_set_err(f->err, f->err_size, CLOVER_E_NOMEM, "out of memory in forward (%lld rows)", (long long)T);
+    }
 }
 
-/* Rows of the next pass of a split prefill with `left` rows to go and passes of at most max_rows
- * (a multiple of CLOVER_GDN_CHUNK): max_rows, one chunk less when the rest would be a chunk or
- * shorter (it would run the GDN recurrence, gpu_gdn_forward, where one pass runs the chunked
- * form); with max_rows a single chunk, a rest of one row joins the pass (a 1-row pass on the CPU
- * runs the recurrence). */
-static int64_t pass_rows(int64_t left, int64_t max_rows) {
-    if (left <= max_rows) return left;
-    if (left - max_rows > CLOVER_GDN_CHUNK) return max_rows;
-    if (max_rows > CLOVER_GDN_CHUNK) return max_rows - CLOVER_GDN_CHUNK;
-    return left - max_rows >= 2 ? max_rows : left;
-}
-
-/* embed -> layers -> N1p -> lm_head on rows [logit_row0, T) (rows: as cpu_forward's), with the
- * context's n_threads_1 threads for one row, else n_threads_batch. Block passes run whole; a
- * prefill (causal, so consecutive passes equal one) in passes of pass_rows: at most the
- * context's n_ubatch rows (not a clover_prefill_select, whose at most CLOVER_SELECT_MAX_ROWS rows
- * select in one pass), and RES_ROWS rows on a resident model (its verify record from row r0 of
- * each), CPU_ROWS or PASS_ROWS_GPU on the CPU path (one pass while recording: the record starts
- * at row 0). */
-static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+/* An entry's forward alone, as clover_prefill and clover_block_forward run it: embed -> layers ->
+ * N1p -> lm_head, with the context's n_threads_1 threads for one row, else n_threads_batch. Block
+ * passes run whole; a prefill (causal, so consecutive passes equal one) in passes of pass_rows:
+ * at most the context's n_ubatch rows (not a clover_prefill_select, whose at most
+ * CLOVER_SELECT_MAX_ROWS rows select in one pass), and RES_ROWS rows on a resident model (its
+ * verify record from row r0 of each), CPU_ROWS or PASS_ROWS_GPU on the CPU path (one pass while
+ * recording: the record starts at row 0). */
+static int forward_alone(pass_entry *w) {
+    fwd *f = &w->f;
     clover_context *c = f->c;
     if (c->m->gpu_bytes) gpu_context_count(c); /* its first launches: count it (CUDA graphs) */
     c->n_threads = f->T == 1 ? c->n_threads_1 : c->n_threads_batch; /* llama.cpp's rule */
@@ -110,22 +155,43 @@ static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_r
     if (c->n_ubatch > 0 && c->n_ubatch < max_rows && !f->sreq) max_rows = c->n_ubatch; /* a selection: one pass */
     if (f->mode == MODE_BLOCK || f->T <= max_rows || (!res && c->rec_on)) {
         c->n_passes++;
-        return res ? res_forward(f, tokens, 0, logits, logit_row0, rows) : cpu_forward(f, tokens, logits, logit_row0, rows);
+        if (res) return w->rc = res_forward(f, w->tokens, 0, w->logits, w->logit_row0, w->rows);
+        cpu_forward(w, 1, c);
+        return w->rc;
     }
-    const int64_t T = f->T, V = c->m->hp.n_vocab;
     int rc = CLOVER_OK;
-    for (int64_t r0 = 0, n = 0; r0 < T && rc == CLOVER_OK; r0 += n) {
-        n = pass_rows(T - r0, max_rows);
-        fwd g = *f;
-        g.T = n;
-        g.pos0 = f->pos0 + r0;
-        const int with_logits = logits && logit_row0 < r0 + g.T;
-        const int64_t row0 = logit_row0 > r0 ? logit_row0 - r0 : 0; /* the pass's first logits row */
-        float *lg = with_logits ? logits + (r0 + row0 - logit_row0) * V : NULL;
+    for (int64_t r0 = 0, n = 0; r0 < f->T && rc == CLOVER_OK; r0 += n) {
+        n = pass_rows(f->T - r0, max_rows);
+        pass_entry g = pass_chunk(w, r0, n);
         c->n_passes++;
-        rc = res ? res_forward(&g, tokens + r0, r0, lg, row0, NULL) : cpu_forward(&g, tokens + r0, lg, row0, NULL);
+        if (res) {
+            rc = res_forward(&g.f, g.tokens, r0, g.logits, g.logit_row0, NULL);
+        } else {
+            cpu_forward(&g, 1, c);
+            rc = g.rc;
+        }
     }
-    return rc;
+    return w->rc = rc;
+}
+
+/* A batched pass (pass_fn): an entry alone as forward_alone runs it, else one cpu_forward of all
+ * with lead's n_threads_batch threads. */
+static void batched_pass(pass_entry *e, int n, clover_context *lead) {
+    if (n == 1) {
+        forward_alone(&e[0]);
+        return;
+    }
+    lead->n_threads = lead->n_threads_batch;
+    for (int i = 0; i < n; i++) e[i].f.c->n_passes++;
+    cpu_forward(e, n, lead);
+}
+
+/* A forward of context f->c (tokens, logits rows as pass_entry says): through its batch when it
+ * is attached to one (model/batch.c), else alone. */
+static int forward(fwd *f, const int32_t *tokens, float *logits, int64_t logit_row0, const uint8_t *rows) {
+    pass_entry w = {*f, tokens, logits, logit_row0, rows, CLOVER_OK};
+    if (f->c->batch) return batch_forward(f->c->batch, &w, batched_pass);
+    return forward_alone(&w);
 }
 
 /* A selection request's model and outputs: resident, and id and conf (k 0) or cand (k > 0). */

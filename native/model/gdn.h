@@ -5,7 +5,9 @@
 
 #include "model/pass.h"
 
-/* A Gated DeltaNet layer (clover-spec 2.1; block mode 3.3) of the f->T rows xn into out. */
-CLOVER_HIDDEN int gdn_layer(fwd *f, const clover_layer *ly, const float *xn, float *out);
+/* A Gated DeltaNet layer (clover-spec 2.1; block mode 3.3) of a pass's L->T rows xn into out: the
+ * rows of entries e[0..n) one after another, each with its own context's state and conv history;
+ * the products over all rows with L (its context's threads and scratch). */
+CLOVER_HIDDEN int gdn_layer(fwd *L, pass_entry *e, int n, const clover_layer *ly, const float *xn, float *out);
 
 #endif

@@ -127,6 +127,8 @@ struct clover_context {
     int32_t *nexp_full; /* [n_layer]: distinct experts the last block pass's rows would use
                            without the coreset (the union of their own top-k; spec 5.6) */
     atomic_int abort_req; /* set by clover_context_abort (any thread), consumed by forward() */
+    struct clover_batch *batch; /* the batch its forwards run through (clover_context_set_batch), or NULL */
+    int in_forward;             /* a forward through the batch is under way (model/batch.c) */
     /* host scratch of the CPU forward, grown on demand and kept until clover_context_free
      * (model/pass.c scratch_carve): [SCRATCH_PASS] a pass's activations, [SCRATCH_LAYER] one
      * layer's buffers (attention, GDN or MoE; the layers run one after another; the LM head's and

@@ -146,8 +146,44 @@ static void *shared_expert(void *arg) {
     return NULL;
 }
 
-int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *out) {
+/* Route the T rows of one entry (probs: their router softmax): top-k over all experts, or over
+ * the entry's coreset in block mode (its n_full experts into c->nexp_full[il]), renormalised
+ * weights into sel/wsel, bucket sizes counted into start[e + 1]. */
+static void route_entry(fwd *f, int il, int64_t T, const float *probs, unsigned char *allowed, double *S,
+                        int32_t *order, int32_t *sel, float *wsel, int64_t *start) {
     clover_context *c = f->c;
+    const int64_t E = c->m->hp.n_expert, k = c->m->hp.n_expert_used;
+    const int use_coreset = f->mode == MODE_BLOCK;
+    if (use_coreset) {
+        coreset(probs, T, E, k, f->coreset_top_p, allowed, S, order, sel);
+        int32_t n_full = 0; /* S[e] > 0: e is in some row's own top-k */
+        for (int64_t e = 0; e < E; e++) n_full += S[e] > 0;
+        c->nexp_full[il] = n_full;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        int32_t *st = sel + t * k;
+        topk(probs + t * E, E, use_coreset ? allowed : NULL, k, st);
+        double sum = 0;
+        for (int64_t s = 0; s < k; s++) sum += probs[t * E + st[s]];
+        for (int64_t s = 0; s < k; s++) {
+            wsel[t * k + s] = (float)(probs[t * E + st[s]] / sum);
+            start[st[s] + 1]++;
+        }
+    }
+}
+
+/* Distinct experts among the P selections sel (mark: E bytes of scratch). */
+static int32_t distinct_experts(const int32_t *sel, int64_t P, int64_t E, unsigned char *mark) {
+    int32_t n = 0;
+    memset(mark, 0, (size_t)E);
+    for (int64_t q = 0; q < P; q++)
+        if (!mark[sel[q]]) mark[sel[q]] = 1, n++;
+    return n;
+}
+
+int moe_layer(fwd *L, pass_entry *en, int n_en, const clover_layer *ly, int il, const float *xn, float *out) {
+    fwd *f = L;
+    clover_context *c = L->c;
     const clover_hparams *hp = &c->m->hp;
     const int64_t T = f->T, H = hp->n_embd, E = hp->n_expert, k = hp->n_expert_used, I = hp->n_ff_exp;
     const int64_t Is = hp->n_ff_shexp, P = T * k; /* P (row, expert) pairs */
@@ -186,23 +222,9 @@ int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *ou
         for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
         for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
     }
-    const int use_coreset = f->mode == MODE_BLOCK;
-    if (use_coreset) {
-        coreset(probs, T, E, k, f->coreset_top_p, allowed, S, order, sel);
-        int32_t n_full = 0; /* S[e] > 0: e is in some row's own top-k */
-        for (int64_t e = 0; e < E; e++) n_full += S[e] > 0;
-        c->nexp_full[il] = n_full;
-    }
-    for (int64_t t = 0; t < T; t++) {
-        int32_t *st = sel + t * k;
-        topk(probs + t * E, E, use_coreset ? allowed : NULL, k, st);
-        double sum = 0;
-        for (int64_t s = 0; s < k; s++) sum += probs[t * E + st[s]];
-        for (int64_t s = 0; s < k; s++) {
-            wsel[t * k + s] = (float)(probs[t * E + st[s]] / sum);
-            start[st[s] + 1]++;
-        }
-    }
+    int64_t r = 0; /* the entry's first row in the pass */
+    for (int i = 0; i < n_en; r += en[i++].f.T)
+        route_entry(&en[i].f, il, en[i].f.T, probs + r * E, allowed, S, order, sel + r * k, wsel + r * k, start);
     /* bucket the pairs by expert (counting sort, rows ascending within a bucket) */
     for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
     int32_t n_used = 0;
@@ -251,7 +273,10 @@ int moe_layer(fwd *f, const clover_layer *ly, int il, const float *xn, float *ou
     memset(out, 0, sizeof(float) * (size_t)(T * H));
     for (int64_t q = 0; q < P; q++)
         for (int64_t j = 0; j < H; j++) out[prow[q] * H + j] += pw[q] * yg[q * H + j];
-    if (f->n_experts_out) f->n_experts_out[il] = n_used;
+    r = 0;
+    for (int i = 0; i < n_en; r += en[i++].f.T)
+        if (en[i].f.n_experts_out)
+            en[i].f.n_experts_out[il] = n_en == 1 ? n_used : distinct_experts(sel + r * k, en[i].f.T * k, E, allowed);
     /* plus the shared expert, gated per token by sigmoid(w . x) (spec 2.3 step 3) */
     for (int64_t t = 0; t < T; t++) {
         float s = sigmoidf_(sg[t]);

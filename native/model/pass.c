@@ -127,3 +127,28 @@ void embed_rows(const fwd *f, float *x) {
             memcpy(e->out + (e->pooling == CLOVER_POOLING_NONE ? p * H : 0), row, sizeof(float) * (size_t)H);
     }
 }
+
+/* Rows of the next pass of a split prefill with `left` rows to go and passes of at most max_rows
+ * (a multiple of CLOVER_GDN_CHUNK): max_rows, one chunk less when the rest would be a chunk or
+ * shorter (it would run the GDN recurrence, gpu_gdn_forward, where one pass runs the chunked
+ * form); with max_rows a single chunk, a rest of one row joins the pass (a 1-row pass on the CPU
+ * runs the recurrence). */
+int64_t pass_rows(int64_t left, int64_t max_rows) {
+    if (left <= max_rows) return left;
+    if (left - max_rows > CLOVER_GDN_CHUNK) return max_rows;
+    if (max_rows > CLOVER_GDN_CHUNK) return max_rows - CLOVER_GDN_CHUNK;
+    return left - max_rows >= 2 ? max_rows : left;
+}
+
+pass_entry pass_chunk(const pass_entry *w, int64_t r0, int64_t n) {
+    pass_entry g = *w;
+    const int64_t V = w->f.c->m->hp.n_vocab;
+    g.f.T = n;
+    g.f.pos0 = w->f.pos0 + r0;
+    g.tokens = w->tokens + r0;
+    const int with_logits = w->logits && w->logit_row0 < r0 + n;
+    g.logit_row0 = w->logit_row0 > r0 ? w->logit_row0 - r0 : 0; /* the chunk's first logits row */
+    g.logits = with_logits ? w->logits + (r0 + g.logit_row0 - w->logit_row0) * V : NULL;
+    g.rows = NULL;
+    return g;
+}

@@ -28,6 +28,27 @@ typedef struct {
     const struct embed_req *ereq;   /* clover_embed's request (the pass computes no logits), else NULL */
 } fwd;
 
+/* One context's forward in a pass: its fwd (context, mode, rows, positions), its tokens, and its
+ * logits: with rows (a mask of f.T bytes) the rows t with rows[t] != 0 at logits + t V, else
+ * rows logit_row0.. from logits (NULL: no LM head); rc: the entry's outcome (set by the pass). */
+typedef struct {
+    fwd f;
+    const int32_t *tokens;
+    float *logits;
+    int64_t logit_row0;
+    const uint8_t *rows;
+    int rc;
+} pass_entry;
+/* Run the forwards of n entries of one model as one pass (model/forward.c cpu_pass) with lead's
+ * scratch and threads (n > 1), each entry's rc set; an entry alone (n == 1) runs as
+ * clover_prefill / clover_block_forward run it unbatched, split as they split it. */
+typedef void (*pass_fn)(pass_entry *e, int n, clover_context *lead);
+/* Rows of the next pass of a split prefill with `left` rows to go and passes of at most max_rows
+ * (a multiple of CLOVER_GDN_CHUNK); see pass.c. */
+CLOVER_HIDDEN int64_t pass_rows(int64_t left, int64_t max_rows);
+/* The entry of rows [r0, r0 + n) of a prefix-mode entry w (positions, tokens, its logits rows). */
+CLOVER_HIDDEN pass_entry pass_chunk(const pass_entry *w, int64_t r0, int64_t n);
+
 /* clover_embed's pooling and outputs: NONE: out[n][n_embd]; MEAN: the rows' sum in sum[n_embd]
  * (zeroed by the caller, divided after the last pass); LAST: row n - 1 in out[n_embd]. */
 typedef struct embed_req {
