@@ -265,3 +265,24 @@ def test_server_slots(tmp_path, solo):
         assert sum(mt[f'clover_slot_tokens_generated_total{{slot="{i}"}}'] for i in range(4)) >= 8 * 24
         assert mt["clover_batch_shared_passes_total"] > 0 and mt["clover_batch_max_sequences"] >= 2
     assert "context memory: 4 slots x " in (tmp_path / "server.log").read_text()
+
+
+def test_server_plans_the_slots_memory(monkeypatch, capsys):
+    """The server's load prints the N contexts' memory in one line, and refuses N contexts that
+    do not fit the memory available with the engine's message naming n_parallel."""
+    from clover_gguf.server import create_app
+    with Model(clover_gguf.DEFAULT_MODEL, n_ctx=256, n_threads=1) as one:
+        each = one.context_bytes
+    monkeypatch.setattr(model_mod, "available_bytes", lambda: int(each * 2.5))
+    ok = create_app(clover_gguf.DEFAULT_MODEL, n_parallel=2, n_ctx=256, n_threads=1).state.clover
+    ok.load()
+    try:
+        assert ok.load_error is None
+        line = f"context memory: 2 slots x {each / 2**20:.1f} MiB (n_ctx 256) = {2 * each / 2**20:.1f} MiB"
+        assert line in capsys.readouterr().err
+    finally:
+        ok.clover.close()
+    bad = create_app(clover_gguf.DEFAULT_MODEL, n_parallel=3, n_ctx=256, n_threads=1).state.clover
+    bad.load()
+    assert bad.clover is None and "n_parallel: 3 contexts of n_ctx=256 need" in str(bad.load_error)
+    assert "n_parallel: 3 contexts" in capsys.readouterr().err
