@@ -1245,8 +1245,8 @@ class Model:
         run = _Run()
         return Generation(self, run, self._run(ids, p, keep, mode, set(ends), stops, run, prompt_cache_key))
 
-    def _run(self, ids, p, keep, mode, ends, stops, run: _Run, key=None, text=True, on_step=None, hold=False) \
-            -> Iterator[tuple[str, list[int], list | None]]:
+    def _run(self, ids, p, keep, mode, ends, stops, run: _Run | None = None, key=None, text=True, on_step=None,
+             hold=False) -> Iterator[tuple[str, list[int], list | None]]:
         """Drive :meth:`_steps` and apply the stop strings (see :mod:`clover_gguf.stops`).
 
         Yields ``(piece, tokens, logprobs)`` per decoder step (``piece`` is "" when ``text`` is
@@ -1261,6 +1261,7 @@ class Model:
         det = self.tokenizer.stream() if (text or stops) else None
         filt = StopFilter(stops) if stops else None
         kept: list[int] = []
+        run = run or _Run()
         steps = self._steps(ids, p, mode, run, key, on_step, hold)
         tail, tail_ids, tail_lps = "", [], None
         cons = keep[2]
