@@ -664,8 +664,8 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, "/v1/completions", _completion_kwargs, prepare_completion,
-                              lambda client, **kw: st.clover.create_completion(kw.pop("prompt"), prompt_cache_key=client,
-                                                                               **kw), "prompt")
+                              lambda client, **kw: st.clover.create_completion(
+                                  kw.pop("prompt"), prompt_cache_key=client, **kw), "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
