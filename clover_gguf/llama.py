@@ -52,7 +52,7 @@ from .tool_calls import ToolCallParser, forced_tools, tool_call_grammar
 from .options import REQUEST_FIELDS
 from .stops import partial_suffix
 
-__all__ = ["Clover", "ChatPrompt", "LlamaState", "ReasoningSplitter"]
+__all__ = ["Clover", "ChatPrompt", "LlamaState", "ReasoningSplitter", "Stream"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -252,11 +252,12 @@ def _chat_logprobs(tk, entries) -> dict:
 
 
 class _Holder:
-    """Who holds the call lock: the thread that last ran under it, whether it is running now,
-    for a streaming iterator a weak reference to it (so close() can end it), and whether
-    cancel() was called for it (``cancellable``: a generation, not argument checking)."""
+    """A call: the thread that last ran it, whether it is running now, for a streaming iterator
+    a weak reference to it (so close() can end it), whether cancel() was called for it
+    (``cancellable``: a generation, not argument checking), its Model generation (``pieces``,
+    to cancel it alone) and that generation's stats once it ended."""
 
-    __slots__ = ("thread", "executing", "gen", "cancellable", "cancelled")
+    __slots__ = ("thread", "executing", "gen", "cancellable", "cancelled", "pieces", "stats")
 
     def __init__(self, stream: bool = False, cancellable: bool = True) -> None:
         self.thread = threading.get_ident()
@@ -264,6 +265,30 @@ class _Holder:
         self.gen = None if not stream else (lambda: None)
         self.cancellable = cancellable
         self.cancelled = False
+        self.pieces = None
+        self.stats: dict | None = None
+
+
+class Stream:
+    """The iterator of a ``stream=True`` call: its chunks, :meth:`close`, and :meth:`cancel` for
+    this call alone."""
+
+    def __init__(self, clover: "Clover", holder: _Holder, it: Iterator[dict]) -> None:
+        self._clover, self._holder, self._it = clover, holder, it
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+
+    def cancel(self) -> bool:
+        """Stop this call (as :meth:`Clover.cancel` stops all): it ends with ``finish_reason``
+        ``"cancelled"``. False when it is not running (not started, or ended)."""
+        return self._clover._cancel_holders([self._holder])
 
 
 def _chat_fits(fn):
@@ -437,16 +462,23 @@ class Clover:
             0 / ``"none"``, 1 / ``"mean"``, 3 / ``"last"``; -1 (default, unspecified) = the GGUF's
             ``{arch}.pooling_type``, else last (see :meth:`Model.embed
             <clover_gguf.model.Model.embed>`). CLS (2) and RANK (4) raise ValueError.
+        n_parallel: sequences at once (llama-server's -np; not a llama-cpp-python argument):
+            with N > 1 the methods may be called from N threads at once, each call a sequence on
+            its own context, their forwards batched together (:class:`~clover_gguf.model.Model`);
+            each sequence's output is the one it has alone.
 
     Raises:
         CloverError: the native loader's message (bad file, missing tensor, ...).
         ValueError: a bad argument, naming it.
 
-    Thread safety: calls on one object are serialised by a lock (a call from another thread
-    waits for the running one); :meth:`cancel` does not take it. A ``stream=True`` iterator
-    holds the lock from its first ``next()`` until it is exhausted, closed or garbage
-    collected; a call from the thread that last advanced such an unfinished iterator raises
-    ``RuntimeError`` instead of waiting for it forever.
+    Thread safety: with n_parallel=1 calls on one object are serialised by a lock (a call from
+    another thread waits for the running one); :meth:`cancel` does not take it. A
+    ``stream=True`` iterator holds the lock from its first ``next()`` until it is exhausted,
+    closed or garbage collected; a call from the thread that last advanced such an unfinished
+    iterator raises ``RuntimeError`` instead of waiting for it forever. With n_parallel > 1 up
+    to N calls run at once (a stream holds its context from its first ``next()`` until it is
+    exhausted or closed) and the next waits for one to end. ``stream=True`` iterators are
+    :class:`Stream` objects: ``cancel()`` stops that call alone.
     """
 
     def __init__(self, model_path=None, *, n_ctx: int = 4096, n_threads: int | None = None,
@@ -457,11 +489,12 @@ class Clover:
                  prefix_reuse: bool = True, plan_callback=None, diffusion_path=None, embedding: bool = False,
                  pooling_type: int | str = -1, n_batch: int | None = None, n_ubatch: int | None = None,
                  n_threads_batch: int | None = None, use_mmap: bool = True, use_mlock: bool = False,
-                 flash_attn: bool | str | None = None, **llama_cpp_args) -> None:
+                 flash_attn: bool | str | None = None, n_parallel: int = 1, **llama_cpp_args) -> None:
         self._closed = True  # until loaded (close() and __del__ of a failed init are no-ops)
-        self._state = threading.Lock()  # guards _closed
-        self._lock = threading.Lock()   # the call lock
-        self._holder: _Holder | None = None
+        self._state = threading.Lock()  # guards _closed, _holder and _holders
+        self._lock = threading.Lock()   # the call lock (n_parallel=1)
+        self._holder: _Holder | None = None  # the call holding the lock (n_parallel=1)
+        self._holders: set[_Holder] = set()  # the calls running (n_parallel > 1)
         unknown = sorted(set(llama_cpp_args) - set(compat.INIT))
         if unknown:
             raise TypeError(f"Clover() got an unexpected keyword argument {unknown[0]!r}")
@@ -483,7 +516,8 @@ class Clover:
                             type_v="f32" if type_v is None else type_v, plan_callback=plan_callback,
                             diffusion_path=diffusion_path, n_batch=n_batch, n_ubatch=n_ubatch,
                             n_threads_batch=n_threads_batch, use_mmap=use_mmap, use_mlock=use_mlock,
-                            flash_attn=flash_attn)
+                            flash_attn=flash_attn, n_parallel=n_parallel)
+        self._parallel = self._model.n_parallel > 1
         try:
             self.mode = mode if mode is not None else self._model.default_mode
             self.block_size, self.threshold, self.coreset_top_p = block_size, threshold, coreset_top_p
@@ -512,18 +546,27 @@ class Clover:
             self._closed = True
         self._cancel_current()
         while not self._lock.acquire(timeout=0.05):
-            h = self._holder
+            self._close_streams([self._holder])
+            self._cancel_current()
+        try:
+            if self._parallel:
+                with self._state:
+                    held = list(self._holders)
+                self._close_streams(held)
+            self._model.close()
+        finally:
+            self._lock.release()
+
+    @staticmethod
+    def _close_streams(holders) -> None:
+        """Close the unfinished streaming iterators of ``holders`` that no thread runs now."""
+        for h in holders:
             g = h.gen() if h is not None and h.gen is not None and not h.executing else None
             if g is not None:
                 try:
                     g.close()  # runs its finally: frees the decoder, releases the lock
                 except ValueError:  # it is running in another thread right now: wait
                     pass
-            self._cancel_current()
-        try:
-            self._model.close()
-        finally:
-            self._lock.release()
 
     def __enter__(self) -> "Clover":
         return self
@@ -560,6 +603,11 @@ class Clover:
 
     def _acquire(self, holder: _Holder) -> None:
         self._check_open()
+        if self._parallel:  # the Model's slots take the calls
+            with self._state:
+                self._check_open()
+                self._holders.add(holder)
+            return
         if not self._lock.acquire(blocking=False):
             h = self._holder
             if (h is not None and h.gen is not None and not h.executing
@@ -573,23 +621,35 @@ class Clover:
         with self._state:
             self._holder = holder
 
-    def _release(self) -> None:
+    def _release(self, holder: _Holder) -> None:
         with self._state:
+            if self._parallel:
+                self._holders.discard(holder)
+                return
             self._holder = None
         self._lock.release()
 
     def _cancel_current(self) -> bool:
-        # Under _state the holder cannot change, and a Model generation only runs inside its
-        # holder's time with the lock, so model.cancel() reaches this holder's generation only.
         with self._state:
-            h = self._holder
-            if h is None or not h.cancellable:
-                return False
-            h.cancelled = True
-            self._model.cancel()
-            return True
+            held = list(self._holders) if self._parallel else [self._holder]
+        return self._cancel_holders(held)
 
-    def cancel(self) -> bool:
+    def _cancel_holders(self, holders) -> bool:
+        """Cancel the calls of ``holders`` that are running; whether there was one. Under _state a
+        call's holder cannot change: its Model generation (``pieces``) is cancelled alone; without
+        one (an embedding), with n_parallel=1 model.cancel() reaches this holder's call only."""
+        with self._state:
+            running = self._holders if self._parallel else {self._holder}
+            hs = [h for h in holders if h is not None and h.cancellable and h in running]
+            for h in hs:
+                h.cancelled = True
+                if h.pieces is not None:
+                    h.pieces.cancel()
+                elif not self._parallel:
+                    self._model.cancel()
+            return bool(hs)
+
+    def cancel(self, thread: int | None = None) -> bool:
         """Stop the call in progress (prompt prefill or decoding) from any thread, without
         waiting for the call lock.
 
@@ -600,10 +660,19 @@ class Clover:
         object stays usable: the next call starts from a clean context. Returns True if a call
         was running (a started streaming iterator counts, also between chunks), False
         otherwise (then nothing happens: it never cancels a later call, nor a call still
-        waiting for the lock, nor a streaming iterator not yet started)."""
+        waiting for the lock, nor a streaming iterator not yet started).
+
+        With n_parallel > 1 every running call is cancelled (an embedding call between its
+        inputs); ``thread`` (a ``threading.get_ident()``): only the calls running on that thread
+        (a non-streamed call runs on its caller's thread; a stream's ``cancel()`` stops it
+        alone)."""
         if self._closed:
             return False
-        return self._cancel_current()
+        if thread is None:
+            return self._cancel_current()
+        with self._state:
+            held = list(self._holders) if self._parallel else [self._holder]
+        return self._cancel_holders([h for h in held if h is not None and h.thread == thread and h.executing])
 
     # ------------------------------------------------------------------ info
     @property
@@ -779,22 +848,26 @@ class Clover:
         piece)."""
         pieces, n_prompt, mode = started
         ends = set(self._model.end_ids)
+        with self._state:
+            holder.pieces = pieces
         try:
             if holder.cancelled:
-                self._model.record_cancelled(n_prompt, mode)
+                holder.stats = self._model.record_cancelled(n_prompt, mode)
                 return
             for piece, tokens, lps in pieces:
                 entries = [(t, lp, top) for t, (lp, top) in zip(tokens, lps) if t not in ends] if lps else []
                 if piece or entries:
                     yield piece, entries
                 if holder.cancelled:
-                    self._model.cancel()
+                    pieces.cancel()
         finally:
             pieces.close()  # an abandoned stream frees its decoder now
+            if holder.stats is None:
+                holder.stats = pieces.stats
 
-    def _finish(self, end_ids) -> tuple[str, dict, dict]:
-        """finish_reason, usage and timings of the generation that just ended."""
-        st = self._model.last_stats or {}
+    def _finish(self, end_ids, stats: dict | None) -> tuple[str, dict, dict]:
+        """finish_reason, usage and timings of a generation that ended with ``stats``."""
+        st = stats or {}
         ends = set(end_ids)
         n_completion = sum(1 for t in st.get("tokens", []) if t not in ends)
         usage = _usage(int(st.get("n_prompt", 0)), n_completion)
@@ -846,14 +919,14 @@ class Clover:
             finally:
                 inner.close()  # an abandoned stream frees its decoder now (see _pieces)
         finally:
-            self._release()
+            self._release(holder)
         yield from tail
 
-    def _stream(self, make_inner) -> Iterator[dict]:
+    def _stream(self, make_inner) -> Stream:
         holder = _Holder(stream=True)
         g = self._locked_iter(holder, make_inner)
         holder.gen = weakref.ref(g)
-        return g
+        return Stream(self, holder, g)
 
     def _run_locked(self, make_inner) -> list[dict]:
         """All chunks of ``make_inner()`` (non-streaming calls), under the lock."""
@@ -869,7 +942,7 @@ class Clover:
                 chunks.extend(e.value or [])
             return chunks
         finally:
-            self._release()
+            self._release(holder)
 
     def _prepare(self, fn):
         """Run ``fn`` (argument validation, tokenizing) under the call lock."""
@@ -878,7 +951,7 @@ class Clover:
         try:
             return fn()
         finally:
-            self._release()
+            self._release(holder)
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, input, normalize: bool = False, truncate: bool = True, return_count: bool = False):
@@ -916,7 +989,7 @@ class Clover:
                     raise CloverError("embed: cancelled")
                 data.append(self._model.embed(ids, pooling=self._pooling).tolist())
         finally:
-            self._release()
+            self._release(holder)
         if normalize:
             data = [[_normalized(r) for r in e] if self._pooling == POOLING_TYPES["none"] else _normalized(e)
                     for e in data]
@@ -949,7 +1022,7 @@ class Clover:
                           response_format: dict | None = None, grammar: str | None = None,
                           stream: bool = False, model: str | None = None, mode: str | None = None,
                           block_size: int | None = None, threshold: float | None = None,
-                          coreset_top_p: float | None = None,
+                          coreset_top_p: float | None = None, prompt_cache_key=None,
                           typical_p: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
                           mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, stopping_criteria=None,
                           logits_processor=None):
@@ -981,6 +1054,9 @@ class Clover:
         ``response_format`` (``json_object``, ``json_schema``) or ``grammar`` (GBNF, or Lark
         starting with ``%llguidance``): constrained decoding, the output valid by construction
         unless ``max_tokens`` cuts it (docs/structured-output.md).
+        ``prompt_cache_key`` (OpenAI's field): prefix reuse stays among the calls of one key; a
+        call of another key than the context's previous call starts from an empty context
+        (:meth:`Model.generate <clover_gguf.model.Model.generate>`).
 
         ``typical_p``, ``tfs_z``, ``mirostat_*``, ``stopping_criteria``, ``logits_processor``:
         llama-cpp-python's, accepted; a value other than its default has no effect and raises one
@@ -995,7 +1071,7 @@ class Clover:
         if suffix is not None:
             raise ValueError("suffix: not supported (no fill-in-the-middle)")
         n_top = _check_logprobs("logprobs", logprobs)
-        extra = {**_constraint(response_format, grammar), "logprobs": n_top}
+        extra = {**_constraint(response_format, grammar), "logprobs": n_top, "prompt_cache_key": prompt_cache_key}
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
@@ -1016,7 +1092,7 @@ class Clover:
             for piece, entries in self._pieces(holder, started):
                 yield chunk(piece, logprobs=_completion_logprobs(tk, entries, offset) if n_top is not None else None)
                 offset += len(piece)
-            finish, usage, timings = self._finish(end_ids)
+            finish, usage, timings = self._finish(end_ids, holder.stats)
             return [{**chunk("", finish), "usage": usage, "timings": timings}]
 
         def prepare():
@@ -1097,6 +1173,7 @@ class Clover:
                                grammar: str | None = None, stream: bool = False, model: str | None = None,
                                mode: str | None = None, block_size: int | None = None,
                                threshold: float | None = None, coreset_top_p: float | None = None,
+                               prompt_cache_key=None,
                                functions: Sequence[dict] | None = None, function_call: str | dict | None = None,
                                typical_p: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None):
@@ -1143,6 +1220,8 @@ class Clover:
         True is refused). ``logprobs`` True with ``top_logprobs`` N (0-20): OpenAI's
         ``logprobs.content`` per token (reasoning tokens included), per chunk when streamed.
 
+        ``prompt_cache_key``: as :meth:`create_completion`.
+
         ``functions`` / ``function_call``: OpenAI's older form of ``tools`` / ``tool_choice``,
         translated to them (the answer carries ``tool_calls``). ``typical_p``, ``tfs_z``,
         ``mirostat_*``, ``logits_processor``: as :meth:`create_completion`.
@@ -1165,6 +1244,7 @@ class Clover:
             extra = {"grammar": tool_call_grammar(forced, xml, bool(parallel_tool_calls), JSON_LAYOUT)}
         constrained = bool(extra)
         extra["logprobs"] = n_top
+        extra["prompt_cache_key"] = prompt_cache_key
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                   repeat_penalty=repeat_penalty, logit_bias=logit_bias, stop=stop, mode=mode,
@@ -1218,7 +1298,7 @@ class Clover:
             yield from carry(deltas(split.flush()))
             if parser is not None:
                 yield from carry(tool_deltas(parser.flush()))
-            finish, usage, timings = self._finish(end_ids)
+            finish, usage, timings = self._finish(end_ids, holder.stats)
             if calls and finish == "stop":
                 finish = "tool_calls"
             return list(carry([{**chunk({}, finish), "usage": usage, "timings": timings}]))

@@ -7,7 +7,6 @@ Nothing here imports torch.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -25,11 +24,12 @@ from .gguf import read_metadata
 from .grammar import Constraint, grammar_source, ll_tokenizer
 from .options import GenerateOptions
 from .paths import DEFAULT_MODEL
+from .preload import available_bytes
 from .state import pack_state, unpack_state
 from .stops import StopFilter, check_stop
 from .tokenizer import CloverTokenizer
 
-__all__ = ["Model", "CloverError", "ContextLengthExceeded"]
+__all__ = ["Model", "Generation", "CloverError", "ContextLengthExceeded"]
 
 _MODES = {"ar": lib.CLOVER_MODE_AR, "diffusion": lib.CLOVER_MODE_DIFFUSION, "spec": lib.CLOVER_MODE_SPEC}
 _FINISH = {
@@ -42,6 +42,8 @@ _ARCHES = ("qwen35moe", "clover_moe")
 _SCOPES = ("response", "all")
 # Embedding pooling (clover.h CLOVER_POOLING_*): llama.cpp's enum llama_pooling_type values.
 POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+# The most slots (contexts) of one Model.
+MAX_PARALLEL = 256
 # Tokens that end generation besides the GGUF eos (Qwen chat / document ends).
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
@@ -51,21 +53,77 @@ class ContextLengthExceeded(ValueError):
 
 
 class _Run:
-    """A generation in progress; ``cancelled`` is set by :meth:`Model.cancel`."""
+    """A call in progress: ``cancelled`` is set by :meth:`Model.cancel` or its
+    :meth:`Generation.cancel`; ``slot`` is the slot it runs on (None before it has one, and
+    after it ended); ``stats`` its :attr:`Model.last_stats` once it ended."""
 
-    __slots__ = ("cancelled",)
+    __slots__ = ("cancelled", "slot", "stats")
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.slot = None
+        self.stats: dict | None = None
 
 
-def _locked(method):
-    """Run ``method`` holding the model's call lock (:attr:`Model._lock`)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return run
+class _Slot:
+    """One decoding context of a :class:`Model` (llama-server's slot): its call lock, its
+    prefix-reuse cache and the call running on it."""
+
+    __slots__ = ("index", "ctx", "lock", "cached", "saved", "ids", "active", "running", "busy", "key", "used")
+
+    def __init__(self, index: int, ctx) -> None:
+        self.index, self.ctx = index, ctx
+        self.lock = threading.RLock()  # the call lock: native calls on this context
+        self.cached: list[int] = []  # the tokens the caches hold after the last generation
+        self.saved: list[int] = []  # the prompt prefix whose state clover_context_save_state kept
+        self.ids: list[int] = []  # the tokens fed last; the caches hold its first n_past (input_ids)
+        self.active = None  # the native decoder of a generation in progress
+        self.running: _Run | None = None  # the call running, for cancel(); guarded by Model._cancel_lock
+        self.busy = False  # taken by a call (n_parallel > 1); guarded by Model._free
+        self.key = None  # the prompt_cache_key of the last generation
+        self.used = 0  # when it was last taken (a counter), for least-recently-used choice
+
+    def shared(self, ids) -> int:
+        """Tokens at the start of ``ids`` that this slot's cache holds (cached or saved)."""
+        return max(_common_prefix(self.cached, ids), _common_prefix(self.saved, ids))
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Generation:
+    """A streaming generation (:meth:`Model.generate_stream`, :meth:`Model.generate_pieces`): an
+    iterator with :meth:`cancel` (this generation alone) and :attr:`stats`."""
+
+    def __init__(self, model: "Model", run: _Run, it: Iterator) -> None:
+        self._model, self._run, self._it = model, run, it
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def close(self) -> None:
+        """End the generation now (frees its decoder and its slot)."""
+        self._it.close()
+
+    def cancel(self) -> bool:
+        """Stop this generation from any thread, as :meth:`Model.cancel` stops all: its forward
+        stops before its next layer and it ends with ``finish_reason`` ``"cancelled"``; before it
+        started, it ends so without a prefill. Returns False when it had ended already."""
+        return self._model._cancel_run(self._run)
+
+    @property
+    def stats(self) -> dict | None:
+        """This generation's :attr:`Model.last_stats` once it ended, else None."""
+        return self._run.stats
 
 
 def _check_int(name, v, lo=None, hi=None):
@@ -234,6 +292,16 @@ class Model:
             last token (``last_stats["n_prompt_reused"]``); the previous answer's tokens are
             prefilled again. Splitting the prefill only there keeps the output bit-identical to a
             full prefill's on the CPU. Off by default.
+        n_parallel: decoding contexts ("slots", llama-server's -np) on the one loaded model, so
+            that calls from several threads run at once, each a sequence. Each slot has its own
+            caches and prefix-reuse cache; a call takes a free slot (waiting for one when all are
+            taken), the one whose cache shares the most tokens with its prompt, else an empty one,
+            else the least recently used. With n_parallel > 1 the slots' forwards run together
+            through one continuous batch (clover.h ``clover_batch_new``, at most n_ubatch rows a
+            pass, 512 when not set): each weight product once over every running sequence's rows,
+            each sequence's output bit-identical to its run alone; a long prompt is prefilled in
+            chunks beside the others' steps. Memory for n_parallel contexts
+            (:attr:`context_bytes` each) must fit what the kernel reports available.
 
     Raises:
         CloverError: the native loader's message (bad file, missing/mis-shaped tensor, ...).
@@ -241,10 +309,15 @@ class Model:
 
     Use as a context manager or call :meth:`close` to free the native memory.
 
-    Thread safety: one lock serialises the calls that use the native context (a call from
-    another thread waits for the running one; ``generate_stream`` holds it while it computes a
-    piece, not between pieces, so another call in between interrupts that stream with a
-    CloverError); :meth:`cancel` and :meth:`close` may come from any thread at any time.
+    Thread safety: with n_parallel=1 one lock serialises the calls that use the native context
+    (a call from another thread waits for the running one; ``generate_stream`` holds it while it
+    computes a piece, not between pieces, so another call in between interrupts that stream with
+    a CloverError). With n_parallel > 1 each call holds its slot from its start to its end (a
+    streaming iterator: from its first piece until it is exhausted or closed), so up to
+    n_parallel calls run at once and the next waits; a thread that holds n_parallel unfinished
+    streams and starts another call waits forever. :meth:`reset` and :meth:`close` wait for the
+    running pieces; :meth:`cancel` (every call), :meth:`Generation.cancel` (one) and
+    :meth:`close` may come from any thread at any time. :attr:`last_stats` is per thread.
     """
 
     def __init__(self, path=None, n_ctx: int = 4096, n_threads: int | None = None, prefix_reuse: bool = False,
@@ -252,20 +325,20 @@ class Model:
                  type_k: str | int = "f32", type_v: str | int = "f32", plan_callback=None,
                  diffusion_path=None, n_batch: int | None = None, n_ubatch: int | None = None,
                  n_threads_batch: int | None = None, use_mlock: bool = False, use_mmap: bool = True,
-                 flash_attn: bool | str | None = None) -> None:
+                 flash_attn: bool | str | None = None, n_parallel: int = 1) -> None:
         self._model = ffi.NULL
-        self._ctx = ffi.NULL
-        self._lock = threading.RLock()  # the call lock: native calls on the context and model
+        self._batch = ffi.NULL  # the continuous batch of the slots (n_parallel > 1)
+        self._slots: list[_Slot] = []
+        self._free = threading.Condition()  # guards the slots' busy flags and _uses
+        self._uses = 0
         self._closing = False
-        # prefix reuse (opt-in): the tokens the context's caches hold after the last generation;
-        # a prompt that extends them prefills only its new tokens (chat turns, server requests)
+        self._tls = threading.local()  # last_stats per thread
+        self._last_stats: dict | None = None
+        # prefix reuse (opt-in): a prompt that extends what a slot's caches hold after its last
+        # generation prefills only its new tokens (chat turns, server requests)
         self.prefix_reuse = bool(prefix_reuse)
-        self._cached: list[int] = []
-        self._saved: list[int] = []  # the prompt prefix whose state clover_context_save_state kept
-        self._ids: list[int] = []  # the tokens fed last; the caches hold its first n_past (input_ids)
-        self._active = None  # the native decoder of a generation in progress
-        self._running = None  # its _Run, for cancel() (another thread); guarded by _cancel_lock
-        self._cancel_lock = threading.Lock()
+        self._cancel_lock = threading.Lock()  # guards the slots' running calls and contexts
+        self.n_parallel = _check_int("n_parallel", n_parallel, lo=1, hi=MAX_PARALLEL)
         if path is None:
             path = DEFAULT_MODEL
         path = os.fspath(path)
@@ -326,19 +399,13 @@ class Model:
             self.n_ctx = n_ctx if n_ctx > 0 else int(self.hparams["n_ctx_train"])
             if n_gpu_layers or gpu_budget is not None:
                 self.n_gpu_layers = self._offload(n_gpu_layers, n_cpu_moe, gpu_budget)
-            c = lib.clover_context_new(m, self.n_ctx, n_threads, self.type_k, self.type_v, err, len(err))
-            if c == ffi.NULL:
-                raise_error(err, "creating the context")
-            self._ctx = c
-            lib.clover_context_set_n_threads(c, n_threads, n_threads_batch)
-            lib.clover_context_set_n_ubatch(c, self.n_ubatch)
+            self._new_contexts(n_threads, n_threads_batch)
             self.tokenizer = CloverTokenizer.from_handle(lib.clover_model_gguf(m))
         except BaseException:
             self.close()
             raise
         self.n_vocab = int(self.hparams["n_vocab"])
         self.end_ids = self._end_ids()
-        self.last_stats: dict | None = None
         self._chat: ChatTemplate | None = None  # compiled on first apply_chat_template
 
     # ------------------------------------------------------------------ basics
@@ -373,43 +440,174 @@ class Model:
         if self._closing or self._ctx == ffi.NULL:
             raise CloverError("model is closed")
 
-    def _abort_active(self) -> None:
-        """Free an unfinished decoder (a generate_stream iterator left open): every call
-        that uses the context resets it, so that iterator cannot continue."""
-        d = getattr(self, "_active", None)
-        if d is not None:
-            self._active = None
-            lib.clover_decoder_free(d)
+    # ------------------------------------------------------------------ slots
+    def _new_contexts(self, n_threads: int, n_threads_batch: int) -> None:
+        """Create the n_parallel contexts (after :meth:`_check_memory` when there are several)
+        and, for several, their batch."""
+        err = err_buf()
+        self.context_bytes = int(lib.clover_context_mem_required(self._model, self.n_ctx, self.type_k, self.type_v))
+        if self.n_parallel > 1:
+            self._check_memory()
+        for i in range(self.n_parallel):
+            c = lib.clover_context_new(self._model, self.n_ctx, n_threads, self.type_k, self.type_v, err, len(err))
+            if c == ffi.NULL:
+                raise_error(err, "creating the context" if self.n_parallel == 1
+                            else f"creating context {i} of n_parallel={self.n_parallel}")
+            self._slots.append(_Slot(i, c))
+            lib.clover_context_set_n_threads(c, n_threads, n_threads_batch)
+            lib.clover_context_set_n_ubatch(c, self.n_ubatch)
+        if self.n_parallel > 1:
+            b = lib.clover_batch_new(self._model, self.n_ubatch, err, len(err))
+            if b == ffi.NULL:
+                raise_error(err, "creating the batch")
+            self._batch = b
 
-    def close(self) -> None:
-        """Free the context and the model (idempotent; from any thread). A call running in
-        another thread is cancelled and waited for; calls after it raise CloverError, and so
-        does an unfinished generate_stream iterator of this model when resumed."""
-        if not hasattr(self, "_lock"):  # __init__ failed before the lock existed
+    def _check_memory(self) -> None:
+        """CloverError naming n_parallel when n_parallel contexts of :attr:`context_bytes` each
+        exceed the memory the kernel reports available (clover_context_new checks one)."""
+        avail = available_bytes()
+        need = self.context_bytes * self.n_parallel
+        if avail is not None and need > avail:
+            raise CloverError(f"n_parallel: {self.n_parallel} contexts of n_ctx={self.n_ctx} need {need} bytes "
+                              f"({self.n_parallel} x {self.context_bytes}), more than the {avail} bytes available; "
+                              "lower n_parallel or n_ctx")
+
+    @property
+    def _ctx(self):
+        """The first slot's context (the only one with n_parallel=1)."""
+        return self._slots[0].ctx if self._slots else ffi.NULL
+
+    @property
+    def _active(self):
+        return self._slots[0].active if self._slots else None
+
+    def batch_stats(self) -> dict | None:
+        """What the slots' batch has run (clover.h clover_batch_get_stats): ``n_passes``,
+        ``n_rows``, ``n_entries`` (sequence forwards over all passes), ``n_shared`` (passes
+        with two or more sequences), ``max_entries`` (most sequences in one pass); None with
+        n_parallel=1."""
+        with self._cancel_lock:
+            if self._batch == ffi.NULL:
+                return None
+            st = ffi.new("clover_batch_stats *")
+            lib.clover_batch_get_stats(self._batch, st)
+        return {name: int(getattr(st, name)) for name, _ in ffi.typeof("clover_batch_stats").fields}
+
+    def slot_busy(self) -> list[bool]:
+        """Per slot, whether a call holds it now (a snapshot)."""
+        if len(self._slots) == 1:
+            return [self._slots[0].running is not None]
+        with self._free:
+            return [s.busy for s in self._slots]
+
+    def _take(self, ids, key) -> _Slot:
+        """A slot for a call on prompt ``ids`` of ``prompt_cache_key`` ``key``: with n_parallel=1
+        the one slot (its lock serialises the calls); else a free one (waiting for one), by
+        llama-server's choice: the most tokens shared with the slot's cache of the same key, then
+        an empty one, then the least recently used."""
+        if len(self._slots) == 1:
+            return self._slots[0]
+        with self._free:
+            while True:
+                self._live()
+                free = [s for s in self._slots if not s.busy]
+                if free:
+                    break
+                self._free.wait()
+            s = max(free, key=lambda s: (s.key == key, s.shared(ids) if s.key == key else 0,
+                                         not (s.cached or s.saved), -s.used))
+            self._uses += 1
+            s.busy, s.used = True, self._uses
+            return s
+
+    def _put(self, s: _Slot) -> None:
+        if len(self._slots) > 1:
+            with self._free:
+                s.busy = False
+                self._free.notify()
+
+    def _set_batch(self, s: _Slot, batch) -> None:
+        """Attach ``s`` to the batch (NULL: detach it); nothing with n_parallel=1 or a freed context."""
+        if self._batch == ffi.NULL or s.ctx == ffi.NULL:
             return
-        self._closing = True
-        while not self._lock.acquire(timeout=0.05):
-            self.cancel()
-        try:
-            self._abort_active()
-            if self._ctx != ffi.NULL:
-                with self._cancel_lock:  # cancel() never aborts a freed context
-                    lib.clover_context_free(self._ctx)
-                    self._ctx = ffi.NULL
-            if self._model != ffi.NULL:
-                lib.clover_model_free(self._model)
-                self._model = ffi.NULL
-        finally:
-            self._lock.release()
+        err = err_buf()
+        if lib.clover_context_set_batch(s.ctx, batch, err, len(err)) != 0:
+            raise_error(err, "attaching the context to the batch" if batch != ffi.NULL else "leaving the batch")
 
     @contextmanager
-    def _unlocked(self):
-        """Release the call lock for a moment (a stream between two pieces)."""
-        self._lock.release()
+    def _slot(self, ids=(), key=None):
+        """Hold a slot (:meth:`_take`) and its call lock, attached to the batch, for a call."""
+        s = self._take(ids, key)
+        try:
+            with s.lock:
+                self._live()
+                self._set_batch(s, self._batch)
+                try:
+                    yield s
+                finally:
+                    self._set_batch(s, ffi.NULL)
+        finally:
+            self._put(s)
+
+    @contextmanager
+    def _unlocked(self, s: _Slot):
+        """Release the slot's call lock for a moment (a stream between two pieces)."""
+        s.lock.release()
         try:
             yield
         finally:
-            self._lock.acquire()
+            s.lock.acquire()
+
+    @staticmethod
+    def _abort_active(s: _Slot) -> None:
+        """Free an unfinished decoder (a generate_stream iterator left open): every call
+        that uses the slot's context resets it, so that iterator cannot continue."""
+        d = s.active
+        if d is not None:
+            s.active = None
+            lib.clover_decoder_free(d)
+
+    @property
+    def last_stats(self) -> dict | None:
+        """Statistics of the last generation that ended on the calling thread (else on any
+        thread): see :meth:`generate`. A streaming call's own are its :attr:`Generation.stats`."""
+        st = getattr(self._tls, "stats", None)
+        return st if st is not None else self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, st: dict | None) -> None:
+        self._tls.stats = st
+        self._last_stats = st
+
+    def close(self) -> None:
+        """Free the contexts and the model (idempotent; from any thread). Calls running in
+        other threads are cancelled and waited for; calls after it raise CloverError, and so
+        does an unfinished generate_stream iterator of this model when resumed."""
+        if not hasattr(self, "_free"):  # __init__ failed before the slots existed
+            return
+        self._closing = True
+        with self._free:
+            self._free.notify_all()  # calls waiting for a slot raise CloverError
+        for s in self._slots:
+            while not s.lock.acquire(timeout=0.05):
+                self.cancel()
+            try:
+                self._abort_active(s)
+                if s.ctx != ffi.NULL:
+                    with self._cancel_lock:  # cancel() never aborts a freed context
+                        if self._batch != ffi.NULL:
+                            lib.clover_context_set_batch(s.ctx, ffi.NULL, ffi.NULL, 0)
+                        lib.clover_context_free(s.ctx)
+                        s.ctx = ffi.NULL
+            finally:
+                s.lock.release()
+        with self._cancel_lock:
+            if self._batch != ffi.NULL:
+                lib.clover_batch_free(self._batch)
+                self._batch = ffi.NULL
+            if self._model != ffi.NULL:
+                lib.clover_model_free(self._model)
+                self._model = ffi.NULL
 
     def __enter__(self) -> "Model":
         return self
@@ -467,12 +665,12 @@ class Model:
         return f"Model({self.path!r}, arch={self.arch}, n_ctx={self.n_ctx})"
 
     # ------------------------------------------------------------------ tokens
-    @_locked
     def metadata(self, arrays: bool = False) -> dict:
         """The GGUF's key-value metadata in file order (arrays such as the vocabulary only with
         ``arrays=True``)."""
-        self._live()
-        return read_metadata(lib.clover_model_gguf(self._model), arrays=arrays)
+        with self._cancel_lock:  # close() frees the model under it
+            self._live()
+            return read_metadata(lib.clover_model_gguf(self._model), arrays=arrays)
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Token ids of ``text`` (list of int, no BOS). ``special=True`` recognises control
@@ -633,7 +831,6 @@ class Model:
         p.n_logit_bias = len(ids)
         return bias_ids, bias_vals
 
-    @_locked
     def check_generate_args(self, end_ids: Sequence[int] | None = None, **options) -> None:
         """Validate the options of :meth:`generate` / :meth:`generate_tokens` (all but the
         prompt; :class:`~clover_gguf.options.GenerateOptions`) without generating: the same
@@ -652,41 +849,55 @@ class Model:
         n = lib.clover_decoder_block(d, bt, bf, cap)
         return ([int(bt[k]) for k in range(n)], [bool(bf[k]) for k in range(n)]) if n else None
 
-    def _steps(self, prompt_ids, p, mode, on_step=None) -> Iterator[tuple[list[int], list | None]]:
-        """:meth:`_decode` holding the call lock except while a step's tokens are handed out."""
-        with self._lock:
-            yield from self._decode(prompt_ids, p, mode, on_step)
+    def _steps(self, prompt_ids, p, mode, run: _Run | None = None, key=None, on_step=None, hold=False) \
+            -> Iterator[tuple[list[int], list | None]]:
+        """:meth:`_decode` on a slot (:meth:`_slot`), holding its call lock except while a step's
+        tokens are handed out (``hold``: also then, for a whole call such as :meth:`generate`)."""
+        with self._slot(prompt_ids, key) as s:
+            yield from self._decode(s, prompt_ids, p, mode, run or _Run(), key, on_step, hold)
 
-    def _decode(self, prompt_ids, p, mode, on_step=None) -> Iterator[tuple[list[int], list | None]]:
-        """Run the native decoder; yield each step's newly final tokens and, with ``p.logprobs``
-        >= 0, their :meth:`_logprobs` (else None); set last_stats.
+    def _end(self, run: _Run, stats: dict) -> None:
+        """Record ``stats`` as ``run``'s and as :attr:`last_stats`."""
+        run.stats = stats
+        self.last_stats = stats
+
+    def _decode(self, s: _Slot, prompt_ids, p, mode, run: _Run, key=None, on_step=None, hold=False) \
+            -> Iterator[tuple[list[int], list | None]]:
+        """Run the native decoder on slot ``s``; yield each step's newly final tokens and, with
+        ``p.logprobs`` >= 0, their :meth:`_logprobs` (else None); set ``run.stats`` and
+        last_stats. A slot last used with another ``key`` starts from an empty context.
         A :meth:`cancel` (or an aborted forward) ends it early with ``finish_reason``
         ``"cancelled"``; the tokens final by then stay in the stats."""
         n = len(prompt_ids)
         err = err_buf()
         prompt = ffi.new("int32_t[]", prompt_ids)
         self._live()
-        self._abort_active()
-        cached, self._cached = self._cached, []
-        self._ids = list(prompt_ids)
-        run = _Run()
+        self._abort_active(s)
+        if key != s.key:  # prefix reuse stays within a key
+            lib.clover_context_reset(s.ctx)
+            s.cached, s.saved, s.key = [], [], key
+        cached, s.cached = s.cached, []
+        s.ids = list(prompt_ids)
         with self._cancel_lock:
-            self._running = run
+            s.running, run.slot = run, s
         try:
             t0 = time.perf_counter()
+            if run.cancelled:  # Generation.cancel() before the start: no prefill
+                self.record_cancelled(n, mode, run)
+                return
             limit = n // p.block_size * p.block_size if mode == "diffusion" and self.hparams["block_aligned"] else n
-            p.n_reuse, reused = self._reuse_prefix(prompt_ids, cached, limit, err) if self.prefix_reuse else (0, 0)
-            d = ffi.NULL if p.n_reuse < 0 else lib.clover_decoder_new(self._ctx, p, prompt, n, err, len(err))
+            p.n_reuse, reused = self._reuse_prefix(s, prompt_ids, cached, limit, err) if self.prefix_reuse else (0, 0)
+            d = ffi.NULL if p.n_reuse < 0 else lib.clover_decoder_new(s.ctx, p, prompt, n, err, len(err))
             if d == ffi.NULL:
                 if run.cancelled or p.n_reuse < 0:  # the prefill was aborted: no forward completed
                     st = ffi.new("clover_stats *")
                     st.n_prompt = n
                     seconds = time.perf_counter() - t0
-                    self.last_stats = self._stats_dict(st, mode, seconds, seconds, [])
-                    self.last_stats["finish_reason"] = "cancelled"
+                    self._end(run, self._stats_dict(st, mode, seconds, seconds, []))
+                    run.stats["finish_reason"] = "cancelled"
                     return
                 raise_error(err, "generate")
-            self._active = d
+            s.active = d
             t_prefill = time.perf_counter() - t0
             cap = max(int(p.block_size), 1)  # a step yields at most one block
             out = ffi.new("int32_t[]", cap)
@@ -696,7 +907,8 @@ class Model:
             cancelled = False
             try:
                 while True:
-                    if self._active is not d:
+                    if s.active is not d:
+                        self._live()
                         raise CloverError("generation interrupted: another call on this model "
                                           "(generate, prefix_logits, block_logits or close) reset its context")
                     if run.cancelled:
@@ -714,31 +926,35 @@ class Model:
                     lps = self._logprobs(d, lp_bufs, cap, len(new)) if lp_bufs else None
                     if on_step is not None:
                         on_step(new, self._block_state(d, cap))
-                    if new:
-                        with self._unlocked():
+                    if new and hold:
+                        yield new, lps
+                    elif new:
+                        with self._unlocked(s):
                             yield new, lps
                     if rc == 0:
                         break
             finally:
-                if self._active is d:
+                if s.active is d:
                     seconds = time.perf_counter() - t0
                     st = ffi.new("clover_stats *")
                     lib.clover_decoder_stats(d, st)
-                    self._active = None
+                    s.active = None
                     lib.clover_decoder_free(d)
-                    self._ids = list(prompt_ids) + tokens
+                    s.ids = list(prompt_ids) + tokens
                     # the caches hold the prompt's prefill alone (a committed token ran as a decode
                     # step or block commit, which a prefill does not reproduce bit for bit)
-                    if not cancelled and lib.clover_context_n_past(self._ctx) == limit:
-                        self._cached = list(prompt_ids[:limit])
-                    self.last_stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
-                    self.last_stats["n_prompt_reused"] = reused
+                    if not cancelled and lib.clover_context_n_past(s.ctx) == limit:
+                        s.cached = list(prompt_ids[:limit])
+                    stats = self._stats_dict(st, mode, seconds, t_prefill, tokens)
+                    stats["n_prompt_reused"] = reused
+                    stats["id_slot"] = s.index  # llama-server's name
                     if cancelled:
-                        self.last_stats["finish_reason"] = "cancelled"
+                        stats["finish_reason"] = "cancelled"
+                    self._end(run, stats)
         finally:
             with self._cancel_lock:
-                if self._running is run:
-                    self._running = None
+                if s.running is run:
+                    s.running, run.slot = None, None
 
     @staticmethod
     def _logprob_buffers(cap: int, n_top: int):
@@ -758,7 +974,7 @@ class Model:
             raise CloverError(f"logprobs: the decoder recorded {got} tokens for a step of {n}")
         return [(float(lp[i]), [(int(ids[i * k + q]), float(top[i * k + q])) for q in range(k)]) for i in range(n)]
 
-    def _reuse_prefix(self, ids, cached, limit, err) -> tuple[int, int]:
+    def _reuse_prefix(self, s: _Slot, ids, cached, limit, err) -> tuple[int, int]:
         """Prefix reuse (``prefix_reuse=True``): put the caches in the state of a prefix of ``ids``
         of at most ``limit`` tokens (what the decoder prefills: with aligned diffusion blocks the
         prompt up to its last block boundary, spec 3.1) and return ``(n_reuse for the decoder,
@@ -779,57 +995,72 @@ class Model:
             s = pos // lib.CLOVER_GDN_CHUNK * lib.CLOVER_GDN_CHUNK
             return s - lib.CLOVER_GDN_CHUNK if limit - s == 1 and s > 0 else s
 
-        n, k, saved = len(ids), len(cached), len(self._saved)
+        n, k, saved = len(ids), len(cached), len(s.saved)
         start = 0
-        if 0 < k <= limit and k < n and aligned(k) == k and lib.clover_context_n_past(self._ctx) == k \
+        if 0 < k <= limit and k < n and aligned(k) == k and lib.clover_context_n_past(s.ctx) == k \
                 and list(ids[:k]) == cached:
             start = k
-        elif 0 < saved <= limit and saved < n and aligned(saved) == saved and list(ids[:saved]) == self._saved:
-            start = max(0, int(lib.clover_context_restore_state(self._ctx, err, len(err))))
+        elif 0 < saved <= limit and saved < n and aligned(saved) == saved and list(ids[:saved]) == s.saved:
+            start = max(0, int(lib.clover_context_restore_state(s.ctx, err, len(err))))
         if start == 0:
-            lib.clover_context_reset(self._ctx)
-            self._saved = []
+            lib.clover_context_reset(s.ctx)
+            s.saved = []
         im_start = self.tokenizer.token_to_id("<|im_start|>")
         split = aligned(min(max((i for i, t in enumerate(ids) if t == im_start), default=0) or n - 1, limit))
         if split <= start:
             return start, start
         toks = ffi.new("int32_t[]", list(ids[start:split]))
-        rc = lib.clover_prefill(self._ctx, toks, split - start, ffi.NULL, 0, err, len(err))
+        rc = lib.clover_prefill(s.ctx, toks, split - start, ffi.NULL, 0, err, len(err))
         if rc != 0:
-            self._saved = []
+            s.saved = []
             if rc == lib.CLOVER_E_ABORTED:
                 return -1, 0
             raise_error(err, "generate")
-        self._saved = list(ids[:split]) if lib.clover_context_save_state(self._ctx, err, len(err)) == 0 else []
+        s.saved = list(ids[:split]) if lib.clover_context_save_state(s.ctx, err, len(err)) == 0 else []
         return split, start
 
     def cancel(self) -> bool:
-        """Stop the generation in progress (``generate``, ``generate_tokens``, or a started
-        ``generate_stream`` iterator) from another thread; the one thread-safe method.
+        """Stop the generations in progress (``generate``, ``generate_tokens``, started
+        ``generate_stream`` iterators, ``embed``; every slot's) from another thread.
 
         The native forward running now (prompt prefill, denoising pass, commit or decode step)
         stops before its next layer (``clover_context_abort``), and the generation returns
         what was final before it, with ``last_stats["finish_reason"]`` ``"cancelled"``. The
         context is left clean for the next call. Returns True if a generation was running,
-        False (and does nothing) otherwise: it never affects a later call."""
+        False (and does nothing) otherwise: it never affects a later call. One generation
+        alone: :meth:`Generation.cancel`."""
         with self._cancel_lock:
-            run = self._running
-            if run is None or self._ctx == ffi.NULL:
+            runs = [s.running for s in self._slots if s.running is not None]
+        return any([self._cancel_run(r) for r in runs])
+
+    def _cancel_run(self, run: _Run) -> bool:
+        """Cancel ``run`` (abort its slot's forward); False when it has ended."""
+        with self._cancel_lock:
+            if run.stats is not None:
                 return False
             run.cancelled = True
-            lib.clover_context_abort(self._ctx)
+            s = run.slot
+            if s is not None and s.running is run and s.ctx != ffi.NULL:
+                lib.clover_context_abort(s.ctx)
             return True
 
-    @_locked
     def reset(self) -> None:
-        """Empty the context's caches: the next generation prefills its whole prompt (prefix
-        reuse starts over)."""
-        self._live()
-        self._abort_active()
-        lib.clover_context_reset(self._ctx)
-        self._cached, self._saved, self._ids = [], [], []
+        """Empty the contexts' caches: the next generations prefill their whole prompts (prefix
+        reuse starts over). Waits for each slot's running piece; interrupts unfinished
+        ``generate_stream`` iterators."""
+        for s in self._slots:
+            with s.lock:
+                self._live()
+                self._abort_active(s)
+                lib.clover_context_reset(s.ctx)
+                s.cached, s.saved, s.ids = [], [], []
 
-    @_locked
+    def _only_slot(self, what: str) -> _Slot:
+        """The one slot of a model with n_parallel=1 (CloverError naming ``what`` otherwise)."""
+        if len(self._slots) != 1:
+            raise CloverError(f"{what}: needs n_parallel=1 (this model has {self.n_parallel} contexts)")
+        return self._slots[0]
+
     def save_state(self) -> bytes:
         """The context's state as bytes (llama-cpp-python's ``save_state``; format:
         :mod:`clover_gguf.state`): the caches (clover.h ``clover_state_get_data``: KV rows, GDN
@@ -837,54 +1068,68 @@ class Model:
         reuse compares prompts with, so that after :meth:`load_state`, on this object or another
         ``Model`` of the same file, cache types and an n_ctx that holds them, the next generation
         runs as it would have run here (a prompt that extends the saved one reuses its prefix).
-        Raises CloverError while an unfinished ``generate_stream`` iterator runs on the context."""
-        self._live()
-        if self._active is not None:
+        Raises CloverError while an unfinished ``generate_stream`` iterator runs on the context,
+        and with n_parallel > 1."""
+        s = self._only_slot("save_state")
+        with s.lock:
+            self._live()
+            return self._save_state(s)
+
+    def _save_state(self, s: _Slot) -> bytes:
+        if s.active is not None:
             raise CloverError("save_state: a generation is in progress on this model (an unfinished "
                               "generate_stream iterator): exhaust or close it first")
-        n_past = int(lib.clover_context_n_past(self._ctx))
-        ids = self._ids[:n_past]
+        n_past = int(lib.clover_context_n_past(s.ctx))
+        ids = s.ids[:n_past]
         if len(ids) != n_past:
             raise CloverError(f"save_state: the context holds {n_past} tokens, {len(ids)} of them known here "
                               "(the engine was driven directly)")
-        size = int(lib.clover_state_get_size(self._ctx))
+        size = int(lib.clover_state_get_size(s.ctx))
         if size < 0:
             raise CloverError(f"save_state: the state's size overflows (code {size})")
         engine = bytearray(size)
         err = err_buf()
-        if lib.clover_state_get_data(self._ctx, ffi.from_buffer("uint8_t[]", engine), size, err, len(err)) < 0:
+        if lib.clover_state_get_data(s.ctx, ffi.from_buffer("uint8_t[]", engine), size, err, len(err)) < 0:
             raise_error(err, "save_state")
-        return pack_state(ids, self._cached, self._saved, engine)
+        return pack_state(ids, s.cached, s.saved, engine)
 
-    @_locked
     def load_state(self, state: bytes) -> None:
         """Put the context in the state of :meth:`save_state`'s bytes. ValueError naming
         ``state`` when they are not such bytes (truncated, corrupted) or do not fit this model
         (another model file, other ``type_k``/``type_v``, more tokens than ``n_ctx``); the
-        context is then unchanged. Interrupts an unfinished ``generate_stream`` iterator."""
-        self._live()
+        context is then unchanged. Interrupts an unfinished ``generate_stream`` iterator.
+        CloverError with n_parallel > 1."""
+        s = self._only_slot("load_state")
+        with s.lock:
+            self._live()
+            self._load_state(s, state)
+
+    def _load_state(self, s: _Slot, state) -> None:
         ids, cached, saved, engine = unpack_state(state, self.n_vocab)
-        self._abort_active()
+        self._abort_active(s)
         err = err_buf()
-        rc = lib.clover_state_set_data(self._ctx, ffi.from_buffer("uint8_t[]", engine), len(engine), err, len(err))
+        rc = lib.clover_state_set_data(s.ctx, ffi.from_buffer("uint8_t[]", engine), len(engine), err, len(err))
         if rc in (lib.CLOVER_E_ARG, lib.CLOVER_E_STATE):
             msg = ffi.string(err).decode("utf-8", "replace")
             raise ValueError(msg if msg.startswith("state") else f"state: {msg}")
         if rc < 0:
             raise_error(err, "load_state")
-        n_past = int(lib.clover_context_n_past(self._ctx))
+        n_past = int(lib.clover_context_n_past(s.ctx))
         if n_past != len(ids):
-            lib.clover_context_reset(self._ctx)
-            self._cached, self._saved, self._ids = [], [], []
+            lib.clover_context_reset(s.ctx)
+            s.cached, s.saved, s.ids = [], [], []
             raise ValueError(f"state: {len(ids)} token ids for {n_past} cached tokens (the context is reset)")
-        self._ids, self._cached, self._saved = ids, cached, saved
+        s.ids, s.cached, s.saved = ids, cached, saved
 
-    def record_cancelled(self, n_prompt: int, mode: str) -> None:
-        """Set :attr:`last_stats` for a generation cancelled before its prefill started."""
+    def record_cancelled(self, n_prompt: int, mode: str, run: _Run | None = None) -> dict:
+        """Set :attr:`last_stats` (and ``run``'s) for a generation cancelled before its prefill
+        started; returns them."""
         st = ffi.new("clover_stats *")
         st.n_prompt = n_prompt
-        self.last_stats = self._stats_dict(st, mode, 0.0, 0.0, [])
-        self.last_stats.update(finish_reason="cancelled", stop_string=None)
+        stats = self._stats_dict(st, mode, 0.0, 0.0, [])
+        stats.update(finish_reason="cancelled", stop_string=None)
+        self._end(run or _Run(), stats)
+        return stats
 
     def _stats_dict(self, st, mode, seconds, t_prefill, tokens) -> dict:
         n_forward = int(st.n_forward_prefill + st.n_forward_denoise + st.n_forward_commit
@@ -923,8 +1168,8 @@ class Model:
             "tokens": list(tokens),
         }
 
-    @_locked
-    def generate_tokens(self, prompt_ids: Sequence[int], end_ids: Sequence[int] | None = None, **options):
+    def generate_tokens(self, prompt_ids: Sequence[int], end_ids: Sequence[int] | None = None,
+                        prompt_cache_key=None, **options):
         """Generate from token ids (spec 5.1-5.3, 5.6).
 
         Returns ``(ids, stats)``: the generated token ids (the end token included when
@@ -941,6 +1186,7 @@ class Model:
         and ``stats["tokens"]`` equals ``ids`` (``stats["n_generated"]`` stays the decoder's
         own count of committed tokens: in diffusion mode it may include the rest of the
         block that holds the stop string).
+        ``prompt_cache_key``: as :meth:`generate`.
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
         ids = self.check_prompt_fits(self.check_ids("prompt_ids", prompt_ids))
@@ -949,41 +1195,45 @@ class Model:
         p, keep, mode, ends = self._params(o, end_ids)
         out: list[int] = []
         lps: list = []
-        for _, new, lp in self._run(ids, p, keep, mode, set(ends), stops, text=bool(stops)):
+        run = _Run()
+        for _, new, lp in self._run(ids, p, keep, mode, set(ends), stops, run, prompt_cache_key, text=bool(stops),
+                                    hold=True):
             out.extend(new)
             lps.extend(lp or ())
-        stats = dict(self.last_stats)
+        stats = dict(run.stats)
         if o.logprobs is not None:
             stats["logprobs"] = lps
         return out, stats
 
-    @_locked
-    def generate_stream(self, prompt, on_step=None, **options) -> Iterator[str]:
+    def generate_stream(self, prompt, on_step=None, prompt_cache_key=None, **options) -> Generation:
         """Like :meth:`generate`, but yields text as tokens become final (per AR token, per
         diffusion denoising pass: the filled slots contiguous with the block's final start, per
         spec verify). Pieces never split a UTF-8 character; end tokens
         are not written. With ``stop``, text that could still be the start of a stop string
         is held back until it cannot match any more, so no piece ever holds any part of the
         stop string; the pieces concatenate to what :meth:`generate` returns.
-        :attr:`last_stats` is set when the iterator ends (or is closed).
+        :attr:`last_stats` is set when the iterator ends (or is closed); the returned
+        :class:`Generation` has them as ``stats`` and cancels this generation alone with ``cancel()``.
         ``on_step`` (optional) is called after every decoder step with ``(new_ids, block)``:
         the step's final token ids and, in diffusion mode while a block is being denoised,
         ``(block_ids, filled)`` (lists of block_size; unfilled slots hold the mask id), else
         None; it is how ``clover-gguf run --visual`` draws the block.
-        Arguments are validated before the first piece is requested."""
+        Arguments are validated before the first piece is requested; the slot is taken at the
+        first piece."""
         ids = self.check_prompt_fits(self.prompt_ids(prompt))
         o = GenerateOptions.of(options)
         stops = check_stop(o.stop)
         p, keep, mode, ends = self._params(o)
-        return self._stream(ids, p, keep, mode, set(ends), stops, on_step)
+        run = _Run()
+        return Generation(self, run, self._stream(ids, p, keep, mode, set(ends), stops, run, prompt_cache_key,
+                                                  on_step))
 
-    def _stream(self, ids, p, keep, mode, ends, stops=(), on_step=None) -> Iterator[str]:
-        for piece, _, _ in self._run(ids, p, keep, mode, ends, stops, on_step=on_step):
+    def _stream(self, ids, p, keep, mode, ends, stops, run, key, on_step=None, hold=False) -> Iterator[str]:
+        for piece, _, _ in self._run(ids, p, keep, mode, ends, stops, run, key, on_step=on_step, hold=hold):
             if piece:
                 yield piece
 
-    @_locked
-    def generate_pieces(self, prompt, **options) -> Iterator[tuple[str, list[int], list | None]]:
+    def generate_pieces(self, prompt, prompt_cache_key=None, **options) -> Generation:
         """Like :meth:`generate_stream`, yielding ``(piece, tokens, logprobs)`` per decoder step:
         the text piece ("" when text is held back), the step's tokens (end tokens included) and,
         with the ``logprobs`` option (N >= 0), per token ``(logprob, [(id, logprob)] * N)`` (clover.h
@@ -992,9 +1242,11 @@ class Model:
         o = GenerateOptions.of(options)
         stops = check_stop(o.stop)
         p, keep, mode, ends = self._params(o)
-        return self._run(ids, p, keep, mode, set(ends), stops)
+        run = _Run()
+        return Generation(self, run, self._run(ids, p, keep, mode, set(ends), stops, run, prompt_cache_key))
 
-    def _run(self, ids, p, keep, mode, ends, stops, text=True, on_step=None) -> Iterator[tuple[str, list[int], list | None]]:
+    def _run(self, ids, p, keep, mode, ends, stops, run: _Run | None = None, key=None, text=True, on_step=None,
+             hold=False) -> Iterator[tuple[str, list[int], list | None]]:
         """Drive :meth:`_steps` and apply the stop strings (see :mod:`clover_gguf.stops`).
 
         Yields ``(piece, tokens, logprobs)`` per decoder step (``piece`` is "" when ``text`` is
@@ -1009,8 +1261,8 @@ class Model:
         det = self.tokenizer.stream() if (text or stops) else None
         filt = StopFilter(stops) if stops else None
         kept: list[int] = []
-        before = self.last_stats
-        steps = self._steps(ids, p, mode, on_step)
+        run = run or _Run()
+        steps = self._steps(ids, p, mode, run, key, on_step, hold)
         tail, tail_ids, tail_lps = "", [], None
         cons = keep[2]
         try:
@@ -1042,8 +1294,8 @@ class Model:
             raise
         finally:
             steps.close()  # frees the decoder now when a stop string ended generation
-            st = self.last_stats
-            if st is not None and st is not before:  # this run's stats (not an interrupting call's)
+            st = run.stats
+            if st is not None:
                 matched = filt.matched if filt is not None else None
                 st["stop_string"] = matched
                 if matched is not None:
@@ -1053,8 +1305,7 @@ class Model:
             yield tail, tail_ids, tail_lps
         del keep  # the end-id and bias arrays must live as long as the decoder
 
-    @_locked
-    def generate(self, prompt, **options) -> str:
+    def generate(self, prompt, prompt_cache_key=None, **options) -> str:
         """Generate text after ``prompt`` (a str, tokenized with special tokens recognised,
         or a sequence of token ids) and return it, without the end token.
 
@@ -1083,9 +1334,16 @@ class Model:
         matched string (None otherwise); ``"length"`` means max_tokens or the context ended
         it; an end token also gives ``"stop"``; ``"cancelled"`` means :meth:`cancel` stopped it
         (the text is what was final before).
+        ``prompt_cache_key`` (OpenAI's field; any hashable, None included): prefix reuse stays
+        among calls of the same key: a slot whose cache a call of another key left starts from an
+        empty context, and a call prefers the slots of its own key.
         Raises ValueError for a bad argument (naming it), CloverError for an engine error.
         """
-        return "".join(self.generate_stream(prompt, **options))
+        ids = self.check_prompt_fits(self.prompt_ids(prompt))
+        o = GenerateOptions.of(options)
+        stops = check_stop(o.stop)
+        p, keep, mode, ends = self._params(o)
+        return "".join(self._stream(ids, p, keep, mode, set(ends), stops, _Run(), prompt_cache_key, hold=True))
 
     # ------------------------------------------------------------------ embeddings
     @property
@@ -1099,7 +1357,6 @@ class Model:
         ``"last"``."""
         return {v: k for k, v in POOLING_TYPES.items()}[int(self.hparams["pooling_type"])]
 
-    @_locked
     def embed(self, input, pooling=None) -> np.ndarray:
         """The embedding of ``input`` (a str, tokenized with control tokens recognised, or a
         sequence of token ids; at most ``n_ctx`` tokens): the final hidden state of a causal
@@ -1133,24 +1390,24 @@ class Model:
             pool = int(self.hparams["pooling_type"])
         n, h = len(ids), self.n_embd
         out = np.empty((n, h) if pool == POOLING_TYPES["none"] else (h,), dtype=np.float32)
-        self._abort_active()
-        self._cached, self._saved = [], []  # clover_embed resets the context, the saved state with it
         err = err_buf()
         run = _Run()
-        with self._cancel_lock:
-            self._running = run
-        try:
-            rc = lib.clover_embed(self._ctx, ffi.new("int32_t[]", ids), n, pool,
-                                  ffi.cast("float *", out.ctypes.data), out.size, err, len(err))
-        finally:
+        with self._slot() as s:
+            self._abort_active(s)
+            s.cached, s.saved = [], []  # clover_embed resets the context, the saved state with it
             with self._cancel_lock:
-                self._running = None
+                s.running, run.slot = run, s
+            try:
+                rc = lib.clover_embed(s.ctx, ffi.new("int32_t[]", ids), n, pool,
+                                      ffi.cast("float *", out.ctypes.data), out.size, err, len(err))
+            finally:
+                with self._cancel_lock:
+                    s.running, run.slot = None, None
         if rc < 0:
             raise_error(err, "embed")
         return out
 
     # ------------------------------------------------------------------ logits (tests)
-    @_locked
     def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Prefix (causal) mode logits of ``ids`` from an empty cache (spec 3.2):
         float32 array [len(ids), n_vocab]; row t predicts the token after ids[t].
@@ -1159,19 +1416,19 @@ class Model:
         ids = self.check_ids("ids", ids)
         if len(ids) > self.n_ctx:
             raise ValueError(f"ids: {len(ids)} tokens do not fit n_ctx={self.n_ctx}")
-        self._abort_active()
-        lib.clover_context_reset(self._ctx)
-        self._cached, self._ids = [], list(ids)
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
         err = err_buf()
         toks = ffi.new("int32_t[]", ids)
-        rc = lib.clover_prefill(self._ctx, toks, len(ids), ffi.cast("float *", out.ctypes.data), 1,
-                                err, len(err))
+        with self._slot() as s:
+            self._abort_active(s)
+            lib.clover_context_reset(s.ctx)
+            s.cached, s.ids = [], list(ids)
+            rc = lib.clover_prefill(s.ctx, toks, len(ids), ffi.cast("float *", out.ctypes.data), 1,
+                                    err, len(err))
         if rc < 0:
             raise_error(err, "prefix_logits")
         return out
 
-    @_locked
     def block_logits(self, prefix_ids: Sequence[int], block_ids: Sequence[int],
                      coreset_top_p: float = 1.0):
         """Block (denoising) mode logits (spec 3.2-3.3, coreset 5.6): reset, prefill
@@ -1192,19 +1449,20 @@ class Model:
         if len(prefix) + len(block) > self.n_ctx:
             raise ValueError(f"prefix_ids + block_ids: {len(prefix) + len(block)} tokens do not fit n_ctx={self.n_ctx}")
         err = err_buf()
-        self._abort_active()
-        lib.clover_context_reset(self._ctx)
-        self._cached, self._ids = [], list(prefix)
-        if prefix:
-            toks = ffi.new("int32_t[]", prefix)
-            if lib.clover_prefill(self._ctx, toks, len(prefix), ffi.NULL, 0, err, len(err)) < 0:
-                raise_error(err, "block_logits prefill")
         out = np.empty((len(block), self.n_vocab), dtype=np.float32)
         n_layer = int(self.hparams["n_layer"])
         nexp = ffi.new("int32_t[]", max(n_layer, 1))
         btoks = ffi.new("int32_t[]", block)
-        rc = lib.clover_block_forward(self._ctx, btoks, len(block), cp,
-                                      ffi.cast("float *", out.ctypes.data), nexp, err, len(err))
+        with self._slot() as s:
+            self._abort_active(s)
+            lib.clover_context_reset(s.ctx)
+            s.cached, s.ids = [], list(prefix)
+            if prefix:
+                toks = ffi.new("int32_t[]", prefix)
+                if lib.clover_prefill(s.ctx, toks, len(prefix), ffi.NULL, 0, err, len(err)) < 0:
+                    raise_error(err, "block_logits prefill")
+            rc = lib.clover_block_forward(s.ctx, btoks, len(block), cp,
+                                          ffi.cast("float *", out.ctypes.data), nexp, err, len(err))
         if rc < 0:
             raise_error(err, "block_logits")
         return out, [int(nexp[k]) for k in range(n_layer)]

@@ -16,7 +16,8 @@ CHUNK = 16 << 20  # bytes per read
 MIN_BYTES = 256 << 20  # smaller files load in a moment: no bar
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
+    """Bytes the kernel reports as available (MemAvailable), else free physical pages; None when unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -41,7 +42,7 @@ def preload(path, *, force: bool = False, file=None) -> int:
     except OSError:
         return 0
     if not force:
-        avail = _available_bytes()
+        avail = available_bytes()
         if size < MIN_BYTES or not getattr(out, "isatty", lambda: False)() or (avail is not None and size > avail):
             return 0
     from tqdm import tqdm

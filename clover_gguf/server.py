@@ -16,29 +16,34 @@ llama.cpp's ``llama-server`` and OpenAI name them:
   ``context_length_exceeded``.
 - ``GET /health``: 503 ``{"status": "loading model"}`` while the model loads, 200
   ``{"status": "ok"}`` after (llama.cpp's shape).
-- ``GET /metrics``: Prometheus text format (requests, tokens, active and queued requests).
+- ``GET /metrics``: Prometheus text format (requests, tokens, active and queued requests; per
+  slot whether it is busy and the tokens it generated; the continuous batch's passes).
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a malformed
 body or a bad field value is 400 with the field in ``param`` (a prompt longer than the context:
 code ``context_length_exceeded``), a body over ``max_body`` bytes 413, a missing or wrong API
 key 401 (``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open, as in llama.cpp).
 
-One slot: the single :class:`Clover` object runs one generation at a time. A request is read,
-parsed, rendered (chat template) and tokenized outside the slot, in a worker thread, then waits
-in a FIFO queue (``clover_requests_queued``); past ``max_queue`` waiting requests a new one gets
+Slots: ``n_parallel`` (llama-server's ``-np``; 1 unless given) generations run at once, each on
+its own context of the one :class:`Clover` object, their forwards batched together (continuous
+batching, :class:`~clover_gguf.model.Model`). A request is read, parsed, rendered (chat template)
+and tokenized outside the slots, in a worker thread, then waits in a FIFO queue
+(``clover_requests_queued``) for a free slot; past ``max_queue`` waiting requests a new one gets
 503 with ``Retry-After``. A request older than ``timeout`` seconds is ended: 408 while its body
 is still arriving, 503 while it waits, 504 (or an error event in a stream) once it generates,
-its generation cancelled. A client that
-disconnects (mid-stream or while a non-streamed answer is computed) gets its generation cancelled
-with :meth:`Clover.cancel`, which stops the forward pass in progress before its next layer, so
-the slot is free for the next request within one forward.
+its generation cancelled. A client that disconnects (mid-stream or while a non-streamed answer is
+computed) gets its generation cancelled (that request's alone: :meth:`Stream.cancel
+<clover_gguf.llama.Stream.cancel>`, or :meth:`Clover.cancel` of its worker thread), which stops
+its forward pass before its next layer, so the slot is free for the next request within one
+forward; the other slots' generations go on unchanged.
 
-Prefix reuse (``Clover(prefix_reuse=True)``): a request whose prompt extends what the slot's
-caches hold prefills only the new tokens. The caches are kept per client: a request whose client
-key (OpenAI's ``prompt_cache_key``, else ``user``; requests with neither share one anonymous key)
-differs from the previous request's starts from an empty context, so one client cannot learn
-from ``timings.n_prompt_reused`` or from the answer's timing whether another's prompt starts as
-its guess.
+Prefix reuse (``Clover(prefix_reuse=True)``): a request whose prompt extends what a slot's
+caches hold prefills only the new tokens, and a request goes to the free slot that shares the
+most of its prompt (llama-server's slot choice). The caches are kept per client (Clover's
+``prompt_cache_key``): a request whose client key (OpenAI's ``prompt_cache_key``, else ``user``;
+requests with neither share one anonymous key) differs from the key of the slot's previous request
+starts from an empty context, so one client cannot learn from ``timings.n_prompt_reused`` or
+from the answer's timing whether another's prompt starts as its guess.
 
 fastapi and uvicorn (the ``server`` extra) are imported only here, i.e. only by ``serve``.
 """
@@ -158,15 +163,27 @@ def _failure(e: BaseException, prompt_param: str = "prompt") -> _ApiError:
 
 
 class _Job:
-    """One generation holding the slot: ``done`` is set (on the event loop) when its worker
-    thread has finished and the slot is released."""
+    """One generation holding a slot: ``done`` is set (on the event loop) when its worker
+    thread has finished and the slot is released. Its call is cancelled alone: a stream by its
+    :class:`Stream` (``stream``), a whole answer by the thread running it (``thread``, cleared
+    under ``lock`` before that thread takes another request)."""
 
-    __slots__ = ("done", "stop", "deadline", "started")
+    __slots__ = ("done", "stop", "deadline", "started", "lock", "thread", "stream")
 
     def __init__(self, deadline: float) -> None:
         self.done = False
         self.stop = threading.Event()
         self.deadline = deadline  # loop.time() past which the request is ended (inf: none)
+        self.lock = threading.Lock()
+        self.thread: int | None = None
+        self.stream = None
+
+    def cancel(self, clover) -> None:
+        with self.lock:
+            if self.stream is not None:
+                self.stream.cancel()
+            elif self.thread is not None:
+                clover.cancel(thread=self.thread)
 
     def remaining(self) -> float | None:
         return _seconds_left(self.deadline)
@@ -189,9 +206,9 @@ class _State:
         self.clover_kwargs = clover_kwargs
         self.max_body = max_body if max_body is not None else default_max_body(clover_kwargs.get("n_ctx", 4096))
         self.max_queue, self.timeout = max_queue, timeout
-        self.pending = 0  # admitted requests not yet holding the slot (preparing or queued)
-        self.client: str | None = None  # the client key of the last request that held the slot
-        self.durations: list[float] = []  # seconds the last requests held the slot (Retry-After)
+        self.pending = 0  # admitted requests not yet holding a slot (preparing or queued)
+        self.n_parallel = int(clover_kwargs.get("n_parallel", 1))
+        self.durations: list[float] = []  # seconds the last requests held a slot (Retry-After)
         self.clover = None
         self.load_error: BaseException | None = None
         self.loaded = threading.Event()
@@ -202,16 +219,22 @@ class _State:
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = 0
         self.tokens_generated = 0
+        self.slot_tokens: dict[int, int] = {}  # completion tokens per slot (timings["id_slot"])
         self.cancelled = 0
         self.tasks: set = set()  # background tasks (kept referenced until done)
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
 
-    def add_usage(self, usage: dict | None) -> None:
+    def add_usage(self, answer: dict) -> None:
+        """Count the tokens of a response (or a stream's last chunk): its usage, per slot."""
+        usage = answer.get("usage")
         if usage:
             self.prompt_tokens += int(usage.get("prompt_tokens", 0))
             self.tokens_generated += int(usage.get("completion_tokens", 0))
+            slot = (answer.get("timings") or {}).get("id_slot")
+            if slot is not None:
+                self.slot_tokens[slot] = self.slot_tokens.get(slot, 0) + int(usage.get("completion_tokens", 0))
 
     def load(self) -> None:
         from .llama import Clover
@@ -220,17 +243,22 @@ class _State:
         try:
             preload(self.model_path)  # progress bar on a terminal while /health answers 503
             self.clover = Clover(self.model_path, **{"embedding": True, **self.clover_kwargs})
+            m = self.clover.engine
+            print(f"context memory: {m.n_parallel} slot{'s' if m.n_parallel > 1 else ''} x "
+                  f"{m.context_bytes / 2**20:.1f} MiB (n_ctx {m.n_ctx}) = "
+                  f"{m.n_parallel * m.context_bytes / 2**20:.1f} MiB", file=sys.stderr, flush=True)
         except BaseException as e:  # reported by /health and by serve()
             self.load_error = e
             print(f"error: loading {self.model_path}: {e}", file=sys.stderr, flush=True)
         finally:
             self.loaded.set()
 
-    # -------------------------------------------------------------- the slot
+    # -------------------------------------------------------------- the slots
     def retry_after(self) -> str:
-        """Seconds a refused client should wait: the queue times the mean slot time, 1..60."""
+        """Seconds a refused client should wait: the queue times the mean slot time over the
+        slots, 1..60."""
         mean = sum(self.durations) / len(self.durations) if self.durations else 1.0
-        return str(int(min(60, max(1, round(mean * (self.queued + self.active))))))
+        return str(int(min(60, max(1, round(mean * (self.queued + self.active) / self.n_parallel)))))
 
     def admit(self) -> float:
         """Count a new request as pending; 503 when ``max_queue`` requests are pending already.
@@ -243,9 +271,9 @@ class _State:
         return now + self.timeout if self.timeout > 0 else float("inf")
 
     async def acquire(self, deadline: float) -> _Job:
-        """Wait for the slot until ``deadline`` (503 after it)."""
+        """Wait for a slot until ``deadline`` (503 after it)."""
         if self.sem is None:
-            self.sem = asyncio.Semaphore(1)
+            self.sem = asyncio.Semaphore(self.n_parallel)
         job = _Job(deadline)
         self.queued += 1
         try:
@@ -267,13 +295,6 @@ class _State:
             self.durations = (self.durations + [asyncio.get_running_loop().time() - job.started])[-16:]
             self.sem.release()
 
-    def switch_client(self, client: str | None) -> None:
-        """In the slot, before a generation: a request of another client than the last one starts
-        from an empty context (prefix reuse stays within a client)."""
-        if client != self.client:
-            self.clover.reset()
-            self.client = client
-
     def cancel_until_done(self, job: _Job) -> None:
         """Cancel ``job``'s generation now and again every 50 ms until its thread ends (a
         cancel() that came before the stream registered its call is repeated). ``job.done``
@@ -286,7 +307,7 @@ class _State:
 
         async def loop():
             while not job.done:
-                self.clover.cancel()
+                job.cancel(self.clover)
                 await asyncio.sleep(0.05)
 
         t = asyncio.ensure_future(loop())
@@ -525,9 +546,11 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
                 ("clover_requests_queued", "gauge", "Requests waiting for a slot.", st.queued),
                 ("clover_requests_pending", "gauge",
                  "Requests admitted and not yet generating (preparing their prompt or queued).", st.pending),
-                ("clover_slots_total", "gauge", "Generation slots.", 1),
+                ("clover_slots_total", "gauge", "Generation slots (n_parallel).", st.n_parallel),
                 ("clover_model_loaded", "gauge", "1 once the model is loaded.", int(st.clover is not None))):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
+        if st.clover is not None:
+            lines += _slot_metrics(st)
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -539,7 +562,7 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
 
     async def generate(request: Request, endpoint: str, parse, prepare, call, prompt_param: str):
         """Check, parse and prepare (render, tokenize: ``prepare(kw)`` in a worker thread, outside
-        the slot) a request, then run ``call(**kw)`` in the slot."""
+        the slots) a request, then run ``call(client key, **kw)`` in a slot."""
         try:
             check_key(request)
             check_loaded()
@@ -569,15 +592,11 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
             if size >= BIG_BODY:
                 _release_memory()
 
-        def run(**kwargs):
-            st.switch_client(client)
-            return call(**kwargs)
-
         try:
             if stream:
-                resp = await _start_stream(st, job, request, lambda: run(stream=True, **kw), prompt_param)
+                resp = await _start_stream(st, job, request, lambda: call(client, stream=True, **kw), prompt_param)
             else:
-                resp = await _run_whole(st, job, request, lambda: run(**kw), prompt_param)
+                resp = await _run_whole(st, job, request, lambda: call(client, **kw), prompt_param)
         except _ApiError as e:
             st.count(endpoint, e.status)
             raise
@@ -623,7 +642,7 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
         kw["input"] = inputs
         return kw
 
-    def embed(input, encoding_format, dimensions, model):
+    def embed(client, input, encoding_format, dimensions, model):
         out = st.clover.create_embedding(input, model, normalize=True, truncate=False)
         if encoding_format == "base64":
             for d in out["data"]:
@@ -645,14 +664,40 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, "/v1/completions", _completion_kwargs, prepare_completion,
-                              lambda **kw: st.clover.create_completion(kw.pop("prompt"), **kw), "prompt")
+                              lambda client, **kw: st.clover.create_completion(
+                                  kw.pop("prompt"), prompt_cache_key=client, **kw), "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, "/v1/chat/completions", _chat_kwargs, prepare_chat,
-                              lambda **kw: st.clover.create_chat_completion(kw.pop("messages"), **kw), "messages")
+                              lambda client, **kw: st.clover.create_chat_completion(
+                                  kw.pop("messages"), prompt_cache_key=client, **kw), "messages")
 
     return app
+
+
+# clover_batch_get_stats' fields as /metrics names: (field, name, kind, help)
+_BATCH_METRICS = (
+    ("n_passes", "clover_batch_passes_total", "counter", "Forward passes of the continuous batch."),
+    ("n_shared", "clover_batch_shared_passes_total", "counter", "Passes that ran two or more sequences."),
+    ("n_entries", "clover_batch_sequence_forwards_total", "counter", "Sequence forwards over all passes."),
+    ("n_rows", "clover_batch_rows_total", "counter", "Rows over all passes."),
+    ("max_entries", "clover_batch_max_sequences", "gauge", "The most sequences in one pass."),
+)
+
+
+def _slot_metrics(st: _State) -> list[str]:
+    """/metrics lines per slot (busy, tokens generated) and of the slots' batch."""
+    busy = st.clover.engine.slot_busy()
+    lines = ["# HELP clover_slot_busy 1 while a generation holds the slot.", "# TYPE clover_slot_busy gauge"]
+    lines += [f'clover_slot_busy{{slot="{i}"}} {int(b)}' for i, b in enumerate(busy)]
+    lines += ["# HELP clover_slot_tokens_generated_total Completion tokens generated per slot.",
+              "# TYPE clover_slot_tokens_generated_total counter"]
+    lines += [f'clover_slot_tokens_generated_total{{slot="{i}"}} {st.slot_tokens.get(i, 0)}' for i in range(len(busy))]
+    batch = st.clover.engine.batch_stats()
+    for field, name, kind, help_ in _BATCH_METRICS if batch is not None else ():
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {batch[field]}"]
+    return lines
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -684,11 +729,14 @@ async def _run_whole(st: _State, job: _Job, request: Request, call, prompt_param
     result: dict = {}
 
     def work():
+        job.thread = threading.get_ident()
         try:
             result["value"] = call()
         except BaseException as e:
             result["error"] = e
         finally:
+            with job.lock:
+                job.thread = None
             loop.call_soon_threadsafe(st.release, job)
 
     worker = asyncio.ensure_future(anyio.to_thread.run_sync(work))
@@ -705,7 +753,7 @@ async def _run_whole(st: _State, job: _Job, request: Request, call, prompt_param
         raise _timed_out(st)
     if "error" in result:
         raise _failure(result["error"], prompt_param)
-    st.add_usage(result["value"].get("usage"))
+    st.add_usage(result["value"])
     return JSONResponse(result["value"])
 
 
@@ -728,13 +776,14 @@ async def _start_stream(st: _State, job: _Job, request: Request, call, prompt_pa
     except BaseException as e:
         st.release(job)
         raise _failure(e, prompt_param) from None
+    job.stream = it
     q: asyncio.Queue = asyncio.Queue()
 
     def work():
         try:
             for chunk in it:
                 if "usage" in chunk:
-                    st_usage.append(chunk["usage"])
+                    st_usage.append(chunk)
                 if not job.stop.is_set():
                     loop.call_soon_threadsafe(q.put_nowait, ("chunk", chunk))
         except BaseException as e:

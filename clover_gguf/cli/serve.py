@@ -33,7 +33,8 @@ def cmd(a) -> int:
         raise UsageError(f"serve needs fastapi and uvicorn ({e}): pip install fastapi uvicorn "
                          "(from a clone: pip install '.[server]')") from None
     return serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
-                 max_queue=a.max_queue, timeout=a.timeout, n_ctx=a.ctx_size, n_threads=a.threads, mode=a.mode,
+                 max_queue=a.max_queue, timeout=a.timeout, n_parallel=a.parallel, n_ctx=a.ctx_size,
+                 n_threads=a.threads, mode=a.mode,
                  prefix_reuse=not a.no_prefix_reuse, pooling_type=-1 if a.pooling is None else a.pooling,
                  chat_template_kwargs=tkw, **placement_kwargs(a), **model_kwargs(a))
 
@@ -51,8 +52,11 @@ def add_parser(sub) -> None:
     sv.add_argument("--max-body", type=_size_arg, default=None,
                     help="largest request body, bytes or a size such as 4M (default: 64 bytes per context "
                          "token, at least 1M); larger ones get 413")
+    sv.add_argument("-np", "--parallel", type=int_at_least(1), default=4,
+                    help="slots: generations at once, batched together (llama-server's flag; 4); memory for "
+                         "this many contexts of --ctx-size is needed")
     sv.add_argument("--max-queue", type=int_at_least(1), default=64,
-                    help="requests waiting for the slot before new ones get 503 with Retry-After (64)")
+                    help="requests waiting for a slot before new ones get 503 with Retry-After (64)")
     sv.add_argument("--timeout", type=_seconds, default=600.0,
                     help="seconds a request may take, waiting included; then it is cancelled (600; 0: none)")
     sv.add_argument("--pooling", choices=("mean", "last"), default=None,

@@ -14,6 +14,7 @@ import pytest
 from clover_gguf import Clover, CloverError, Model
 from clover_gguf._ffi import ffi, lib
 from clover_gguf.llama import ReasoningSplitter
+from clover_gguf.model import Generation, _Run
 
 N_THREADS = 2
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n"
@@ -209,13 +210,14 @@ def _fake_generation(monkeypatch, llm, pieces, seen):
 
     def fake_stream(ids, **kw):
         seen.append(list(ids))
+        run = _Run()
 
         def gen():
             yield from ((piece, [], None) for piece in pieces)
-            m.last_stats = {"n_prompt": len(ids), "tokens": m.tokenize("".join(pieces)), "seconds": 0.5,
-                            "prefill_seconds": 0.1, "finish_reason": "stop", "n_forward": 3,
-                            "n_forward_prefill": 1, "tokens_per_forward": 1.0, "mode": kw["mode"]}
-        return gen()
+            run.stats = {"n_prompt": len(ids), "tokens": m.tokenize("".join(pieces)), "seconds": 0.5,
+                         "prefill_seconds": 0.1, "finish_reason": "stop", "n_forward": 3,
+                         "n_forward_prefill": 1, "tokens_per_forward": 1.0, "mode": kw["mode"]}
+        return Generation(m, run, gen())
 
     monkeypatch.setattr(m, "generate_pieces", fake_stream)
 

@@ -266,7 +266,7 @@ def test_metrics_counts(server):
     assert m['clover_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert m['clover_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
     assert m["clover_tokens_generated_total"] > 0
-    assert m["clover_requests_queued"] == 0 and m["clover_slots_total"] == 1
+    assert m["clover_requests_queued"] == 0 and m["clover_slots_total"] == 4  # serve's default -np
 
 
 def test_health_503_while_loading(gguf_path):
