@@ -168,9 +168,6 @@ def test_clover_threads_and_stream_cancel(solo):
         assert got[2][-1]["choices"][0]["finish_reason"] == "cancelled"
 
 
-@pytest.mark.xfail(strict=True, reason="native/model/batch.c choose(): the oldest forward, a prefill, takes "
-                   "all max_rows rows of each pass (room / 64 * 64), so a decode step queued behind it waits "
-                   "for the whole prefill")
 def test_long_prompt_does_not_stall_running_streams():
     """A 1536-token prompt arriving while a stream decodes is prefilled in chunks beside the
     stream's steps, at most n_ubatch (128) rows a pass: the largest gap between the stream's
