@@ -36,9 +36,10 @@ not wait). Meanwhile a monitor polls ``/health`` every 0.5 s and samples the ser
 every 10 s.
 
 The run passes when there is no unexpected error, every /health answer came (200) in under
-1 s, the server's RSS after the load (idle) is at most 1.10 x its RSS before it (idle, after
+1 s, the server's RSS after the load (idle) is at most 1.05 x (``--rss-factor``) its RSS before it (idle, after
 ``--warmup`` seconds of the same load, which grow the thread pools and allocator arenas once;
-the summary also gives the RSS right after the reference request), /metrics shows no active, queued or pending request afterwards (no stuck slot), and
+the summary also gives the RSS right after the reference request), /metrics shows no active, queued or pending request
+and no busy slot afterwards (no stuck slot; ``-np`` slots, the server's default 4), and
 the reference request answers the same text after the load. Prints one JSON summary (statuses
 per kind); exit code 1 if a check failed. Only the standard library is used on the client side.
 
@@ -96,7 +97,7 @@ CLIENT_GRACE = 60.0        # a client's socket timeout: the server's timeout plu
 FLOOD = 10                 # requests of one queue_flood burst
 HEALTH_INTERVAL = 0.5      # seconds between /health polls
 HEALTH_LIMIT = 1.0         # a /health answer this slow (s) fails the run
-RSS_FACTOR = 1.10          # RSS after the load <= this x RSS before
+RSS_FACTOR = 1.05          # RSS after the load <= this x RSS before
 CHUNK = 64 << 10           # bytes per chunk of a slowly sent body
 SLOW_RCVBUF = 4096         # receive buffer of a slow reader's socket
 RETRY_CAP = 5.0            # longest Retry-After (s) a client waits before its next request
@@ -121,16 +122,17 @@ def rss_mb(pid: int) -> float:
 
 def start_server(model: str, n_ctx: int = 512, threads: int = 1, log_path: str | None = None,
                  timeout: float = 120.0, max_body: int | None = None, max_queue: int | None = None,
-                 request_timeout: float | None = None, prefix_reuse: bool = True):
+                 request_timeout: float | None = None, prefix_reuse: bool = True, parallel: int | None = None):
     """``(process, base_url)`` of ``clover-gguf serve`` once /health answers 200 (within
-    ``timeout`` s); ``max_body, max_queue, request_timeout``: the server's ``--max-body,
-    --max-queue, --timeout`` (None: its defaults)."""
+    ``timeout`` s); ``max_body, max_queue, request_timeout, parallel``: the server's ``--max-body,
+    --max-queue, --timeout, -np`` (None: its defaults)."""
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, "-m", "clover_gguf.cli", "serve", "-m", model, "--port", str(port),
            "-c", str(n_ctx), "-t", str(threads)]
-    for flag, v in (("--max-body", max_body), ("--max-queue", max_queue), ("--timeout", request_timeout)):
+    for flag, v in (("--max-body", max_body), ("--max-queue", max_queue), ("--timeout", request_timeout),
+                    ("-np", parallel)):
         if v is not None:
             cmd += [flag, str(v)]
     if not prefix_reuse:
@@ -228,9 +230,15 @@ def reference_text(base: str) -> str:
     return json.loads(raw)["choices"][0]["text"]
 
 
+def _busy_slots(m: dict) -> int:
+    """Slots a request holds in /metrics ``m`` (``clover_slot_busy{slot="i"}``)."""
+    return int(sum(v for k, v in m.items() if k.startswith("clover_slot_busy")))
+
+
 def _busy(m: dict) -> float:
-    """Requests active, queued or pending in /metrics ``m`` (a missing gauge counts as busy)."""
-    return sum(m.get(f"clover_requests_{g}", 1) for g in ("active", "queued", "pending"))
+    """Requests active, queued or pending and slots held in /metrics ``m`` (a missing gauge counts
+    as busy)."""
+    return sum(m.get(f"clover_requests_{g}", 1) for g in ("active", "queued", "pending")) + _busy_slots(m)
 
 
 def wait_idle(base: str, timeout: float = 60.0) -> dict:
@@ -642,14 +650,16 @@ def _served(m: dict) -> dict:
 
 def load_test(model: str, clients: int = 8, duration: float = 10.0, n_ctx: int = 512, threads: int = 1,
               seed: int = 0, log_path: str | None = None, max_body: int = MAX_BODY, max_queue: int = MAX_QUEUE,
-              timeout: float = TIMEOUT, prefix_reuse: bool = True, warmup: float = 0.0) -> dict:
+              timeout: float = TIMEOUT, prefix_reuse: bool = True, warmup: float = 0.0, parallel: int | None = None,
+              rss_factor: float = RSS_FACTOR) -> dict:
     """Start a server, run the load, check it afterwards; the JSON summary (``checks``: each
     check and whether it held; ``passed``: all held; ``rss_start_mb``: the server's RSS after
     the reference request; ``rss_before_mb``: after ``warmup`` seconds of the same load, idle,
     which have grown the thread pools and allocator arenas once; ``rss_after_mb``: after the
     load, idle; the RSS check compares the last two)."""
     proc, base = start_server(model, n_ctx=n_ctx, threads=threads, log_path=log_path, max_body=max_body,
-                              max_queue=max_queue, request_timeout=timeout, prefix_reuse=prefix_reuse)
+                              max_queue=max_queue, request_timeout=timeout, prefix_reuse=prefix_reuse,
+                              parallel=parallel)
     try:
         reference = reference_text(base)
         rss_start = rss_mb(proc.pid)
@@ -670,6 +680,7 @@ def load_test(model: str, clients: int = 8, duration: float = 10.0, n_ctx: int =
                "slots_active_after": int(m.get("clover_requests_active", -1)),
                "queued_after": int(m.get("clover_requests_queued", -1)),
                "pending_after": int(m.get("clover_requests_pending", -1)),
+               "slots": int(m.get("clover_slots_total", -1)), "slots_busy_after": _busy_slots(m),
                "reference_identical_after": after == reference,
                "server_alive": proc.poll() is None,
                "warmup_s": warmup, "rss_start_mb": round(rss_start, 1),
@@ -678,8 +689,9 @@ def load_test(model: str, clients: int = 8, duration: float = 10.0, n_ctx: int =
         out["checks"] = {
             "no_unexpected_errors": out["unexpected_errors"] == 0,
             "health_fast": load["health"]["failures"] == 0 and load["health"]["max_s"] < HEALTH_LIMIT,
-            "rss_bounded": rss_after <= RSS_FACTOR * rss_before,
-            "idle_after": out["slots_active_after"] == 0 and out["queued_after"] == 0 and out["pending_after"] == 0,
+            "rss_bounded": rss_after <= rss_factor * rss_before,
+            "idle_after": out["slots_active_after"] == 0 and out["queued_after"] == 0 and out["pending_after"] == 0
+            and out["slots_busy_after"] == 0,
             "reference_identical_after": out["reference_identical_after"],
             "server_alive": out["server_alive"]}
         out["passed"] = all(out["checks"].values())
@@ -701,6 +713,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=TIMEOUT,
                     help=f"server's --timeout in seconds ({TIMEOUT:g}: long jobs end)")
     ap.add_argument("--no-prefix-reuse", action="store_true", help="server's --no-prefix-reuse")
+    ap.add_argument("-np", "--parallel", type=int, default=None, help="server's -np (its default: 4 slots)")
+    ap.add_argument("--rss-factor", type=float, default=RSS_FACTOR,
+                    help=f"the RSS check: idle RSS after the load <= this x before it ({RSS_FACTOR})")
     ap.add_argument("--warmup", type=float, default=20.0,
                     help="seconds of the same load before RSS is read for the RSS check (20)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the clients' choices (0)")
@@ -713,7 +728,7 @@ def main(argv=None) -> int:
         a.model = DEFAULT_MODEL
     out = load_test(a.model, a.clients, a.duration, a.ctx_size, a.threads, a.seed, a.log, max_body=a.max_body,
                     max_queue=a.max_queue, timeout=a.timeout, prefix_reuse=not a.no_prefix_reuse,
-                    warmup=a.warmup)
+                    warmup=a.warmup, parallel=a.parallel, rss_factor=a.rss_factor)
     print(json.dumps(out, indent=1))
     return 0 if out["passed"] else 1
 
