@@ -153,16 +153,13 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
     const dk_q4_K *x = (const dk_q4_K *)w_row;
     const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 3);
         uint32_t u[4];
         dk_unpack_scales(x[i].scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
         const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
-        const float yd = y[i].d;
-        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(x[i].dmin)), _mm_cvtepi32_ps(prod), accm);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const uint8_t *q = x[i].qs;
         const int8_t *a = y[i].qs;
@@ -177,10 +174,9 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
             s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)), pl));
             s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)), ph));
         }
-        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+        acc = dk_block_float(acc, _mm256_add_epi32(s0, s1), prod, y[i].d, &x[i].d);
     }
-    return clover_hsum8(acc) + dk_hsum4(accm);
+    return dk_block_float_end(acc);
 }
 
 DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq) {
@@ -188,16 +184,13 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
     const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 3);
         uint32_t u[4];
         dk_unpack_scales(x[i].scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
         const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
-        const float yd = y[i].d;
-        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(x[i].dmin)), _mm_cvtepi32_ps(prod), accm);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const uint8_t *q = x[i].qs;
         const int8_t *a = y[i].qs;
@@ -217,10 +210,9 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
             s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)), pl));
             s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)), ph));
         }
-        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+        acc = dk_block_float(acc, _mm256_add_epi32(s0, s1), prod, y[i].d, &x[i].d);
     }
-    return clover_hsum8(acc) + dk_hsum4(accm);
+    return dk_block_float_end(acc);
 }
 
 DK_AVX2 static float dot_q6_K_avx2(int64_t n, const void *w_row, const void *xq) {

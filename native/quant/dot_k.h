@@ -96,6 +96,24 @@ DK_AVX2 static inline __m128i dk_mins_prod(__m128i mins16, const int16_t *bsums)
     return _mm_madd_epi16(mins16, _mm_hadd_epi16(b0, b1)); /* per-32 sums fit int16 */
 }
 
+/* The float steps of one Q4_K / Q5_K block (the 4-row kernels, dot_k4_avx2.c, run the same ones per
+ * row): s (8 int32 lanes) and prod (4) reduce exactly to S = sum of levels times scales and M =
+ * sum of mins times sub-block sums; lane 0 of acc += (yd * d) * S, lane 1 += (yd * dmin) * M,
+ * one FMA each. The row's value is lane 0 - lane 1. dm: the block's fp16 (d, dmin) pair. */
+DK_AVX2 static inline __m128 dk_block_float(__m128 acc, __m256i s, __m128i prod, float yd, const uint16_t *dm) {
+    const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i u = _mm_hadd_epi32(t, prod);
+    const __m128i sm = _mm_hadd_epi32(u, u); /* S, M, S, M */
+    uint32_t pair;
+    memcpy(&pair, dm, 4);
+    const __m128 scale = _mm_mul_ps(_mm_set1_ps(yd), _mm_cvtph_ps(_mm_cvtsi32_si128((int)pair)));
+    return _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sm), acc);
+}
+
+DK_AVX2 static inline float dk_block_float_end(__m128 acc) {
+    return _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc)));
+}
+
 /* The eight signed 6-bit IQ4_XS group scales (ls - 32) as int32 lanes. */
 DK_AVX2 static inline __m256i dk_iq4xs_scales(const dk_iq4_xs *b) {
     uint32_t sl;

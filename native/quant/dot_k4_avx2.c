@@ -6,21 +6,32 @@
 
 /* ---------------------------------------------------------------- AVX2 four-row kernels */
 
-/* out[r] = dot(w_row, Q8_K row r) for r < 4, rows x_stride bytes apart, as they are (no
- * permuted layout): each weight block's scales and levels are unpacked once for the 4 rows. Per
- * row the int32 block sum is the single-row AVX2 kernel's (int32 sums are exact in any order)
- * and the float operations run as there, so each out[r] equals that kernel's value bit for bit. */
+/* out[r] = dot(w_row, Q8_K row r) for r < 4, rows x_stride bytes apart: each weight block's
+ * scales and levels are unpacked once for the 4 rows. Per row the int32 block sums are the
+ * single-row AVX2 kernel's (int32 sums are exact in any order) and the float operations run as
+ * there, so each out[r] equals that kernel's value bit for bit. Q6_K and IQ4_XS read the rows as
+ * they are, Q4_K and Q5_K in the paired layout (dot.h clover_x4_pair_q8_K). */
 
-/* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over four rows. */
+/* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over four rows in the paired layout.
+ * The 128 level bytes are transposed in 8-byte pieces so that register s holds bytes 8s..8s+7 of
+ * each 32-byte chunk j: its low nibbles are values 8s..8s+7 of sub-blocks 0, 2, 4, 6, its high
+ * nibbles those of sub-blocks 1, 3, 5, 7, the order of the paired rows' two 32-byte halves. Each
+ * int16 lane of maddubs then stays in one sub-block for all s, so the 4 products of a lane are
+ * summed in int16 (at most 4 * 2 * 31 * 127 = 31496) and scaled with one madd per half block,
+ * not one per 32 values. Per block and row the int32 sums S (levels times scales) and M (mins
+ * times the sub-block sums) reduce to one lane each; the floats run as in dk_block_float. */
 DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t n, const dk_q4_K *x4,
                                                                         const dk_q5_K *x5, const void *xq,
                                                                         int64_t x_stride, float *out) {
     DK_ROWS4(y, xq, x_stride);
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(16);
-    __m256 acc[4];
-    __m128 accm[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    const __m256i hshift = _mm256_setr_epi64x(0, 2, 4, 6);
+    /* pshufb masks taking int16 scales (0, 2 | 4, 6) and (1, 3 | 5, 7), each into 4 lanes */
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 4, 5, 4, 5, 4, 5, 4, 5, 8, 9, 8, 9, 8, 9, 8, 9, 12, 13,
+                                          12, 13, 12, 13, 12, 13);
+    const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         const uint8_t *scales = x5 ? x5[i].scales : x4[i].scales;
         const uint8_t *q = x5 ? x5[i].qs : x4[i].qs;
@@ -33,38 +44,51 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t 
         dk_unpack_scales(scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
-        __m256i hb = x5 ? _mm256_loadu_si256((const __m256i *)x5[i].qh) : _mm256_setzero_si256();
-        __m256i s[4];
-        for (int r = 0; r < 4; r++) s[r] = _mm256_setzero_si256();
+        const __m256i sce = _mm256_shuffle_epi8(sc, even), sco = _mm256_shuffle_epi8(sc, odd);
+        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
+        /* transpose the 4 chunks' 8-byte pieces: w[s] = piece s of chunks 0, 1, 2, 3 */
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)q), c1 = _mm256_loadu_si256((const __m256i *)(q + 32));
+        const __m256i c2 = _mm256_loadu_si256((const __m256i *)(q + 64)), c3 = _mm256_loadu_si256((const __m256i *)(q + 96));
+        const __m256i t0 = _mm256_unpacklo_epi64(c0, c1), t1 = _mm256_unpackhi_epi64(c0, c1);
+        const __m256i t2 = _mm256_unpacklo_epi64(c2, c3), t3 = _mm256_unpackhi_epi64(c2, c3);
+        const __m256i w[4] = {_mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
+                              _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
+        __m256i se[4], so[4]; /* per row: int16 sums of the even and the odd sub-blocks */
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++, q += 32) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)q);
-            __m256i lo = _mm256_and_si256(bits, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            if (x5) { /* bit 0 / bit 1 of each byte of hb -> bit 4 */
+        for (int k = 0; k < 4; k++) {
+            __m256i lo = _mm256_and_si256(w[k], m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w[k], 4), m4);
+            if (x5) { /* bits 2j / 2j+1 of qh[8k + b] -> bit 4 of chunk j's piece, byte b */
+                uint64_t h;
+                memcpy(&h, x5[i].qh + 8 * k, 8);
+                const __m256i hb = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)h), hshift);
                 lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
-                hb = _mm256_srli_epi16(hb, 2);
             }
-            const __m256i scl = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j));
-            const __m256i sch = _mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1));
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                const int8_t *a = y[r][i].qs + 64 * j;
+                const int8_t *a = y[r][i].qs + 64 * k;
                 const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
                 const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
-                s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(scl, pl), _mm256_madd_epi16(sch, ph)));
+                se[r] = k ? _mm256_add_epi16(se[r], pl) : pl;
+                so[r] = k ? _mm256_add_epi16(so[r], ph) : ph;
             }
         }
-        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
+        __m256i sr[4];
+        __m128i mr[4];
         for (int r = 0; r < 4; r++) {
-            const float yd = y[r][i].d;
-            const __m128i prod = dk_mins_prod(mins, y[r][i].bsums);
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * dmin), _mm_cvtepi32_ps(prod), accm[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * d), _mm256_cvtepi32_ps(s[r]), acc[r]);
+            sr[r] = _mm256_add_epi32(_mm256_madd_epi16(se[r], sce), _mm256_madd_epi16(so[r], sco));
+            mr[r] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)y[r][i].bsums));
         }
+        /* lane r: row r's S (two levels of pairwise adds, then the two halves) and M */
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sr[0], sr[1]), _mm256_hadd_epi32(sr[2], sr[3]));
+        const __m128i S = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        const __m128i M = _mm_hadd_epi32(_mm_hadd_epi32(mr[0], mr[1]), _mm_hadd_epi32(mr[2], mr[3]));
+        const __m128 yd = _mm_setr_ps(y[0][i].d, y[1][i].d, y[2][i].d, y[3][i].d);
+        acc = _mm_fmadd_ps(_mm_mul_ps(yd, _mm_set1_ps(d)), _mm_cvtepi32_ps(S), acc);
+        accm = _mm_fmadd_ps(_mm_mul_ps(yd, _mm_set1_ps(dmin)), _mm_cvtepi32_ps(M), accm);
     }
-    for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]) + dk_hsum4(accm[r]);
+    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
 }
 
 DK_AVX2 static void dot4_q4_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {

@@ -98,7 +98,7 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
      * of 3 rows is padded to 4 with a copy of the last row (one 4-row pass costs about what 3
      * single-row passes do; the copy's outputs are dropped) */
     const int64_t T4 = dot4 ? (T % 4 == 3 ? T + 1 : T - T % 4) : 0;
-    const int packed = T4 > 0 ? clover_dot4_packed(type) : 0; /* 1: Q8_0 packed, 2: Q8_K K-permuted, 3: Q8_0 split */
+    const int packed = T4 > 0 ? clover_dot4_packed(type) : 0; /* 1: Q8_0 packed, 2: Q8_K K-permuted, 3: Q8_0 split, 4: Q8_K paired */
     const int64_t x4_bytes = packed == 1   ? clover_x4_row_bytes(n_in)
                              : packed == 3 ? clover_x4_split_row_bytes(n_in)
                                            : act_bytes;
@@ -126,6 +126,7 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
         if (packed == 1 && t < T4) clover_x4_pack_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
         if (packed == 2 && t < T4) clover_x4_pack_q8_K(xq + t * act_bytes, xp + t * x4_bytes, n_in);
         if (packed == 3 && t < T4) clover_x4_split_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
+        if (packed == 4 && t < T4) clover_x4_pair_q8_K(xq + t * act_bytes, xp + t * x4_bytes, n_in);
     }
     if (bad) {
         free(xq);
