@@ -207,6 +207,10 @@ void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n) {
     }
 }
 
+clover_vec_dot_fn clover_dot_paired_kernel(int type) {
+    return clover_dot_best_isa() == CLOVER_ISA_AVX2 ? clover_dot_paired_avx2(type) : NULL;
+}
+
 void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n) {
     const clover_block_q8_K *in = (const clover_block_q8_K *)xq;
     clover_block_q8_K *out = (clover_block_q8_K *)dst;

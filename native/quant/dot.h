@@ -153,6 +153,13 @@ clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no A
  * clover_dot4_packed 4; the same size. */
 int clover_dot4_packed(int type);
 void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n);
+/* One-row kernels on a paired row (AVX2 Q4_K and Q5_K, dot_k4_avx2.c): the same value as the
+ * single-row AVX2 kernel on the plain row, bit for bit, with the 4-row kernels' int16 sums.
+ * clover_dot_paired_kernel(type): that kernel where clover_dot4_packed(type) is 4 (the best ISA,
+ * CLOVER_ISA lowering it, is AVX2), else NULL; clover_dot_paired_avx2: NULL for other types and
+ * on non-x86 builds. matmul gives every row of such a type the paired layout. */
+clover_vec_dot_fn clover_dot_paired_kernel(int type);
+clover_vec_dot_fn clover_dot_paired_avx2(int type);
 int64_t clover_x4_split_row_bytes(int64_t n);
 void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n);
 int64_t clover_x4_row_bytes(int64_t n);

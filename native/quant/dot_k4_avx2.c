@@ -12,7 +12,7 @@
  * there, so each out[r] equals that kernel's value bit for bit. Q6_K and IQ4_XS read the rows as
  * they are, Q4_K and Q5_K in the paired layout (dot.h clover_x4_pair_q8_K). */
 
-/* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over four rows in the paired layout.
+/* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over R (1 or 4) rows in the paired layout.
  * The 128 level bytes are transposed in 8-byte pieces so that register s holds bytes 8s..8s+7 of
  * each 32-byte chunk j: its low nibbles are values 8s..8s+7 of sub-blocks 0, 2, 4, 6, its high
  * nibbles those of sub-blocks 1, 3, 5, 7, the order of the paired rows' two 32-byte halves. Each
@@ -20,10 +20,10 @@
  * summed in int16 (at most 4 * 2 * 31 * 127 = 31496) and scaled with one madd per half block,
  * not one per 32 values. Per block and row the int32 sums S (levels times scales) and M (mins
  * times the sub-block sums) reduce to one lane each; the floats run as in dk_block_float. */
-DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t n, const dk_q4_K *x4,
-                                                                        const dk_q5_K *x5, const void *xq,
-                                                                        int64_t x_stride, float *out) {
-    DK_ROWS4(y, xq, x_stride);
+DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_rows(int R, int64_t n, const dk_q4_K *x4,
+                                                                           const dk_q5_K *x5, const void *xq,
+                                                                           int64_t x_stride, float *out) {
+    DK_ROWS4(y, xq, R > 1 ? x_stride : 0);
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(16);
     const __m256i hshift = _mm256_setr_epi64x(0, 2, 4, 6);
@@ -66,7 +66,7 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t 
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
             }
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < R; r++) {
                 const int8_t *a = y[r][i].qs + 64 * k;
                 const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
                 const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
@@ -76,9 +76,13 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t 
         }
         __m256i sr[4];
         __m128i mr[4];
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             sr[r] = _mm256_add_epi32(_mm256_madd_epi16(se[r], sce), _mm256_madd_epi16(so[r], sco));
             mr[r] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)y[r][i].bsums));
+        }
+        if (R == 1) {
+            acc = dk_block_float(acc, sr[0], mr[0], y[0][i].d, x5 ? &x5[i].d : &x4[i].d);
+            continue;
         }
         /* lane r: row r's S (two levels of pairwise adds, then the two halves) and M */
         const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sr[0], sr[1]), _mm256_hadd_epi32(sr[2], sr[3]));
@@ -88,15 +92,32 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_4(int64_t 
         acc = _mm_fmadd_ps(_mm_mul_ps(yd, _mm_set1_ps(d)), _mm_cvtepi32_ps(S), acc);
         accm = _mm_fmadd_ps(_mm_mul_ps(yd, _mm_set1_ps(dmin)), _mm_cvtepi32_ps(M), accm);
     }
-    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+    if (R == 1)
+        out[0] = dk_block_float_end(acc);
+    else
+        _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
 }
 
 DK_AVX2 static void dot4_q4_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
-    dk_q45_avx2_4(n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
+    dk_q45_avx2_rows(4, n, (const dk_q4_K *)w_row, NULL, xq, x_stride, out);
 }
 
 DK_AVX2 static void dot4_q5_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
-    dk_q45_avx2_4(n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
+    dk_q45_avx2_rows(4, n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
+}
+
+/* One paired row (dot.h clover_dot_paired_avx2): the same value as dot_q4_K_avx2 / dot_q5_K_avx2
+ * on the plain row, bit for bit. */
+DK_AVX2 static float dot1p_q4_K_avx2(int64_t n, const void *w_row, const void *xq) {
+    float out;
+    dk_q45_avx2_rows(1, n, (const dk_q4_K *)w_row, NULL, xq, 0, &out);
+    return out;
+}
+
+DK_AVX2 static float dot1p_q5_K_avx2(int64_t n, const void *w_row, const void *xq) {
+    float out;
+    dk_q45_avx2_rows(1, n, NULL, (const dk_q5_K *)w_row, xq, 0, &out);
+    return out;
 }
 
 DK_AVX2 static void dot4_q6_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
@@ -198,7 +219,20 @@ DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx2(int type) {
     }
 }
 
+DK_EXPORT clover_vec_dot_fn clover_dot_paired_avx2(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q4_K: return dot1p_q4_K_avx2;
+    case CLOVER_TYPE_Q5_K: return dot1p_q5_K_avx2;
+    default: return NULL;
+    }
+}
+
 #else /* not x86 */
+
+DK_EXPORT clover_vec_dot_fn clover_dot_paired_avx2(int type) {
+    (void)type;
+    return NULL;
+}
 
 DK_EXPORT clover_vec_dot4_fn clover_dot4_k_avx2(int type) {
     (void)type;
