@@ -114,6 +114,31 @@ DK_AVX2 static inline float dk_block_float_end(__m128 acc) {
     return _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc)));
 }
 
+/* The 4 x 32 six-bit Q6_K levels (0..63) of half a block: low nibbles of ql bytes 0..31 (b1) and
+ * 32..63 (b2), then their high nibbles, each with its 2 high bits from bits 2c, 2c+1 of the qh
+ * bytes (bh), moved to bits 4, 5 by one 16-bit shift (bits crossing a byte are masked off). */
+DK_AVX2 static inline void dk_q6_levels(__m256i b1, __m256i b2, __m256i bh, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    q[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30));
+}
+
+/* dk_q6_half_scales(sc16, h): the 8 int16 scales of half h of a Q6_K block (groups 8h..8h+7;
+ * sc16: the block's 16 scales as int16) in both 128-bit lanes; DK_Q6_SCALE(sh, c): those of its
+ * chunk c (values 32c..32c+31 of the half) as int16 lanes, 0..7 group 8h + 2c, 8..15 group
+ * 8h + 2c + 1. */
+DK_AVX2 static inline __m256i dk_q6_half_scales(__m256i sc16, int h) {
+    return h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+}
+#define DK_Q6_SCALE(sh, c)                                                                          \
+    _mm256_shuffle_epi8((sh), _mm256_setr_epi8(4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), \
+                                               4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, \
+                                               4 * (c), 4 * (c) + 1, 4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3,     \
+                                               4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3, \
+                                               4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3))
+
 /* The eight signed 6-bit IQ4_XS group scales (ls - 32) as int32 lanes. */
 DK_AVX2 static inline __m256i dk_iq4xs_scales(const dk_iq4_xs *b) {
     uint32_t sl;

@@ -123,36 +123,25 @@ DK_AVX2 static float dot1p_q5_K_avx2(int64_t n, const void *w_row, const void *x
 DK_AVX2 static void dot4_q6_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
     const dk_q6_K *x = (const dk_q6_K *)w_row;
     DK_ROWS4(y, xq, x_stride);
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i m3 = _mm256_set1_epi8(3);
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 4);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         const uint8_t *ql = x[i].ql, *qh = x[i].qh;
         __m256i s[4];
         for (int r = 0; r < 4; r++) s[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++, ql += 64, qh += 32) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
             __m256i qv[4];
-            qv[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
-            qv[1] = _mm256_or_si256(_mm256_and_si256(b2, m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4));
-            qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4));
-            qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
+            dk_q6_levels(_mm256_loadu_si256((const __m256i *)ql), _mm256_loadu_si256((const __m256i *)(ql + 32)),
+                         _mm256_loadu_si256((const __m256i *)qh), qv);
+            const __m256i sh = dk_q6_half_scales(sc16, h);
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
                 /* 32 values = two groups of 16: int16 lanes 0..7 take scale 2k, lanes 8..15 2k+1 */
                 const int k = 4 * h + c;
-                const __m256i scv = _mm256_cvtepi8_epi16(
-                    _mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * k + 1), 0x0101010101010101LL * (2 * k))));
+                const __m256i scv = DK_Q6_SCALE(sh, c);
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++) {
                     const __m256i p = _mm256_maddubs_epi16(qv[c], _mm256_loadu_si256((const __m256i *)(y[r][i].qs + 32 * k)));
