@@ -53,31 +53,34 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_rows(int R
         const __m256i t2 = _mm256_unpacklo_epi64(c2, c3), t3 = _mm256_unpackhi_epi64(c2, c3);
         const __m256i w[4] = {_mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
                               _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
-        __m256i se[4], so[4]; /* per row: int16 sums of the even and the odd sub-blocks */
+        __m256i lo[4], hi[4]; /* the levels of piece k: even and odd sub-blocks */
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
-            __m256i lo = _mm256_and_si256(w[k], m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w[k], 4), m4);
+            lo[k] = _mm256_and_si256(w[k], m4);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(w[k], 4), m4);
             if (x5) { /* bits 2j / 2j+1 of qh[8k + b] -> bit 4 of chunk j's piece, byte b */
                 uint64_t h;
                 memcpy(&h, x5[i].qh + 8 * k, 8);
                 const __m256i hb = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)h), hshift);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const int8_t *a = y[r][i].qs + 64 * k;
-                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a));
-                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
-                se[r] = k ? _mm256_add_epi16(se[r], pl) : pl;
-                so[r] = k ? _mm256_add_epi16(so[r], ph) : ph;
+                lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m16));
+                hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_slli_epi16(hb, 3), m16));
             }
         }
+        /* row by row (the levels stay in registers): int16 sums of the even and the odd
+         * sub-blocks over the 4 pieces, then one madd with the scales each */
         __m256i sr[4];
         __m128i mr[4];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            sr[r] = _mm256_add_epi32(_mm256_madd_epi16(se[r], sce), _mm256_madd_epi16(so[r], sco));
+            const int8_t *a = y[r][i].qs;
+            __m256i se = _mm256_maddubs_epi16(lo[0], _mm256_loadu_si256((const __m256i *)a));
+            __m256i so = _mm256_maddubs_epi16(hi[0], _mm256_loadu_si256((const __m256i *)(a + 32)));
+#pragma GCC unroll 3
+            for (int k = 1; k < 4; k++) {
+                se = _mm256_add_epi16(se, _mm256_maddubs_epi16(lo[k], _mm256_loadu_si256((const __m256i *)(a + 64 * k))));
+                so = _mm256_add_epi16(so, _mm256_maddubs_epi16(hi[k], _mm256_loadu_si256((const __m256i *)(a + 64 * k + 32))));
+            }
+            sr[r] = _mm256_add_epi32(_mm256_madd_epi16(se, sce), _mm256_madd_epi16(so, sco));
             mr[r] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)y[r][i].bsums));
         }
         if (R == 1) {
