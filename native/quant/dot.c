@@ -187,8 +187,10 @@ clover_vec_dot_fn clover_dot_kernel(int type, int isa) {
 }
 
 int clover_dot4_packed(int type) {
-    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) /* the AVX2 kernels: split Q8_0, plain Q8_K */
-        return clover_dot_act_type(type) == CLOVER_TYPE_Q8_0 ? 3 : 0;
+    if (clover_dot_best_isa() < CLOVER_ISA_AVX512) /* the AVX2 kernels: split Q8_0, paired or plain Q8_K */
+        return clover_dot_act_type(type) == CLOVER_TYPE_Q8_0                ? 3
+               : type == CLOVER_TYPE_Q4_K || type == CLOVER_TYPE_Q5_K ? 4
+                                                                            : 0;
     if (clover_dot_act_type(type) == CLOVER_TYPE_Q8_0) return 1;
     return type == CLOVER_TYPE_Q4_K || type == CLOVER_TYPE_Q5_K ? 2 : 0;
 }
@@ -202,6 +204,24 @@ void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n) {
             out[i].bsums[k] = k < 8 ? (int16_t)(in[i].bsums[2 * k] + in[i].bsums[2 * k + 1]) : 0;
         for (int s = 0; s < 4; s++)
             for (int b = 0; b < 8; b++) memcpy(out[i].qs + 64 * s + 8 * b, in[i].qs + 32 * b + 8 * s, 8);
+    }
+}
+
+clover_vec_dot_fn clover_dot_paired_kernel(int type) {
+    return clover_dot_best_isa() == CLOVER_ISA_AVX2 ? clover_dot_paired_avx2(type) : NULL;
+}
+
+void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n) {
+    const clover_block_q8_K *in = (const clover_block_q8_K *)xq;
+    clover_block_q8_K *out = (clover_block_q8_K *)dst;
+    for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
+        out[i].d = in[i].d;
+        for (int k = 0; k < 16; k++) /* sums of 32: at most 32 * 128, an int16 */
+            out[i].bsums[k] = k < 8 ? (int16_t)(in[i].bsums[2 * k] + in[i].bsums[2 * k + 1]) : 0;
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 4; k++)
+                    memcpy(out[i].qs + 64 * s + 32 * h + 8 * k, in[i].qs + 32 * (2 * k + h) + 8 * s, 8);
     }
 }
 

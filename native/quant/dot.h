@@ -71,8 +71,9 @@ typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq,
 /* Best multi-row kernel for `type` on this CPU, or NULL: the AVX-512 one where the best ISA
  * (CLOVER_ISA lowers it) is AVX-512, the AVX2 one where it is AVX2. */
 clover_vec_dot4_fn clover_dot4_kernel(int type);
-/* AVX2 multi-row kernels (dot_avx2.c: Q8_0, Q4_0, IQ4_NL, MXFP4 on split Q8_0 rows; dot_k.c
- * through clover_dot4_k_avx2: Q4_K, Q5_K, Q6_K, IQ4_XS on plain Q8_K rows): each out[i] equals
+/* AVX2 multi-row kernels (dot_avx2.c: Q8_0, Q4_0, IQ4_NL, MXFP4 on split Q8_0 rows;
+ * dot_k4_avx2.c through clover_dot4_k_avx2: Q4_K, Q5_K on paired Q8_K rows, Q6_K, IQ4_XS on plain
+ * ones): each out[i] equals
  * the single-row AVX2 kernel's value bit for bit. NULL for other types and on non-x86 builds. */
 clover_vec_dot4_fn clover_dot4_avx2(int type);
 clover_vec_dot4_fn clover_dot4_k_avx2(int type);
@@ -133,8 +134,9 @@ clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no A
  * rows in a packed layout made from Q8_0 rows by clover_x4_pack_q8_0, those of Q4_K and Q5_K
  * Q8_K rows in the K-permuted layout made by clover_x4_pack_q8_K, and the other K-quant ones
  * Q8_K rows as they are. The AVX2 4-row kernels read Q8_0 rows in the split layout made by
- * clover_x4_split_q8_0 and Q8_K rows as they are. clover_dot4_packed(type) says which layout
- * clover_dot4_kernel(type) reads (1: Q8_0 packed, 2: K-permuted, 3: Q8_0 split, 0: as they are). Packed row of n values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128
+ * clover_x4_split_q8_0, Q8_K rows of Q4_K and Q5_K in the paired layout made by clover_x4_pair_q8_K
+ * and the others' as they are. clover_dot4_packed(type) says which layout clover_dot4_kernel(type)
+ * reads (1: Q8_0 packed, 2: K-permuted, 3: Q8_0 split, 4: paired, 0: as they are). Packed row of n values (n % 32 == 0, nb = n / 32 blocks): n bytes q + 128
  * (uint8, block after block), then per pair of blocks 16 floats, 8 copies of each block's
  * scale (a lone last block fills 8 of them): clover_x4_row_bytes(n) = n + 64 * ceil(nb / 2)
  * bytes. K-permuted row of n values (n % 256 == 0): the Q8_K blocks with the same d, qs
@@ -143,8 +145,21 @@ clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no A
  * sub-block b (bsums[8..15] = 0); the same size. */
 /* Split row of n values (n % 32 == 0, nb = n / 32 blocks): the n int8 q as they are, block
  * after block, then the nb block scales as float (the fp16 ones converted, exactly):
- * clover_x4_split_row_bytes(n) = n + 4 nb bytes. */
+ * clover_x4_split_row_bytes(n) = n + 4 nb bytes. Paired row of n values (n % 256 == 0; the
+ * AVX2 Q4_K and Q5_K 4-row kernels, dot_k4_avx2.c): the Q8_K blocks with the same d, qs reordered
+ * so that byte 64 s + 32 h + 8 k + i holds value 8 s + i of sub-block 2 k + h (the even
+ * sub-blocks' pieces s in the first 32 bytes of each 64, the odd ones' in the second) for s < 4,
+ * h < 2, k < 4, i < 8, and bsums as in the K-permuted layout; made by clover_x4_pair_q8_K,
+ * clover_dot4_packed 4; the same size. */
 int clover_dot4_packed(int type);
+void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n);
+/* One-row kernels on a paired row (AVX2 Q4_K and Q5_K, dot_k4_avx2.c): the same value as the
+ * single-row AVX2 kernel on the plain row, bit for bit, with the 4-row kernels' int16 sums.
+ * clover_dot_paired_kernel(type): that kernel where clover_dot4_packed(type) is 4 (the best ISA,
+ * CLOVER_ISA lowering it, is AVX2), else NULL; clover_dot_paired_avx2: NULL for other types and
+ * on non-x86 builds. matmul gives every row of such a type the paired layout. */
+clover_vec_dot_fn clover_dot_paired_kernel(int type);
+clover_vec_dot_fn clover_dot_paired_avx2(int type);
 int64_t clover_x4_split_row_bytes(int64_t n);
 void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n);
 int64_t clover_x4_row_bytes(int64_t n);

@@ -153,16 +153,13 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
     const dk_q4_K *x = (const dk_q4_K *)w_row;
     const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 3);
         uint32_t u[4];
         dk_unpack_scales(x[i].scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
         const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
-        const float yd = y[i].d;
-        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(x[i].dmin)), _mm_cvtepi32_ps(prod), accm);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const uint8_t *q = x[i].qs;
         const int8_t *a = y[i].qs;
@@ -177,10 +174,9 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
             s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)), pl));
             s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)), ph));
         }
-        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+        acc = dk_block_float(acc, _mm256_add_epi32(s0, s1), prod, y[i].d, &x[i].d);
     }
-    return clover_hsum8(acc) + dk_hsum4(accm);
+    return dk_block_float_end(acc);
 }
 
 DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq) {
@@ -188,16 +184,13 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
     const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 3);
         uint32_t u[4];
         dk_unpack_scales(x[i].scales, u);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
         const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
-        const float yd = y[i].d;
-        accm = _mm_fmadd_ps(_mm_set1_ps(-yd * _cvtsh_ss(x[i].dmin)), _mm_cvtepi32_ps(prod), accm);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const uint8_t *q = x[i].qs;
         const int8_t *a = y[i].qs;
@@ -217,50 +210,37 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
             s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j)), pl));
             s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_shuffle_epi8(sc, DK_BCAST16(2 * j + 1)), ph));
         }
-        const __m256 d = _mm256_set1_ps(yd * _cvtsh_ss(x[i].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+        acc = dk_block_float(acc, _mm256_add_epi32(s0, s1), prod, y[i].d, &x[i].d);
     }
-    return clover_hsum8(acc) + dk_hsum4(accm);
+    return dk_block_float_end(acc);
 }
 
 DK_AVX2 static float dot_q6_K_avx2(int64_t n, const void *w_row, const void *xq) {
     const dk_q6_K *x = (const dk_q6_K *)w_row;
     const clover_block_q8_K *y = (const clover_block_q8_K *)xq;
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i m3 = _mm256_set1_epi8(3);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 4);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         /* levels are stored +32: subtract 32 * sum_g sc_g * bsum_g */
-        const __m256i corr = _mm256_slli_epi32(
-            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), _mm256_cvtepi8_epi16(sc8)), 5);
+        const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[i].bsums), sc16), 5);
         const uint8_t *ql = x[i].ql, *qh = x[i].qh;
         const int8_t *a = y[i].qs;
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++, ql += 64, qh += 32, a += 128) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(b2, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
-            const __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *)a));
-            const __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *)(a + 32)));
-            const __m256i p2 = _mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *)(a + 64)));
-            const __m256i p3 = _mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *)(a + 96)));
-            /* 32 values = two groups of 16: int16 lanes 0..7 take scale 2k, lanes 8..15 2k+1 */
-            const int k = 4 * h;
-#define DK_SC6(c) _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * (k + c) + 1), \
-                                                                               0x0101010101010101LL * (2 * (k + c)))))
-            s0 = _mm256_add_epi32(s0, _mm256_add_epi32(_mm256_madd_epi16(DK_SC6(0), p0), _mm256_madd_epi16(DK_SC6(1), p1)));
-            s1 = _mm256_add_epi32(s1, _mm256_add_epi32(_mm256_madd_epi16(DK_SC6(2), p2), _mm256_madd_epi16(DK_SC6(3), p3)));
-#undef DK_SC6
+            __m256i q[4];
+            dk_q6_levels(_mm256_loadu_si256((const __m256i *)ql), _mm256_loadu_si256((const __m256i *)(ql + 32)),
+                         _mm256_loadu_si256((const __m256i *)qh), q);
+            const __m256i sh = dk_q6_half_scales(sc16, h);
+            const __m256i p0 = _mm256_maddubs_epi16(q[0], _mm256_loadu_si256((const __m256i *)a));
+            const __m256i p1 = _mm256_maddubs_epi16(q[1], _mm256_loadu_si256((const __m256i *)(a + 32)));
+            const __m256i p2 = _mm256_maddubs_epi16(q[2], _mm256_loadu_si256((const __m256i *)(a + 64)));
+            const __m256i p3 = _mm256_maddubs_epi16(q[3], _mm256_loadu_si256((const __m256i *)(a + 96)));
+            s0 = _mm256_add_epi32(s0, _mm256_add_epi32(_mm256_madd_epi16(DK_Q6_SCALE(sh, 0), p0),
+                                                       _mm256_madd_epi16(DK_Q6_SCALE(sh, 1), p1)));
+            s1 = _mm256_add_epi32(s1, _mm256_add_epi32(_mm256_madd_epi16(DK_Q6_SCALE(sh, 2), p2),
+                                                       _mm256_madd_epi16(DK_Q6_SCALE(sh, 3), p3)));
         }
         const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc);

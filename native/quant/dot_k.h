@@ -96,6 +96,49 @@ DK_AVX2 static inline __m128i dk_mins_prod(__m128i mins16, const int16_t *bsums)
     return _mm_madd_epi16(mins16, _mm_hadd_epi16(b0, b1)); /* per-32 sums fit int16 */
 }
 
+/* The float steps of one Q4_K / Q5_K block (the 4-row kernels, dot_k4_avx2.c, run the same ones per
+ * row): s (8 int32 lanes) and prod (4) reduce exactly to S = sum of levels times scales and M =
+ * sum of mins times sub-block sums; lane 0 of acc += (yd * d) * S, lane 1 += (yd * dmin) * M,
+ * one FMA each. The row's value is lane 0 - lane 1. dm: the block's fp16 (d, dmin) pair. */
+DK_AVX2 static inline __m128 dk_block_float(__m128 acc, __m256i s, __m128i prod, float yd, const uint16_t *dm) {
+    const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i u = _mm_hadd_epi32(t, prod);
+    const __m128i sm = _mm_hadd_epi32(u, u); /* S, M, S, M */
+    uint32_t pair;
+    memcpy(&pair, dm, 4);
+    const __m128 scale = _mm_mul_ps(_mm_set1_ps(yd), _mm_cvtph_ps(_mm_cvtsi32_si128((int)pair)));
+    return _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sm), acc);
+}
+
+DK_AVX2 static inline float dk_block_float_end(__m128 acc) {
+    return _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc)));
+}
+
+/* The 4 x 32 six-bit Q6_K levels (0..63) of half a block: low nibbles of ql bytes 0..31 (b1) and
+ * 32..63 (b2), then their high nibbles, each with its 2 high bits from bits 2c, 2c+1 of the qh
+ * bytes (bh), moved to bits 4, 5 by one 16-bit shift (bits crossing a byte are masked off). */
+DK_AVX2 static inline void dk_q6_levels(__m256i b1, __m256i b2, __m256i bh, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    q[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30));
+}
+
+/* dk_q6_half_scales(sc16, h): the 8 int16 scales of half h of a Q6_K block (groups 8h..8h+7;
+ * sc16: the block's 16 scales as int16) in both 128-bit lanes; DK_Q6_SCALE(sh, c): those of its
+ * chunk c (values 32c..32c+31 of the half) as int16 lanes, 0..7 group 8h + 2c, 8..15 group
+ * 8h + 2c + 1. */
+DK_AVX2 static inline __m256i dk_q6_half_scales(__m256i sc16, int h) {
+    return h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+}
+#define DK_Q6_SCALE(sh, c)                                                                          \
+    _mm256_shuffle_epi8((sh), _mm256_setr_epi8(4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), \
+                                               4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, 4 * (c), 4 * (c) + 1, \
+                                               4 * (c), 4 * (c) + 1, 4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3,     \
+                                               4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3, \
+                                               4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3, 4 * (c) + 2, 4 * (c) + 3))
+
 /* The eight signed 6-bit IQ4_XS group scales (ls - 32) as int32 lanes. */
 DK_AVX2 static inline __m256i dk_iq4xs_scales(const dk_iq4_xs *b) {
     uint32_t sl;

@@ -90,23 +90,28 @@ static int worth_threads(int nth, int64_t n_out, int64_t n_in, int64_t T) {
 #define QROWS 16 /* weight rows per work item */
 static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t row_bytes, int64_t n_in,
                             int64_t n_out, const float *x, int64_t T, float *y, int nth) {
-    const clover_vec_dot_fn dot = clover_dot_kernel(type, -1);
+    const clover_vec_dot_fn dot1 = clover_dot_kernel(type, -1);
     const clover_vec_dot4_fn dot4 = T >= 3 ? clover_dot4_kernel(type) : NULL;
     const int64_t act_bytes = clover_type_nbytes(act, n_in);
-    if (dot == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
+    if (dot1 == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
     /* rows [0, T4) go through the 4-row kernel, in its packed layout where it has one; a tail
      * of 3 rows is padded to 4 with a copy of the last row (one 4-row pass costs about what 3
-     * single-row passes do; the copy's outputs are dropped) */
+     * single-row passes do; the copy's outputs are dropped). Where the one-row kernel reads
+     * the paired layout too (dot.h clover_dot_paired_kernel), every row is paired. */
     const int64_t T4 = dot4 ? (T % 4 == 3 ? T + 1 : T - T % 4) : 0;
-    const int packed = T4 > 0 ? clover_dot4_packed(type) : 0; /* 1: Q8_0 packed, 2: Q8_K K-permuted, 3: Q8_0 split */
+    const int64_t TA = T4 > T ? T4 : T; /* activation rows incl. padding */
+    const clover_vec_dot_fn dotp = clover_dot_paired_kernel(type);
+    const clover_vec_dot_fn dot = dotp ? dotp : dot1;
+    /* 1: Q8_0 packed, 2: Q8_K K-permuted, 3: Q8_0 split, 4: Q8_K paired */
+    const int packed = dotp ? 4 : T4 > 0 ? clover_dot4_packed(type) : 0;
+    const int64_t n_packed = dotp ? TA : T4; /* rows in the packed layout */
     const int64_t x4_bytes = packed == 1   ? clover_x4_row_bytes(n_in)
                              : packed == 3 ? clover_x4_split_row_bytes(n_in)
                                            : act_bytes;
-    if ((packed && (uint64_t)x4_bytes > SIZE_MAX / (uint64_t)T4) || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)(T + 3))
+    if ((packed && (uint64_t)x4_bytes > SIZE_MAX / (uint64_t)n_packed) || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)(T + 3))
         return -1;
-    const int64_t TA = T4 > T ? T4 : T; /* activation rows incl. padding */
     uint8_t *xq = malloc((size_t)(act_bytes * TA));
-    uint8_t *xp = packed ? malloc((size_t)(x4_bytes * T4)) : NULL;
+    uint8_t *xp = packed ? malloc((size_t)(x4_bytes * n_packed)) : NULL;
     if (xq == NULL || (packed && xp == NULL)) {
         free(xq);
         free(xp);
@@ -123,9 +128,10 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
     for (int64_t t = 0; t < TA; t++) {
         const int64_t src = t < T ? t : T - 1;
         bad |= clover_quantize_act(act, x + src * n_in, xq + t * act_bytes, n_in) < 0;
-        if (packed == 1 && t < T4) clover_x4_pack_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
-        if (packed == 2 && t < T4) clover_x4_pack_q8_K(xq + t * act_bytes, xp + t * x4_bytes, n_in);
-        if (packed == 3 && t < T4) clover_x4_split_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
+        if (packed == 1 && t < n_packed) clover_x4_pack_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
+        if (packed == 2 && t < n_packed) clover_x4_pack_q8_K(xq + t * act_bytes, xp + t * x4_bytes, n_in);
+        if (packed == 3 && t < n_packed) clover_x4_split_q8_0(xq + t * act_bytes, xp + t * x4_bytes, n_in);
+        if (packed == 4 && t < n_packed) clover_x4_pair_q8_K(xq + t * act_bytes, xp + t * x4_bytes, n_in);
     }
     if (bad) {
         free(xq);
@@ -145,7 +151,7 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
                 for (int i = 0; i < 4 && t + i < T; i++) y[(t + i) * n_out + r] = o4[i];
             }
         for (int64_t t = T4; t < T; t++) {
-            const uint8_t *xt = xq + t * act_bytes;
+            const uint8_t *xt = dotp ? xp + t * x4_bytes : xq + t * act_bytes;
             float *yt = y + t * n_out;
             for (int64_t r = r0; r < r1; r++) yt[r] = dot(n_in, wbytes + r * row_bytes, xt);
         }

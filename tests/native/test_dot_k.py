@@ -13,9 +13,11 @@ bytes (finite random fp16 scales) and rows quantised from random floats, and act
 quantised from random floats or random Q8_K bytes (qs in -127..127, consistent bsums).
 - the four-row kernels (clover_dot4_k_avx2, clover_dot4_k_avx512) equal four calls of the
   single-row kernel of their ISA on the plain Q8_K rows bit for bit, with activation rows
-  adjacent and at a padded stride, in the layout they read (AVX2: plain rows; AVX-512: the one
-  clover_dot4_packed names, Q4_K and Q5_K K-permuted by clover_x4_pack_q8_K, checked against
-  its definition in dot.h);
+  adjacent and at a padded stride, in the layout clover_dot4_packed names (Q4_K and Q5_K: AVX2
+  paired by clover_x4_pair_q8_K, AVX-512 K-permuted by clover_x4_pack_q8_K, each checked against
+  its definition in dot.h; the others plain rows);
+- the AVX2 one-row kernels on paired rows (Q4_K, Q5_K) equal the single-row AVX2 kernel on the
+  plain rows bit for bit, and the dispatch gives them exactly on AVX2 CPUs;
 SIMD cases are skipped on CPUs without the features (read from /proc/cpuinfo).
 """
 import pathlib
@@ -50,6 +52,9 @@ clover_vec_dot4_fn clover_dot4_k_avx2(int type);
 clover_vec_dot4_fn clover_dot4_kernel(int type);
 int clover_dot4_packed(int type);
 void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);
+void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n);
+clover_vec_dot_fn clover_dot_paired_avx2(int type);
+clover_vec_dot_fn clover_dot_paired_kernel(int type);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 """)
@@ -201,7 +206,17 @@ def _k_permuted(q8k):
     return blocks.reshape(-1)
 
 
+def _paired(q8k):
+    """dot.h's paired layout of Q8_K blocks: byte 64 s + 32 h + 8 k + i of qs = value 8 s + i of
+    sub-block 2 k + h (qs[32 (2 k + h) + 8 s + i]); bsums as in the K-permuted layout."""
+    blocks = _k_permuted(q8k).reshape(-1, 292)
+    qs = q8k.reshape(-1, 292)[:, 4:260].reshape(-1, 4, 2, 4, 8)  # [block, k, h, s, i]
+    blocks[:, 4:260] = qs.transpose(0, 3, 2, 1, 4).reshape(-1, 256)
+    return blocks.reshape(-1)
+
+
 DOT4 = {"avx2": klib.clover_dot4_k_avx2, "avx512": klib.clover_dot4_k_avx512}
+PACK = {2: (klib.clover_x4_pack_q8_K, _k_permuted), 4: (klib.clover_x4_pair_q8_K, _paired)}
 
 
 @pytest.mark.parametrize("isa", list(DOT4))
@@ -215,7 +230,7 @@ def test_dot4_equals_single_row_bitwise(name, isa):
     if not need <= FLAGS:
         pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
     fn1 = getter(tid)
-    packing = 2 if isa == "avx512" and name in ("Q4_K", "Q5_K") else 0  # the layout this kernel reads
+    packing = ({"avx2": 4, "avx512": 2}[isa] if name in ("Q4_K", "Q5_K") else 0)  # the layout this kernel reads
     if klib.clover_dot_best_isa() == {"avx2": 1, "avx512": 2}[isa]:  # the dispatch gives this kernel
         assert klib.clover_dot4_kernel(tid) == fn4 and klib.clover_dot4_packed(tid) == packing
     rng = np.random.default_rng(300 + tid)
@@ -239,9 +254,10 @@ def test_dot4_equals_single_row_bitwise(name, isa):
                 stride = row_bytes + pad
                 buf = np.zeros(4 * stride, np.uint8)
                 for r in range(4):
-                    if packing == 2:
-                        klib.clover_x4_pack_q8_K(_ptr(rows[r]), _ptr(buf[r * stride:]), n)
-                        assert np.array_equal(buf[r * stride:r * stride + row_bytes], _k_permuted(rows[r]))
+                    if packing:
+                        pack, ref = PACK[packing]
+                        pack(_ptr(rows[r]), _ptr(buf[r * stride:]), n)
+                        assert np.array_equal(buf[r * stride:r * stride + row_bytes], ref(rows[r]))
                     else:
                         buf[r * stride:r * stride + row_bytes] = rows[r]
                 out = np.full(4, np.nan, np.float32)
@@ -254,6 +270,40 @@ def test_dot4_equals_single_row_bitwise(name, isa):
     fn4(0, _ptr(w), _ptr(rows[0]), 0, _kffi.cast("float *", out.ctypes.data))
     assert out.tolist() == [0.0] * 4  # empty row
     assert checked == len(LENGTHS) * 2 * 2 * 4
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_paired_one_row_kernels_equal_single_row_bitwise(name):
+    """The AVX2 one-row kernels on paired rows (Q4_K, Q5_K; dot.h clover_dot_paired_avx2) give the
+    single-row AVX2 kernel's value on the plain row bit for bit; the dispatch gives them exactly
+    where the 4-row kernel reads paired rows; other types have none."""
+    need, getter = ISAS["avx2"]
+    tid = TYPES[name][0]
+    fnp = klib.clover_dot_paired_avx2(tid)
+    if name not in ("Q4_K", "Q5_K"):
+        assert fnp == _kffi.NULL and klib.clover_dot_paired_kernel(tid) == _kffi.NULL
+        return
+    if fnp == _kffi.NULL:
+        pytest.skip("avx2 kernels not built (non-x86 build)")
+    if not need <= FLAGS:
+        pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
+    if klib.clover_dot_best_isa() == 1:  # AVX2: the 4-row kernel reads paired rows, so does the one-row one
+        assert klib.clover_dot4_packed(tid) == 4 and klib.clover_dot_paired_kernel(tid) == fnp
+    else:
+        assert klib.clover_dot_paired_kernel(tid) == _kffi.NULL
+    fn1 = getter(tid)
+    rng = np.random.default_rng(600 + tid)
+    checked = 0
+    for n in LENGTHS:
+        for wkind, xkind, w, x in _cases(rng, name, n):
+            xp = np.zeros_like(x)
+            klib.clover_x4_pair_q8_K(_ptr(x), _ptr(xp), n)
+            want, got = np.float32(fn1(n, _ptr(w), _ptr(x))), np.float32(fnp(n, _ptr(w), _ptr(xp)))
+            assert np.isfinite(want)
+            assert got.view(np.uint32) == want.view(np.uint32), (name, n, wkind, xkind, got, want)
+            checked += 1
+    assert checked >= 2 * len(LENGTHS)
+    assert fnp(0, _ptr(w), _ptr(x)) == 0.0  # empty row
 
 
 def test_other_types_have_no_kernel():

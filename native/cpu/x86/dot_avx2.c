@@ -32,14 +32,38 @@ static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
     return _mm256_set_m128i(hi, lo);
 }
 
+/* The int32 sums of 4 consecutive blocks as one vector: lanes k and 4 + k hold halves of block
+ * k's sum (two levels of pairwise adds), so one FMA scales 4 blocks. */
+static inline AVX2 __m256i sum4_blocks(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+}
+
 /* The loop shared by the four types: GET(wb) unpacks a weight block's 32 codes, SCALE(wb) its
- * scale, BYTES is the block size (a macro so each kernel inlines its own unpacking). */
+ * scale, BYTES is the block size (a macro so each kernel inlines its own unpacking). Blocks go
+ * 4 at a time (sum4_blocks, the scale products d_w * d_x as one 4-lane float product), the last
+ * n / 32 % 4 one at a time into the same 8 lanes; the 4-row kernels below do the same float
+ * operations per row. */
 #define DOT_Q8_0_FAMILY(BYTES, GET, SCALE)                                                   \
     const uint8_t *wb = w;                                                                   \
     const clover_block_q8_0 *x = xq;                                                         \
+    const int64_t nb = n / 32;                                                               \
     __m256 acc = _mm256_setzero_ps();                                                        \
-    for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
-        CLOVER_PREFETCH(wb, 1);                                                               \
+    int64_t b = 0;                                                                           \
+    for (; b + 4 <= nb; b += 4, wb += 4 * (BYTES)) {                                         \
+        CLOVER_PREFETCH(wb, (4 * (BYTES) + 63) / 64);                                        \
+        __m256i s[4];                                                                        \
+        for (int k = 0; k < 4; k++)                                                          \
+            s[k] = isum8(GET(wb + k * (BYTES)), _mm256_loadu_si256((const __m256i *)x[b + k].qs)); \
+        const __m128 dw = _mm_setr_ps(SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb + 2 * (BYTES)),   \
+                                      SCALE(wb + 3 * (BYTES)));                              \
+        const __m128 dx = _mm_setr_ps(clover_fp16_load(&x[b].d), clover_fp16_load(&x[b + 1].d), \
+                                      clover_fp16_load(&x[b + 2].d), clover_fp16_load(&x[b + 3].d)); \
+        const __m128 d4 = _mm_mul_ps(dw, dx);                                                \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4_blocks(s[0], s[1], s[2], s[3])),       \
+                              _mm256_set_m128(d4, d4), acc);                                 \
+    }                                                                                        \
+    for (; b < nb; b++, wb += (BYTES)) {                                                     \
+        CLOVER_PREFETCH(wb, 1);                                                              \
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);                     \
         const __m256 d = _mm256_set1_ps(SCALE(wb) * clover_fp16_load(&x[b].d));              \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(GET(wb), qx)), d, acc);              \
@@ -72,11 +96,12 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
 
 /* Four activation rows (split Q8_0 rows, x_stride bytes apart: dot.h clover_x4_split_q8_0) per
  * weight row (dot.h clover_vec_dot4_fn): each weight block is unpacked once for the 4 rows, and
- * the rows' scales are read as float. Per row the block's int32 sum, the scale product d_w * d_x
- * and the FMA into the same 8 lanes are those of the single-row loop above, so out[i] equals the
+ * the rows' scales are read as float. Per row the blocks' int32 sums, the scale products d_w * d_x
+ * and the FMAs into the same 8 lanes are those of the single-row loop above, so out[i] equals the
  * single-row kernel bit for bit. */
 #define DOT4_Q8_0_FAMILY(BYTES, GET, SCALE)                                                  \
     const uint8_t *wb = w;                                                                   \
+    const int64_t nb = n / 32;                                                               \
     const int8_t *xs[4];                                                                     \
     const float *xd[4];                                                                      \
     __m256 acc[4];                                                                           \
@@ -85,7 +110,29 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
         xd[i] = (const float *)(xs[i] + n);                                                  \
         acc[i] = _mm256_setzero_ps();                                                        \
     }                                                                                        \
-    for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
+    const __m256i ones = _mm256_set1_epi16(1);                                               \
+    int64_t b = 0;                                                                           \
+    for (; b + 4 <= nb; b += 4, wb += 4 * (BYTES)) {                                         \
+        CLOVER_PREFETCH(wb, (4 * (BYTES) + 63) / 64);                                        \
+        __m256i qw[4], uw[4];                                                                \
+        for (int k = 0; k < 4; k++) {                                                        \
+            qw[k] = GET(wb + k * (BYTES));                                                   \
+            uw[k] = _mm256_sign_epi8(qw[k], qw[k]);                                          \
+        }                                                                                    \
+        const __m128 dw = _mm_setr_ps(SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb + 2 * (BYTES)),   \
+                                      SCALE(wb + 3 * (BYTES)));                              \
+        for (int i = 0; i < 4; i++) {                                                        \
+            __m256i s[4];                                                                    \
+            for (int k = 0; k < 4; k++) {                                                    \
+                const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * (b + k))); \
+                s[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(uw[k], _mm256_sign_epi8(qx, qw[k])), ones); \
+            }                                                                                \
+            const __m128 d4 = _mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b));                       \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4_blocks(s[0], s[1], s[2], s[3])), \
+                                     _mm256_set_m128(d4, d4), acc[i]);                       \
+        }                                                                                    \
+    }                                                                                        \
+    for (; b < nb; b++, wb += (BYTES)) {                                                     \
         CLOVER_PREFETCH(wb, 1);                                                              \
         const __m256i qw = GET(wb);                                                          \
         const __m256i uw = _mm256_sign_epi8(qw, qw);                                         \
@@ -93,7 +140,7 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
         for (int i = 0; i < 4; i++) {                                                        \
             const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * b));        \
             const __m256i p16 = _mm256_maddubs_epi16(uw, _mm256_sign_epi8(qx, qw));          \
-            const __m256i s = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));                  \
+            const __m256i s = _mm256_madd_epi16(p16, ones);                                  \
             const __m256 d = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b));              \
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[i]);                      \
         }                                                                                    \
