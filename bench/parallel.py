@@ -12,7 +12,7 @@ that time; the table shows it per N and as a multiple of N = 1 (the batching gai
 server, and the ratio ours / llama.cpp.
 
 Usage: python bench/parallel.py MODEL.gguf [--clients 1,2,4,8] [-n 64] [--mode ar|diffusion|spec]
-       [--threads 2] [--ctx 1024] [--llama-server /path/to/llama-server] [--json]
+       [--threads 2] [--ctx 1024] [--llama-server /path/to/llama-server] [--json] [--log PREFIX]
 """
 from __future__ import annotations
 
@@ -85,8 +85,10 @@ def _load(url: str, n: int, max_tokens: int, extra: dict) -> tuple[float, int]:
     return dt, sum(tokens)
 
 
-def run_server(cmd: list[str], port: int, clients: list[int], max_tokens: int, extra: dict) -> dict:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def run_server(cmd: list[str], port: int, clients: list[int], max_tokens: int, extra: dict, log: str) -> dict:
+    """The loads of ``clients`` against the server ``cmd`` (its output into the file ``log``)."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_health(url, proc)
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens per slot")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (a peer in the same run)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--log", default="/tmp/parallel-server.log", help="the servers' output: LOG.ours, LOG.llama")
     a = ap.parse_args(argv)
     clients = [int(x) for x in a.clients.split(",")]
     npar = max(clients)
@@ -123,13 +126,14 @@ def main(argv=None) -> int:
     print(f"[ours, mode {a.mode}]", file=sys.stderr, flush=True)
     res["ours"] = run_server([sys.executable, "-m", "clover_gguf", "serve", "-m", a.model, "--port", str(port),
                               "-np", str(npar), "-c", str(a.ctx), "-t", str(a.threads), "--mode", a.mode,
-                              "--no-prefix-reuse"], port, clients, a.max_tokens, {"mode": a.mode})
+                              "--no-prefix-reuse"], port, clients, a.max_tokens, {"mode": a.mode}, a.log + ".ours")
     if a.llama_server:
         port = _free_port()
         print("[llama.cpp llama-server]", file=sys.stderr, flush=True)
         res["llama.cpp"] = run_server([a.llama_server, "-m", a.model, "--port", str(port), "-np", str(npar),
                                        "-c", str(a.ctx * npar), "-t", str(a.threads), "-tb", str(a.threads),
-                                       "--no-warmup"], port, clients, a.max_tokens, {"ignore_eos": True})
+                                       "--no-warmup"], port, clients, a.max_tokens, {"ignore_eos": True},
+                                      a.log + ".llama")
     if a.json:
         print(json.dumps(res))
         return 0

@@ -344,8 +344,8 @@ CLOVER_API void clover_context_set_n_threads(clover_context *c, int32_t n_thread
 CLOVER_API int32_t clover_context_set_n_ubatch(clover_context *c, int32_t n_ubatch);
 /* Continuous batching (batch.c): contexts of one model attached to one clover_batch run their
  * forwards together. A forward of an attached context waits until every attached context is
- * waiting for one too (or, for a straggler, a quarter of the last pass's time, at least 0.5 ms
- * and at most 50 ms), then one pass computes the rows of all of them: each weight product
+ * waiting for one too (or, for a straggler, twice the last pass's time, at least 0.5 ms and at
+ * most 50 ms), then one pass computes the rows of all of them: each weight product
  * (projections, router, routed and shared experts, LM head) once over every sequence's rows;
  * the caches, attention, the GDN recurrence, the block coreset and the abort request per
  * context. Each sequence's caches and logits equal those of its forwards run alone, bit for bit
