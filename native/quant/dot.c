@@ -207,8 +207,8 @@ void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n) {
     }
 }
 
-clover_vec_dot_fn clover_dot_paired_kernel(int type) {
-    return clover_dot_best_isa() == CLOVER_ISA_AVX2 ? clover_dot_paired_avx2(type) : NULL;
+clover_vec_dot_fn clover_dot1_x4_kernel(int type) {
+    return clover_dot_best_isa() == CLOVER_ISA_AVX2 ? clover_dot1_x4_avx2(type) : NULL;
 }
 
 void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n) {
@@ -231,10 +231,15 @@ void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n) {
     const uint8_t *in = (const uint8_t *)xq;
     uint8_t *q = (uint8_t *)dst;
     float *d = (float *)(q + n);
-    for (int64_t b = 0; b < n / 32; b++, in += 34) {
-        memcpy(q + 32 * b, in + 2, 32);
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = in + 34 * b;
+        if (b < nb - nb % 4) /* groups of 4 blocks: byte 32 m + 8 k + i = value 8 m + i of block k */
+            for (int m = 0; m < 4; m++) memcpy(q + 32 * (b - b % 4) + 32 * m + 8 * (b % 4), blk + 2 + 8 * m, 8);
+        else
+            memcpy(q + 32 * b, blk + 2, 32);
         uint16_t h;
-        memcpy(&h, in, 2);
+        memcpy(&h, blk, 2);
         const float s = clover_fp16_to_fp32(h);
         memcpy(d + b, &s, sizeof s);
     }

@@ -73,8 +73,8 @@ typedef void (*clover_vec_dot4_fn)(int64_t n, const void *w_row, const void *xq,
 clover_vec_dot4_fn clover_dot4_kernel(int type);
 /* AVX2 multi-row kernels (dot_avx2.c: Q8_0, Q4_0, IQ4_NL, MXFP4 on split Q8_0 rows;
  * dot_k4_avx2.c through clover_dot4_k_avx2: Q4_K, Q5_K on paired Q8_K rows, Q6_K, IQ4_XS on plain
- * ones): each out[i] equals
- * the single-row AVX2 kernel's value bit for bit. NULL for other types and on non-x86 builds. */
+ * ones): each out[i] equals, bit for bit, the one-row kernel on that layout (clover_dot1_x4_avx2;
+ * Q6_K, IQ4_XS: the single-row AVX2 kernel). NULL for other types and on non-x86 builds. */
 clover_vec_dot4_fn clover_dot4_avx2(int type);
 clover_vec_dot4_fn clover_dot4_k_avx2(int type);
 
@@ -143,9 +143,10 @@ clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no A
  * reordered so that byte 64 s + 8 b + i holds value 8 s + i of sub-block b (values 32 b ..
  * 32 b + 31) for s < 4, b < 8, i < 8 (dot_k.c's sub-block lanes), and bsums[b] the sum of
  * sub-block b (bsums[8..15] = 0); the same size. */
-/* Split row of n values (n % 32 == 0, nb = n / 32 blocks): the n int8 q as they are, block
- * after block, then the nb block scales as float (the fp16 ones converted, exactly):
- * clover_x4_split_row_bytes(n) = n + 4 nb bytes. Paired row of n values (n % 256 == 0; the
+/* Split row of n values (n % 32 == 0, nb = n / 32 blocks): the n int8 q, in groups of 4 blocks
+ * (128 bytes: byte 32 m + 8 k + i holds value 8 m + i of the group's block k, m, k < 4, i < 8),
+ * the last nb % 4 blocks as they are, then the nb block scales as float (the fp16 ones
+ * converted, exactly): clover_x4_split_row_bytes(n) = n + 4 nb bytes. Paired row of n values (n % 256 == 0; the
  * AVX2 Q4_K and Q5_K 4-row kernels, dot_k4_avx2.c): the Q8_K blocks with the same d, qs reordered
  * so that byte 64 s + 32 h + 8 k + i holds value 8 s + i of sub-block 2 k + h (the even
  * sub-blocks' pieces s in the first 32 bytes of each 64, the odd ones' in the second) for s < 4,
@@ -153,12 +154,14 @@ clover_gemm_f32_fn clover_gemm_f32_avx2(void); /* NULL where this build has no A
  * clover_dot4_packed 4; the same size. */
 int clover_dot4_packed(int type);
 void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n);
-/* One-row kernels on a paired row (AVX2 Q4_K and Q5_K, dot_k4_avx2.c): the same value as the
- * single-row AVX2 kernel on the plain row, bit for bit, with the 4-row kernels' int16 sums.
- * clover_dot_paired_kernel(type): that kernel where clover_dot4_packed(type) is 4 (the best ISA,
- * CLOVER_ISA lowering it, is AVX2), else NULL; clover_dot_paired_avx2: NULL for other types and
- * on non-x86 builds. matmul gives every row of such a type the paired layout. */
-clover_vec_dot_fn clover_dot_paired_kernel(int type);
+/* One-row kernels on the AVX2 4-row kernels' layouts (split Q8_0 rows for Q8_0, Q4_0, IQ4_NL,
+ * MXFP4, in cpu/x86/dot_avx2.c; paired Q8_K rows for Q4_K and Q5_K, in dot_k4_avx2.c): each runs
+ * the 4-row kernel's steps for one row, so a row's value is the same alone or in a 4-row pass.
+ * clover_dot1_x4_kernel(type): that kernel where the best ISA (CLOVER_ISA lowering it) is AVX2,
+ * else NULL; matmul then gives every row the layout clover_dot4_packed names. clover_dot1_x4_avx2,
+ * clover_dot_paired_avx2 (Q4_K and Q5_K only): NULL for other types and on non-x86 builds. */
+clover_vec_dot_fn clover_dot1_x4_kernel(int type);
+clover_vec_dot_fn clover_dot1_x4_avx2(int type);
 clover_vec_dot_fn clover_dot_paired_avx2(int type);
 int64_t clover_x4_split_row_bytes(int64_t n);
 void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n);

@@ -109,7 +109,7 @@ DK_AVX2 static void dot4_q5_K_avx2(int64_t n, const void *w_row, const void *xq,
     dk_q45_avx2_rows(4, n, NULL, (const dk_q5_K *)w_row, xq, x_stride, out);
 }
 
-/* One paired row (dot.h clover_dot_paired_avx2): the same value as dot_q4_K_avx2 / dot_q5_K_avx2
+/* One paired row (dot.h clover_dot1_x4_avx2): the same value as dot_q4_K_avx2 / dot_q5_K_avx2
  * on the plain row, bit for bit. */
 DK_AVX2 static float dot1p_q4_K_avx2(int64_t n, const void *w_row, const void *xq) {
     float out;

@@ -96,14 +96,14 @@ static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t ro
     if (dot1 == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
     /* rows [0, T4) go through the 4-row kernel, in its packed layout where it has one; a tail
      * of 3 rows is padded to 4 with a copy of the last row (one 4-row pass costs about what 3
-     * single-row passes do; the copy's outputs are dropped). Where the one-row kernel reads
-     * the paired layout too (dot.h clover_dot_paired_kernel), every row is paired. */
+     * single-row passes do; the copy's outputs are dropped). Where a one-row kernel reads the
+     * 4-row kernel's layout (dot.h clover_dot1_x4_kernel), every row is in that layout. */
     const int64_t T4 = dot4 ? (T % 4 == 3 ? T + 1 : T - T % 4) : 0;
     const int64_t TA = T4 > T ? T4 : T; /* activation rows incl. padding */
-    const clover_vec_dot_fn dotp = clover_dot_paired_kernel(type);
+    const clover_vec_dot_fn dotp = clover_dot1_x4_kernel(type);
     const clover_vec_dot_fn dot = dotp ? dotp : dot1;
     /* 1: Q8_0 packed, 2: Q8_K K-permuted, 3: Q8_0 split, 4: Q8_K paired */
-    const int packed = dotp ? 4 : T4 > 0 ? clover_dot4_packed(type) : 0;
+    const int packed = dotp || T4 > 0 ? clover_dot4_packed(type) : 0;
     const int64_t n_packed = dotp ? TA : T4; /* rows in the packed layout */
     const int64_t x4_bytes = packed == 1   ? clover_x4_row_bytes(n_in)
                              : packed == 3 ? clover_x4_split_row_bytes(n_in)

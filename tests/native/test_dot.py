@@ -37,6 +37,8 @@ int64_t clover_x4_row_bytes(int64_t n);
 void clover_x4_pack_q8_0(const void *xq, void *dst, int64_t n);
 int64_t clover_x4_split_row_bytes(int64_t n);
 void clover_x4_split_q8_0(const void *xq, void *dst, int64_t n);
+clover_vec_dot_fn clover_dot1_x4_avx2(int type);
+clover_vec_dot_fn clover_dot1_x4_kernel(int type);
 typedef float (*clover_dot_f16_fn)(const float *q, const uint16_t *k, int64_t n);
 typedef void (*clover_axpy_f16_fn)(float *o, float p, const uint16_t *v, int64_t n);
 clover_dot_f16_fn clover_dot_f16_kernel(int isa);
@@ -205,22 +207,39 @@ def test_four_row_kernels_equal_single_row(name):
         assert list(out) == [_call(dot1, n, w, x) for x in xs], name
 
 
+def _split(x):
+    """dot.h's split layout of a Q8_0 row: the int8 q in groups of 4 blocks (byte 32 m + 8 k + i =
+    value 8 m + i of the group's block k), the last nb % 4 blocks as they are, then the block
+    scales as float32."""
+    blocks = x.reshape(-1, 34)
+    nb = blocks.shape[0]
+    g = nb - nb % 4
+    q = blocks[:, 2:]
+    grouped = q[:g].reshape(-1, 4, 4, 8).transpose(0, 2, 1, 3).reshape(-1)  # [group, k, m, i] -> [group, m, k, i]
+    scales = blocks[:, :2].copy().view(np.float16).reshape(-1).astype(np.float32)
+    return np.concatenate([grouped, q[g:].reshape(-1), scales.view(np.uint8)])
+
+
 @pytest.mark.parametrize("name", list(Q8_0_FAMILY))
-def test_four_row_avx2_kernels_equal_single_row(name):
+def test_four_row_avx2_kernels_equal_one_row_split_kernels(name):
     """The 4-row AVX2 kernels, on Q8_0 rows in the split layout of dot.h (clover_x4_split_q8_0,
-    checked against its definition) at a padded stride, give exactly the single-row AVX2 kernel's
-    values on the plain rows (the same int32 block sums, scale products and FMA order); on an
-    AVX2 CPU they are the ones the dispatch gives, with that layout."""
+    checked against its definition) at a padded stride, give exactly the one-row split kernel's
+    values (clover_dot1_x4_avx2: the same int32 sums, scale products and FMA order), which equal
+    the scalar kernel on the plain rows within 1e-6 of sum |w * x|; on an AVX2 CPU the dispatch
+    gives both, with that layout."""
     t = TYPES[name]
     if L.clover_dot_best_isa() < 1:
         pytest.skip("this CPU has no AVX2")
-    dot4, dot1 = L.clover_dot4_avx2(t), L.clover_dot_avx2(t)
-    assert dot4 != ffi.NULL
+    dot4, dot1 = L.clover_dot4_avx2(t), L.clover_dot1_x4_avx2(t)
+    assert dot4 != ffi.NULL and dot1 != ffi.NULL
     if L.clover_dot_best_isa() == 1:
-        assert L.clover_dot4_kernel(t) == dot4 and L.clover_dot4_packed(t) == 3
+        assert L.clover_dot4_kernel(t) == dot4 and L.clover_dot4_packed(t) == 3 and L.clover_dot1_x4_kernel(t) == dot1
+    else:
+        assert L.clover_dot1_x4_kernel(t) == ffi.NULL
+    scalar = L.clover_dot_scalar(t)
     rng = np.random.default_rng(400 + t)
-    for n in (32, 32 * 7, 2048):
-        w = _random_weight_bytes(t, n, rng) if n == 2048 else _quantize(t, rng.standard_normal(n).astype(np.float32))
+    for n in (32, 32 * 7, 2048, 32 * 131):  # lone blocks, groups with a tail, groups only
+        w = _random_weight_bytes(t, n, rng) if n >= 2048 else _quantize(t, rng.standard_normal(n).astype(np.float32))
         xs = [_act(t, (rng.standard_normal(n) * 4).astype(np.float32))[1] for _ in range(4)]
         pb = L.clover_x4_split_row_bytes(n)
         assert pb == n + 4 * (n // 32)
@@ -228,13 +247,15 @@ def test_four_row_avx2_kernels_equal_single_row(name):
         buf = np.zeros(4 * stride, np.uint8)
         for i, x in enumerate(xs):
             L.clover_x4_split_q8_0(ffi.cast("void *", x.ctypes.data), ffi.cast("void *", buf[i * stride:].ctypes.data), n)
-            blocks = x.reshape(-1, 34)
-            assert np.array_equal(buf[i * stride:i * stride + n], blocks[:, 2:].reshape(-1))
-            d = buf[i * stride + n:i * stride + pb].view(np.float32)
-            assert np.array_equal(d, blocks[:, :2].copy().view(np.float16).reshape(-1).astype(np.float32))
+            assert np.array_equal(buf[i * stride:i * stride + pb], _split(x))
         out = ffi.new("float[4]")
         dot4(n, ffi.cast("void *", w.ctypes.data), ffi.cast("void *", buf.ctypes.data), stride, out)
-        assert list(out) == [_call(dot1, n, w, x) for x in xs], (name, n)
+        ones = [_call(dot1, n, w, np.ascontiguousarray(buf[i * stride:i * stride + pb])) for i in range(4)]
+        assert list(out) == ones, (name, n)
+        wf = _dequantize(t, w, n).astype(np.float64)
+        for x, got in zip(xs, ones):
+            mag = float(np.abs(wf * _dequantize(lib.CLOVER_TYPE_Q8_0, x, n)).sum())
+            assert abs(got - _call(scalar, n, w, x)) <= 1e-6 * mag, (name, n)
 
 
 @pytest.mark.parametrize("name", list(TYPES))

@@ -54,7 +54,7 @@ int clover_dot4_packed(int type);
 void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n);
 void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n);
 clover_vec_dot_fn clover_dot_paired_avx2(int type);
-clover_vec_dot_fn clover_dot_paired_kernel(int type);
+clover_vec_dot_fn clover_dot1_x4_kernel(int type);
 int64_t clover_kq_from_f32(int type, const float *src, void *dst, int64_t n);
 int clover_kq_to_f32(int type, const void *src, float *dst, int64_t n);
 """)
@@ -281,16 +281,16 @@ def test_paired_one_row_kernels_equal_single_row_bitwise(name):
     tid = TYPES[name][0]
     fnp = klib.clover_dot_paired_avx2(tid)
     if name not in ("Q4_K", "Q5_K"):
-        assert fnp == _kffi.NULL and klib.clover_dot_paired_kernel(tid) == _kffi.NULL
+        assert fnp == _kffi.NULL and klib.clover_dot1_x4_kernel(tid) == _kffi.NULL
         return
     if fnp == _kffi.NULL:
         pytest.skip("avx2 kernels not built (non-x86 build)")
     if not need <= FLAGS:
         pytest.skip(f"CPU lacks {sorted(need - FLAGS)}")
     if klib.clover_dot_best_isa() == 1:  # AVX2: the 4-row kernel reads paired rows, so does the one-row one
-        assert klib.clover_dot4_packed(tid) == 4 and klib.clover_dot_paired_kernel(tid) == fnp
+        assert klib.clover_dot4_packed(tid) == 4 and klib.clover_dot1_x4_kernel(tid) == fnp
     else:
-        assert klib.clover_dot_paired_kernel(tid) == _kffi.NULL
+        assert klib.clover_dot1_x4_kernel(tid) == _kffi.NULL
     fn1 = getter(tid)
     rng = np.random.default_rng(600 + tid)
     checked = 0

@@ -32,38 +32,14 @@ static inline AVX2 __m256i nibbles_table(const uint8_t *qs, __m128i table) {
     return _mm256_set_m128i(hi, lo);
 }
 
-/* The int32 sums of 4 consecutive blocks as one vector: lanes k and 4 + k hold halves of block
- * k's sum (two levels of pairwise adds), so one FMA scales 4 blocks. */
-static inline AVX2 __m256i sum4_blocks(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
-}
-
 /* The loop shared by the four types: GET(wb) unpacks a weight block's 32 codes, SCALE(wb) its
- * scale, BYTES is the block size (a macro so each kernel inlines its own unpacking). Blocks go
- * 4 at a time (sum4_blocks, the scale products d_w * d_x as one 4-lane float product), the last
- * n / 32 % 4 one at a time into the same 8 lanes; the 4-row kernels below do the same float
- * operations per row. */
+ * scale, BYTES is the block size (a macro so each kernel inlines its own unpacking). */
 #define DOT_Q8_0_FAMILY(BYTES, GET, SCALE)                                                   \
     const uint8_t *wb = w;                                                                   \
     const clover_block_q8_0 *x = xq;                                                         \
-    const int64_t nb = n / 32;                                                               \
     __m256 acc = _mm256_setzero_ps();                                                        \
-    int64_t b = 0;                                                                           \
-    for (; b + 4 <= nb; b += 4, wb += 4 * (BYTES)) {                                         \
-        CLOVER_PREFETCH(wb, (4 * (BYTES) + 63) / 64);                                        \
-        __m256i s[4];                                                                        \
-        for (int k = 0; k < 4; k++)                                                          \
-            s[k] = isum8(GET(wb + k * (BYTES)), _mm256_loadu_si256((const __m256i *)x[b + k].qs)); \
-        const __m128 dw = _mm_setr_ps(SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb + 2 * (BYTES)),   \
-                                      SCALE(wb + 3 * (BYTES)));                              \
-        const __m128 dx = _mm_setr_ps(clover_fp16_load(&x[b].d), clover_fp16_load(&x[b + 1].d), \
-                                      clover_fp16_load(&x[b + 2].d), clover_fp16_load(&x[b + 3].d)); \
-        const __m128 d4 = _mm_mul_ps(dw, dx);                                                \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4_blocks(s[0], s[1], s[2], s[3])),       \
-                              _mm256_set_m128(d4, d4), acc);                                 \
-    }                                                                                        \
-    for (; b < nb; b++, wb += (BYTES)) {                                                     \
-        CLOVER_PREFETCH(wb, 1);                                                              \
+    for (int64_t b = 0; b < n / 32; b++, wb += (BYTES)) {                                    \
+        CLOVER_PREFETCH(wb, 1);                                                               \
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);                     \
         const __m256 d = _mm256_set1_ps(SCALE(wb) * clover_fp16_load(&x[b].d));              \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(GET(wb), qx)), d, acc);              \
@@ -94,42 +70,50 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
     DOT_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
 }
 
-/* Four activation rows (split Q8_0 rows, x_stride bytes apart: dot.h clover_x4_split_q8_0) per
- * weight row (dot.h clover_vec_dot4_fn): each weight block is unpacked once for the 4 rows, and
- * the rows' scales are read as float. Per row the blocks' int32 sums, the scale products d_w * d_x
- * and the FMAs into the same 8 lanes are those of the single-row loop above, so out[i] equals the
- * single-row kernel bit for bit. */
-#define DOT4_Q8_0_FAMILY(BYTES, GET, SCALE)                                                  \
+/* R (1 or 4) activation rows (split Q8_0 rows, x_stride bytes apart: dot.h clover_x4_split_q8_0) per
+ * weight row (dot.h clover_vec_dot4_fn): each weight block is unpacked once for the R rows, and
+ * the rows' scales are read as float. Blocks go 4 at a time: the 4 weight blocks' codes are
+ * transposed in 8-byte pieces (piece m: bytes 8m..8m+7 of each block), the order of the split
+ * rows' groups, so that int32 lanes 2k, 2k+1 of the 4 pieces' pair sums hold block k only; the
+ * 4 pieces' sums add up in int32 and one FMA with the scale products d_w * d_x of the 4 blocks
+ * (each in 2 lanes) takes them into 8 float lanes. The last n / 32 % 4 blocks go one at a time
+ * into the same lanes. Every row runs the same float steps, so a row's value does not depend on
+ * R or on the other rows. */
+#define DOTR_Q8_0_FAMILY(R, BYTES, GET, SCALE)                                               \
     const uint8_t *wb = w;                                                                   \
     const int64_t nb = n / 32;                                                               \
     const int8_t *xs[4];                                                                     \
     const float *xd[4];                                                                      \
     __m256 acc[4];                                                                           \
-    for (int i = 0; i < 4; i++) {                                                            \
+    for (int i = 0; i < (R); i++) {                                                          \
         xs[i] = (const int8_t *)xq + i * x_stride;                                           \
         xd[i] = (const float *)(xs[i] + n);                                                  \
         acc[i] = _mm256_setzero_ps();                                                        \
     }                                                                                        \
     const __m256i ones = _mm256_set1_epi16(1);                                               \
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);                         \
     int64_t b = 0;                                                                           \
     for (; b + 4 <= nb; b += 4, wb += 4 * (BYTES)) {                                         \
         CLOVER_PREFETCH(wb, (4 * (BYTES) + 63) / 64);                                        \
-        __m256i qw[4], uw[4];                                                                \
-        for (int k = 0; k < 4; k++) {                                                        \
-            qw[k] = GET(wb + k * (BYTES));                                                   \
-            uw[k] = _mm256_sign_epi8(qw[k], qw[k]);                                          \
-        }                                                                                    \
+        const __m256i c0 = GET(wb), c1 = GET(wb + (BYTES));                                  \
+        const __m256i c2 = GET(wb + 2 * (BYTES)), c3 = GET(wb + 3 * (BYTES));                \
+        const __m256i t0 = _mm256_unpacklo_epi64(c0, c1), t1 = _mm256_unpackhi_epi64(c0, c1); \
+        const __m256i t2 = _mm256_unpacklo_epi64(c2, c3), t3 = _mm256_unpackhi_epi64(c2, c3); \
+        const __m256i qw[4] = {_mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20), \
+                               _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)}; \
+        __m256i uw[4];                                                                       \
+        for (int m = 0; m < 4; m++) uw[m] = _mm256_sign_epi8(qw[m], qw[m]);                  \
         const __m128 dw = _mm_setr_ps(SCALE(wb), SCALE(wb + (BYTES)), SCALE(wb + 2 * (BYTES)),   \
                                       SCALE(wb + 3 * (BYTES)));                              \
-        for (int i = 0; i < 4; i++) {                                                        \
-            __m256i s[4];                                                                    \
-            for (int k = 0; k < 4; k++) {                                                    \
-                const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * (b + k))); \
-                s[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(uw[k], _mm256_sign_epi8(qx, qw[k])), ones); \
+        for (int i = 0; i < (R); i++) {                                                      \
+            __m256i s = _mm256_setzero_si256();                                              \
+            for (int m = 0; m < 4; m++) {                                                    \
+                const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * (b + m))); \
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(uw[m], _mm256_sign_epi8(qx, qw[m])), ones)); \
             }                                                                                \
             const __m128 d4 = _mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b));                       \
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4_blocks(s[0], s[1], s[2], s[3])), \
-                                     _mm256_set_m128(d4, d4), acc[i]);                       \
+            const __m256 d8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pairs);   \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d8, acc[i]);                     \
         }                                                                                    \
     }                                                                                        \
     for (; b < nb; b++, wb += (BYTES)) {                                                     \
@@ -137,7 +121,7 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
         const __m256i qw = GET(wb);                                                          \
         const __m256i uw = _mm256_sign_epi8(qw, qw);                                         \
         const __m256 dw = _mm256_set1_ps(SCALE(wb));                                         \
-        for (int i = 0; i < 4; i++) {                                                        \
+        for (int i = 0; i < (R); i++) {                                                      \
             const __m256i qx = _mm256_loadu_si256((const __m256i *)(xs[i] + 32 * b));        \
             const __m256i p16 = _mm256_maddubs_epi16(uw, _mm256_sign_epi8(qx, qw));          \
             const __m256i s = _mm256_madd_epi16(p16, ones);                                  \
@@ -145,26 +129,41 @@ static AVX2 float dot_mxfp4(int64_t n, const void *w, const void *xq) {
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[i]);                      \
         }                                                                                    \
     }                                                                                        \
-    for (int i = 0; i < 4; i++) out[i] = clover_hsum8(acc[i]);
+    for (int i = 0; i < (R); i++) out[i] = clover_hsum8(acc[i]);
 
 static AVX2 void dot4_q8_0(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
-    DOT4_Q8_0_FAMILY(34, GET_Q8_0, SCALE_FP16)
+    DOTR_Q8_0_FAMILY(4, 34, GET_Q8_0, SCALE_FP16)
 }
 
 static AVX2 void dot4_q4_0(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
     const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    DOT4_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+    DOTR_Q8_0_FAMILY(4, 18, GET_TABLE2, SCALE_FP16)
 }
 
 static AVX2 void dot4_iq4_nl(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
     const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl);
-    DOT4_Q8_0_FAMILY(18, GET_TABLE2, SCALE_FP16)
+    DOTR_Q8_0_FAMILY(4, 18, GET_TABLE2, SCALE_FP16)
 }
 
 static AVX2 void dot4_mxfp4(int64_t n, const void *w, const void *xq, int64_t x_stride, float *out) {
     const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4);
-    DOT4_Q8_0_FAMILY(17, GET_TABLE1, SCALE_E8M0)
+    DOTR_Q8_0_FAMILY(4, 17, GET_TABLE1, SCALE_E8M0)
 }
+
+/* One split row (dot.h clover_dot1_x4_avx2): the 4-row kernels' steps for one row. */
+#define DOT1_SPLIT(NAME, BYTES, GET, SCALE, ...)                                           \
+    static AVX2 float NAME(int64_t n, const void *w, const void *xq) {                       \
+        __VA_ARGS__;                                                                         \
+        const int64_t x_stride = 0;                                                          \
+        float out[1];                                                                        \
+        DOTR_Q8_0_FAMILY(1, BYTES, GET, SCALE)                                               \
+        return out[0];                                                                       \
+    }
+DOT1_SPLIT(dot1s_q8_0, 34, GET_Q8_0, SCALE_FP16, (void)0)
+DOT1_SPLIT(dot1s_q4_0, 18, GET_TABLE2, SCALE_FP16,
+           const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7))
+DOT1_SPLIT(dot1s_iq4_nl, 18, GET_TABLE2, SCALE_FP16, const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_iq4nl))
+DOT1_SPLIT(dot1s_mxfp4, 17, GET_TABLE1, SCALE_E8M0, const __m128i table = _mm_loadu_si128((const __m128i *)clover_kv_mxfp4))
 
 /* q . k over n values, k fp16 (dot.h): two 8-lane FMA sums, then the tail in order. */
 static AVX2 float dot_f16(const float *q, const uint16_t *k, int64_t n) {
@@ -295,7 +294,21 @@ clover_vec_dot4_fn clover_dot4_avx2(int type) {
     }
 }
 
+clover_vec_dot_fn clover_dot1_x4_avx2(int type) {
+    switch (type) {
+    case CLOVER_TYPE_Q8_0: return dot1s_q8_0;
+    case CLOVER_TYPE_Q4_0: return dot1s_q4_0;
+    case CLOVER_TYPE_IQ4_NL: return dot1s_iq4_nl;
+    case CLOVER_TYPE_MXFP4: return dot1s_mxfp4;
+    default: return clover_dot_paired_avx2(type);
+    }
+}
+
 #else
+clover_vec_dot_fn clover_dot1_x4_avx2(int type) {
+    (void)type;
+    return NULL;
+}
 clover_vec_dot_fn clover_dot_avx2(int type) {
     (void)type;
     return NULL;
