@@ -195,13 +195,18 @@ int clover_dot4_packed(int type) {
     return type == CLOVER_TYPE_Q4_K || type == CLOVER_TYPE_Q5_K ? 2 : 0;
 }
 
+/* The scale and the sums of 32 values (at most 32 * 128, an int16) of a Q8_K block in a
+ * reordered layout (the sums of 16 of the block pairwise, the upper 8 zero). */
+static void q8_K_sums32(const clover_block_q8_K *in, clover_block_q8_K *out) {
+    out->d = in->d;
+    for (int k = 0; k < 16; k++) out->bsums[k] = k < 8 ? (int16_t)(in->bsums[2 * k] + in->bsums[2 * k + 1]) : 0;
+}
+
 void clover_x4_pack_q8_K(const void *xq, void *dst, int64_t n) {
     const clover_block_q8_K *in = (const clover_block_q8_K *)xq;
     clover_block_q8_K *out = (clover_block_q8_K *)dst;
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
-        out[i].d = in[i].d;
-        for (int k = 0; k < 16; k++) /* sums of 32: at most 32 * 128, an int16 */
-            out[i].bsums[k] = k < 8 ? (int16_t)(in[i].bsums[2 * k] + in[i].bsums[2 * k + 1]) : 0;
+        q8_K_sums32(&in[i], &out[i]);
         for (int s = 0; s < 4; s++)
             for (int b = 0; b < 8; b++) memcpy(out[i].qs + 64 * s + 8 * b, in[i].qs + 32 * b + 8 * s, 8);
     }
@@ -215,9 +220,7 @@ void clover_x4_pair_q8_K(const void *xq, void *dst, int64_t n) {
     const clover_block_q8_K *in = (const clover_block_q8_K *)xq;
     clover_block_q8_K *out = (clover_block_q8_K *)dst;
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
-        out[i].d = in[i].d;
-        for (int k = 0; k < 16; k++) /* sums of 32: at most 32 * 128, an int16 */
-            out[i].bsums[k] = k < 8 ? (int16_t)(in[i].bsums[2 * k] + in[i].bsums[2 * k + 1]) : 0;
+        q8_K_sums32(&in[i], &out[i]);
         for (int s = 0; s < 4; s++)
             for (int h = 0; h < 2; h++)
                 for (int k = 0; k < 4; k++)
