@@ -7,6 +7,7 @@ Nothing here imports torch.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -338,6 +339,8 @@ class Model:
         # generation prefills only its new tokens (chat turns, server requests)
         self.prefix_reuse = bool(prefix_reuse)
         self._cancel_lock = threading.Lock()  # guards the slots' running calls and contexts
+        self._users = 0  # calls using the model and first context outside a slot (_using)
+        self._unused = threading.Condition(self._cancel_lock)  # notified when _users drops to 0
         self.n_parallel = _check_int("n_parallel", n_parallel, lo=1, hi=MAX_PARALLEL)
         if path is None:
             path = DEFAULT_MODEL
@@ -586,6 +589,9 @@ class Model:
         if not hasattr(self, "_free"):  # __init__ failed before the slots existed
             return
         self._closing = True
+        with self._cancel_lock:  # the calls checking their arguments on the model finish first
+            while self._users:
+                self._unused.wait()
         with self._free:
             self._free.notify_all()  # calls waiting for a slot raise CloverError
         for s in self._slots:
@@ -749,9 +755,28 @@ class Model:
             raise ContextLengthExceeded(f"prompt: {len(ids)} tokens leave no room in n_ctx={self.n_ctx}")
         return ids
 
+    @contextlib.contextmanager
+    def _using(self):
+        """Use the model and the first context outside a slot (the engine's argument checks):
+        CloverError once closed; :meth:`close` frees them only after."""
+        with self._cancel_lock:
+            self._live()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._cancel_lock:
+                self._users -= 1
+                if self._users == 0:
+                    self._unused.notify_all()
+
     def _params(self, o: GenerateOptions, end_ids=None):
         """The engine's parameters for options ``o`` (each field checked here, naming it);
         ``end_ids`` None: :attr:`end_ids`. Returns (params, arrays they point to, mode, end ids)."""
+        with self._using():
+            return self._params_of(o, end_ids)
+
+    def _params_of(self, o: GenerateOptions, end_ids):
         p = ffi.new("clover_gen_params *")
         lib.clover_gen_params_default(self._model, p)
         mode = o.mode
