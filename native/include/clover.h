@@ -392,7 +392,8 @@ CLOVER_API clover_batch *clover_batch_new(clover_model *m, int32_t max_rows, cha
 CLOVER_API int clover_batch_free(clover_batch *b);
 /* Attach c to b (b NULL: detach it from its batch). A context joins a batch for a sequence's
  * requests and leaves it when idle, since the batch waits for every attached context; attaching
- * to another model's batch, or while c's forward runs, is CLOVER_E_ARG / CLOVER_E_STATE. */
+ * to another model's batch, or while c's forward runs, is CLOVER_E_ARG / CLOVER_E_STATE.
+ * clover_context_free detaches the context it frees. */
 CLOVER_API int clover_context_set_batch(clover_context *c, clover_batch *b, char *err, size_t err_size);
 /* What a batch has run: passes, rows over all passes, the (context, forward) entries over all
  * passes, passes with two or more contexts, and the most contexts in one pass. */

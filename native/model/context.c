@@ -167,6 +167,7 @@ clover_context *clover_context_new(clover_model *m, int32_t n_ctx, int32_t n_thr
 
 void clover_context_free(clover_context *c) {
     if (!c) return;
+    clover_context_set_batch(c, NULL, NULL, 0); /* detached: its batch waits for it no more */
     gpu_context_uncount(c); /* the last one gives the backend's shared scratch back */
     for (size_t i = 0; i < sizeof c->graph / sizeof c->graph[0]; i++) clover_cuda_graph_free(c->graph[i].exec);
     free(c->k_cache);

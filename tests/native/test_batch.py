@@ -138,6 +138,13 @@ def test_batch_api_checks(model, make_gguf):
         assert rc == lib.CLOVER_E_ABORTED and b"aborted" in ffi.string(err)
         assert lib.clover_prefill(c, ffi.from_buffer("int32_t[]", ids), 3, ffi.NULL, 0, err, len(err)) == 0
         assert lib.clover_context_set_batch(ffi.NULL, b, err, len(err)) == lib.CLOVER_E_ARG
+        # freeing an attached context detaches it: the batch can be freed after
+        other = _contexts(m, 1)[0]
+        assert lib.clover_context_set_batch(other, b, err, len(err)) == 0
+        lib.clover_context_free(other)
+        lib.clover_context_set_batch(c, ffi.NULL, err, len(err))
+        assert lib.clover_batch_free(b) == 0
+        b = lib.clover_batch_new(m._model, 0, err, len(err))
     finally:
         lib.clover_context_set_batch(c, ffi.NULL, err, len(err))
         lib.clover_context_free(c)
