@@ -36,8 +36,9 @@ def gguf_path(make_gguf):
 @pytest.fixture(scope="module")
 def served(gguf_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("limits") / "server.log"
+    # one slot: a long job holds it, so the queue and its limits are what the requests meet
     args = ["-c", N_CTX, "-t", 1, "--max-body", MAX_BODY, "--max-queue", MAX_QUEUE, "--timeout", TIMEOUT,
-            "--mode", "ar"]
+            "--mode", "ar", "-np", 1]
     with serving(gguf_path, args, log) as (base, proc):
         yield base, proc
 
