@@ -276,7 +276,7 @@ int moe_layer(fwd *L, pass_entry *en, int n_en, const clover_layer *ly, int il, 
     r = 0;
     for (int i = 0; i < n_en; r += en[i++].f.T)
         if (en[i].f.n_experts_out)
-            en[i].f.n_experts_out[il] = n_en == 1 ? n_used : distinct_experts(sel + r * k, en[i].f.T * k, E, allowed);
+            en[i].f.n_experts_out[il] = distinct_experts(sel + r * k, en[i].f.T * k, E, allowed);
     /* plus the shared expert, gated per token by sigmoid(w . x) (spec 2.3 step 3) */
     for (int64_t t = 0; t < T; t++) {
         float s = sigmoidf_(sg[t]);
