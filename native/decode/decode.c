@@ -315,7 +315,8 @@ static void slot_pop(clover_decoder *d, const int32_t *pend, const unsigned char
         if (!on || on[k]) clover_history_pop(&d->hist, pend[k]);
 }
 
-/* allowed (NULL = all): the constraint's mask (constraint_mask); the other ids are never drawn. */
+/* allowed (NULL = all): the constraint's mask (constraint_mask); the other ids are never drawn.
+ * conf NULL: the confidence is not wanted (clover_sample skips it). */
 static int32_t sample_slot(clover_decoder *d, const float *row, int32_t j, const int32_t *pend,
                            const unsigned char *on, int32_t n_pend, const uint32_t *allowed, float *conf) {
     clover_history *h = &d->hist;
@@ -423,21 +424,19 @@ static int prefill_next(clover_decoder *d, const int32_t *tokens, int32_t n, cha
 
 /* The next slot's token: prefill_next's selection when it made one, else drawn from causal. */
 static int32_t next_token(clover_decoder *d) {
-    float conf;
     const int have = d->have_next;
     d->have_next = 0;
-    if (!have) return sample_slot(d, d->causal, 0, NULL, NULL, 0, NULL, &conf);
-    return d->sel_k ? draw_cands(d, d->tops, d->next_total, d->causal, &conf) : d->next_tok;
+    if (!have) return sample_slot(d, d->causal, 0, NULL, NULL, 0, NULL, NULL);
+    return d->sel_k ? draw_cands(d, d->tops, d->next_total, d->causal, NULL) : d->next_tok;
 }
 
 /* next_token, from the constraint's allowed ids and accepted by it when there is one; its
  * logprobs record into rec (may be NULL). */
 static int choose_next(clover_decoder *d, int32_t *t, clover_lp_rec *rec, char *err, size_t err_size) {
     if (d->p.constraint) {
-        float conf;
         int rc = constraint_mask(d, err, err_size);
         if (rc) return rc;
-        *t = sample_slot(d, d->causal, 0, NULL, NULL, 0, d->allowed, &conf);
+        *t = sample_slot(d, d->causal, 0, NULL, NULL, 0, d->allowed, NULL);
         rc = constraint_accept(d, *t, err, err_size);
         if (rc) return rc;
     } else {
@@ -693,9 +692,8 @@ static int32_t draft_pick(clover_decoder *d, int32_t j) {
         if (!drafted) break;
     }
     if (!draw) return best;
-    float conf;
     clover_cands_sort(c, d->draft_k);
-    return clover_sample_top(c, d->sel_k, sp, &d->rng, &conf, d->scratch, 0.0);
+    return clover_sample_top(c, d->sel_k, sp, &d->rng, NULL, d->scratch, 0.0);
 }
 
 /* spec mode (spec 5.5): seed s, draft d_1..d_{B-1} from one block forward on [s, MASK...]
@@ -715,7 +713,6 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         d->st.finish_reason = CLOVER_FINISH_LENGTH;
         return 0;
     }
-    float conf;
     int rc = CLOVER_OK;
     const uint32_t *allowed = d->p.constraint ? d->allowed : NULL;
     if (d->have_seed) { /* chosen by the last verify (from the constraint's allowed ids) */
@@ -775,9 +772,9 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
     int32_t n_told = 0; /* drafted tokens the constraint accepted */
     for (int32_t j = 1; j < B && (!draft_gpu || k); j++) {
         if (allowed && (rc = constraint_mask(d, err, err_size))) return rc;
-        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - sh) * V, j, d->block, NULL, j, allowed, &conf)
+        d->block[j] = !draft_gpu ? sample_slot(d, d->logits + (int64_t)(j - sh) * V, j, d->block, NULL, j, allowed, NULL)
                       : pens     ? draft_pick(d, j)
-                                 : top_draw(d, j - sh, &conf);
+                                 : top_draw(d, j - sh, NULL);
         if (allowed && is_end(d, d->block[j])) B = j + 1; /* the draft ends at an end token (never told: an
                                                             end token stops the grammar for good) */
         else if (allowed && (rc = constraint_accept(d, d->block[j], err, err_size))) return rc;
@@ -810,8 +807,8 @@ static int step_spec(clover_decoder *d, int32_t *out, int32_t *n_out, char *err,
         /* a_i predicts slot i + 1 after block[0..i] (spec 5.4 history as ar would have it) */
         if (allowed && (rc = constraint_mask(d, err, err_size))) return rc;
         const float *row = d->logits + (int64_t)i * V;
-        const int32_t a = !gpu || B > CLOVER_SELECT_MAX_ROWS ? sample_slot(d, row, i + 1, d->block, NULL, i + 1, allowed, &conf)
-                          : d->sel_k                         ? top_draw(d, i, &conf)
+        const int32_t a = !gpu || B > CLOVER_SELECT_MAX_ROWS ? sample_slot(d, row, i + 1, d->block, NULL, i + 1, allowed, NULL)
+                          : d->sel_k                         ? top_draw(d, i, NULL)
                                                              : d->cand[i];
         if (i + 1 < B && d->block[i + 1] == a) {
             if (allowed && (rc = constraint_accept(d, a, err, err_size))) return rc;

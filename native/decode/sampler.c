@@ -310,7 +310,7 @@ int32_t clover_sample_top(const clover_cand *cand, int32_t n, const clover_sampl
             }
     const int32_t pick = draw(scratch, n, rng, &sum);
     const clover_cand c = cand[pick < 0 ? 0 : pick]; /* rounding at the end: the argmax */
-    *confidence = drawn_confidence(c.z, zmax, T, sum);
+    if (confidence) *confidence = drawn_confidence(c.z, zmax, T, sum);
     return c.id;
 }
 
@@ -327,10 +327,11 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
         }
     }
     if (best < 0) {
-        *confidence = 0;
+        if (confidence) *confidence = 0;
         return -1;
     }
     if (!(sp->temperature > 0.0f)) { /* greedy: top-k, top-p and min-p cannot change the argmax */
+        if (!confidence) return best;
         double sum = 0;
         for (int32_t i = 0; i < n_vocab; i++)
             if (i != sp->mask_token_id) sum += exp((double)logits[i] - zmax);
@@ -343,7 +344,7 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
         const int cut = sp->top_k > 0 && sp->top_k < n;
         clover_cand *cand = malloc(sizeof(clover_cand) * (size_t)(cut ? sp->top_k : n));
         if (!cand) { /* no memory: fall back to the greedy candidate */
-            *confidence = 1.0f;
+            if (confidence) *confidence = 1.0f;
             return best;
         }
         /* top-p alone: the whole row's weight, then the best 256, 4096 or all candidates, the
@@ -368,7 +369,7 @@ int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler
     }
     double sum;
     const int32_t pick = draw(scratch, n_vocab, rng, &sum), id = pick < 0 ? best : pick;
-    *confidence = drawn_confidence(logits[id], zmax, T, sum);
+    if (confidence) *confidence = drawn_confidence(logits[id], zmax, T, sum);
     return id;
 }
 

@@ -95,7 +95,8 @@ void clover_rng_seed(clover_rng *r, uint64_t seed);
 /* Uniform float in [0, 1). */
 float clover_rng_uniform(clover_rng *r);
 /* Pick a candidate from processed logits[n_vocab] (not modified): temperature, top-k, top-p,
- * min-p (spec 5.3); *confidence in [0, 1]. Greedy at temperature 0 (confidence = softmax
+ * min-p (spec 5.3); *confidence in [0, 1] (confidence NULL: not computed, which at
+ * temperature 0 skips a pass over the row). Greedy at temperature 0 (confidence = softmax
  * probability of the argmax). scratch: n_vocab floats (caller provides); iscratch unused. */
 int32_t clover_sample(const float *logits, int32_t n_vocab, const clover_sampler_params *sp,
                       clover_rng *rng, float *confidence, float *scratch, int32_t *iscratch);
