@@ -12,6 +12,10 @@
  * there, so each out[r] equals that kernel's value bit for bit. Q6_K and IQ4_XS read the rows as
  * they are, Q4_K and Q5_K in the paired layout (dot.h clover_x4_pair_q8_K). */
 
+/* An empty asm that takes v in a register and gives it back: it keeps a running sum in one register (the compiler would otherwise
+ * reassociate the terms of the 4 rows' sums into trees and spill them). */
+#define DK_IN_REG(v) __asm__("" : "+x"(v))
+
 /* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over R (1 or 4) rows in the paired layout.
  * The 128 level bytes are transposed in 8-byte pieces so that register s holds bytes 8s..8s+7 of
  * each 32-byte chunk j: its low nibbles are values 8s..8s+7 of sub-blocks 0, 2, 4, 6, its high
@@ -79,6 +83,8 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_rows(int R
             for (int k = 1; k < 4; k++) {
                 se = _mm256_add_epi16(se, _mm256_maddubs_epi16(lo[k], _mm256_loadu_si256((const __m256i *)(a + 64 * k))));
                 so = _mm256_add_epi16(so, _mm256_maddubs_epi16(hi[k], _mm256_loadu_si256((const __m256i *)(a + 64 * k + 32))));
+                DK_IN_REG(se);
+                DK_IN_REG(so);
             }
             sr[r] = _mm256_add_epi32(_mm256_madd_epi16(se, sce), _mm256_madd_epi16(so, sco));
             mr[r] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)y[r][i].bsums));
@@ -123,6 +129,17 @@ DK_AVX2 static float dot1p_q5_K_avx2(int64_t n, const void *w_row, const void *x
     return out;
 }
 
+/* Q6_K: the levels of one chunk c (32 values) of a half block at a time, from its ql and qh
+ * bytes (dk_q6_levels' q[c]), so that the 4 rows' sums and accumulators stay in registers. */
+DK_AVX2 static inline __m256i dk_q6_chunk(const uint8_t *ql, const uint8_t *qh, int c) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(ql + 32 * (c & 1)));
+    const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+    const __m256i lo = c < 2 ? _mm256_and_si256(b, m4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    const __m256i hi = c == 0 ? _mm256_slli_epi16(bh, 4) : c == 1 ? _mm256_slli_epi16(bh, 2) : c == 2 ? bh : _mm256_srli_epi16(bh, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+}
+
 DK_AVX2 static void dot4_q6_K_avx2(int64_t n, const void *w_row, const void *xq, int64_t x_stride, float *out) {
     const dk_q6_K *x = (const dk_q6_K *)w_row;
     DK_ROWS4(y, xq, x_stride);
@@ -131,34 +148,33 @@ DK_AVX2 static void dot4_q6_K_avx2(int64_t n, const void *w_row, const void *xq,
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 4);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        /* levels are stored +32: the sums start at -32 * sum_g sc_g * bsum_g */
         __m256i s[4];
-        for (int r = 0; r < 4; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++)
+            s[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                    _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[r][i].bsums), sc16), 5));
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++, ql += 64, qh += 32) {
-            __m256i qv[4];
-            dk_q6_levels(_mm256_loadu_si256((const __m256i *)ql), _mm256_loadu_si256((const __m256i *)(ql + 32)),
-                         _mm256_loadu_si256((const __m256i *)qh), qv);
+        for (int h = 0; h < 2; h++) {
             const __m256i sh = dk_q6_half_scales(sc16, h);
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
                 /* 32 values = two groups of 16: int16 lanes 0..7 take scale 2k, lanes 8..15 2k+1 */
                 const int k = 4 * h + c;
+                const __m256i qv = dk_q6_chunk(x[i].ql + 64 * h, x[i].qh + 32 * h, c);
                 const __m256i scv = DK_Q6_SCALE(sh, c);
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++) {
-                    const __m256i p = _mm256_maddubs_epi16(qv[c], _mm256_loadu_si256((const __m256i *)(y[r][i].qs + 32 * k)));
+                    const __m256i p = _mm256_maddubs_epi16(qv, _mm256_loadu_si256((const __m256i *)(y[r][i].qs + 32 * k)));
                     s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(scv, p));
+                    DK_IN_REG(s[r]);
                 }
             }
         }
-        for (int r = 0; r < 4; r++) {
-            /* levels are stored +32: subtract 32 * sum_g sc_g * bsum_g */
-            const __m256i corr =
-                _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[r][i].bsums), sc16), 5);
-            const __m256i sumi = _mm256_sub_epi32(s[r], corr);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        const float d = _cvtsh_ss(x[i].d);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][i].d * d), _mm256_cvtepi32_ps(s[r]), acc[r]);
     }
     for (int r = 0; r < 4; r++) out[r] = clover_hsum8(acc[r]);
 }

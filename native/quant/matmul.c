@@ -91,14 +91,15 @@ static int worth_threads(int nth, int64_t n_out, int64_t n_in, int64_t T) {
 static int matmul_quantized(int type, int act, const uint8_t *wbytes, int64_t row_bytes, int64_t n_in,
                             int64_t n_out, const float *x, int64_t T, float *y, int nth) {
     const clover_vec_dot_fn dot1 = clover_dot_kernel(type, -1);
-    const clover_vec_dot4_fn dot4 = T >= 3 ? clover_dot4_kernel(type) : NULL;
+    const clover_vec_dot4_fn dot4 = T >= 2 ? clover_dot4_kernel(type) : NULL;
     const int64_t act_bytes = clover_type_nbytes(act, n_in);
     if (dot1 == NULL || act_bytes < 0 || (uint64_t)act_bytes > SIZE_MAX / (uint64_t)T) return -1;
     /* rows [0, T4) go through the 4-row kernel, in its packed layout where it has one; a tail
-     * of 3 rows is padded to 4 with a copy of the last row (one 4-row pass costs about what 3
-     * single-row passes do; the copy's outputs are dropped). Where a one-row kernel reads the
-     * 4-row kernel's layout (dot.h clover_dot1_x4_kernel), every row is in that layout. */
-    const int64_t T4 = dot4 ? (T % 4 == 3 ? T + 1 : T - T % 4) : 0;
+     * of 2 or 3 rows is padded to 4 with copies of the last row (one 4-row pass costs about
+     * what 2 single-row passes do: AVX2, Q4_K and Q6_K, docs/bench.md; the copies' outputs are
+     * dropped). Where a one-row kernel reads the 4-row kernel's layout (dot.h
+     * clover_dot1_x4_kernel), every row is in that layout. */
+    const int64_t T4 = dot4 ? (T % 4 >= 2 ? T + 4 - T % 4 : T - T % 4) : 0;
     const int64_t TA = T4 > T ? T4 : T; /* activation rows incl. padding */
     const clover_vec_dot_fn dotp = clover_dot1_x4_kernel(type);
     const clover_vec_dot_fn dot = dotp ? dotp : dot1;
