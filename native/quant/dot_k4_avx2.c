@@ -71,7 +71,7 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_rows(int R
             }
         }
         /* row by row (the levels stay in registers): int16 sums of the even and the odd
-         * sub-blocks over the 4 pieces, then one madd with the scales each */
+         * sub-blocks over the 4 pieces, then one madd with the scales each; the mins part after */
         __m256i sr[4];
         __m128i mr[4];
 #pragma GCC unroll 4
@@ -87,14 +87,19 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_rows(int R
                 DK_IN_REG(so);
             }
             sr[r] = _mm256_add_epi32(_mm256_madd_epi16(se, sce), _mm256_madd_epi16(so, sco));
-            mr[r] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)y[r][i].bsums));
+            if (r & 1) { /* rows r - 1, r pairwise added: one register for the two */
+                sr[r - 1] = _mm256_hadd_epi32(sr[r - 1], sr[r]);
+                DK_IN_REG(sr[r - 1]);
+            }
         }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) mr[r] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)y[r][i].bsums));
         if (R == 1) {
             acc = dk_block_float(acc, sr[0], mr[0], y[0][i].d, x5 ? &x5[i].d : &x4[i].d);
             continue;
         }
         /* lane r: row r's S (two levels of pairwise adds, then the two halves) and M */
-        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sr[0], sr[1]), _mm256_hadd_epi32(sr[2], sr[3]));
+        const __m256i h = _mm256_hadd_epi32(sr[0], sr[2]);
         const __m128i S = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
         const __m128i M = _mm_hadd_epi32(_mm_hadd_epi32(mr[0], mr[1]), _mm_hadd_epi32(mr[2], mr[3]));
         const __m128 yd = _mm_setr_ps(y[0][i].d, y[1][i].d, y[2][i].d, y[3][i].d);
