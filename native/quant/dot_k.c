@@ -156,9 +156,7 @@ DK_AVX2 static float dot_q4_K_avx2(int64_t n, const void *w_row, const void *xq)
     __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 3);
-        uint32_t u[4];
-        dk_unpack_scales(x[i].scales, u);
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m256i sm16 = dk_scales_mins16(x[i].scales);
         const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const uint8_t *q = x[i].qs;
@@ -187,9 +185,7 @@ DK_AVX2 static float dot_q5_K_avx2(int64_t n, const void *w_row, const void *xq)
     __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < n / CLOVER_QK_K; i++) {
         CLOVER_PREFETCH(x + i, 3);
-        uint32_t u[4];
-        dk_unpack_scales(x[i].scales, u);
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m256i sm16 = dk_scales_mins16(x[i].scales);
         const __m128i prod = dk_mins_prod(_mm256_extracti128_si256(sm16, 1), y[i].bsums);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const uint8_t *q = x[i].qs;

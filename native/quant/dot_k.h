@@ -89,6 +89,20 @@ DK_AVX2 static inline float dk_hsum4(__m128 s) {
 /* pshufb mask that broadcasts int16 element k of each 128-bit lane */
 #define DK_BCAST16(k) _mm256_set1_epi16((short)(0x0100 + 0x0202 * (k)))
 
+/* dk_unpack_scales in registers: the 8 scales then the 8 mins of a Q4_K/Q5_K block as 16 int16
+ * lanes, from the 12 scale bytes at s (16 bytes are read: the block goes on after them). The
+ * 32-bit words a, b, c of s give [a & 3f, (c & 0f) | (a >> 6 & 3) << 4, b & 3f,
+ * (c >> 4 & 0f) | (b >> 6 & 3) << 4] bytewise, as the scalar unpack does. */
+DK_AVX2 static inline __m256i dk_scales_mins16(const uint8_t *s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    const __m128i w = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i lo = _mm_and_si128(w, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i z = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(z, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i u = _mm_or_si128(lo, hi); /* u[0], u[1] as scalar; then u[2], u[3] */
+    return _mm256_cvtepu8_epi16(u);
+}
+
 /* sum of the mins part of a Q4_K/Q5_K block: 4 int32 lanes summing to sum_j m_j * bsum32_j */
 DK_AVX2 static inline __m128i dk_mins_prod(__m128i mins16, const int16_t *bsums) {
     const __m128i b0 = _mm_loadu_si128((const __m128i *)bsums);

@@ -44,9 +44,7 @@ DK_AVX2 static inline __attribute__((always_inline)) void dk_q45_avx2_rows(int R
             CLOVER_PREFETCH(x5 + i, 3);
         else
             CLOVER_PREFETCH(x4 + i, 3);
-        uint32_t u[4];
-        dk_unpack_scales(scales, u);
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m256i sm16 = dk_scales_mins16(scales);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
         const __m256i sce = _mm256_shuffle_epi8(sc, even), sco = _mm256_shuffle_epi8(sc, odd);
         const __m128i mins = _mm256_extracti128_si256(sm16, 1);
