@@ -266,8 +266,9 @@ class Model:
             1 also work.
         gpu_budget: bytes of GPU memory, a size such as ``"12G"`` (binary units, as the CLI's
             --gpu-budget), or "free" (what the GPU reports free): choose
-            n_gpu_layers and n_cpu_moe to fit it (:func:`clover_gguf.placement.fit`); the plan
-            is in :attr:`placement` (``placement["plan"]``).
+            n_gpu_layers and n_cpu_moe to fit it beside the GPU caches of the n_parallel
+            contexts (:func:`clover_gguf.placement.fit`); the plan is in :attr:`placement`
+            (``placement["plan"]``).
         plan_callback: called with the placement's plan line (str: bytes per part) once a
             usable GPU is found, before any weight goes to it (the CLI prints it, so --fit's
             plan shows before the upload, and also when the upload is refused); not called
@@ -527,7 +528,37 @@ class Model:
         if len(self._slots) > 1:
             with self._free:
                 s.busy = False
-                self._free.notify()
+                self._free.notify_all()  # a call waiting for any slot, or one waiting for this one (_hold)
+
+    def _slot_index(self, slot) -> int:
+        """The index of the slot ``slot`` names: None only with n_parallel=1 (its one slot);
+        ValueError naming ``slot`` otherwise."""
+        if slot is None:
+            if len(self._slots) == 1:
+                return 0
+            raise ValueError(f"slot: required with n_parallel={self.n_parallel} (0..{self.n_parallel - 1})")
+        return _check_int("slot", slot, lo=0, hi=self.n_parallel - 1)
+
+    @contextmanager
+    def _hold(self, slot) -> Iterator[_Slot]:
+        """Hold the slot ``slot`` names (:meth:`_slot_index`) and its call lock, outside the batch:
+        with n_parallel > 1 a call holding it is waited for, as llama-server defers a slot action
+        on a busy slot."""
+        s = self._slots[self._slot_index(slot)]
+        if len(self._slots) > 1:
+            with self._free:
+                while True:
+                    self._live()
+                    if not s.busy:
+                        break
+                    self._free.wait()
+                s.busy = True
+        try:
+            with s.lock:
+                self._live()
+                yield s
+        finally:
+            self._put(s)
 
     def _set_batch(self, s: _Slot, batch) -> None:
         """Attach ``s`` to the batch (NULL: detach it); nothing with n_parallel=1 or a freed context."""
@@ -637,10 +668,10 @@ class Model:
                 warnings.warn("gpu_budget: no usable GPU reports its free memory; running on the CPU",
                               UserWarning, stacklevel=3)
                 return 0
-            plan = P.fit(self, budget)
+            plan = P.fit(self, budget, n_parallel=self.n_parallel)
             n_gpu_layers, n_cpu_moe = plan["n_gpu_layers"], plan["n_cpu_moe"]
         n = int(self.hparams["n_layer"]) + 1 if n_gpu_layers < 0 else n_gpu_layers
-        self.placement = P.placement(self, n, n_cpu_moe)
+        self.placement = P.placement(self, n, n_cpu_moe, n_parallel=self.n_parallel)
         if budget is not None:
             self.placement["budget"] = budget
         self.placement["plan"] = P.describe(self.placement, int(self.hparams["n_layer"]))
@@ -1069,35 +1100,44 @@ class Model:
                 lib.clover_context_abort(s.ctx)
             return True
 
-    def reset(self) -> None:
-        """Empty the contexts' caches: the next generations prefill their whole prompts (prefix
-        reuse starts over). Waits for each slot's running piece; interrupts unfinished
-        ``generate_stream`` iterators."""
+    def reset(self, slot=None) -> int:
+        """Empty the caches: every slot's (``slot`` None), or slot ``slot``'s alone (0..n_parallel-1;
+        waited for while a call holds it, as :meth:`save_state`). The next generations there
+        prefill their whole prompts (prefix reuse starts over). Waits for each slot's running piece;
+        interrupts unfinished ``generate_stream`` iterators. Returns the tokens the emptied caches
+        held (llama-server's ``n_erased``)."""
+        if slot is not None:
+            with self._hold(slot) as s:
+                return self._reset(s)
+        n = 0
         for s in self._slots:
             with s.lock:
                 self._live()
-                self._abort_active(s)
-                lib.clover_context_reset(s.ctx)
-                s.cached, s.saved, s.ids = [], [], []
+                n += self._reset(s)
+        return n
 
-    def _only_slot(self, what: str) -> _Slot:
-        """The one slot of a model with n_parallel=1 (CloverError naming ``what`` otherwise)."""
-        if len(self._slots) != 1:
-            raise CloverError(f"{what}: needs n_parallel=1 (this model has {self.n_parallel} contexts)")
-        return self._slots[0]
+    def _reset(self, s: _Slot) -> int:
+        n = int(lib.clover_context_n_past(s.ctx))
+        self._abort_active(s)
+        lib.clover_context_reset(s.ctx)
+        s.cached, s.saved, s.ids = [], [], []
+        return n
 
-    def save_state(self) -> bytes:
-        """The context's state as bytes (llama-cpp-python's ``save_state``; format:
+    def save_state(self, slot=None) -> bytes:
+        """A slot's state as bytes (llama-cpp-python's ``save_state``; format:
         :mod:`clover_gguf.state`): the caches (clover.h ``clover_state_get_data``: KV rows, GDN
         and conv states, the state saved at the last prompt's split point) and the tokens prefix
-        reuse compares prompts with, so that after :meth:`load_state`, on this object or another
-        ``Model`` of the same file, cache types and an n_ctx that holds them, the next generation
-        runs as it would have run here (a prompt that extends the saved one reuses its prefix).
-        Raises CloverError while an unfinished ``generate_stream`` iterator runs on the context,
-        and with n_parallel > 1."""
-        s = self._only_slot("save_state")
-        with s.lock:
-            self._live()
+        reuse compares prompts with, so that after :meth:`load_state`, into any slot of this object
+        or of another ``Model`` of the same file, cache types and an n_ctx that holds them, the
+        next generation there runs as it would have run here (a prompt that extends the saved one
+        reuses its prefix).
+
+        ``slot``: the slot (0..n_parallel-1); with n_parallel=1 it may be left out, with more it is
+        required (ValueError naming ``slot``). While a call holds the slot (n_parallel > 1) this
+        waits for it to end, as llama-server defers a slot action on a busy slot; a thread that
+        holds the slot's unfinished ``generate_stream`` iterator itself therefore waits forever.
+        With n_parallel=1 an unfinished iterator raises CloverError instead."""
+        with self._hold(slot) as s:
             return self._save_state(s)
 
     def _save_state(self, s: _Slot) -> bytes:
@@ -1118,16 +1158,18 @@ class Model:
             raise_error(err, "save_state")
         return pack_state(ids, s.cached, s.saved, engine)
 
-    def load_state(self, state: bytes) -> None:
-        """Put the context in the state of :meth:`save_state`'s bytes. ValueError naming
-        ``state`` when they are not such bytes (truncated, corrupted) or do not fit this model
-        (another model file, other ``type_k``/``type_v``, more tokens than ``n_ctx``); the
-        context is then unchanged. Interrupts an unfinished ``generate_stream`` iterator.
-        CloverError with n_parallel > 1."""
-        s = self._only_slot("load_state")
-        with s.lock:
-            self._live()
+    def load_state(self, state: bytes, slot=None, prompt_cache_key=None) -> None:
+        """Put a slot in the state of :meth:`save_state`'s bytes (saved from any slot). ValueError
+        naming ``state`` when they are not such bytes (truncated, corrupted) or do not fit this
+        model (another model file, other ``type_k``/``type_v``, more tokens than ``n_ctx``); the
+        slot is then unchanged. Interrupts an unfinished ``generate_stream`` iterator (n_parallel=1).
+        ``slot``: as :meth:`save_state` (required with n_parallel > 1; a call holding it is waited
+        for). ``prompt_cache_key``: the key whose calls reuse the loaded prefix (as
+        :meth:`generate`'s; None: calls without one); with n_parallel > 1 a call of that key whose
+        prompt extends the saved one takes this slot."""
+        with self._hold(slot) as s:
             self._load_state(s, state)
+            s.key = prompt_cache_key
 
     def _load_state(self, s: _Slot, state) -> None:
         ids, cached, saved, engine = unpack_state(state, self.n_vocab)

@@ -21,20 +21,28 @@ PARTS = ("gpu", "dense", "experts", "output", "experts_cpu", "vectors")
 RESERVE = 512 << 20
 
 
-def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = None) -> dict:
+def placement(model, n_gpu_layers: int, n_cpu_moe: int = 0, n_ctx: int | None = None, n_parallel: int = 1) -> dict:
     """Bytes per part of a placement on ``model`` (a :class:`~clover_gguf.model.Model`):
     ``gpu`` (the weights on the GPU), ``dense`` (attention/GDN projections, routers, shared
     experts of the offloaded layers), ``experts`` (their routed experts on the GPU), ``output``
     (the LM head), ``experts_cpu`` (routed experts of offloaded layers kept on the CPU),
     ``vectors`` (the float32 norms, conv weights and gates a whole offload copies for the
     resident forward; ``gpu`` counts them),
-    ``cache`` (one context's state on the GPU, :func:`cache_bytes`, for ``n_ctx`` tokens,
-    default the model's), plus the arguments (``n_gpu_layers`` -1 = all and the output)."""
+    ``cache`` (the state on the GPU of ``n_parallel`` contexts, llama-server's slots, each
+    ``cache_context`` bytes: :func:`cache_bytes` for ``n_ctx`` tokens, default the model's), plus
+    the arguments (``n_gpu_layers`` -1 = all and the output, ``n_parallel``)."""
+    n_parallel = _check_parallel(n_parallel)
     n = _layers(model, n_gpu_layers)
     out = {name: int(lib.clover_model_placement_bytes(model._model, n, n_cpu_moe, i)) for i, name in enumerate(PARTS)}
-    out.update(cache=cache_bytes(model, model.n_ctx if n_ctx is None else n_ctx, n),
-               n_gpu_layers=n, n_cpu_moe=n_cpu_moe)
+    one = cache_bytes(model, model.n_ctx if n_ctx is None else n_ctx, n)
+    out.update(cache=one * n_parallel, cache_context=one, n_parallel=n_parallel, n_gpu_layers=n, n_cpu_moe=n_cpu_moe)
     return out
+
+
+def _check_parallel(n_parallel) -> int:
+    if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
+        raise ValueError(f"n_parallel: expected an integer >= 1, got {n_parallel!r}")
+    return n_parallel
 
 
 def cache_bytes(model, n_ctx: int, n_gpu_layers: int) -> int:
@@ -53,11 +61,11 @@ def _layers(model, n_gpu_layers: int) -> int:
     return int(model.hparams["n_layer"]) + 1 if n_gpu_layers < 0 else n_gpu_layers
 
 
-def fit(model, budget_bytes: int, n_ctx: int | None = None) -> dict:
-    """The placement for ``budget_bytes`` of GPU memory (less :data:`RESERVE` and one context's
-    ``cache`` for ``n_ctx`` tokens): all layers and the output with every routed expert on the
-    GPU if it fits; else the routed experts of the first N layers on the CPU, N as small as
-    fits; else all routed experts on the CPU and as many layers as fit. Returns
+def fit(model, budget_bytes: int, n_ctx: int | None = None, n_parallel: int = 1) -> dict:
+    """The placement for ``budget_bytes`` of GPU memory (less :data:`RESERVE` and the ``cache``
+    of ``n_parallel`` contexts of ``n_ctx`` tokens): all layers and the output with every routed
+    expert on the GPU if it fits; else the routed experts of the first N layers on the CPU, N as
+    small as fits; else all routed experts on the CPU and as many layers as fit. Returns
     :func:`placement`'s dict plus ``budget``."""
     budget = budget_bytes - RESERVE
     L = int(model.hparams["n_layer"])
@@ -65,15 +73,15 @@ def fit(model, budget_bytes: int, n_ctx: int | None = None) -> dict:
     def fits(p: dict) -> bool:
         return p["gpu"] + p["cache"] <= budget
 
-    best = placement(model, L + 1, 0, n_ctx)
+    best = placement(model, L + 1, 0, n_ctx, n_parallel)
     if not fits(best):
         for n_cpu_moe in range(1, L + 1):
-            best = placement(model, L + 1, n_cpu_moe, n_ctx)
+            best = placement(model, L + 1, n_cpu_moe, n_ctx, n_parallel)
             if fits(best):
                 break
         else:
             for n in range(L + 1, -1, -1):
-                best = placement(model, n, L, n_ctx)
+                best = placement(model, n, L, n_ctx, n_parallel)
                 if fits(best):
                     break
     best["budget"] = int(budget_bytes)
@@ -112,7 +120,9 @@ def describe(plan: dict, n_layer: int) -> str:
     if plan.get("vectors"):
         parts.append(f"norms and gates {plan['vectors'] / gib:.2f} GiB")
     if plan.get("cache"):
-        parts.append(f"caches {plan['cache'] / gib:.2f} GiB")
+        slots = plan.get("n_parallel", 1)
+        each = f"{slots} x {plan['cache_context'] / gib:.2f} GiB = " if slots > 1 else ""
+        parts.append(f"caches {each}{plan['cache'] / gib:.2f} GiB")
     line = f"GPU: {' + '.join(parts)} = {(plan['gpu'] + plan.get('cache', 0)) / gib:.2f} GiB"
     if "budget" in plan:
         line += f" (budget {plan['budget'] / gib:.2f} GiB)"

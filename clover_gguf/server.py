@@ -18,6 +18,10 @@ llama.cpp's ``llama-server`` and OpenAI name them:
   ``{"status": "ok"}`` after (llama.cpp's shape).
 - ``GET /metrics``: Prometheus text format (requests, tokens, active and queued requests; per
   slot whether it is busy and the tokens it generated; the continuous batch's passes).
+- ``GET /slots``: per slot ``id``, ``n_ctx``, ``is_processing`` (llama-server's fields; with
+  ``?fail_on_no_slot=1`` a 503 when every slot is busy). ``POST /slots/{id_slot}?action=save|restore``
+  with ``{"filename": NAME}`` and ``POST /slots/{id_slot}?action=erase``: llama-server's slot
+  actions (:func:`_slot_action`), enabled by ``slot_save_path`` (``--slot-save-path DIR``).
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a malformed
 body or a bad field value is 400 with the field in ``param`` (a prompt longer than the context:
@@ -201,8 +205,9 @@ class _State:
     counters of /metrics."""
 
     def __init__(self, model_path: str, model_id: str, api_key: str | None, clover_kwargs: dict,
-                 max_body: int | None, max_queue: int, timeout: float) -> None:
+                 max_body: int | None, max_queue: int, timeout: float, slot_save_path: str | None = None) -> None:
         self.model_path, self.model_id, self.api_key = model_path, model_id, api_key
+        self.slot_save_path = slot_save_path  # the directory of the slot actions' files (None: disabled)
         self.clover_kwargs = clover_kwargs
         self.max_body = max_body if max_body is not None else default_max_body(clover_kwargs.get("n_ctx", 4096))
         self.max_queue, self.timeout = max_queue, timeout
@@ -452,10 +457,69 @@ def _base64_floats(v: list[float]) -> str:
     return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
 
 
+# ------------------------------------------------------------------------ slot actions
+_SLOT_ACTIONS = ("save", "restore", "erase")
+# llama-server's answer when the slot actions are off (ERROR_TYPE_NOT_SUPPORTED: 501)
+_NO_SLOT_ACTIONS = "This server does not support slots action. Start it with `--slot-save-path`"
+
+
+def _slot_file(directory: str, body: dict) -> tuple[str, str]:
+    """``(filename, path)`` of a slot action's ``filename``: a plain file name inside ``directory``
+    (no path separator, no ``..``, no control character, no surrounding space, at most 255 UTF-8
+    bytes, as llama.cpp's fs_validate_filename), else a 400 naming ``filename``."""
+    name = body.get("filename")
+    if not isinstance(name, str) or not name:
+        raise _ApiError(400, "filename: required, the name of a file in the server's --slot-save-path",
+                        param="filename", code="invalid_value")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        size = -1
+    if not 0 < size <= 255 or ".." in name or name == "." or name != name.strip() or \
+            any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name):
+        raise _ApiError(400, f"filename: {name!r} is not a plain file name in the server's --slot-save-path (no "
+                        "path separator, '..', control character or surrounding space; at most 255 bytes)",
+                        param="filename", code="invalid_value")
+    return name, os.path.join(directory, name)
+
+
+def _slot_action(engine, directory: str, slot: int, action: str, body: dict, client) -> dict:
+    """Run llama-server's slot ``action`` on slot ``slot`` of ``engine`` (a
+    :class:`~clover_gguf.model.Model`; it waits while a request holds the slot) and return
+    llama-server's answer: ``save`` writes :meth:`Model.save_state` to ``filename`` in
+    ``directory`` (``n_saved`` tokens, ``n_written`` bytes), ``restore`` loads such a file into the
+    slot for the requests of client key ``client`` (``n_restored``, ``n_read``), ``erase`` empties
+    the slot (``n_erased`` tokens)."""
+    from .state import unpack_state
+
+    t0 = time.perf_counter()
+    if action == "erase":
+        return {"id_slot": slot, "n_erased": engine.reset(slot)}
+    name, path = _slot_file(directory, body)
+    if action == "save":
+        blob = engine.save_state(slot)
+        with open(path, "wb") as f:
+            f.write(blob)
+        n, what = "n_saved", "n_written"
+    else:
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except (FileNotFoundError, IsADirectoryError):
+            raise _ApiError(400, f"filename: no file {name!r} in the server's --slot-save-path", param="filename",
+                            code="invalid_value") from None
+        engine.load_state(blob, slot, prompt_cache_key=client)
+        n, what = "n_restored", "n_read"
+    ms = (time.perf_counter() - t0) * 1000.0
+    return {"id_slot": slot, "filename": name, n: len(unpack_state(blob, engine.n_vocab)[0]), what: len(blob),
+            "timings": {f"{action}_ms": ms}}
+
+
 # ------------------------------------------------------------------------ the app
 def create_app(model_path: str, *, api_key: str | None = None, model_id: str | None = None,
                max_body: int | None = None, max_queue: int = MAX_QUEUE, timeout: float = TIMEOUT,
-               chat_template_kwargs: dict | None = None, **clover_kwargs: Any) -> FastAPI:
+               chat_template_kwargs: dict | None = None, slot_save_path: str | None = None,
+               **clover_kwargs: Any) -> FastAPI:
     """The FastAPI app serving ``model_path``; ``clover_kwargs`` go to :class:`Clover`
     (``n_ctx, n_threads, mode, ...``). The model loads in a background thread when the app
     starts (``/health`` answers 503 until it is loaded).
@@ -467,7 +531,13 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
 
     Limits: ``max_body`` bytes per request body (None: :func:`default_max_body` of ``n_ctx``),
     ``max_queue`` requests waiting for the slot, ``timeout`` seconds per request (0: none).
-    ``api_key`` None serves without a key; an empty key is refused (ValueError)."""
+    ``api_key`` None serves without a key; an empty key is refused (ValueError).
+
+    ``slot_save_path``: an existing directory enabling llama-server's slot actions (``POST
+    /slots/{id_slot}?action=save|restore|erase``), whose files live there (None: they answer 501,
+    as llama-server without --slot-save-path). Whoever may call the API may then save any slot's
+    caches and restore them for any client key: the per-client prefix-reuse separation does not
+    hold against them."""
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key: empty (it would accept an empty bearer token); give a key or None")
     for name, v in (("max_queue", max_queue), ("max_body", 1 if max_body is None else max_body)):
@@ -477,9 +547,13 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
         raise ValueError(f"timeout: expected a finite number of seconds >= 0, got {timeout!r}")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs: expected a dict, got {type(chat_template_kwargs).__name__}")
+    if slot_save_path is not None:
+        slot_save_path = os.fspath(slot_save_path)
+        if not os.path.isdir(slot_save_path):
+            raise ValueError(f"slot_save_path: {slot_save_path!r} is not a directory")
     default_tkw = dict(chat_template_kwargs or {})
     st = _State(str(model_path), model_id or os.path.basename(str(model_path)), api_key, clover_kwargs,
-                max_body, max_queue, float(timeout))
+                max_body, max_queue, float(timeout), slot_save_path)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -552,6 +626,42 @@ def create_app(model_path: str, *, api_key: str | None = None, model_id: str | N
         if st.clover is not None:
             lines += _slot_metrics(st)
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        """llama-server's slot list: ``id``, ``n_ctx``, ``is_processing`` per slot."""
+        check_key(request)
+        check_loaded()
+        engine = st.clover.engine
+        busy = engine.slot_busy()
+        if request.query_params.get("fail_on_no_slot") and all(busy):
+            raise _ApiError(503, "no slot available", "unavailable_error", code="no_slot_available")
+        return [{"id": i, "n_ctx": engine.n_ctx, "is_processing": b} for i, b in enumerate(busy)]
+
+    @app.post("/slots/{id_slot}")
+    async def slot_action(request: Request, id_slot: str):
+        """llama-server's slot actions: ``?action=save|restore|erase`` (:func:`_slot_action`)."""
+        check_key(request)
+        if st.slot_save_path is None:
+            raise _ApiError(501, _NO_SLOT_ACTIONS, "not_supported_error", code=501)
+        check_loaded()
+        n = st.clover.engine.n_parallel
+        if not (id_slot.isascii() and id_slot.isdigit() and int(id_slot) < n):
+            raise _ApiError(400, f"id_slot: {id_slot!r} is not a slot of this server (0..{n - 1})", param="id_slot",
+                            code="invalid_value")
+        action = request.query_params.get("action")
+        if action not in _SLOT_ACTIONS:
+            raise _ApiError(400, f"action: expected one of {', '.join(_SLOT_ACTIONS)}, got {action!r}",
+                            param="action", code="invalid_value")
+        body = (await _json_body(request, st.max_body))[0] if action != "erase" else {}
+        client = _client_key(body)
+        try:
+            return await anyio.to_thread.run_sync(_slot_action, st.clover.engine, st.slot_save_path, int(id_slot),
+                                                  action, body, client)
+        except (_ApiError, *_PASS_THROUGH):
+            raise
+        except BaseException as e:
+            raise _failure(e, "state") from None
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -19,9 +19,10 @@ def cmd(a) -> int:
         budget = a.gpu_budget if a.gpu_budget is not None else gpu_free_bytes()
         if a.n_gpu_layers is not None or budget is None:
             n_cpu_moe = 1 << 30 if a.cpu_moe else a.n_cpu_moe
-            plan = placement(m, -1 if a.n_gpu_layers is None else a.n_gpu_layers, n_cpu_moe, a.ctx_size)
+            plan = placement(m, -1 if a.n_gpu_layers is None else a.n_gpu_layers, n_cpu_moe, a.ctx_size,
+                             a.parallel)
         else:
-            plan = fit(m, budget, a.ctx_size)
+            plan = fit(m, budget, a.ctx_size, a.parallel)
         plan["plan"] = describe(plan, n_layer)
         plan["n_gpu_layers_flag"] = "all" if plan["n_gpu_layers"] > n_layer else plan["n_gpu_layers"]
     if a.json:
@@ -40,5 +41,8 @@ def add_parser(sub) -> None:
     add_device_args(ft)
     ft.add_argument("-c", "--ctx-size", type=positive_int, default=4096,
                     help="context length whose caches are counted on the GPU (4096)")
+    ft.add_argument("-np", "--parallel", type=positive_int, default=1,
+                    help="contexts whose caches are counted on the GPU: serve's slots (serve's -np, default 4 "
+                         "there); 1 for run and chat (1)")
     ft.add_argument("--json", action="store_true", help="print one JSON object")
     ft.set_defaults(func=cmd)

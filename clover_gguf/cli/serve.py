@@ -25,6 +25,8 @@ def cmd(a) -> int:
     if a.api_key is not None and not a.api_key.strip():
         raise UsageError("--api-key: empty (from the flag or CLOVER_API_KEY): it would accept an empty bearer "
                          "token; give a key, or unset CLOVER_API_KEY to serve without one")
+    if a.slot_save_path is not None and not os.path.isdir(a.slot_save_path):
+        raise UsageError(f"--slot-save-path: {a.slot_save_path!r} is not a directory")
     check_model_path(a.model)
     tkw = template_kwargs(a)
     try:  # fastapi / uvicorn are imported only here (the "server" extra)
@@ -36,7 +38,8 @@ def cmd(a) -> int:
                  max_queue=a.max_queue, timeout=a.timeout, n_parallel=a.parallel, n_ctx=a.ctx_size,
                  n_threads=a.threads, mode=a.mode,
                  prefix_reuse=not a.no_prefix_reuse, pooling_type=-1 if a.pooling is None else a.pooling,
-                 chat_template_kwargs=tkw, **placement_kwargs(a), **model_kwargs(a))
+                 chat_template_kwargs=tkw, slot_save_path=a.slot_save_path, **placement_kwargs(a),
+                 **model_kwargs(a))
 
 
 def add_parser(sub) -> None:
@@ -55,6 +58,9 @@ def add_parser(sub) -> None:
     sv.add_argument("-np", "--parallel", type=int_at_least(1), default=4,
                     help="slots: generations at once, batched together (llama-server's flag; 4); memory for "
                          "this many contexts of --ctx-size is needed")
+    sv.add_argument("--slot-save-path", default=None, metavar="DIR",
+                    help="enable llama-server's slot actions (POST /slots/ID?action=save|restore|erase), their "
+                         "files in this existing directory (default: disabled, 501)")
     sv.add_argument("--max-queue", type=int_at_least(1), default=64,
                     help="requests waiting for a slot before new ones get 503 with Retry-After (64)")
     sv.add_argument("--timeout", type=_seconds, default=600.0,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import http.client as httpclient
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 import clover_gguf
 from clover_gguf import Clover, CloverError, Model
 from clover_gguf import model as model_mod
+from clover_gguf.state import unpack_state
 
 MODES = ("ar", "diffusion", "spec")
 N_CTX = 1536
@@ -134,9 +137,77 @@ def test_memory_for_n_contexts_is_checked(monkeypatch):
         Model(clover_gguf.DEFAULT_MODEL, n_ctx=256, n_parallel=0)
 
 
-def test_state_and_close_with_slots(slots):
-    with pytest.raises(CloverError, match="n_parallel=1"):
-        slots.save_state()
+def test_slot_argument_is_checked(solo, slots):
+    """save_state / load_state / reset(slot): with n_parallel > 1 the slot is required and in
+    0..n_parallel-1; with n_parallel=1 it may be left out or be 0. Refused naming ``slot``."""
+    for bad, msg in ((None, r"slot: required with n_parallel=8 \(0..7\)"), (8, "slot: 8 must be <= 7"),
+                     (-1, "slot: -1 must be >= 0"), (True, "slot: expected an integer"), (1.0, "slot: expected")):
+        with pytest.raises(ValueError, match=msg):
+            slots.save_state(slot=bad)
+        with pytest.raises(ValueError, match=msg):
+            slots.load_state(b"", slot=bad)
+        if bad is not None:
+            with pytest.raises(ValueError, match=msg):
+                slots.reset(slot=bad)
+    assert solo.save_state(slot=0) == solo.save_state()
+    with pytest.raises(ValueError, match="slot: 1 must be <= 0"):
+        solo.save_state(slot=1)
+
+
+def test_slot_state_loads_into_another_slot():
+    """A state saved from one slot and loaded into another (after every slot was emptied) saves
+    back to the same bytes, and the next greedy generation, a prompt extending the saved one, runs
+    on that slot, reuses the saved prefix and gives the tokens and reuse count of a one-context
+    model that saw the saved prompt (the reference, with prefix reuse as well)."""
+    rng = random.Random(21)
+    with Model(clover_gguf.DEFAULT_MODEL, n_ctx=512, n_threads=1, prefix_reuse=True) as one, \
+            Model(clover_gguf.DEFAULT_MODEL, n_ctx=512, n_threads=1, prefix_reuse=True, n_parallel=3) as m:
+        p = [rng.randrange(10, m.n_vocab) for _ in range(150)]
+        ext = p + [rng.randrange(10, m.n_vocab) for _ in range(20)]
+        kw = dict(mode="ar", max_tokens=6, temperature=0)
+        one.generate_tokens(p, **kw)
+        want, wst = one.generate_tokens(ext, **kw)
+        assert wst["n_prompt_reused"] == 128
+        _, st = m.generate_tokens(p, **kw)
+        state = m.save_state(slot=st["id_slot"])
+        other = (st["id_slot"] + 2) % 3
+        assert m.reset() > len(p)  # every slot emptied: the tokens they held
+        m.load_state(state, slot=other)
+        assert m.save_state(slot=other) == state
+        got, gst = m.generate_tokens(ext, **kw)
+        assert (got, gst["id_slot"], gst["n_prompt_reused"]) == (want, other, 128)
+        # a state loaded for a prompt_cache_key is reused by that key's calls alone
+        m.reset()
+        m.load_state(state, slot=1, prompt_cache_key="a")
+        assert m.generate_tokens(ext, prompt_cache_key="b", **kw)[1]["n_prompt_reused"] == 0
+        _, st = m.generate_tokens(ext, prompt_cache_key="a", **kw)
+        assert (st["id_slot"], st["n_prompt_reused"]) == (1, 128)
+
+
+def test_slot_actions_wait_for_the_call_holding_the_slot():
+    """save_state(slot) on a slot a stream holds waits until the stream ends (llama-server defers
+    a slot action on a busy slot), while the other slot answers at once; reset(slot) empties that
+    slot alone and returns the tokens it held."""
+    with Model(clover_gguf.DEFAULT_MODEL, n_ctx=256, n_threads=1, n_parallel=2) as m:
+        ban = {t: -100.0 for t in m.end_ids}
+        g = m.generate_stream([5, 6, 7], mode="ar", max_tokens=50, temperature=0, logit_bias=ban)
+        next(g)
+        i = m.slot_busy().index(True)
+        saved = []
+        t = threading.Thread(target=lambda: saved.append(m.save_state(slot=i)))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not saved
+        assert unpack_state(m.save_state(slot=1 - i), m.n_vocab)[0] == []
+        g.close()
+        t.join(60)
+        assert not t.is_alive()
+        ids = unpack_state(saved[0], m.n_vocab)[0]
+        assert ids[:3] == [5, 6, 7] and len(ids) > 3
+        assert m.reset(slot=1 - i) == 0 and m.reset(slot=i) == len(ids) and m.reset(slot=i) == 0
+
+
+def test_close_with_slots():
     m = Model(clover_gguf.DEFAULT_MODEL, n_ctx=256, n_threads=1, n_parallel=2)
     g = m.generate_stream([5, 6, 7], mode="ar", max_tokens=50)
     next(g)
@@ -261,6 +332,13 @@ def test_server_slots(tmp_path, solo):
         assert [mt[f'clover_slot_busy{{slot="{i}"}}'] for i in range(4)] == [0] * 4
         assert sum(mt[f'clover_slot_tokens_generated_total{{slot="{i}"}}'] for i in range(4)) >= 8 * 24
         assert mt["clover_batch_shared_passes_total"] > 0 and mt["clover_batch_max_sequences"] >= 2
+        r = http("GET", f"{base}/slots")
+        assert r.status_code == 200 and r.json() == [{"id": i, "n_ctx": N_CTX, "is_processing": False} for i in range(4)]
+        # without --slot-save-path the slot actions are off: llama-server's 501
+        r = http("POST", f"{base}/slots/0?action=save", {"filename": "a.bin"})
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", r.text
+        assert r.json()["error"]["message"] == \
+            "This server does not support slots action. Start it with `--slot-save-path`"
     assert "context memory: 4 slots x " in (tmp_path / "server.log").read_text()
 
 
@@ -283,3 +361,56 @@ def test_server_plans_the_slots_memory(monkeypatch, capsys):
     bad.load()
     assert bad.clover is None and "n_parallel: 3 contexts of n_ctx=256 need" in str(bad.load_error)
     assert "n_parallel: 3 contexts" in capsys.readouterr().err
+
+
+def test_server_slot_actions(tmp_path):
+    """``serve -np 2 --slot-save-path DIR``: llama-server's slot actions. A slot saved to a file,
+    erased, and restored into the other slot serves a prompt extending the saved one there with
+    the saved prefix reused and the answer it gave from the original cache; file names stay inside
+    DIR; bad slot ids, actions, names and files are 400s naming the field."""
+    rng = random.Random(13)
+    save_dir = tmp_path / "slots"
+    save_dir.mkdir()
+    p = [rng.randrange(10, 1000) for _ in range(150)]
+    ext = dict(prompt=p + [rng.randrange(10, 1000) for _ in range(20)], mode="ar", max_tokens=6, temperature=0)
+    with serving(clover_gguf.DEFAULT_MODEL, ["-np", 2, "-c", 512, "-t", 1, "--slot-save-path", save_dir],
+                 tmp_path / "server.log") as (base, _):
+        def act(slot, action, body=None):
+            return http("POST", f"{base}/slots/{slot}?action={action}", body, timeout=HANG)
+
+        a = _complete(base, dict(ext, prompt=p))["timings"]["id_slot"]
+        r = act(a, "save", {"filename": "p.bin"})
+        size = (save_dir / "p.bin").stat().st_size
+        assert r.status_code == 200 and size > 0, r.text
+        saved = r.json()
+        assert {k: saved[k] for k in ("id_slot", "filename", "n_written")} == dict(id_slot=a, filename="p.bin",
+                                                                                 n_written=size)
+        assert saved["n_saved"] > len(p) and saved["timings"]["save_ms"] >= 0
+        want = _complete(base, ext)
+        assert want["timings"]["id_slot"] == a and want["timings"]["n_prompt_reused"] == 128
+        r = act(a, "erase")
+        assert r.status_code == 200 and r.json()["id_slot"] == a and r.json()["n_erased"] > len(p), r.text
+        assert act(1 - a, "erase").json() == {"id_slot": 1 - a, "n_erased": 0}
+        r = act(1 - a, "restore", {"filename": "p.bin"})
+        assert r.status_code == 200, r.text
+        assert {k: r.json()[k] for k in ("id_slot", "filename", "n_restored", "n_read")} == \
+            dict(id_slot=1 - a, filename="p.bin", n_restored=saved["n_saved"], n_read=size)
+        got = _complete(base, ext)
+        assert got["timings"]["id_slot"] == 1 - a and got["timings"]["n_prompt_reused"] == 128
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        (save_dir / "junk.bin").write_bytes(b"not a state")
+        for slot, action, body, param in ((2, "save", {"filename": "x"}, "id_slot"), ("x", "save", {}, "id_slot"),
+                                          (0, "bogus", {}, "action"), (0, "save", {}, "filename"),
+                                          (0, "save", {"filename": "../x"}, "filename"),
+                                          (0, "save", {"filename": "a/b"}, "filename"),
+                                          (0, "save", {"filename": ".."}, "filename"),
+                                          (0, "restore", {"filename": "none.bin"}, "filename"),
+                                          (0, "restore", {"filename": "junk.bin"}, "state")):
+            r = act(slot, action, body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (slot, action, body, r.text)
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["server.log", "slots"]
+        assert sorted(x.name for x in save_dir.iterdir()) == ["junk.bin", "p.bin"]
+        assert http("GET", f"{base}/slots?fail_on_no_slot=1").status_code == 200
+    r = subprocess.run([sys.executable, "-m", "clover_gguf.cli", "serve", "--slot-save-path", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=HANG)
+    assert r.returncode == 2 and "--slot-save-path: " in r.stderr and "is not a directory" in r.stderr, r.stderr

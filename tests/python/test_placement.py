@@ -224,3 +224,36 @@ def test_gpu_cache_bytes_follow_the_spec_sizes(make_gguf, types):
         assert lib.clover_model_gpu_cache_bytes(m._model, 16, -1, 0, 0) == -1
         assert lib.clover_model_gpu_cache_bytes(m._model, 16, 1, 8, 0) == -1
         assert lib.clover_model_gpu_cache_bytes(m._model, 2**31 - 1, L + 1, 0, 0) > 0
+
+
+def test_fit_counts_the_caches_of_n_parallel_contexts(make_gguf):
+    """n_parallel contexts (serve's slots) keep n_parallel caches on the GPU: placement's ``cache``
+    is n_parallel times one context's (``cache_context``), fit plans around all of them, the plan
+    line says so, and Model(gpu_budget=..., n_parallel=N) plans for its N contexts."""
+    path = make_gguf("q8_0")
+    with Model(path, n_ctx=16, n_threads=1) as m:
+        L = m.hparams["n_layer"]
+        one = cache_bytes(m, 1000, L + 1)
+        p = placement(m, -1, 0, 1000, n_parallel=3)
+        assert (p["cache"], p["cache_context"], p["n_parallel"]) == (3 * one, one, 3)
+        assert placement(m, -1, 0, 1000)["cache"] == one
+        budget = p["gpu"] + one + RESERVE  # every weight and one context's cache
+        assert fit(m, budget, 1000)["n_cpu_moe"] == 0
+        p3 = fit(m, budget, 1000, n_parallel=3)
+        assert p3["gpu"] < p["gpu"] and p3["gpu"] + p3["cache"] <= budget - RESERVE and p3["cache"] == 3 * \
+            cache_bytes(m, 1000, p3["n_gpu_layers"])
+        assert f"caches 3 x {one / (1 << 30):.2f} GiB = {3 * one / (1 << 30):.2f} GiB" in describe(p, L)
+        for bad in (0, True, 2.0):
+            with pytest.raises(ValueError, match="n_parallel: expected an integer >= 1"):
+                placement(m, -1, n_parallel=bad)
+    r = [subprocess.run([sys.executable, "-m", "clover_gguf.cli", "fit", "-m", str(path), "-ngl", "all", "-c", "1000",
+                         "--json", *flags], capture_output=True, text=True, timeout=120) for flags in ([], ["-np", "4"])]
+    assert all(x.returncode == 0 for x in r), [x.stderr for x in r]
+    plans = [json.loads(x.stdout) for x in r]
+    assert (plans[0]["n_parallel"], plans[1]["n_parallel"], plans[1]["cache"]) == (1, 4, 4 * plans[0]["cache"])
+    from clover_gguf._ffi import ffi, lib
+    if lib.clover_gpu_devices(ffi.new("char[]", 256), 256) > 0:
+        pytest.skip("a GPU is present (tests/native/test_cuda.py covers placements there)")
+    with pytest.warns(UserWarning, match="running on the CPU"):
+        with Model(path, n_ctx=64, n_threads=1, gpu_budget="600M", n_parallel=2) as g:
+            assert g.placement["n_parallel"] == 2 and g.placement["cache"] == 2 * g.placement["cache_context"] > 0

@@ -156,6 +156,10 @@ def test_api_key_rejected(server, client):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
     assert _http("GET", f"{server}/v1/models").status_code == 401
+    # the slot endpoints need the key too (llama-server's public ones are health and models alone)
+    assert _http("GET", f"{server}/slots").status_code == 401
+    assert _http("POST", f"{server}/slots/0?action=erase").status_code == 401
+    assert _http("GET", f"{server}/slots", headers={"Authorization": f"Bearer {KEY}"}).json()[0]["id"] == 0
     # health and metrics stay open (as llama.cpp's server)
     assert _http("GET", f"{server}/health").status_code == 200
 
