@@ -81,40 +81,6 @@ static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float 
     return wmatmul(&wd, gt, n, y, 1, NULL, 0) ? CLOVER_E_NOMEM : CLOVER_OK;
 }
 
-/* The routed experts on the CPU: expert e over its bucket [start[e], start[e+1]) of xg into yg
- * (n_used non-empty buckets), experts spread over the threads, one task per expert, so a pass
- * forks once instead of once per product. Non-zero on failure (out of memory). */
-int cpu_experts(clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E, int32_t n_used,
-                const int64_t *start, const float *xg, float *yg) {
-    int err_any = 0;
-    int64_t n_max = 0;
-    for (int64_t e = 0; e < E; e++) n_max = start[e + 1] - start[e] > n_max ? start[e + 1] - start[e] : n_max;
-    size_t stride = 0; /* per thread: the gate and up products of the largest bucket, [n_max][I] each */
-    int64_t per = 0;
-    char *ts = __builtin_mul_overflow(n_max, 2 * I, &per) ? NULL : thread_scratch(c, per, sizeof(float), &stride);
-    if (!ts) return 1;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && n_used > 1)
-#endif
-    {
-        float *tg = (float *)(ts + (size_t)thread_index() * stride), *tu = tg + n_max * I;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t n = start[e + 1] - start[e];
-            if (n == 0) continue;
-            if (expert_ffn(ly, e, I, xg + start[e] * H, n, tg, tu, yg + start[e] * H)) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-                err_any = 1;
-            }
-        }
-    }
-    return err_any;
-}
-
 /* The shared expert of a layer before its gate (spec 2.3 step 3): ys = W_down (silu(W_gate x) *
  * W_up x) and the gate logits sg[t] = w . x[t], for T rows of xn; gt, up: scratch [T][Is].
  * rc: 0 done, non-zero failed. A pthread start routine, so that it can overlap the routed
@@ -144,6 +110,51 @@ static void *shared_expert(void *arg) {
     for (int64_t i = 0; i < j->T * j->Is; i++) j->gt[i] = silu(j->gt[i]) * j->up[i];
     j->rc = shared_mm(j, &ly->down_sh, j->gt, j->ys);
     return NULL;
+}
+
+/* The routed experts on the CPU: expert e over its bucket [start[e], start[e+1]) of xg into yg
+ * (n_used non-empty buckets), experts spread over the threads, one task per expert, so a pass
+ * forks once instead of once per product; sj (may be NULL): the shared expert's job, one more
+ * task (the first, on one thread). Non-zero on failure (out of memory). */
+static int experts_tasks(clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E, int32_t n_used,
+                         const int64_t *start, const float *xg, float *yg, shared_job *sj) {
+    int err_any = 0;
+    int64_t n_max = 0;
+    for (int64_t e = 0; e < E; e++) n_max = start[e + 1] - start[e] > n_max ? start[e + 1] - start[e] : n_max;
+    size_t stride = 0; /* per thread: the gate and up products of the largest bucket, [n_max][I] each */
+    int64_t per = 0;
+    char *ts = __builtin_mul_overflow(n_max, 2 * I, &per) ? NULL : thread_scratch(c, per, sizeof(float), &stride);
+    if (!ts) return 1;
+    if (sj) sj->n_threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(c->n_threads) if (c->n_threads > 1 && n_used + (sj != NULL) > 1)
+#endif
+    {
+        float *tg = (float *)(ts + (size_t)thread_index() * stride), *tu = tg + n_max * I;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t e = sj ? -1 : 0; e < E; e++) {
+            if (e < 0) {
+                shared_expert(sj);
+                continue;
+            }
+            const int64_t n = start[e + 1] - start[e];
+            if (n == 0) continue;
+            if (expert_ffn(ly, e, I, xg + start[e] * H, n, tg, tu, yg + start[e] * H)) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+                err_any = 1;
+            }
+        }
+    }
+    return err_any;
+}
+
+int cpu_experts(clover_context *c, const clover_layer *ly, int64_t I, int64_t H, int64_t E, int32_t n_used,
+                const int64_t *start, const float *xg, float *yg) {
+    return experts_tasks(c, ly, I, H, E, n_used, start, xg, yg, NULL);
 }
 
 /* Route the T rows of one entry (probs: their router softmax): top-k over all experts, or over
@@ -242,21 +253,23 @@ int moe_layer(fwd *L, pass_entry *en, int n_en, const clover_layer *ly, int il, 
      * while a helper thread runs the shared expert's products on the GPU if they are there
      * (--cpu-moe: CPU and GPU work overlap) */
     const int gpu_experts = ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev;
+    const int gpu_shared = ly->gate_sh.dev || ly->up_sh.dev || ly->down_sh.dev || ly->shexp_gate.dev;
     shared_job sj = {c, ly, xn, T, Is, sg, gt, up, ys, 1, 1, ""};
     pthread_t helper;
     const int overlap = !gpu_experts && ly->gate_sh.dev && ly->up_sh.dev && ly->down_sh.dev &&
                         pthread_create(&helper, NULL, shared_expert, &sj) == 0;
+    const int shared_task = !gpu_experts && !gpu_shared; /* all on the CPU: one more task of the region */
     int rc_experts = CLOVER_OK;
     if (gpu_experts) {
         const clover_cuda_weight g = cuda_weight(&ly->gate_exps), u = cuda_weight(&ly->up_exps),
                                  d = cuda_weight(&ly->down_exps);
         rc_experts = clover_cuda_experts(&g, &u, &d, E, start, xg, yg, f->err, f->err_size);
-    } else if (cpu_experts(c, ly, I, H, E, n_used, start, xg, yg)) {
+    } else if (experts_tasks(c, ly, I, H, E, n_used, start, xg, yg, shared_task ? &sj : NULL)) {
         rc_experts = CLOVER_E_NOMEM;
     }
     if (overlap) {
         pthread_join(helper, NULL);
-    } else if (rc_experts == CLOVER_OK) {
+    } else if (rc_experts == CLOVER_OK && !shared_task) {
         sj.n_threads = c->n_threads;
         shared_expert(&sj);
     }
