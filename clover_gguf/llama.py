@@ -683,31 +683,35 @@ class Clover:
     def n_ctx(self) -> int:
         return self._model.n_ctx
 
-    def reset(self) -> None:
+    def reset(self, slot=None) -> None:
         """Empty the context's caches (waits for the running call): the next call prefills its
-        whole prompt; prefix reuse starts over from it."""
-        self._prepare(self._model.reset)
+        whole prompt; prefix reuse starts over from it. ``slot``: with n_parallel > 1 that slot's
+        alone (:meth:`Model.reset <clover_gguf.model.Model.reset>`; None: every slot's)."""
+        self._prepare(lambda: self._model.reset(slot))
 
-    def save_state(self) -> LlamaState:
+    def save_state(self, slot=None) -> LlamaState:
         """The state of the context (waits for the running call), as llama-cpp-python's
         ``save_state``: a picklable :class:`~clover_gguf.state.LlamaState` whose ``llama_state``
         is :meth:`Model.save_state <clover_gguf.model.Model.save_state>`'s bytes. After
         :meth:`load_state` (on this object or another on the same file, with the same cache types
         and an n_ctx that holds the tokens) the next call runs as it would have run after the
-        save: a prompt that extends the saved one reuses its prefix (``timings["n_prompt_reused"]``)."""
+        save: a prompt that extends the saved one reuses its prefix (``timings["n_prompt_reused"]``).
+        ``slot``: required with n_parallel > 1 (0..n_parallel-1), as :meth:`Model.save_state
+        <clover_gguf.model.Model.save_state>`'s."""
         def save():
-            blob = self._model.save_state()
+            blob = self._model.save_state(slot)
             ids = unpack_state(blob, self._model.n_vocab)[0]
             return LlamaState(input_ids=np.array(ids, dtype=np.intc), scores=None, n_tokens=len(ids),
                               llama_state=blob, llama_state_size=len(blob), seed=self.seed)
         return self._prepare(save)
 
-    def load_state(self, state: LlamaState) -> None:
+    def load_state(self, state: LlamaState, slot=None) -> None:
         """Restore a :meth:`save_state` result (waits for the running call), and its ``seed`` as
         this object's default seed. ValueError naming ``state`` for another type, fields that do
         not agree with ``llama_state``, or a state that does not fit this model (another model
         file, other cache types, more tokens than ``n_ctx``, truncated or corrupted bytes); the
-        context is then unchanged."""
+        context is then unchanged. ``slot``: as :meth:`save_state`'s (the state of any slot loads
+        into any slot)."""
         if not isinstance(state, LlamaState):
             raise ValueError(f"state: expected the LlamaState of Clover.save_state, got {type(state).__name__}")
         blob = state.llama_state
@@ -727,7 +731,7 @@ class Clover:
                 raise ValueError("state.input_ids: not the tokens of state.llama_state")
             if state.n_tokens != len(ids):
                 raise ValueError(f"state.n_tokens: {state.n_tokens!r}, input_ids holds {len(ids)}")
-            self._model.load_state(blob)
+            self._model.load_state(blob, slot)
             self.seed = state.seed
         self._prepare(load)
 

@@ -239,6 +239,22 @@ def test_clover_threads_and_stream_cancel(solo):
         assert got[2][-1]["choices"][0]["finish_reason"] == "cancelled"
 
 
+def test_clover_state_of_a_slot(solo):
+    """Clover(n_parallel=2): save_state / load_state / reset take the slot (required, ValueError
+    naming it without); a slot's state loads into the other slot and saves back the same."""
+    with Clover(n_ctx=256, n_threads=1, mode="ar", n_parallel=2) as llm:
+        llm.create_completion([5, 6, 7, 8], max_tokens=4)
+        i = next(k for k in range(2) if unpack_state(llm.engine.save_state(slot=k), llm.engine.n_vocab)[0])
+        with pytest.raises(ValueError, match="slot"):
+            llm.save_state()
+        st = llm.save_state(slot=i)
+        assert list(st.input_ids[:4]) == [5, 6, 7, 8] and st.n_tokens > 4
+        llm.reset(slot=i)
+        assert unpack_state(llm.engine.save_state(slot=i), llm.engine.n_vocab)[0] == []
+        llm.load_state(st, slot=1 - i)
+        assert llm.save_state(slot=1 - i).llama_state == st.llama_state
+
+
 def test_long_prompt_does_not_stall_running_streams():
     """A 1536-token prompt arriving while a stream decodes is prefilled in chunks beside the
     stream's steps, at most n_ubatch (128) rows a pass: the largest gap between the stream's
