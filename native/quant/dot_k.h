@@ -99,7 +99,7 @@ DK_AVX2 static inline __m256i dk_scales_mins16(const uint8_t *s) {
     const __m128i lo = _mm_and_si128(w, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
     const __m128i z = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));
     const __m128i hi = _mm_and_si128(_mm_srli_epi32(z, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-    const __m128i u = _mm_or_si128(lo, hi); /* u[0], u[1] as scalar; then u[2], u[3] */
+    const __m128i u = _mm_or_si128(lo, hi); /* dk_unpack_scales' u[0..3]: the scales, then the mins */
     return _mm256_cvtepu8_epi16(u);
 }
 

@@ -12,8 +12,9 @@
  * there, so each out[r] equals that kernel's value bit for bit. Q6_K and IQ4_XS read the rows as
  * they are, Q4_K and Q5_K in the paired layout (dot.h clover_x4_pair_q8_K). */
 
-/* An empty asm that takes v in a register and gives it back: it keeps a running sum in one register (the compiler would otherwise
- * reassociate the terms of the 4 rows' sums into trees and spill them). */
+/* An empty asm that takes v in a register and gives it back: it keeps a running sum in one
+ * register (the compiler would otherwise reassociate the terms of the 4 rows' sums into trees
+ * and spill them). */
 #define DK_IN_REG(v) __asm__("" : "+x"(v))
 
 /* Q4_K (x5 == NULL) and Q5_K: dot_q4_K_avx2 / dot_q5_K_avx2 over R (1 or 4) rows in the paired layout.
@@ -139,7 +140,10 @@ DK_AVX2 static inline __m256i dk_q6_chunk(const uint8_t *ql, const uint8_t *qh, 
     const __m256i b = _mm256_loadu_si256((const __m256i *)(ql + 32 * (c & 1)));
     const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
     const __m256i lo = c < 2 ? _mm256_and_si256(b, m4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-    const __m256i hi = c == 0 ? _mm256_slli_epi16(bh, 4) : c == 1 ? _mm256_slli_epi16(bh, 2) : c == 2 ? bh : _mm256_srli_epi16(bh, 2);
+    const __m256i hi = c == 0   ? _mm256_slli_epi16(bh, 4)
+                       : c == 1 ? _mm256_slli_epi16(bh, 2)
+                       : c == 2 ? bh
+                                : _mm256_srli_epi16(bh, 2);
     return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
 }
 
@@ -154,9 +158,10 @@ DK_AVX2 static void dot4_q6_K_avx2(int64_t n, const void *w_row, const void *xq,
         /* levels are stored +32: the sums start at -32 * sum_g sc_g * bsum_g */
         __m256i s[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; r++)
-            s[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                    _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[r][i].bsums), sc16), 5));
+        for (int r = 0; r < 4; r++) {
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][i].bsums);
+            s[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5));
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i sh = dk_q6_half_scales(sc16, h);
