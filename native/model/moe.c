@@ -84,7 +84,7 @@ static int expert_ffn(const clover_layer *ly, int64_t e, int64_t I, const float 
 /* The shared expert of a layer before its gate (spec 2.3 step 3): ys = W_down (silu(W_gate x) *
  * W_up x) and the gate logits sg[t] = w . x[t], for T rows of xn; gt, up: scratch [T][Is].
  * rc: 0 done, non-zero failed. A pthread start routine, so that it can overlap the routed
- * experts (moe_layer). */
+ * experts (moe_layer), or a task of their region (experts_tasks). */
 typedef struct {
     const clover_context *c;
     const clover_layer *ly;
@@ -251,7 +251,8 @@ int moe_layer(fwd *L, pass_entry *en, int n_en, const clover_layer *ly, int il, 
     /* each used expert runs once over the rows routed to it (spec 5.6): on the GPU as one
      * grouped product per projection when the layer's experts were offloaded, else on the CPU,
      * while a helper thread runs the shared expert's products on the GPU if they are there
-     * (--cpu-moe: CPU and GPU work overlap) */
+     * (--cpu-moe: CPU and GPU work overlap), or, with all of it on the CPU, the shared expert as
+     * the first task of the routed experts' region (one fork a layer) */
     const int gpu_experts = ly->gate_exps.dev && ly->up_exps.dev && ly->down_exps.dev;
     const int gpu_shared = ly->gate_sh.dev || ly->up_sh.dev || ly->down_sh.dev || ly->shexp_gate.dev;
     shared_job sj = {c, ly, xn, T, Is, sg, gt, up, ys, 1, 1, ""};

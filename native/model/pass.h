@@ -39,7 +39,7 @@ typedef struct {
     const uint8_t *rows;
     int rc;
 } pass_entry;
-/* Run the forwards of n entries of one model as one pass (model/forward.c cpu_pass) with lead's
+/* Run the forwards of n entries of one model as one pass (model/forward.c batched_pass) with lead's
  * scratch and threads (n > 1), each entry's rc set; an entry alone (n == 1) runs as
  * clover_prefill / clover_block_forward run it unbatched, split as they split it. */
 typedef void (*pass_fn)(pass_entry *e, int n, clover_context *lead);
